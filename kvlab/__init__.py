@@ -1,0 +1,63 @@
+"""kvlab: an interactive textbook on KV memory and scheduling in LLM inference, and its engine.
+
+Torch-free names come from :mod:`kvlab.core` at once; torch-dependent names (quantisation,
+speculative decoding, the engine) load on first use, so ``import kvlab`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from kvlab.core import (
+    ALLOWED,
+    REQUIRED_KV_FIELDS,
+    BlockAllocator,
+    Phase,
+    PrefixCache,
+    Request,
+    build_batch,
+    effective_bits,
+    goodput,
+    kv_bytes,
+    physical_slot,
+    validate_kv_descriptor,
+)
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; imported on first attribute access (PEP 562).
+_LAZY = {
+    "quantize_groups": "kvlab.engine.quant",
+    "dequantize_groups": "kvlab.engine.quant",
+    "speculative_step": "kvlab.engine.spec",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = [
+    "ALLOWED",
+    "REQUIRED_KV_FIELDS",
+    "BlockAllocator",
+    "Phase",
+    "PrefixCache",
+    "Request",
+    "build_batch",
+    "effective_bits",
+    "goodput",
+    "kv_bytes",
+    "physical_slot",
+    "validate_kv_descriptor",
+    *_LAZY,
+]

@@ -1,0 +1,23 @@
+"""Page tables (spec rule 2): logical token positions mapped to scattered physical slots.
+
+Position ``t`` lives in logical block ``t // q`` at physical slot ``q · table[t // q] + t % q``.
+A page table keeps a sequence logically contiguous while its blocks are scattered; by itself
+it provides neither prefix sharing nor eviction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def physical_slot(block_table: Sequence[int], block_size: int, token_pos: int) -> int:
+    """block_table:[logical blocks] -> one physical token slot (reference listing)."""
+    if block_size <= 0 or token_pos < 0:
+        raise ValueError("invalid block size or token position")
+    logical, offset = divmod(token_pos, block_size)
+    if logical >= len(block_table):
+        raise IndexError("logical block is not allocated")
+    physical = block_table[logical]
+    if physical < 0:
+        raise ValueError("physical block id must be non-negative")
+    return physical * block_size + offset

@@ -1,0 +1,164 @@
+"""The contract between a scheduler (kvlab.core) and the engine that executes its decisions.
+
+The engine owns tensors; the scheduler owns requests, queues and KV blocks. Each engine step:
+
+1. ``out = scheduler.schedule()`` decides which tokens run, allocates their KV slots and returns
+   a :class:`SchedulerOutput` (chunks with block tables, copy-on-write copies to perform first).
+2. The executor performs ``out.copies`` on the KV tensors, then calls
+   ``scheduler.kv.complete_copies(out.copies)``, runs the forward pass over ``out.chunks`` and
+   samples one token for every chunk whose ``sample`` flag is set.
+3. ``scheduler.update_from_output(out, sampled)`` appends the sampled tokens, applies stop
+   conditions, frees the KV of finished requests and returns the requests that finished.
+
+Requests are :class:`RuntimeRequest` objects; the reference ``Request`` of the spec is the
+three-field teaching version of the same state machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+
+class RequestStatus(Enum):
+    """Where a runtime request is. Exactly one at any moment (spec rule 5)."""
+
+    WAITING = "waiting"        # queued, holds no KV
+    PREFILL = "prefill"        # running, prompt (or recomputed prefix) not fully computed yet
+    DECODE = "decode"          # running, one new token per step
+    PREEMPTED = "preempted"    # KV taken back; waits to recompute, keeps its generated tokens
+    FINISHED = "finished"      # terminal: stop token or length
+    CANCELLED = "cancelled"    # terminal: aborted by the client
+    FAILED = "failed"          # terminal: an error while running
+    REJECTED = "rejected"      # terminal: refused at admission (can never fit, or overload)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATUSES
+
+
+TERMINAL_STATUSES = frozenset(
+    {RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED, RequestStatus.REJECTED}
+)
+
+
+class FinishReason(str, Enum):
+    """Why a request ended; the strings match the OpenAI/vLLM ``finish_reason`` values."""
+
+    STOP = "stop"          # a stop token (or EOS) was generated
+    LENGTH = "length"      # max_tokens reached (or the model's context)
+    ABORT = "abort"        # cancelled by the client
+    ERROR = "error"        # failed while running
+    REJECTED = "rejected"  # refused at admission
+
+
+@dataclass
+class RuntimeRequest:
+    """A request as the scheduler sees it. Token ids only; sampling lives in the engine.
+
+    ``all_token_ids = prompt_token_ids + output_token_ids``. ``num_computed_tokens`` of them have
+    KV written in the request's block table. The request still has to compute
+    ``all_token_ids[num_computed_tokens:]``; when that is exactly the last sampled token it is
+    decoding, otherwise prefilling (the prompt, or prompt + outputs after a preemption).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    scope: tuple = ()                       # prefix-cache compatibility scope (spec rule 4)
+    stop_token_ids: frozenset[int] = frozenset()
+    eos_token_id: int | None = None
+    ignore_eos: bool = False
+    priority: int = 0                       # lower value = more important (as in vLLM)
+    deadline: float | None = None          # absolute time on the engine's clock, seconds
+    arrival_time: float = 0.0
+    max_model_len: int | None = None        # context limit; reaching it finishes with LENGTH
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0              # prompt tokens served by the prefix cache at admission
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    engine_state: Any = None                # opaque to the scheduler (sampling params, RNG, ...)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> tuple[int, ...]:
+        return self.prompt_token_ids + tuple(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Work for one request in one step: feed ``token_ids`` at positions ``start_pos...``.
+
+    ``block_table`` is the request's whole table after this step's allocation (it covers
+    positions ``0 .. start_pos + len(token_ids) - 1``). ``sample`` is True when the chunk ends at
+    the request's last token, so the logits of its last position produce the next token.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    sample: bool
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's decisions. ``copies`` are (src_block, dst_block) KV payload copies to run first."""
+
+    step: int
+    chunks: tuple[ScheduledChunk, ...]
+    copies: tuple[tuple[int, int], ...] = ()
+    preempted: tuple[str, ...] = ()        # request ids preempted (KV released) this step
+    admitted: tuple[str, ...] = ()         # request ids that got KV for the first time this step
+    rejected: tuple[str, ...] = ()         # request ids refused at admission this step
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler(Protocol):
+    """What the engine needs from a scheduler; see the module docstring for one step's flow."""
+
+    kv: Any  # the KVCacheManager the scheduler allocates from (kvlab.core.kv_manager)
+
+    def add_request(self, request: RuntimeRequest) -> None: ...
+
+    def abort_request(self, request_id: str) -> RuntimeRequest | None: ...
+
+    def schedule(self) -> SchedulerOutput: ...
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: Mapping[str, int]
+    ) -> list[RuntimeRequest]: ...
+
+    def fork(self, parent_id: str, child: RuntimeRequest) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def get_request(self, request_id: str) -> RuntimeRequest: ...
+
+    def requests(self) -> Sequence[RuntimeRequest]: ...
+
+    def check_invariants(self) -> None: ...

@@ -1,0 +1,1 @@
+"""kvlab.sim: cost-model executor and workload generators (no torch)."""

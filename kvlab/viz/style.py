@@ -1,0 +1,95 @@
+"""The visual language of the book: one colour per request, one per block state, one type scale.
+
+Every figure and widget takes its colours from here so that a block that is *shared* looks the
+same in chapter 3 as in chapter 12, and request ``r2`` keeps its colour across a whole chapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import matplotlib as mpl
+
+# Block states of the KV pool. Keys are the names used by kvlab.core snapshots.
+BLOCK_STATE_COLORS: dict[str, str] = {
+    "free": "#e9ecef",          # light grey: nothing lives here
+    "exclusive": "#4c72b0",     # blue: one owner
+    "shared": "#dd8452",        # orange: several owners, copy before a partial write
+    "cached": "#8fbc8f",        # sage: no live owner, holds a cached prefix, evictable (LRU)
+    "pending_copy": "#c44e52",  # red: source or target of an in-flight copy, fenced
+}
+BLOCK_STATE_ORDER = ("free", "exclusive", "shared", "cached", "pending_copy")
+BLOCK_STATE_LABELS = {
+    "free": "free",
+    "exclusive": "exclusive (1 owner)",
+    "shared": "shared (>1 owner)",
+    "cached": "cached, evictable",
+    "pending_copy": "pending copy",
+}
+
+# A qualitative palette for requests, distinct from the block-state colours above
+# (colour-blind friendly: Okabe–Ito order, then muted extras).
+REQUEST_PALETTE: tuple[str, ...] = (
+    "#0072b2", "#e69f00", "#009e73", "#cc79a7", "#56b4e9",
+    "#d55e00", "#f0e442", "#6a3d9a", "#8c564b", "#17becf",
+)
+
+# Phases of scheduled work in batch timelines.
+PHASE_COLORS: dict[str, str] = {"prefill": "#6baed6", "decode": "#fd8d3c", "idle": "#f0f0f0"}
+
+INK = "#212529"      # text and outlines
+MUTED = "#868e96"    # secondary text, gridlines
+FONT_SIZE = 11
+
+
+def request_color(key: Hashable, order: list | None = None) -> str:
+    """Colour of a request: by its index in ``order`` when given, else by a stable hash of ``key``.
+
+    Passing the list of request ids of a figure keeps neighbouring requests distinct; the hash
+    fallback is stable across runs (it does not use Python's randomised ``hash``).
+    """
+    if order is not None and key in order:
+        index = order.index(key)
+    else:
+        index = sum((i + 1) * ord(c) for i, c in enumerate(str(key)))
+    return REQUEST_PALETTE[index % len(REQUEST_PALETTE)]
+
+
+def block_state_color(state: str) -> str:
+    """Colour of a block state name (see :data:`BLOCK_STATE_COLORS`); KeyError names the state."""
+    try:
+        return BLOCK_STATE_COLORS[state]
+    except KeyError:
+        raise KeyError(f"unknown block state {state!r}; expected one of {BLOCK_STATE_ORDER}") from None
+
+
+RC_PARAMS = {
+    "figure.figsize": (8.0, 3.6),
+    "figure.dpi": 100,
+    "savefig.dpi": 100,
+    "figure.facecolor": "white",
+    "axes.facecolor": "white",
+    "axes.edgecolor": MUTED,
+    "axes.labelcolor": INK,
+    "axes.titlesize": FONT_SIZE + 1,
+    "axes.titleweight": "bold",
+    "axes.labelsize": FONT_SIZE,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": False,
+    "axes.prop_cycle": mpl.cycler(color=list(REQUEST_PALETTE)),
+    "font.size": FONT_SIZE,
+    "legend.fontsize": FONT_SIZE - 1,
+    "legend.frameon": False,
+    "xtick.color": INK,
+    "ytick.color": INK,
+    "xtick.labelsize": FONT_SIZE - 1,
+    "ytick.labelsize": FONT_SIZE - 1,
+    "grid.color": "#dee2e6",
+    "text.color": INK,
+}
+
+
+def use_style() -> None:
+    """Apply the book's matplotlib style globally (idempotent)."""
+    mpl.rcParams.update(RC_PARAMS)
