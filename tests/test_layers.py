@@ -1,0 +1,33 @@
+"""The layering rules of DESIGN.md: kvlab.core (and kvlab.sim) never import torch, and
+``import kvlab`` loads torch only when a torch-dependent name is first used."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _modules_after(statement: str) -> set[str]:
+    code = f"import sys; {statement}; print('\\n'.join(sorted(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(result.stdout.split())
+
+
+@pytest.mark.parametrize("statement", [
+    "import kvlab.core",
+    "import kvlab",
+    "import kvlab.sim",
+    "import kvlab.core, pkgutil, importlib, kvlab.core as c; "
+    "[importlib.import_module('kvlab.core.' + m.name) for m in pkgutil.iter_modules(c.__path__)]",
+    "import kvlab.sim, pkgutil, importlib, kvlab.sim as s; "
+    "[importlib.import_module('kvlab.sim.' + m.name) for m in pkgutil.iter_modules(s.__path__)]",
+])
+def test_metadata_layer_never_imports_torch(statement):
+    assert "torch" not in _modules_after(statement)
+
+
+def test_torch_names_load_lazily_on_first_use():
+    modules = _modules_after("import kvlab; kvlab.quantize_groups")
+    assert "torch" in modules and "kvlab.engine.quant" in modules

@@ -1,0 +1,61 @@
+"""The notebook pipeline: every chapter's .md source and executed .ipynb agree cell by cell,
+every chapter is in toc.yml and toc.yml names only files that exist."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jupytext
+import nbformat
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+SOURCES = sorted(NOTEBOOKS.glob("[0-9][0-9]-*.md"))
+
+
+def _cells(path: Path) -> list[tuple[str, str]]:
+    notebook = jupytext.read(path)
+    return [(cell.cell_type, cell.source.strip()) for cell in notebook.cells]
+
+
+def _toc_files() -> list[str]:
+    toc = yaml.safe_load((ROOT / "toc.yml").read_text())
+    files = [toc["root"]]
+    for part in toc.get("parts", []):
+        files += [chapter["file"] for chapter in part["chapters"]]
+    files += [chapter["file"] for chapter in toc.get("chapters", [])]
+    return files
+
+
+def test_there_are_chapters():
+    assert SOURCES, "notebooks/ holds no NN-topic.md sources"
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_md_and_ipynb_agree_on_cell_types_and_sources(source):
+    executed = source.with_suffix(".ipynb")
+    assert executed.exists(), f"{executed.name} is missing: run `make notebook NB={source.relative_to(ROOT)}`"
+    assert _cells(source) == _cells(executed), (
+        f"{source.name} and {executed.name} disagree: regenerate with `make notebook NB=...`"
+    )
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_ipynb_is_executed_with_outputs(source):
+    notebook = nbformat.read(source.with_suffix(".ipynb"), as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert code, f"{source.name} has no code"
+    assert all(cell.get("execution_count") for cell in code), f"{source.name}: unexecuted cells"
+    errors = [o for cell in code for o in cell.outputs if o.get("output_type") == "error"]
+    assert not errors, f"{source.name} stored an error output"
+
+
+def test_toc_lists_every_chapter_and_only_existing_files():
+    listed = _toc_files()
+    assert len(listed) == len(set(listed)), "toc.yml lists a file twice"
+    for entry in listed:
+        assert (ROOT / f"{entry}.ipynb").exists(), f"toc.yml names {entry}, which has no .ipynb"
+    chapters = {f"notebooks/{p.stem}" for p in SOURCES}
+    assert chapters == set(listed), f"not in toc.yml: {sorted(chapters - set(listed))}"
