@@ -1,0 +1,164 @@
+"""A Llama-family decoder that reads and writes a paged KV cache.
+
+RMSNorm, rotary embeddings (default / linear / dynamic NTK / llama3), grouped-query attention,
+SwiGLU MLP, optional tied embeddings and optional QKV bias (Qwen2). Plain torch, device-agnostic:
+the same code runs on CPU (float32) and CUDA. The Q/K/V projections are fused into one matrix
+and gate/up into another, so a layer costs four matmuls over the flat batch.
+
+``forward(meta, kv)`` runs one step's flat batch (see :mod:`kvlab.engine.attention`) and returns
+the final hidden states of the rows whose logits are wanted; :meth:`LlamaModel.logits` projects
+them to the vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata, paged_attention, write_kv
+from .config import ModelConfig, RopeConfig
+
+__all__ = ["LlamaModel", "apply_rope", "rms_norm", "rope_inv_freq"]
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (float32) for the configured RoPE scaling.
+
+    ``linear`` is applied to positions (see :meth:`LlamaModel.rope_cos_sin`), not here.
+    """
+    base = rope.theta
+    if rope.rope_type == "dynamic":
+        # NTK-aware base, fixed at the scaled context length (cached K stays valid).
+        scaled_len = rope.factor * max_position_embeddings
+        ratio = rope.factor * scaled_len / max_position_embeddings - (rope.factor - 1)
+        base = base * ratio ** (head_dim / (head_dim - 2))
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)`` computed in float32, returned in ``x``'s dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x: [N, heads, D]`` by ``cos, sin: [N, D // 2]`` (half-split layout, as HF)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP with residuals; fused QKV and gate/up weights."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_size = cfg.num_heads * d
+        self.kv_size = cfg.num_kv_heads * d
+        self.input_norm = nn.Parameter(torch.ones(h))
+        self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o = nn.Linear(self.q_size, h, bias=cfg.o_bias)
+        self.post_norm = nn.Parameter(torch.ones(h))
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+        self.cfg = cfg
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        cfg = self.cfg
+        n = x.shape[0]
+        hs = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        qkv = self.qkv(hs)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rope(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
+        x = x + self.o(attn.reshape(n, self.q_size))
+        hs = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        gate, up = self.gate_up(hs).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    """The decoder. Parameters are created uninitialised-by-design (zeros/ones); load weights
+    with :func:`kvlab.engine.checkpoint.load_model` or ``load_state_dict``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings),
+            persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.dtype
+
+    def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin: [N, D // 2]`` in the model dtype for integer ``positions: [N]``."""
+        pos = positions.float()
+        if self.cfg.rope.rope_type == "linear":
+            pos = pos / self.cfg.rope.factor
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+
+    def forward(
+        self, meta: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the flat batch; return final-normed hidden states ``[len(rows), hidden]`` of
+        ``rows`` (all rows when None). Writes the batch's K/V into ``kv_caches`` (per layer)."""
+        x = self.embed(meta.input_ids)
+        cos, sin = self.rope_cos_sin(meta.positions)
+        for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kc, vc, meta)
+        if rows is not None:
+            x = x[rows]
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits ``[M, V]`` (float32) of hidden states ``[M, hidden]``."""
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def flops_per_token(self, context_len: int, *, with_lm_head: bool = True) -> float:
+        """Forward FLOPs of one token attending to ``context_len`` positions: 2 per weight of
+        every matmul (the embedding lookup is free) plus ``4 * layers * heads * head_dim *
+        context_len`` for QK^T and PV. Norms, RoPE and activations are ignored."""
+        cfg = self.cfg
+        head = cfg.vocab_size * cfg.hidden_size
+        matmul = cfg.num_params - cfg.hidden_size * (2 * cfg.num_layers + 1)
+        matmul -= 0 if cfg.tie_word_embeddings else head   # the embedding table
+        if not with_lm_head:
+            matmul -= head
+        attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context_len
+        return float(2 * matmul + attn)
