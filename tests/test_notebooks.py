@@ -36,9 +36,10 @@ def test_there_are_chapters():
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
 def test_md_and_ipynb_agree_on_cell_types_and_sources(source):
     executed = source.with_suffix(".ipynb")
-    assert executed.exists(), f"{executed.name} is missing: run `make notebook NB={source.relative_to(ROOT)}`"
+    rebuild = f"make notebook NB={source.relative_to(ROOT)}"
+    assert executed.exists(), f"{executed.name} is missing: run `{rebuild}`"
     assert _cells(source) == _cells(executed), (
-        f"{source.name} and {executed.name} disagree: regenerate with `make notebook NB=...`"
+        f"{source.name} and {executed.name} disagree: regenerate with `{rebuild}`"
     )
 
 

@@ -182,7 +182,9 @@ def test_share_release_reject_out_of_range(method, bad):
     assert allocator_state(allocator) == before
 
 
-@pytest.mark.parametrize("method,message", [("share", "share a free"), ("release", "release a free")])
+@pytest.mark.parametrize(
+    "method,message", [("share", "share a free"), ("release", "release a free")]
+)
 def test_share_release_reject_free_blocks(method, message):
     allocator = BlockAllocator(3)
     live = allocator.allocate()

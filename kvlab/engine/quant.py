@@ -29,6 +29,9 @@ def quantize_groups(x, bits=4, group_size=32):
 
 
 def dequantize_groups(q, scale, group_size):
-    """Inverse of :func:`quantize_groups` up to rounding: q:[...,D], scale:[...,D/group,1] -> float32."""
+    """Inverse of :func:`quantize_groups` up to rounding.
+
+    q:[...,D] integers, scale:[...,D/group,1] -> float32 [...,D].
+    """
     shape = (*q.shape[:-1], q.size(-1) // group_size, group_size)
     return (q.reshape(shape).float() * scale).reshape_as(q)

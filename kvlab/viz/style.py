@@ -60,7 +60,8 @@ def block_state_color(state: str) -> str:
     try:
         return BLOCK_STATE_COLORS[state]
     except KeyError:
-        raise KeyError(f"unknown block state {state!r}; expected one of {BLOCK_STATE_ORDER}") from None
+        expected = ", ".join(BLOCK_STATE_ORDER)
+        raise KeyError(f"unknown block state {state!r}; expected one of {expected}") from None
 
 
 RC_PARAMS = {
