@@ -11,6 +11,7 @@ from .style import (
     PHASE_COLORS,
     REQUEST_PALETTE,
     block_state_color,
+    legend_figure,
     request_color,
     use_style,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "PHASE_COLORS",
     "REQUEST_PALETTE",
     "block_state_color",
+    "legend_figure",
     "request_color",
     "setup_notebook",
     "use_style",

@@ -94,3 +94,32 @@ RC_PARAMS = {
 def use_style() -> None:
     """Apply the book's matplotlib style globally (idempotent)."""
     mpl.rcParams.update(RC_PARAMS)
+
+
+def legend_figure(request_ids: list[str] | None = None):
+    """The book's visual key: one swatch per block state and per request colour.
+
+    Pure: returns a new matplotlib Figure with two axes (block states, requests); draws nothing
+    else. ``request_ids`` defaults to ``r0 .. r5``.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    request_ids = list(request_ids) if request_ids is not None else [f"r{i}" for i in range(6)]
+    rows = [
+        ("KV block states", [(BLOCK_STATE_LABELS[s], BLOCK_STATE_COLORS[s])
+                             for s in BLOCK_STATE_ORDER]),
+        ("requests", [(rid, request_color(rid, request_ids)) for rid in request_ids]),
+    ]
+    fig, axes = plt.subplots(2, 1, figsize=(9.0, 1.9))
+    for ax, (title, swatches) in zip(axes, rows, strict=True):
+        ax.set_xlim(0, len(swatches))
+        ax.set_ylim(0, 1)
+        ax.axis("off")
+        ax.set_title(title, loc="left", fontsize=FONT_SIZE)
+        for i, (label, color) in enumerate(swatches):
+            ax.add_patch(Rectangle((i + 0.02, 0.45), 0.14, 0.45, facecolor=color, edgecolor=INK,
+                                   linewidth=0.6, label=label))
+            ax.text(i + 0.2, 0.67, label, va="center", fontsize=FONT_SIZE - 2)
+    fig.tight_layout()
+    return fig
