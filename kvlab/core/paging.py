@@ -171,6 +171,12 @@ class BlockTable:
         (``MemoryError``) the blocks taken by this call are released and the table is left
         exactly as it was before the call.
         """
+        start = self.num_tokens
+        self.grow(new_tokens)
+        return self.slots(np.arange(start, self.num_tokens))
+
+    def grow(self, new_tokens: int) -> None:
+        """:meth:`append_tokens` without computing slots (for bookkeeping-only callers)."""
         needed = self.blocks_needed(new_tokens)
         fresh: list[int] = []
         try:
@@ -181,9 +187,7 @@ class BlockTable:
                 self.allocator.release(fresh)
             raise
         self.blocks.extend(fresh)
-        start = self.num_tokens
         self.num_tokens += new_tokens
-        return self.slots(np.arange(start, self.num_tokens))
 
     def slots(self, positions) -> np.ndarray:
         """Physical slots of already-appended positions (vectorised :func:`physical_slot`).
