@@ -1,0 +1,99 @@
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, per-request RNG, logprobs.
+
+:func:`sample` takes the logits rows of one step (one row per sampled sequence) and the
+:class:`SamplerState` of each row. Every row owns a ``torch.Generator`` seeded from its request's
+seed, and draws exactly one ``multinomial`` per token, so a request's tokens depend only on its
+own logits and seed — never on what else shares the batch.
+
+Log-probabilities reported (``cumulative_logprob`` and ``logprobs=k``) are the model's raw
+``log_softmax(logits)``, taken *before* temperature, top-k and top-p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .params import SamplingParams
+
+__all__ = ["SampleResult", "SamplerState", "sample"]
+
+
+@dataclass
+class SamplerState:
+    """Sampling state of one sequence: its parameters and its private random stream."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # None for greedy sequences
+
+    @classmethod
+    def create(cls, params: SamplingParams, seed: int, device: torch.device | str = "cpu"
+               ) -> SamplerState:
+        if params.greedy:
+            return cls(params, None)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        return cls(params, gen)
+
+
+@dataclass
+class SampleResult:
+    """Per row: the token, its raw log-probability and (if asked) the top-k dict."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+
+
+def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature-scaled logits with tokens outside each row's top-k / top-p set at -inf."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
+                         device=logits.device)
+    scaled = logits / temps[:, None]
+    if not any(p.uses_top_k or p.uses_top_p for p in params):
+        return scaled
+    vocab = logits.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ks = torch.tensor([p.top_k if p.uses_top_k else vocab for p in params], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= ks[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    ps = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+    probs = sorted_logits.softmax(-1)
+    before = probs.cumsum(-1) - probs  # mass strictly before each token
+    drop = before >= ps[:, None]        # keeps at least the first token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> SampleResult:
+    """Pick one token per row of ``logits: [S, V]`` (float32) for ``states[i]``."""
+    if logits.shape[0] != len(states):
+        raise ValueError(f"sample: {logits.shape[0]} logits rows for {len(states)} states")
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        probs = _filter(logits[idx], [states[i].params for i in random_rows]).softmax(-1)
+        drawn = [torch.multinomial(probs[j], 1, generator=states[i].generator)
+                 for j, i in enumerate(random_rows)]
+        tokens[idx] = torch.cat(drawn)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    token_list = tokens.tolist()
+    top: list[dict[int, float] | None] = [None] * len(states)
+    want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    if want:
+        k = max(states[i].params.logprobs for i in want)
+        rows = logprobs[torch.tensor(want, device=logits.device)]
+        values, ids = rows.topk(min(max(k, 1), rows.shape[-1]), dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        chosen_list = chosen.tolist()
+        for j, i in enumerate(want):
+            kk = states[i].params.logprobs
+            d = {int(t): float(v) for t, v in zip(ids[j][:kk], values[j][:kk], strict=True)}
+            d[token_list[i]] = chosen_list[i]
+            top[i] = d
+    return SampleResult(token_list, chosen.tolist(), top)

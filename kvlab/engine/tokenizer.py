@@ -1,0 +1,52 @@
+"""A thin wrapper over the ``tokenizers`` library's ``tokenizer.json`` (no network, no hub)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+__all__ = ["Tokenizer", "load_tokenizer"]
+
+
+class Tokenizer:
+    """Encode text to token ids and back; ``hash`` identifies it in prefix-cache scopes."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        file = Path(path)
+        if file.is_dir():
+            file = file / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {str(path)!r}")
+        try:
+            self._tok = _HFTokenizer.from_file(str(file))
+        except Exception as err:  # tokenizers raises a bare Exception subclass
+            raise ValueError(f"{file}: cannot parse tokenizer ({err})") from None
+        data = file.read_bytes()
+        template = file.with_name("tokenizer_config.json")
+        if template.is_file():  # chat template and special-token settings live here
+            data += template.read_bytes()
+        self.hash = hashlib.sha256(data).hexdigest()
+        self.path = file
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
+    """The tokenizer of a model directory, or None when it ships no ``tokenizer.json``."""
+    path = Path(model_dir) / "tokenizer.json"
+    return Tokenizer(path) if path.is_file() else None
