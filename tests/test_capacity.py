@@ -1,0 +1,224 @@
+"""Capacity planner and catalogue: exact values, TP rules, the memory identity, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import subprocess
+import sys
+
+import pytest
+
+from kvlab.core.capacity import (
+    DTYPE_BYTES,
+    CapacityPlan,
+    kv_bytes,
+    kv_element_bytes,
+    kv_heads_per_rank,
+    plan_capacity,
+)
+from kvlab.core.catalog import (
+    GB,
+    GPUS,
+    MODELS,
+    GiB,
+    ModelShape,
+    dense_param_count,
+    get_gpu,
+    get_model,
+)
+
+LLAMA8 = get_model("Llama-3-8B")
+LLAMA70 = get_model("Llama-3-70B")
+H100 = get_gpu("H100-80GB SXM")
+
+
+def test_kv_bytes_llama3_8b_one_sequence_8k_is_one_gib():
+    # 2 (K,V) x 32 layers x 8192 tokens x 8 KV heads x 128 dims x 2 bytes
+    assert kv_bytes(32, 1, 8192, 8, 128, 2) == 2 * 32 * 8192 * 8 * 128 * 2 == 1_073_741_824 == GiB
+
+
+@pytest.mark.parametrize(("name", "per_token"), [
+    ("Llama-3-8B", 131_072),        # 128 KiB
+    ("Llama-3-70B", 327_680),       # 320 KiB
+    ("Llama-3.1-405B", 516_096),    # 504 KiB
+    ("Qwen2.5-7B", 57_344),         # 56 KiB
+    ("Mistral-7B-v0.1", 131_072),
+])
+def test_per_token_bytes_bf16(name, per_token):
+    m = get_model(name)
+    assert kv_bytes(m.layers, 1, 1, m.kv_heads, m.head_dim, 2) == per_token
+    plan = plan_capacity(m, 10**15, context_len=1)
+    assert plan.kv_bytes_per_token == per_token
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_catalogue_shape_reproduces_published_params(name):
+    m = MODELS[name]
+    assert dense_param_count(m) == m.params
+    assert m.head_dim * m.heads == m.hidden
+    assert m.source.startswith("https://huggingface.co/")
+
+
+def test_catalogue_known_values():
+    assert (LLAMA8.layers, LLAMA8.heads, LLAMA8.kv_heads, LLAMA8.head_dim, LLAMA8.hidden) == (
+        32, 32, 8, 128, 4096)
+    assert (LLAMA70.layers, LLAMA70.heads, LLAMA70.kv_heads, LLAMA70.hidden) == (80, 64, 8, 8192)
+    qwen = get_model("Qwen2.5-7B")
+    assert (qwen.layers, qwen.heads, qwen.kv_heads, qwen.hidden, qwen.gqa_group) == (
+        28, 28, 4, 3584, 7)
+    assert get_model("Mistral-7B-v0.1").sliding_window == 4096
+    assert LLAMA8.weight_bytes("bf16") == 2 * 8_030_261_248
+
+
+def test_gpu_catalogue_units():
+    assert H100.memory_bytes == 80 * GB
+    assert math.isclose(H100.memory_gib, 74.505805969, rel_tol=1e-9)
+    assert get_gpu("H200-141GB SXM").memory_bytes == 141 * GB
+    assert get_gpu("A100-80GB SXM").bf16_tflops == 312.0
+    for g in GPUS.values():
+        assert g.source.startswith("https://www.nvidia.com/")
+        assert 100 < g.ridge_flops_per_byte < 400
+
+
+def test_unknown_catalogue_names():
+    with pytest.raises(KeyError, match="Llama-3-8B"):
+        get_model("llama")
+    with pytest.raises(KeyError, match="H100"):
+        get_gpu("V100")
+
+
+def test_model_shape_validation_names_field():
+    fields = {f.name: getattr(LLAMA8, f.name) for f in dataclasses.fields(LLAMA8)}
+    with pytest.raises(ValueError, match="kv_heads"):
+        ModelShape(**{**fields, "kv_heads": 0})
+    with pytest.raises(ValueError, match="kv_heads"):
+        ModelShape(**{**fields, "kv_heads": 5})      # 32 % 5 != 0
+    with pytest.raises(ValueError, match="layers"):
+        ModelShape(**{**fields, "layers": 2.0})
+
+
+def test_element_bytes_with_scale_overhead():
+    assert DTYPE_BYTES["int4"] == 0.5 and DTYPE_BYTES["fp8"] == 1.0
+    assert kv_element_bytes("int4", scale_group=32) == 0.5 + 2 / 32
+    assert kv_element_bytes("int8", scale_group=64, scale_bytes=4) == 1 + 4 / 64
+    assert kv_element_bytes("bf16") == 2
+    with pytest.raises(ValueError, match="kv_dtype"):
+        kv_element_bytes("fp6")
+    with pytest.raises(ValueError, match="scale_group"):
+        kv_element_bytes("int4", scale_group=0)
+
+
+@pytest.mark.parametrize(("tp", "heads"), [(1, 8), (2, 4), (4, 2), (8, 1), (16, 1), (64, 1)])
+def test_kv_heads_per_rank_sharded_and_replicated(tp, heads):
+    assert kv_heads_per_rank(8, tp) == heads
+    assert kv_heads_per_rank(8, tp, sharded=False) == 8
+
+
+def test_kv_heads_per_rank_uneven_rounds_up():
+    assert kv_heads_per_rank(4, 3) == 2
+    with pytest.raises(ValueError, match="tp"):
+        kv_heads_per_rank(8, 0)
+
+
+def test_tp_divides_kv_only_while_sharded():
+    base = plan_capacity(LLAMA70, H100, tp=1)
+    for tp in (2, 4, 8):
+        plan = plan_capacity(LLAMA70, H100, tp=tp)
+        assert plan.kv_bytes_per_token * tp == base.kv_bytes_per_token
+        assert plan.weight_bytes * tp == base.weight_bytes
+    tp8 = plan_capacity(LLAMA70, H100, tp=8)
+    tp16 = plan_capacity(LLAMA70, H100, tp=16)
+    assert tp16.kv_heads_per_rank == tp8.kv_heads_per_rank == 1
+    assert tp16.kv_bytes_per_token == tp8.kv_bytes_per_token   # replicated: no further saving
+    assert tp16.weight_bytes * 2 == tp8.weight_bytes            # weights still split
+    rep = plan_capacity(LLAMA70, H100, tp=8, kv_sharded=False)
+    assert rep.kv_bytes_per_token == base.kv_bytes_per_token
+
+
+def test_llama3_8b_h100_worked_example():
+    # 80e9 x 0.9 - 16,060,522,496 (bf16 weights) - 4 GiB reserve = 51,644,510,208 bytes
+    plan = plan_capacity(LLAMA8, H100, context_len=32768, reserve_bytes=4 * GiB)
+    assert plan.kv_budget_bytes == 72e9 - 16_060_522_496 - 4 * GiB
+    assert plan.block_bytes == 2 * 2**20                  # 16 tokens x 128 KiB
+    assert plan.num_blocks == 51_644_510_208 // 2_097_152 == 24_626
+    assert plan.token_capacity == 24_626 * 16
+    assert plan.blocks_per_request == 2048
+    assert plan.max_requests == 12
+    fp8 = plan_capacity(LLAMA8, H100, context_len=32768, reserve_bytes=4 * GiB, kv_dtype="fp8")
+    assert fp8.num_blocks == 51_644_510_208 // 1_048_576
+    assert fp8.max_requests == 24
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_memory_identity(name, tp):
+    plan = plan_capacity(MODELS[name], get_gpu("H200-141GB SXM"), tp=tp, reserve_bytes=3 * GiB)
+    total = (plan.weight_bytes + plan.reserve_bytes + plan.kv_cache_bytes + plan.leftover_bytes
+             + plan.headroom_bytes)
+    assert math.isclose(total, plan.gpu_memory_bytes, rel_tol=1e-12)
+    if plan.fits:
+        assert 0 <= plan.leftover_bytes < plan.block_bytes
+        assert math.isclose(sum(plan.breakdown().values()), plan.gpu_memory_bytes,
+                            rel_tol=1e-12)
+        assert plan.max_requests * plan.blocks_per_request <= plan.num_blocks
+        assert (plan.max_requests + 1) * plan.blocks_per_request > plan.num_blocks
+
+
+def test_does_not_fit_is_reported_not_raised():
+    plan = plan_capacity(LLAMA70, H100)          # 141 GB of bf16 weights on one 80 GB GPU
+    assert not plan.fits and plan.num_blocks == 0 and plan.max_requests == 0
+    assert plan.leftover_bytes < 0
+    assert "does not fit" in plan.summary()
+
+
+def test_summary_is_readable():
+    text = plan_capacity(LLAMA8, H100, context_len=32768, reserve_bytes=4 * GiB).summary()
+    assert "Llama-3-8B on H100-80GB SXM" in text
+    assert "24,626 blocks" in text and "max concurrent requests at 32,768 tokens: 12" in text
+
+
+def test_plan_is_frozen():
+    plan = plan_capacity(LLAMA8, H100)
+    assert isinstance(plan, CapacityPlan)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.num_blocks = 1
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"tp": 0}, "tp"),
+    ({"tp": 1.5}, "tp"),
+    ({"block_size": 0}, "block_size"),
+    ({"context_len": -1}, "context_len"),
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": 1.2}, "gpu_memory_utilization"),
+    ({"reserve_bytes": -1}, "reserve_bytes"),
+    ({"reserve_bytes": float("nan")}, "reserve_bytes"),
+    ({"weight_bytes": -5}, "weight_bytes"),
+    ({"kv_dtype": "fp4"}, "kv_dtype"),
+    ({"weight_dtype": "q2"}, "dtype"),
+    ({"scale_group": -3}, "scale_group"),
+])
+def test_bad_input_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        plan_capacity(LLAMA8, H100, **kwargs)
+
+
+def test_bad_gpu_and_model():
+    with pytest.raises(ValueError, match="gpu memory"):
+        plan_capacity(LLAMA8, 0)
+    with pytest.raises(ValueError, match="model"):
+        plan_capacity("Llama-3-8B", H100)
+
+
+def test_explicit_weight_bytes_and_raw_memory():
+    plan = plan_capacity(LLAMA8, 100 * GiB, weight_bytes=10 * GiB, gpu_memory_utilization=1.0,
+                         block_size=1, context_len=1)
+    assert plan.gpu == "GPU"
+    assert plan.num_blocks == (90 * GiB) // plan.kv_bytes_per_token
+
+
+def test_core_does_not_import_torch():
+    code = ("import sys, kvlab.core.capacity, kvlab.core.catalog, kvlab.core.paging, "
+            "kvlab.core.fragmentation; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

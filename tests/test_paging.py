@@ -1,0 +1,161 @@
+"""Page tables: BlockTable and the vectorised slot mappings agree with the reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab.core.blocks import BlockAllocator
+from kvlab.core.paging import (
+    BlockTable,
+    block_table_array,
+    physical_slot,
+    slot_mapping,
+    slots_for,
+)
+
+
+def test_reference_asserts_hold():
+    assert physical_slot([9, 2], 4, 5) == 9
+    with pytest.raises(ValueError):
+        physical_slot([-1], 4, 0)
+
+
+tables = st.lists(st.integers(0, 500), min_size=0, max_size=12)
+block_sizes = st.integers(1, 32)
+
+
+def reference_or_error(table, block_size, pos):
+    try:
+        return physical_slot(table, block_size, pos)
+    except (ValueError, IndexError) as exc:
+        return type(exc)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tables, block_sizes, st.lists(st.integers(-3, 400), max_size=40))
+def test_slots_for_agrees_with_reference(table, block_size, positions):
+    expected = [reference_or_error(table, block_size, p) for p in positions]
+    errors = [e for e in expected if isinstance(e, type)]
+    if errors:
+        # the vectorised call raises one of the exception kinds the reference raised
+        with pytest.raises((ValueError, IndexError)) as info:
+            slots_for(table, block_size, positions)
+        assert info.type in set(errors)
+    else:
+        got = slots_for(table, block_size, positions)
+        assert got.dtype == np.int64 and got.tolist() == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(block_sizes, st.lists(st.integers(0, 60), min_size=1, max_size=8), st.data())
+def test_block_table_agrees_with_reference(block_size, chunks, data):
+    """Append chunks (prefill then decodes); every position maps as physical_slot says."""
+    allocator = BlockAllocator(500)
+    table = BlockTable(block_size, allocator)
+    written = {}
+    for n in chunks:
+        start = len(table)
+        slots = table.append_tokens(n)
+        assert slots.tolist() == [physical_slot(table.blocks, block_size, p)
+                                  for p in range(start, start + n)]
+        written.update(zip(range(start, start + n), slots.tolist(), strict=True))
+        assert len(table.blocks) == -(-len(table) // block_size)
+        assert 0 <= table.tail_slots < block_size or len(table) == 0
+    # slots of earlier tokens never move while the table grows
+    positions = data.draw(st.lists(st.integers(0, max(len(table) - 1, 0)), max_size=20))
+    if len(table):
+        assert table.slots(positions).tolist() == [written[p] for p in positions]
+    # no slot is shared by two positions
+    assert len(set(written.values())) == len(written)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(tables, st.lists(st.integers(0, 300), max_size=10)), max_size=6),
+       block_sizes)
+def test_slot_mapping_batch_agrees_with_reference(batch, block_size):
+    tabs = [t for t, _ in batch]
+    positions = [p for _, p in batch]
+    expected = [reference_or_error(t, block_size, p) for t, ps in batch for p in ps]
+    if any(isinstance(e, type) for e in expected):
+        with pytest.raises((ValueError, IndexError)):
+            slot_mapping(tabs, block_size, positions)
+    else:
+        assert slot_mapping(tabs, block_size, positions).tolist() == expected
+
+
+def test_slot_mapping_small_example():
+    # request a: blocks [3, 7], prefill positions 0..5; request b: block [1], decode position 2
+    out = slot_mapping([[3, 7], [1]], 4, [np.arange(6), [2]])
+    assert out.tolist() == [12, 13, 14, 15, 28, 29, 6]
+
+
+def test_slot_mapping_errors():
+    with pytest.raises(ValueError, match="2 block tables but 1"):
+        slot_mapping([[0], [1]], 4, [[0]])
+    with pytest.raises(IndexError):
+        slot_mapping([[0]], 4, [[4]])
+    with pytest.raises(ValueError):
+        slot_mapping([[0]], 0, [[0]])
+    with pytest.raises(ValueError, match="integers"):
+        slots_for([0], 4, [0.5])
+    assert slot_mapping([], 4, []).size == 0
+
+
+def test_block_table_array_pads():
+    arr = block_table_array([[5, 6, 7], [], [2]])
+    assert arr.tolist() == [[5, 6, 7], [-1, -1, -1], [2, -1, -1]]
+
+
+def test_block_table_allocates_on_boundaries_and_releases():
+    allocator = BlockAllocator(8)
+    table = BlockTable(4, allocator)
+    table.append_tokens(4)
+    assert len(table.blocks) == 1
+    table.append_tokens(1)
+    assert len(table.blocks) == 2 and table.tail_slots == 3
+    assert table.blocks_needed(3) == 0 and table.blocks_needed(4) == 1
+    blocks = table.release()
+    assert len(blocks) == 2 and len(allocator.free) == 8
+    assert table.blocks == [] and len(table) == 0
+
+
+def test_out_of_memory_leaves_table_and_allocator_unchanged():
+    allocator = BlockAllocator(3)
+    table = BlockTable(4, allocator)
+    table.append_tokens(6)                   # 2 blocks
+    before = (list(table.blocks), table.num_tokens, sorted(allocator.free),
+              list(allocator.refcount))
+    with pytest.raises(MemoryError):
+        table.append_tokens(8)               # needs 2 more blocks, only 1 left
+    after = (list(table.blocks), table.num_tokens, sorted(allocator.free),
+             list(allocator.refcount))
+    assert before == after
+
+
+def test_bad_arguments_leave_state_unchanged():
+    allocator = BlockAllocator(3)
+    table = BlockTable(4, allocator)
+    table.append_tokens(2)
+    before = (list(table.blocks), table.num_tokens, sorted(allocator.free))
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError):
+            table.append_tokens(bad)
+    with pytest.raises(IndexError, match="not appended"):
+        table.slots([2])
+    assert before == (list(table.blocks), table.num_tokens, sorted(allocator.free))
+    with pytest.raises(ValueError, match="block_size"):
+        BlockTable(0, allocator)
+
+
+def test_two_tables_share_one_pool_without_overlap():
+    allocator = BlockAllocator(16)
+    a, b = BlockTable(4, allocator), BlockTable(4, allocator)
+    slots = []
+    for _ in range(5):
+        slots += a.append_tokens(3).tolist()
+        slots += b.append_tokens(2).tolist()
+    assert len(set(slots)) == len(slots) == 25
+    assert not set(a.blocks) & set(b.blocks)
