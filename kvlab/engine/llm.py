@@ -1,0 +1,75 @@
+"""LLM: the offline, batch API (``generate``) over :class:`~kvlab.engine.llm_engine.LLMEngine`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .llm_engine import LLMEngine, Prompt
+from .outputs import RequestOutput
+from .params import SamplingParams
+
+__all__ = ["LLM"]
+
+
+class LLM:
+    """Load a model and generate for many prompts at once (continuous batching underneath).
+
+    Keyword arguments go to :class:`LLMEngine` (``block_size=16, num_blocks=None,
+    max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=True, device=None,
+    dtype=None, seed=0, scheduler="baseline"``, ...).
+    """
+
+    def __init__(self, model, **engine_kwargs):
+        self.engine = LLMEngine(model, **engine_kwargs)
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in the order of ``prompts``.
+
+        ``prompts``: one prompt or a list; a prompt is a str or a list of token ids.
+        ``sampling_params``: one for all prompts, or one per prompt. Every prompt is validated
+        before any is queued (a bad one raises and nothing runs).
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        engine = self.engine
+        for p, sp in zip(prompts, params, strict=True):  # validate all before queueing any
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+            engine.encode_prompt(p)
+        ids: list[str] = []
+        done: dict[str, RequestOutput] = {}
+        try:
+            for p, sp in zip(prompts, params, strict=True):
+                rid = f"gen-{self._counter}"
+                self._counter += 1
+                engine.add_request(rid, p, sp)
+                ids.append(rid)
+            while len(done) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        except BaseException:
+            for rid in ids:  # leave the engine clean if interrupted
+                if rid not in done and rid in engine._groups:
+                    engine.abort_request(rid)
+            raise
+        return [done[rid] for rid in ids]
