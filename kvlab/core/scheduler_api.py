@@ -82,6 +82,13 @@ class RuntimeRequest:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     engine_state: Any = None                # opaque to the scheduler (sampling params, RNG, ...)
+    # Filled in by the scheduler (the engine may read them; it should not write them):
+    status_message: str | None = None       # why it was rejected / failed (human readable)
+    parent_id: str | None = None            # set by ``fork`` for the extra samples of n > 1
+    arrival_step: int | None = None         # scheduler step counter when add_request ran
+    admitted_step: int | None = None        # step that first gave it KV (kept across preemption)
+    first_token_step: int | None = None     # step whose output carried its first sampled token
+    finished_step: int | None = None        # step in which it reached a terminal status
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -123,7 +130,7 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's decisions. ``copies`` are (src_block, dst_block) KV payload copies to run first."""
+    """One step's decisions; ``copies`` are (src_block, dst_block) KV copies to run first."""
 
     step: int
     chunks: tuple[ScheduledChunk, ...]
