@@ -222,3 +222,55 @@ def test_core_does_not_import_torch():
     code = ("import sys, kvlab.core.capacity, kvlab.core.catalog, kvlab.core.paging, "
             "kvlab.core.fragmentation; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- figures (headless) --------------------------------------------------------------------
+
+
+def _figure_module():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlab.viz import capacity
+
+    return capacity
+
+
+def test_capacity_figure_segments_and_curve():
+    viz = _figure_module()
+    import matplotlib.pyplot as plt
+
+    plan = plan_capacity(LLAMA8, H100, context_len=32768, reserve_bytes=4 * GiB)
+    fig = viz.capacity_figure(plan)
+    ax, ax2 = fig.axes
+    parts = {k: v for k, v in plan.breakdown().items() if v > 0}
+    assert len(ax.patches) == len(parts)              # one bar segment per non-zero part
+    widths = [p.get_width() for p in ax.patches]
+    assert math.isclose(sum(widths), plan.gpu_memory_bytes / GiB, rel_tol=1e-9)
+    labels = ax.get_legend_handles_labels()[1]
+    assert any(lab.startswith("KV cache: 48.1 GiB") for lab in labels)
+    assert "24,626 blocks" in ax.get_title(loc="left")
+    x, y = ax2.lines[0].get_data()
+    assert dict(zip(x.tolist(), y.tolist(), strict=True))[32768] == plan.max_requests == 12
+    plt.close(fig)
+
+
+def test_capacity_figure_when_weights_do_not_fit():
+    viz = _figure_module()
+    import matplotlib.pyplot as plt
+
+    fig = viz.capacity_figure(plan_capacity(LLAMA70, H100))
+    ax = fig.axes[0]
+    assert "does not fit" in ax.get_title(loc="left")
+    assert [lab.split(":")[0] for lab in ax.get_legend_handles_labels()[1]] == [
+        "weights", "kept back (1 - utilization)"]
+    assert fig.axes[1].lines[0].get_xdata().size == 0  # no context length fits
+    plt.close(fig)
+
+
+def test_capacity_explorer_builds():
+    viz = _figure_module()
+    box = viz.capacity_explorer()
+    assert len(box.children) == 3
+    tp = box.children[1].children[0]
+    tp.value = 8                                     # triggers a re-plan without error

@@ -207,3 +207,48 @@ def test_simulate_bad_input(workload, kwargs, match):
 def test_request_longer_than_max_seq_len_rejected():
     with pytest.raises(ValueError, match="max_seq_len"):
         simulate([WorkloadRequest(0, 0, 100, 200)], "paged", 4096, max_seq_len=256)
+
+
+# --- figures (headless) --------------------------------------------------------------------
+
+
+def test_waste_figure_stacks_every_nonzero_category(reports):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvlab.viz.paging import PAPER_TOKEN_STATES, waste_figure
+
+    fig = waste_figure(reports)
+    ax = fig.axes[0]
+    bars = {p.get_gid(): p for p in ax.patches if p.get_gid()}
+    expected = {f"waste-{n}-{c}" for n, r in reports.items() for c in CATEGORIES
+                if r.fractions[c] > 0}
+    assert set(bars) == expected
+    for name, rep in reports.items():      # bars of one policy stack to 100%
+        heights = [bars[f"waste-{name}-{c}"].get_height() for c in CATEGORIES
+                   if f"waste-{name}-{c}" in bars]
+        assert abs(sum(heights) - 100) < 1e-6
+        assert abs(bars[f"waste-{name}-used"].get_height() - 100 * rep.token_states) < 1e-9
+    assert [t.get_text() for t in ax.get_xticklabels()] == list(reports)
+    marks = ax.collections[0].get_offsets()
+    assert len(marks) == len(PAPER_TOKEN_STATES)
+    with pytest.raises(ValueError, match="lacks"):
+        waste_figure({"x": {"used": 1.0}})
+    plt.close(fig)
+
+
+def test_waste_timeline_figure(reports):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvlab.viz.paging import waste_timeline_figure
+
+    fig = waste_timeline_figure(reports["oracle"], steps=500)
+    ax = fig.axes[0]
+    assert len(ax.collections) == len(CATEGORIES)   # one stacked area per category
+    assert fig.axes[1].lines[0].get_xdata().size == 500
+    plt.close(fig)

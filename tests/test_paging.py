@@ -159,3 +159,86 @@ def test_two_tables_share_one_pool_without_overlap():
         slots += b.append_tokens(2).tolist()
     assert len(set(slots)) == len(slots) == 25
     assert not set(a.blocks) & set(b.blocks)
+
+
+# --- figures (headless) --------------------------------------------------------------------
+
+
+def _viz():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlab.viz import paging
+
+    return paging
+
+
+def _by_gid(fig, prefix):
+    return {p.get_gid(): p for ax in fig.axes for p in ax.patches
+            if (p.get_gid() or "").startswith(prefix)}
+
+
+def test_block_table_figure_colours_owners_and_marks_shared():
+    viz = _viz()
+    import matplotlib.colors as mcolors
+    import matplotlib.pyplot as plt
+
+    from kvlab.viz.style import BLOCK_STATE_COLORS, request_color
+
+    tables = {"r0": [3, 7, 1], "r1": [5, 0], "r2": [3, 9]}
+    fig = viz.block_table_figure(tables, 12, 4, {"r0": 10, "r1": 5, "r2": 6})
+    phys = _by_gid(fig, "phys-")
+    logical = _by_gid(fig, "log-")
+    assert len(phys) == 12 and len(logical) == 7
+    order = list(tables)
+
+    def color(gid):
+        return mcolors.to_hex(phys[gid].get_facecolor())
+
+    assert color("phys-7") == request_color("r0", order)
+    assert color("phys-9") == request_color("r2", order)
+    assert color("phys-3") == BLOCK_STATE_COLORS["shared"] and phys["phys-3"].get_hatch()
+    assert color("phys-4") == BLOCK_STATE_COLORS["free"]
+    # fill bar of r0's last block (logical 2 -> physical 1): 10 - 8 = 2 of 4 slots
+    fill = _by_gid(fig, "fill-1")["fill-1"]
+    assert math_isclose(fill.get_width(), 0.9 * 2 / 4)
+    lines = [ln for ln in fig.axes[0].lines if (ln.get_gid() or "").startswith("map-")]
+    assert len(lines) == 7
+    assert "1 shared" in fig.axes[0].get_title(loc="left")
+    plt.close(fig)
+
+
+def math_isclose(a, b):
+    return abs(a - b) < 1e-9
+
+
+def test_block_table_figure_rejects_bad_snapshots():
+    viz = _viz()
+    with pytest.raises(ValueError, match="block 12"):
+        viz.block_table_figure({"r0": [12]}, 12, 4, {"r0": 1})
+    with pytest.raises(ValueError, match="do not fit"):
+        viz.block_table_figure({"r0": [1]}, 12, 4, {"r0": 5})
+
+
+def test_block_table_view_drives_real_tables():
+    viz = _viz()
+    import matplotlib.pyplot as plt
+
+    view = viz.BlockTableView(num_blocks=4, block_size=4)
+    a = view.add_request(6)
+    b = view.add_request(3)
+    tables, counts = view.snapshot()
+    assert counts == {a: 6, b: 3} and len(tables[a]) == 2 and len(tables[b]) == 1
+    with pytest.raises(MemoryError):
+        view.append(b, 9)                      # needs 2 more blocks, 1 free
+    assert view.snapshot() == (tables, counts)
+    with pytest.raises(MemoryError):
+        view.add_request(9)
+    assert view.snapshot() == (tables, counts) and len(view.allocator.free) == 1
+    view.finish(a)
+    assert len(view.allocator.free) == 3
+    fig = view.figure()
+    assert len(_by_gid(fig, "log-")) == 1
+    plt.close(fig)
+    box = view.widget()
+    assert len(box.children) == 3

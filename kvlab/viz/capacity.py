@@ -1,0 +1,140 @@
+"""Chapter 1 figures: where one GPU's memory goes, and how many requests its KV pool holds.
+
+``capacity_figure(plan)`` is pure (a :class:`~kvlab.core.capacity.CapacityPlan` in, a new
+Figure out); ``capacity_explorer()`` is the ipywidgets wrapper that re-plans on every change.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvlab.core.capacity import DTYPE_BYTES, CapacityPlan, GiB, plan_capacity
+from kvlab.core.catalog import GPUS, MODELS, get_gpu, get_model
+
+from .style import BLOCK_STATE_COLORS, INK, MUTED, PHASE_COLORS, REQUEST_PALETTE
+
+#: Colour of each memory use in :func:`capacity_figure` (taken from the book's palette).
+MEMORY_COLORS: dict[str, str] = {
+    "weights": REQUEST_PALETTE[7],
+    "reserve": PHASE_COLORS["prefill"],
+    "kv_cache": BLOCK_STATE_COLORS["exclusive"],
+    "leftover": BLOCK_STATE_COLORS["cached"],
+    "headroom": BLOCK_STATE_COLORS["free"],
+}
+MEMORY_LABELS: dict[str, str] = {
+    "weights": "weights",
+    "reserve": "activations/workspace",
+    "kv_cache": "KV cache",
+    "leftover": "leftover (< 1 block)",
+    "headroom": "kept back (1 - utilization)",
+}
+
+#: Context lengths on the x axis of the right-hand panel (tokens).
+CONTEXTS = tuple(2**k for k in range(9, 18))     # 512 .. 131072
+
+
+def max_requests_curve(plan: CapacityPlan, contexts=CONTEXTS) -> np.ndarray:
+    """Requests of each context length that the plan's KV pool holds at once (whole blocks)."""
+    blocks = -(-np.asarray(contexts, dtype=np.int64) // plan.block_size)
+    return plan.num_blocks // blocks
+
+
+def capacity_figure(plan: CapacityPlan, contexts=CONTEXTS):
+    """Left: one GPU's memory split by use (GiB). Right: max concurrent requests vs context.
+
+    Pure: a new Figure with two axes. The left axis holds one horizontal bar segment per
+    non-zero part of :meth:`CapacityPlan.breakdown` (labelled for the legend); a plan that
+    does not fit shows the weights and reserve overflowing the GPU, marked by a vertical line
+    at the GPU's capacity. The right axis plots :func:`max_requests_curve` on a log-2 x axis
+    and marks the plan's own ``context_len``.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.0, 3.6),
+                                  gridspec_kw={"width_ratios": [1.5, 1.0]})
+    left = 0.0
+    for part, value in plan.breakdown().items():
+        if value <= 0:
+            continue
+        width = value / GiB
+        ax.barh(0, width, left=left, height=0.55, color=MEMORY_COLORS[part], edgecolor=INK,
+                linewidth=0.6, label=f"{MEMORY_LABELS[part]}: {width:.1f} GiB")
+        if width > 0.07 * plan.gpu_memory_bytes / GiB:
+            ax.text(left + width / 2, 0, f"{width:.1f}", ha="center", va="center",
+                    fontsize=9, color="white" if part in ("weights", "kv_cache") else INK)
+        left += width
+    capacity = plan.gpu_memory_bytes / GiB
+    ax.axvline(capacity, color=INK, linewidth=1.0, linestyle="--")
+    ax.set_xlim(0, max(left, capacity) * 1.02)
+    ax.set_yticks([])
+    ax.set_xlabel("GiB per GPU")
+    status = (f"{plan.num_blocks:,} blocks = {plan.token_capacity:,} tokens" if plan.fits
+              else f"does not fit: short by {-plan.kv_budget_bytes / GiB:.1f} GiB")
+    ax.set_title(f"{plan.model} on {plan.gpu}, TP={plan.tp}, KV {plan.kv_dtype}\n{status}",
+                 loc="left", fontsize=10)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=2, fontsize=8)
+
+    counts = max_requests_curve(plan, contexts)
+    positive = counts > 0
+    ax2.plot(np.asarray(contexts)[positive], counts[positive], marker="o",
+             color=MEMORY_COLORS["kv_cache"], label="max requests")
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xlim(min(contexts) / 1.3, max(contexts) * 1.3)
+    ax2.set_ylim(0.7, max(2.0, float(counts.max()) * 1.5))
+    ax2.axvline(plan.context_len, color=MUTED, linestyle=":")
+    ax2.annotate(f"{plan.max_requests:,} at {plan.context_len:,}",
+                 xy=(plan.context_len, max(plan.max_requests, 0.8)), xytext=(6, 8),
+                 textcoords="offset points", fontsize=9)
+    ax2.set_xlabel("context length (tokens)")
+    ax2.set_ylabel("concurrent requests")
+    ax2.set_title("requests that fit at once", loc="left", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def capacity_explorer(model: str = "Llama-3-8B", gpu: str = "H100-80GB SXM"):
+    """Sliders for model, GPU, KV dtype, context, TP, utilisation and reserve -> live figure.
+
+    A thin ipywidgets wrapper: every change calls :func:`plan_capacity` and redraws
+    :func:`capacity_figure`, printing :meth:`CapacityPlan.summary` beneath it.
+    """
+    import ipywidgets as w
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    controls = {
+        "model": w.Dropdown(options=sorted(MODELS), value=model, description="model"),
+        "gpu": w.Dropdown(options=sorted(GPUS), value=gpu, description="GPU"),
+        "kv_dtype": w.Dropdown(options=[d for d in DTYPE_BYTES if d != "fp32"], value="bf16",
+                               description="KV dtype"),
+        "context_len": w.SelectionSlider(options=list(CONTEXTS), value=8192,
+                                         description="context"),
+        "tp": w.SelectionSlider(options=[1, 2, 4, 8, 16], value=1, description="TP"),
+        "gpu_memory_utilization": w.FloatSlider(value=0.9, min=0.5, max=1.0, step=0.01,
+                                                description="utilization"),
+        "reserve_gib": w.FloatSlider(value=2.0, min=0.0, max=16.0, step=0.5,
+                                     description="reserve GiB"),
+    }
+    out = w.Output()
+
+    def redraw(*_):
+        values = {k: c.value for k, c in controls.items()}
+        plan = plan_capacity(
+            get_model(values["model"]), get_gpu(values["gpu"]), kv_dtype=values["kv_dtype"],
+            context_len=values["context_len"], tp=values["tp"],
+            gpu_memory_utilization=values["gpu_memory_utilization"],
+            reserve_bytes=values["reserve_gib"] * GiB,
+        )
+        with out:
+            out.clear_output(wait=True)
+            fig = capacity_figure(plan)
+            display(fig)
+            plt.close(fig)
+            print(plan.summary())
+
+    for control in controls.values():
+        control.observe(redraw, names="value")
+    redraw()
+    return w.VBox([w.HBox(list(controls.values())[:4]), w.HBox(list(controls.values())[4:]),
+                   out])

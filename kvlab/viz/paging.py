@@ -1,0 +1,348 @@
+"""Chapter 2 figures: block tables mapped onto the physical pool, and where KV memory goes.
+
+* :func:`block_table_figure` — each request's logical blocks, the physical block each maps to,
+  and the physical pool coloured by owner (shared blocks marked).
+* :func:`waste_figure` — stacked bars of used / reserved / over-reserved / internal /
+  external / free memory per allocation policy (a :mod:`kvlab.core.fragmentation` result).
+* :func:`waste_timeline_figure` — the same categories over the steps of one run.
+* :class:`BlockTableView` — an ipywidgets playground over a real ``BlockTable`` and allocator.
+
+Figure functions are pure: plain data in, a new matplotlib Figure out. Patches carry a
+``gid`` (``"phys-7"``, ``"log-r0-2"``, ``"waste-paged-used"``) so tests can find them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from kvlab.core.fragmentation import CATEGORIES, WasteReport
+
+from .style import (
+    BLOCK_STATE_COLORS,
+    INK,
+    MUTED,
+    PHASE_COLORS,
+    REQUEST_PALETTE,
+    request_color,
+)
+
+#: Colour of each waste category (taken from the book's palette).
+WASTE_COLORS: dict[str, str] = {
+    "used": BLOCK_STATE_COLORS["exclusive"],
+    "reserved": PHASE_COLORS["prefill"],
+    "over_reserved": PHASE_COLORS["decode"],
+    "internal": BLOCK_STATE_COLORS["pending_copy"],
+    "external": REQUEST_PALETTE[7],
+    "free": BLOCK_STATE_COLORS["free"],
+}
+WASTE_LABELS: dict[str, str] = {
+    "used": "token states",
+    "reserved": "reserved (written later)",
+    "over_reserved": "over-reserved (never written)",
+    "internal": "internal (rounding/tail)",
+    "external": "external (holes too small)",
+    "free": "free",
+}
+
+#: Share of KV memory holding token states in the PagedAttention paper's Figure 2 (percent).
+PAPER_TOKEN_STATES = {"max": 20.4, "pow2": 26.8, "oracle": 38.2, "paged": 96.3}
+
+
+def _owners(tables: Mapping[str, Sequence[int]], num_blocks: int) -> dict[int, list[str]]:
+    owners: dict[int, list[str]] = {}
+    for rid, table in tables.items():
+        for block in table:
+            if not 0 <= block < num_blocks:
+                raise ValueError(f"table {rid!r} names block {block}, pool has {num_blocks}")
+            owners.setdefault(block, []).append(rid)
+    return owners
+
+
+def block_table_figure(
+    tables: Mapping[str, Sequence[int]],
+    num_blocks: int,
+    block_size: int,
+    token_counts: Mapping[str, int],
+    *,
+    per_row: int = 16,
+):
+    """Draw block tables over a pool of ``num_blocks`` physical blocks.
+
+    Args:
+        tables: request id -> its block table (physical block ids, in logical order).
+        num_blocks: size of the physical pool.
+        block_size: tokens per block (fills are drawn to scale).
+        token_counts: request id -> tokens stored; must fit the request's table.
+        per_row: physical blocks per row of the pool drawing.
+
+    Top: the physical pool, one cell per block, coloured by its owner's
+    :func:`request_color` (free blocks grey; a block in more than one table is drawn in the
+    ``shared`` colour, hatched, and labelled ``×n``); the darker inner bar shows how many of
+    its slots hold tokens. Bottom: one row per request, its logical blocks ``L0, L1, ...``,
+    each annotated with the physical block it maps to and joined to it by a line.
+    Raises ValueError for a block outside the pool or a token count that does not fit.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    if num_blocks <= 0 or block_size <= 0 or per_row <= 0:
+        raise ValueError("num_blocks, block_size and per_row must be positive")
+    order = list(tables)
+    for rid in order:
+        count = token_counts.get(rid, 0)
+        if not 0 <= count <= len(tables[rid]) * block_size:
+            raise ValueError(f"request {rid!r}: {count} tokens do not fit "
+                             f"{len(tables[rid])} blocks of {block_size}")
+    owners = _owners(tables, num_blocks)
+
+    def fill(rid: str, logical: int) -> int:
+        return int(np.clip(token_counts.get(rid, 0) - logical * block_size, 0, block_size))
+
+    block_fill = {}
+    for rid in order:
+        for logical, block in enumerate(tables[rid]):
+            block_fill[block] = max(block_fill.get(block, 0), fill(rid, logical))
+
+    cols = min(per_row, num_blocks)
+    pool_rows = -(-num_blocks // cols)
+    longest = max((len(t) for t in tables.values()), default=0)
+    width = max(cols, longest + 2)
+    height = pool_rows * 1.3 + 1.2 + len(order) * 1.1
+    fig, ax = plt.subplots(figsize=(min(0.55 * width + 1.5, 12.0), 0.5 * height + 0.8))
+    top = height
+
+    def pool_xy(block: int) -> tuple[float, float]:
+        row, col = divmod(block, cols)
+        return col, top - 1.0 - row * 1.3
+
+    for block in range(num_blocks):
+        x, y = pool_xy(block)
+        who = owners.get(block, [])
+        if not who:
+            color, hatch = BLOCK_STATE_COLORS["free"], None
+        elif len(who) == 1:
+            color, hatch = request_color(who[0], order), None
+        else:
+            color, hatch = BLOCK_STATE_COLORS["shared"], "//"
+        ax.add_patch(Rectangle((x + 0.05, y), 0.9, 0.8, facecolor=color, edgecolor=INK,
+                               linewidth=0.6, hatch=hatch, gid=f"phys-{block}"))
+        if who:
+            frac = block_fill.get(block, 0) / block_size
+            ax.add_patch(Rectangle((x + 0.05, y), 0.9 * frac, 0.12, facecolor=INK,
+                                   edgecolor="none", gid=f"fill-{block}"))
+        label = f"{block}" if len(who) < 2 else f"{block} ×{len(who)}"
+        ax.text(x + 0.5, y + 0.45, label, ha="center", va="center", fontsize=7,
+                color="white" if len(who) == 1 else INK)
+    ax.text(-0.1, top - 0.55, "physical\nblocks", ha="right", va="center", fontsize=8)
+
+    base = top - 1.0 - (pool_rows - 1) * 1.3 - 1.6
+    for r, rid in enumerate(order):
+        y = base - r * 1.1
+        color = request_color(rid, order)
+        ax.text(-0.1, y + 0.4, f"{rid} ({token_counts.get(rid, 0)} tok)", ha="right",
+                va="center", fontsize=8)
+        for logical, block in enumerate(tables[rid]):
+            ax.add_patch(Rectangle((logical + 0.05, y), 0.9, 0.8, facecolor="white",
+                                   edgecolor=color, linewidth=1.4, gid=f"log-{rid}-{logical}"))
+            frac = fill(rid, logical) / block_size
+            ax.add_patch(Rectangle((logical + 0.05, y), 0.9 * frac, 0.8, facecolor=color,
+                                   alpha=0.35, edgecolor="none"))
+            ax.text(logical + 0.5, y + 0.4, f"L{logical}→{block}", ha="center", va="center",
+                    fontsize=7)
+            px, py = pool_xy(block)
+            ax.plot([logical + 0.5, px + 0.5], [y + 0.8, py], color=color, linewidth=0.7,
+                    alpha=0.5, gid=f"map-{rid}-{logical}")
+    ax.set_xlim(-3.2, width)
+    ax.set_ylim(base - (len(order) - 1) * 1.1 - 0.3, top + 0.1)
+    ax.axis("off")
+    shared = sum(1 for who in owners.values() if len(who) > 1)
+    ax.set_title(f"{len(order)} block tables, {len(owners)}/{num_blocks} blocks in use"
+                 f"{f', {shared} shared' if shared else ''} (block size {block_size})",
+                 loc="left", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _fractions(reports: Mapping[str, WasteReport | Mapping[str, float]]) -> dict[str, dict]:
+    out = {}
+    for name, rep in reports.items():
+        fractions = rep.fractions if isinstance(rep, WasteReport) else dict(rep)
+        missing = set(CATEGORIES) - set(fractions)
+        if missing:
+            raise ValueError(f"{name!r} lacks categories {sorted(missing)}")
+        out[name] = fractions
+    return out
+
+
+def waste_figure(
+    reports: Mapping[str, WasteReport | Mapping[str, float]],
+    *,
+    paper: Mapping[str, float] | None = PAPER_TOKEN_STATES,
+    title: str = "Where KV memory goes (share of the arena)",
+):
+    """Stacked bars, one per policy, of the waste categories (percent of the arena).
+
+    ``reports`` maps a policy name to a :class:`WasteReport` or to a ``{category: fraction}``
+    dict covering :data:`~kvlab.core.fragmentation.CATEGORIES`. Each bar is labelled with its
+    token-state share; when ``paper`` gives a token-state percentage for a policy, a black
+    diamond marks it for comparison. Pure; one axes, one patch per (policy, category) with
+    a non-zero share.
+    """
+    import matplotlib.pyplot as plt
+
+    data = _fractions(reports)
+    names = list(data)
+    fig, ax = plt.subplots(figsize=(8.0, 3.8))
+    x = np.arange(len(names))
+    bottoms = np.zeros(len(names))
+    for cat in CATEGORIES:
+        values = np.array([100 * data[n][cat] for n in names])
+        for i, (name, v) in enumerate(zip(names, values, strict=True)):
+            if v <= 0:
+                continue
+            ax.bar(x[i], v, bottom=bottoms[i], width=0.6, color=WASTE_COLORS[cat],
+                   edgecolor=INK, linewidth=0.5, gid=f"waste-{name}-{cat}",
+                   label=WASTE_LABELS[cat])
+        bottoms += values
+    for i, name in enumerate(names):
+        used = 100 * data[name]["used"]
+        ax.text(x[i], used / 2, f"{used:.1f}%", ha="center", va="center", color="white",
+                fontsize=9, fontweight="bold")
+    if paper:
+        px = [i for i, n in enumerate(names) if n in paper]
+        if px:
+            ax.scatter(px, [paper[names[i]] for i in px], marker="D", color=INK, zorder=5,
+                       s=28, label="paper: token states")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5),
+              fontsize=8)
+    ax.set_xticks(x, names)
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("% of KV arena")
+    ax.set_title(title, loc="left", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def waste_timeline_figure(report: WasteReport, *, steps: int | None = None):
+    """Stacked area of the waste categories over the steps of one run (first ``steps``).
+
+    Pure. One axes with one filled area per category (:func:`matplotlib.axes.Axes.stackplot`)
+    and a muted line for the number of running requests on a twin axis.
+    """
+    import matplotlib.pyplot as plt
+
+    n = report.steps if steps is None else min(steps, report.steps)
+    t = np.arange(n)
+    fig, ax = plt.subplots(figsize=(8.0, 3.2))
+    layers = [100 * report.trace[c][:n] / report.arena_tokens for c in CATEGORIES]
+    ax.stackplot(t, *layers, colors=[WASTE_COLORS[c] for c in CATEGORIES],
+                 labels=[WASTE_LABELS[c] for c in CATEGORIES], linewidth=0)
+    ax.set_xlim(0, max(n - 1, 1))
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("step")
+    ax.set_ylabel("% of KV arena")
+    twin = ax.twinx()
+    twin.plot(t, report.trace["running"][:n], color=MUTED, linewidth=0.8, label="running")
+    twin.set_ylabel("running requests", color=MUTED)
+    twin.spines["right"].set_visible(True)
+    ax.legend(loc="center left", bbox_to_anchor=(1.12, 0.5), fontsize=8)
+    ax.set_title(f"{report.policy} ({report.arena}), {report.arena_tokens:,} slots",
+                 loc="left", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+class BlockTableView:
+    """Interactive page tables over a real allocator: add requests, append tokens, finish.
+
+    Holds a :class:`kvlab.core.blocks.BlockAllocator` of ``num_blocks`` blocks and one
+    :class:`kvlab.core.paging.BlockTable` per request; each button press calls the real
+    methods and redraws :func:`block_table_figure` from a snapshot. Out-of-memory shows the
+    allocator's error and changes nothing (``append_tokens`` is all-or-nothing).
+    """
+
+    def __init__(self, num_blocks: int = 16, block_size: int = 4):
+        from kvlab.core.blocks import BlockAllocator
+
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self.tables: dict = {}
+        self._next = 0
+
+    def snapshot(self) -> tuple[dict[str, list[int]], dict[str, int]]:
+        """(request id -> block table, request id -> tokens), plain data for the figure."""
+        return ({rid: list(t.blocks) for rid, t in self.tables.items()},
+                {rid: len(t) for rid, t in self.tables.items()})
+
+    def figure(self):
+        tables, counts = self.snapshot()
+        return block_table_figure(tables, self.num_blocks, self.block_size, counts)
+
+    def add_request(self, prompt_tokens: int) -> str:
+        from kvlab.core.paging import BlockTable
+
+        rid = f"r{self._next}"
+        table = BlockTable(self.block_size, self.allocator)
+        table.append_tokens(prompt_tokens)       # raises before anything is registered
+        self.tables[rid] = table
+        self._next += 1
+        return rid
+
+    def append(self, rid: str, tokens: int = 1) -> None:
+        self.tables[rid].append_tokens(tokens)
+
+    def finish(self, rid: str) -> None:
+        self.tables.pop(rid).release()
+
+    def widget(self):
+        """The ipywidgets front end (buttons + figure)."""
+        import ipywidgets as w
+        import matplotlib.pyplot as plt
+        from IPython.display import display
+
+        out = w.Output()
+        who = w.Dropdown(options=[], description="request")
+        tokens = w.BoundedIntText(value=5, min=1, max=self.num_blocks * self.block_size,
+                                  description="tokens")
+        message = w.Label()
+        buttons = {name: w.Button(description=name) for name in ("new request", "append",
+                                                                  "finish")}
+
+        def redraw(note: str = "") -> None:
+            who.options = list(self.tables)
+            message.value = note or (f"{len(self.allocator.free)} of {self.num_blocks} "
+                                     "blocks free")
+            with out:
+                out.clear_output(wait=True)
+                fig = self.figure()
+                display(fig)
+                plt.close(fig)
+
+        def act(name):
+            def handler(_):
+                try:
+                    if name == "new request":
+                        rid = self.add_request(tokens.value)
+                        redraw()
+                        who.value = rid
+                        return
+                    if who.value is None:
+                        redraw("no request selected")
+                        return
+                    if name == "append":
+                        self.append(who.value, tokens.value)
+                    else:
+                        self.finish(who.value)
+                    redraw()
+                except MemoryError as exc:
+                    redraw(f"MemoryError: {exc} (nothing changed)")
+            return handler
+
+        for name, button in buttons.items():
+            button.on_click(act(name))
+        redraw()
+        return w.VBox([w.HBox([who, tokens, *buttons.values()]), message, out])
