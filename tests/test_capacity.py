@@ -274,3 +274,31 @@ def test_capacity_explorer_builds():
     assert len(box.children) == 3
     tp = box.children[1].children[0]
     tp.value = 8                                     # triggers a re-plan without error
+
+
+# --- exercises -----------------------------------------------------------------------------
+
+
+def test_chapter1_exercise_checks():
+    from kvlab.exercises._common import NotYetAnswered
+    from kvlab.exercises.ch01 import (
+        check_kv_bytes_per_token,
+        check_max_requests_h100,
+        check_tp_kv_per_rank,
+    )
+
+    assert "320 KiB" in check_kv_bytes_per_token(327_680)
+    assert "12 requests" in check_max_requests_h100(12, 24)
+    assert "40,960" in check_tp_kv_per_rank(40_960, 40_960)
+    with pytest.raises(AssertionError, match="factor 2"):
+        check_kv_bytes_per_token(163_840)
+    with pytest.raises(AssertionError, match="GQA"):
+        check_kv_bytes_per_token(327_680 * 8)
+    with pytest.raises(AssertionError, match="fp8: 12"):
+        check_max_requests_h100(12, 12)
+    with pytest.raises(AssertionError, match="replicated"):
+        check_tp_kv_per_rank(40_960, 20_480)
+    with pytest.raises(NotYetAnswered):
+        check_max_requests_h100(..., 24)
+    with pytest.raises(AssertionError, match="whole number"):
+        check_kv_bytes_per_token(1.5)

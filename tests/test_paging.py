@@ -242,3 +242,29 @@ def test_block_table_view_drives_real_tables():
     plt.close(fig)
     box = view.widget()
     assert len(box.children) == 3
+
+
+# --- exercises -----------------------------------------------------------------------------
+
+
+def test_chapter2_exercise_checks():
+    from kvlab.exercises._common import NotYetAnswered
+    from kvlab.exercises.ch02 import (
+        check_physical_slot,
+        check_slot_mapping,
+        check_tail_waste,
+        tail_waste,
+    )
+
+    assert "Correct" in check_physical_slot(physical_slot)
+    with pytest.raises(AssertionError, match="ValueError"):
+        check_physical_slot(lambda t, b, p: t[p // b] * b + p % b)   # no validation
+    with pytest.raises(NotYetAnswered):
+        check_physical_slot(...)
+    assert tail_waste([1, 16, 17], 16) == 15 + 0 + 15
+    assert "52 vs 1156" in check_tail_waste(52, 1156)
+    with pytest.raises(AssertionError):
+        check_tail_waste(52, 1000)
+    assert "Correct" in check_slot_mapping([28, 29, 6, 21])
+    with pytest.raises(AssertionError, match="not right"):
+        check_slot_mapping([28, 29, 6, 20])
