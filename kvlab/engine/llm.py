@@ -54,7 +54,7 @@ class LLM:
         for p, sp in zip(prompts, params, strict=True):  # validate all before queueing any
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
-            engine.encode_prompt(p)
+            engine.validate_request(p, sp)
         ids: list[str] = []
         done: dict[str, RequestOutput] = {}
         try:

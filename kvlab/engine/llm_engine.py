@@ -306,16 +306,23 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    *, security_domain: str | None = None) -> None:
-        """Queue a request. ValueError/TypeError/KeyError (engine unchanged) on bad input."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        if _SAMPLE_SEP in request_id:
-            raise ValueError(f"request_id {request_id!r} may not contain {_SAMPLE_SEP!r} "
-                             "(reserved for the samples of n > 1 requests)")
-        if request_id in self._groups:
-            raise ValueError(f"duplicate request_id {request_id!r}: already in the engine")
+    def validate_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                         request_id: str | None = None
+                         ) -> tuple[str | None, tuple[int, ...], SamplingParams]:
+        """Every check :meth:`add_request` makes, without queueing anything.
+
+        Returns ``(prompt text or None, token ids, params)``; raises ValueError / TypeError
+        naming the problem (empty or too long prompt, ids outside the vocabulary, bad params,
+        a request that can never fit the KV cache, a bad or duplicate ``request_id``).
+        """
+        if request_id is not None:
+            if not isinstance(request_id, str) or not request_id:
+                raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+            if _SAMPLE_SEP in request_id:
+                raise ValueError(f"request_id {request_id!r} may not contain {_SAMPLE_SEP!r} "
+                                 "(reserved for the samples of n > 1 requests)")
+            if request_id in self._groups:
+                raise ValueError(f"duplicate request_id {request_id!r}: already in the engine")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -331,6 +338,16 @@ class LLMEngine:
             raise ValueError(
                 f"request needs up to {longest} tokens of KV "
                 f"({-(-longest // self.block_size)} blocks) but the cache has {self.num_blocks}")
+        return text, ids, params
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    *, security_domain: str | None = None) -> None:
+        """Queue a request. ValueError/TypeError (engine unchanged) on bad input, see
+        :meth:`validate_request`. ``security_domain`` overrides the engine's default tenant."""
+        text, ids, params = self.validate_request(prompt, params, request_id)
+        if security_domain is not None and (not isinstance(security_domain, str)
+                                            or not security_domain):
+            raise ValueError(f"security_domain must be a non-empty str, got {security_domain!r}")
         seed = params.seed
         if seed is None:  # reproducible per engine: engine seed and arrival order
             seed = (self.seed * 1_000_003 + self._arrivals) % (2**63)

@@ -1,0 +1,197 @@
+"""LLM / LLMEngine behaviour: equivalences that must hold whatever the batching or caching."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kvlab.engine.checkpoint import load_checkpoint
+from kvlab.engine.hf_parity import save_random_hf_model
+from kvlab.engine.llm import LLM
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.engine.params import SamplingParams
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_random_hf_model(tmp_path_factory.mktemp("engine") / "llama", "llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(7)
+    system = torch.randint(0, VOCAB, (37,), generator=gen).tolist()  # shared "system prompt"
+    out = [system + torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 9, 20)]
+    out += [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (1, 6, 50)]
+    return out
+
+
+def _llm(model_dir, **kw):
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_blocks", 256)
+    return LLM(model_dir, **kw)
+
+
+def _tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=10, temperature=0.8, top_k=20, top_p=0.9, seed=11,
+                         ignore_eos=True)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_prefix_caching_does_not_change_outputs(model_dir, prompts, params):
+    on = _llm(model_dir, enable_prefix_caching=True)
+    first = _tokens(on.generate(prompts, params))
+    again = _tokens(on.generate(prompts, params))  # now served from the cache
+    off = _tokens(_llm(model_dir, enable_prefix_caching=False).generate(prompts, params))
+    assert first == off == again
+    assert on.engine.stats.prefix_hit_rate > 0.3
+    on.engine.check_invariants()
+
+
+def test_batched_equals_one_at_a_time(model_dir, prompts):
+    batched = _tokens(_llm(model_dir).generate(prompts, SAMPLED))
+    single = _llm(model_dir, enable_prefix_caching=False)
+    alone = [_tokens(single.generate([p], SAMPLED))[0] for p in prompts]
+    assert batched == alone
+
+
+def test_chunked_prefill_equals_whole_prefill(model_dir, prompts):
+    whole = _tokens(_llm(model_dir, max_num_batched_tokens=512).generate(prompts, GREEDY))
+    chunked_llm = _llm(model_dir, max_num_batched_tokens=16, max_prefill_chunk=5)
+    assert _tokens(chunked_llm.generate(prompts, GREEDY)) == whole
+
+
+def test_forks_equal_separate_requests_with_same_seeds(model_dir, prompts):
+    n = 3
+    forked_llm = _llm(model_dir)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=n, ignore_eos=True)
+    forked = forked_llm.generate(prompts[:3], params)
+    sep = _llm(model_dir, enable_prefix_caching=False)
+    for prompt, out in zip(prompts[:3], forked, strict=True):
+        assert [c.index for c in out.outputs] == list(range(n))
+        for c in out.outputs:
+            alone = sep.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0,
+                                                          seed=5 + c.index, ignore_eos=True))
+            assert c.token_ids == alone[0].outputs[0].token_ids
+    assert len({tuple(c.token_ids) for c in forked[0].outputs}) > 1  # samples do differ
+    forked_llm.engine.check_invariants()
+
+
+def test_seed_reproducible_and_independent_of_batch(model_dir, prompts):
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=42, ignore_eos=True)
+    a = _llm(model_dir).generate([prompts[0]], p)[0].outputs[0].token_ids
+    noisy = [SamplingParams(max_tokens=5, temperature=1.5, seed=i) for i in range(5)]
+    b = _llm(model_dir).generate([*prompts[1:], prompts[0]], [*noisy, p])[-1].outputs[0].token_ids
+    assert a == b
+    c = _llm(model_dir).generate([prompts[0]], SamplingParams(
+        max_tokens=12, temperature=1.0, seed=43, ignore_eos=True))[0].outputs[0].token_ids
+    assert c != a
+
+
+def test_topk1_and_tiny_topp_are_greedy(model_dir, prompts):
+    greedy = _tokens(_llm(model_dir).generate(prompts, GREEDY))
+    k1 = SamplingParams(max_tokens=10, temperature=1.3, top_k=1, seed=0, ignore_eos=True)
+    p0 = SamplingParams(max_tokens=10, temperature=1.3, top_p=1e-6, seed=0, ignore_eos=True)
+    assert _tokens(_llm(model_dir).generate(prompts, k1)) == greedy
+    assert _tokens(_llm(model_dir).generate(prompts, p0)) == greedy
+
+
+def test_logprobs_are_raw_log_softmax(model_dir, prompts):
+    llm = _llm(model_dir)
+    out = llm.generate([prompts[4]], SamplingParams(max_tokens=6, temperature=2.0, seed=1,
+                                                    logprobs=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 6
+    ckpt = load_checkpoint(model_dir)
+    ids = prompts[4] + out.token_ids
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1)
+    total = 0.0
+    for t, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        row = ref[len(prompts[4]) - 1 + t]
+        top3 = row.topk(3).indices.tolist()
+        assert set(lp) == set(top3) | {tok}  # the top-3 and the sampled token
+        for tid, v in lp.items():
+            assert abs(v - row[tid].item()) < 1e-4  # before temperature
+        total += lp[tok]
+    assert math.isclose(out.cumulative_logprob, total, abs_tol=1e-4)
+    assert ckpt.config.vocab_size == VOCAB
+
+
+def test_stop_tokens_max_tokens_and_ignore_eos(model_dir, prompts):
+    llm = _llm(model_dir)
+    free = llm.generate([prompts[3]], GREEDY)[0].outputs[0]
+    stop_at = free.token_ids[3]
+    first = free.token_ids.index(stop_at)
+    stopped = llm.generate([prompts[3]], SamplingParams(
+        max_tokens=10, temperature=0, stop_token_ids=[stop_at]))[0].outputs[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[:first + 1]
+    assert free.finish_reason == "length" and len(free.token_ids) == 10
+    # the model's eos ends a request unless ignore_eos
+    eng = LLMEngine(model_dir, block_size=4, num_blocks=64)
+    eng.eos_token_ids = (stop_at,)
+    eng.config = eng.config.__class__(**{**eng.config.__dict__, "eos_token_ids": (stop_at,)})
+    eng.add_request("a", prompts[3], SamplingParams(max_tokens=10, temperature=0))
+    eng.add_request("b", prompts[3], SamplingParams(max_tokens=10, temperature=0,
+                                                    ignore_eos=True))
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0]
+    assert done["a"].finish_reason == "stop" and len(done["a"].token_ids) == first + 1
+    assert done["b"].token_ids == free.token_ids
+
+
+def test_preemption_under_kv_pressure_keeps_outputs(model_dir, prompts):
+    ample = _tokens(_llm(model_dir).generate(prompts, GREEDY))
+    tight = _llm(model_dir, num_blocks=24, enable_prefix_caching=False)
+    assert _tokens(tight.generate(prompts, GREEDY)) == ample
+    tight.engine.check_invariants()
+
+
+def test_step_api_abort_and_snapshot(model_dir, prompts):
+    eng = LLMEngine(model_dir, block_size=4, num_blocks=128)
+    eng.add_request("a", prompts[0], SamplingParams(max_tokens=20, temperature=0))
+    eng.add_request("b", prompts[1], SamplingParams(max_tokens=3, temperature=0, n=2, seed=1))
+    eng.step()
+    snap = eng.snapshot()
+    assert {r.request_id for r in snap.requests} >= {"a", "b", "b#1"}
+    assert {e.request_id for e in snap.last_batch} == {"a", "b"}
+    for entry in snap.last_batch:
+        view = next(r for r in snap.requests if r.request_id == entry.request_id)
+        bs = snap.block_size
+        assert entry.slots == tuple(view.block_table[p // bs] * bs + p % bs for p in range(
+            entry.start_pos, entry.start_pos + entry.num_tokens))
+    # forks share the parent's blocks: refcounts > 1 on the shared prompt blocks
+    parent = next(r for r in snap.requests if r.request_id == "b")
+    child = next(r for r in snap.requests if r.request_id == "b#1")
+    assert parent.block_table[0] == child.block_table[0]
+    assert snap.refcounts[parent.block_table[0]] >= 2
+    out = eng.abort_request("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    eng.check_invariants()
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.check_invariants()
+    snap = eng.snapshot()
+    assert all(s in ("free", "cached") for s in snap.block_states)  # nothing leaked
+
+
+def test_text_prompts_need_a_tokenizer(model_dir):
+    llm = _llm(model_dir)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("hello", GREEDY)

@@ -1,0 +1,163 @@
+"""Bad input raises a clear exception naming the problem, and leaves the engine unchanged."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from kvlab.engine.checkpoint import CheckpointError, load_checkpoint
+from kvlab.engine.config import ConfigError
+from kvlab.engine.hf_parity import save_random_hf_model
+from kvlab.engine.llm import LLM
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.engine.params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_random_hf_model(tmp_path_factory.mktemp("errors") / "llama", "llama", seed=4,
+                                max_position_embeddings=64)
+
+
+@pytest.fixture()
+def engine(model_dir):
+    eng = LLMEngine(model_dir, block_size=4, num_blocks=40)
+    eng.add_request("live", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8, temperature=0))
+    eng.step()
+    return eng
+
+
+def _state(eng):
+    return (eng.kv.state_tuple(), sorted(eng._groups), sorted(eng._seq_owner),
+            [(r.request_id, r.status, len(r.output_token_ids)) for r in eng.scheduler.requests()])
+
+
+def _copy(model_dir, tmp_path):
+    dst = tmp_path / "m"
+    shutil.copytree(model_dir, dst)
+    return dst
+
+
+def test_unknown_model_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="unknown model"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="unknown model 'no-such-model'"):
+        LLM("no-such-model")
+
+
+def test_malformed_config(model_dir, tmp_path):
+    path = _copy(model_dir, tmp_path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="malformed JSON"):
+        load_checkpoint(path)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    del cfg["num_hidden_layers"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        load_checkpoint(path)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["num_key_value_heads"] = 3
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        load_checkpoint(path)
+
+
+def test_unsupported_architecture_and_rope(model_dir, tmp_path):
+    path = _copy(model_dir, tmp_path)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match=r"unsupported architecture.*GPT2LMHeadModel"):
+        LLM(path)
+    bad_rope = {**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
+    (path / "config.json").write_text(json.dumps(bad_rope))
+    with pytest.raises(ConfigError, match="rope_type 'yarn'"):
+        LLM(path)
+
+
+def test_checkpoint_tensor_mismatch(model_dir, tmp_path):
+    path = _copy(model_dir, tmp_path)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    with pytest.raises(CheckpointError, match=r"missing tensor.*layers\.2"):
+        load_checkpoint(path)
+    (path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    with pytest.raises(CheckpointError, match="shape"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
+     ({"temperature": float("nan")}, "temperature"), ({"top_k": -3}, "top_k"),
+     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"n": 0}, "n"),
+     ({"logprobs": -1}, "logprobs"), ({"seed": 1.5}, "seed"),
+     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"ignore_eos": 1}, "ignore_eos")],
+)
+def test_invalid_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("args", "exc", "message"),
+    [
+        (("x", [1] * 64), ValueError, "does not fit the context"),
+        (("x", []), ValueError, "empty prompt"),
+        (("x", [1, 2, 999]), ValueError, "outside the vocabulary"),
+        (("x", [1, "a"]), TypeError, "must be ints"),
+        (("x", 3.5), TypeError, "prompt must be"),
+        (("live", [1, 2]), ValueError, "duplicate request_id 'live'"),
+        (("", [1, 2]), ValueError, "non-empty"),
+        (("a#1", [1, 2]), ValueError, "may not contain"),
+        (("x", [1, 2], "greedy"), TypeError, "SamplingParams"),
+        (("x", [1, 2], SamplingParams(stop_token_ids=[500])), ValueError, "stop_token_ids"),
+        (("x", [1, 2], SamplingParams(max_tokens=40, n=100)), ValueError, "max_num_seqs"),
+        (("x", list(range(60)), SamplingParams(max_tokens=4)), ValueError, "blocks"),
+        (("x", "text"), ValueError, "no tokenizer"),
+    ],
+)
+def test_bad_requests_leave_engine_unchanged(engine, args, exc, message):
+    if args[1] == list(range(60)):
+        engine = LLMEngine(engine.checkpoint, block_size=4, num_blocks=10)
+    before = _state(engine)
+    with pytest.raises(exc, match=message):
+        engine.add_request(*args)
+    assert _state(engine) == before
+    engine.check_invariants()
+
+
+def test_abort_unknown_id(engine):
+    before = _state(engine)
+    with pytest.raises(KeyError, match="unknown request_id 'ghost'"):
+        engine.abort_request("ghost")
+    assert _state(engine) == before
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_invariants()
+    assert engine.kv.snapshot().count("exclusive") == 0  # no leaked block
+
+
+def test_generate_validates_every_prompt_before_running(model_dir):
+    llm = LLM(model_dir, block_size=4, num_blocks=40)
+    before = _state(llm.engine)
+    with pytest.raises(ValueError, match="does not fit the context"):
+        llm.generate([[1, 2, 3], [1] * 64], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate([[1, 2]], [SamplingParams(), SamplingParams()])
+    assert _state(llm.engine) == before  # nothing was queued
+    llm.engine.check_invariants()
+
+
+def test_bad_engine_arguments(model_dir):
+    for kwargs, msg in [({"block_size": 0}, "block_size"), ({"num_blocks": -1}, "num_blocks"),
+                        ({"max_model_len": 10_000}, "max_model_len"),
+                        ({"scheduler": "fifo"}, "unknown scheduler"),
+                        ({"dtype": "float13"}, "unknown dtype"),
+                        ({"device": "cuda:0"} if not __import__("torch").cuda.is_available()
+                         else {"block_size": -1}, "cuda|block_size")]:
+        with pytest.raises(ValueError, match=msg):
+            LLMEngine(model_dir, **kwargs)
