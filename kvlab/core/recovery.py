@@ -156,10 +156,13 @@ def recover(
         request = entry.request
         held = kv.has(rid)
         if request.status in RUNNING_STATUSES:
-            if held:
+            # A child forked in the step that crashed has its prompt computed but lost its
+            # first token: nothing to resume from, so it recomputes like a preempted request.
+            if held and request.num_uncomputed_tokens > 0:
                 resumed.append(rid)
             else:
                 lifecycle.transition(request, S.PREEMPTED)
+                lifecycle.release(request, kv)
                 request.num_computed_tokens = 0
                 requeued.append(rid)
         else:

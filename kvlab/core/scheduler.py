@@ -107,7 +107,7 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{name} must be None or an int >= 0")
 
 
-class _SchedulerBase:
+class SchedulerBase:
     """Request registry, queues, KV bookkeeping and output handling shared by both policies."""
 
     def __init__(self, kv: Any, config: SchedulerConfig | None = None, *,
@@ -296,11 +296,11 @@ class _SchedulerBase:
         if child.prompt_token_ids != parent.prompt_token_ids:
             raise ValueError("fork: the child must have the parent's prompt_token_ids")
         cid = child.request_id
+        child.parent_id = parent_id
         self.lifecycle.add(child)
         self._requests[cid] = child
         self._seq[cid] = self._counter
         self._counter += 1
-        child.parent_id = parent_id
         child.arrival_step = self._step
         computed = chunk.start_pos + chunk.num_tokens
 
@@ -566,7 +566,7 @@ class _StepPlan:
         self.scheduled.add(chunk.request_id)
 
 
-class BaselineScheduler(_SchedulerBase):
+class BaselineScheduler(SchedulerBase):
     """The spec's decode-first ``build_batch`` as a real scheduler (see the module docstring).
 
     Per step: every running decode gets one token (running order), then running prefills and
@@ -636,7 +636,7 @@ def default_order_key(request: RuntimeRequest, hit_tokens: int, step: int) -> tu
     return (request.priority, deadline, -hit_tokens)
 
 
-class ProductionScheduler(_SchedulerBase):
+class ProductionScheduler(SchedulerBase):
     """Token-budget continuous batching with admission control (the policy, in order).
 
     1. **Running requests first, each guaranteed one token.** Running requests are ordered by

@@ -1,0 +1,162 @@
+"""Request lifecycle: the transition table, idempotent ends, write-ahead event log."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from kvlab.core.kv_manager import KVCacheManager
+from kvlab.core.lifecycle import (
+    TRANSITIONS,
+    EventLog,
+    IllegalTransition,
+    Lifecycle,
+    SimulatedCrash,
+    holds_kv,
+)
+from kvlab.core.request import ALLOWED, Phase, Request
+from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+
+S = RequestStatus
+
+
+def make(status: RequestStatus = S.WAITING) -> RuntimeRequest:
+    return RuntimeRequest("r", (1, 2, 3), max_tokens=4, status=status)
+
+
+def test_reference_request_asserts_of_the_spec():
+    request = Request("r0", 3)
+    request.transition(Phase.PREFILL)
+    request.transition(Phase.DECODE)
+    request.transition(Phase.FINISHED)
+    request.transition(Phase.FINISHED)  # idempotent
+    with pytest.raises(ValueError):
+        request.transition(Phase.CANCELLED)
+    assert request.phase == Phase.FINISHED
+
+
+def test_runtime_table_extends_the_reference_table():
+    """Every move the spec allows is allowed at runtime (phases map by name)."""
+    for src, targets in ALLOWED.items():
+        for dst in targets:
+            assert S(dst.value) in TRANSITIONS[S(src.value)], (src, dst)
+    for status in S:
+        assert status in TRANSITIONS
+        if status.is_terminal:
+            assert not TRANSITIONS[status]
+
+
+def test_preempted_returns_to_prefill_and_holds_no_kv():
+    assert S.PREFILL in TRANSITIONS[S.PREEMPTED]
+    assert S.PREEMPTED in TRANSITIONS[S.DECODE] and S.PREEMPTED in TRANSITIONS[S.PREFILL]
+    assert [s for s in S if holds_kv(s)] == [S.PREFILL, S.DECODE]
+
+
+@pytest.mark.parametrize("src", list(S))
+@pytest.mark.parametrize("dst", list(S))
+def test_every_pair_is_allowed_or_raises_and_changes_nothing(src, dst):
+    life = Lifecycle()
+    request = make(src)
+    before = copy.deepcopy(request)
+    reason = {S.FINISHED: FinishReason.STOP}.get(dst)
+    if dst in TRANSITIONS[src]:
+        assert life.transition(request, dst, reason) is True
+        assert request.status == dst
+        assert len(life.log) == 1
+        assert life.log.events[0].data == (src.value, dst.value, reason.value if reason else (
+            None if not dst.is_terminal else request.finish_reason.value))
+    elif src == dst and dst.is_terminal:
+        assert life.transition(request, dst, reason) is False
+        assert request == before and len(life.log) == 0
+    else:
+        with pytest.raises(IllegalTransition):
+            life.transition(request, dst, reason)
+        assert request == before and len(life.log) == 0
+
+
+def test_finish_and_cancel_are_idempotent():
+    life = Lifecycle()
+    request = make(S.DECODE)
+    assert life.finish(request, FinishReason.LENGTH)
+    n = len(life.log)
+    assert not life.finish(request, FinishReason.LENGTH)
+    assert not life.cancel(request)           # a late abort of a finished request is a no-op
+    assert request.status == S.FINISHED and request.finish_reason == FinishReason.LENGTH
+    assert len(life.log) == n
+
+    other = make(S.WAITING)
+    assert life.cancel(other) and other.finish_reason == FinishReason.ABORT
+    assert not life.cancel(other)
+    assert not life.fail(other, "late")
+    assert other.status == S.CANCELLED
+
+
+def test_finish_reason_must_fit_status():
+    life = Lifecycle()
+    request = make(S.DECODE)
+    with pytest.raises(ValueError, match="does not fit"):
+        life.transition(request, S.FINISHED, FinishReason.ABORT)
+    with pytest.raises(ValueError, match="does not fit"):
+        life.transition(request, S.FINISHED)      # FINISHED needs STOP or LENGTH
+    with pytest.raises(ValueError, match="no finish reason"):
+        life.transition(request, S.PREEMPTED, FinishReason.STOP)
+    with pytest.raises(TypeError):
+        life.transition(request, "finished")      # type: ignore[arg-type]
+    assert request.status == S.DECODE and len(life.log) == 0
+
+
+def test_reject_records_reason_and_message():
+    life = Lifecycle()
+    request = make()
+    life.reject(request, "queue full")
+    assert request.status == S.REJECTED
+    assert request.finish_reason == FinishReason.REJECTED
+    assert request.status_message == "queue full"
+
+
+def test_preemption_counts_and_keeps_outputs():
+    life = Lifecycle()
+    request = make(S.DECODE)
+    request.output_token_ids = [7, 8]
+    life.transition(request, S.PREEMPTED)
+    assert request.num_preemptions == 1 and request.output_token_ids == [7, 8]
+    life.transition(request, S.PREFILL)
+    assert request.status == S.PREFILL
+
+
+def test_release_is_idempotent_and_logged_write_ahead():
+    kv = KVCacheManager(8, 4)
+    life = Lifecycle()
+    request = make(S.PREFILL)
+    life.acquire(request, "admit", lambda: kv.admit("r", (), (1, 2, 3), 3))
+    assert kv.has("r")
+    assert life.release(request, kv) is True
+    state = kv.state_tuple()
+    n = len(life.log)
+    assert life.release(request, kv) is False
+    assert kv.state_tuple() == state and len(life.log) == n
+    kinds = [e.kind for e in life.log]
+    assert kinds == ["acquire", "acquired", "release", "released"]
+    kv.check_invariants()
+
+
+def test_failed_acquisition_leaves_intent_only():
+    kv = KVCacheManager(1, 4)
+    life = Lifecycle()
+    request = make()
+    with pytest.raises(MemoryError):
+        life.acquire(request, "admit", lambda: kv.admit("r", (), tuple(range(9)), 9))
+    assert [e.kind for e in life.log] == ["acquire"]
+    assert not kv.has("r")
+
+
+def test_event_log_crash_at_stops_before_the_event():
+    log = EventLog(crash_at=2)
+    log.append("add", "a", ())
+    log.append("release", "a")
+    with pytest.raises(SimulatedCrash):
+        log.append("released", "a", (True,))
+    assert len(log) == 2 and [e.index for e in log] == [0, 1]
+    with pytest.raises(ValueError, match="unknown event kind"):
+        EventLog().append("bogus", "a")
