@@ -1,0 +1,384 @@
+"""KVCacheManager: per-request block tables over a refcounted pool and a radix prefix cache.
+
+This is the object the scheduler allocates from (contract: /work/CONTRACTS.md §1). It ties
+together :class:`~kvlab.core.block_pool.BlockPool` (who holds which physical block) and
+:class:`~kvlab.core.radix.RadixCache` (which blocks hold which cached prefix).
+
+Who holds references
+--------------------
+**The prefix cache is an owner like any other.** A block indexed by the radix tree carries the
+reference of :data:`~kvlab.core.block_pool.CACHE_OWNER` in addition to those of the requests
+whose tables list it. Consequences, all deliberate:
+
+* ``refcount == number of live owners`` counts the cache, so a cached block that one request
+  uses has refcount 2 and is *shared*: copy-on-write protects cached KV from being overwritten
+  in place, with no special case.
+* When the last request releases a cached block, the cache's reference keeps it: its state is
+  *cached* (evictable). Eviction is the cache dropping its reference, which frees the block.
+* Which cached blocks may be evicted is decided by the tree, not by the pool: a request locks its
+  whole path (root to deepest node) from admission until :meth:`KVCacheManager.free`, and only
+  unlocked leaves are evicted, least recently used first. The pool asks the tree for victims only
+  when it has no truly free block left.
+
+Block tables and positions
+--------------------------
+A request's table lists physical blocks in logical order; position ``t`` lives at slot
+``block_size * table[t // block_size] + t % block_size`` (spec rule 2). Full blocks are inserted
+into the cache by :meth:`commit`. When another request already cached the same tokens, the
+existing cached blocks stay canonical (first writer wins) and the request keeps its private
+duplicate until it finishes; its later blocks are still cached under the canonical path.
+
+Every mutation validates its input and checks capacity before changing anything: on
+MemoryError / ValueError / KeyError the manager is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .block_pool import CACHE_OWNER, BlockPool
+from .radix import RadixCache, _Node
+from .scope import CacheScope, scope_key
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """A plain-data picture of the manager (drawn by kvlab.viz.blocks.pool_figure).
+
+    ``block_states[b]`` is one of ``free, exclusive, shared, cached, pending_copy``;
+    ``refcounts[b]`` counts live owners including the prefix cache; ``block_owners[b]`` names them
+    (the cache as ``"<prefix-cache>"``). ``tables`` maps request id to its block table.
+    Counters: ``hit_tokens`` / ``query_tokens`` over admissions (prompt tokens served from the
+    cache / prompt tokens admitted), ``hit_requests`` / ``miss_requests`` (admissions with / without
+    a cached block).
+    """
+
+    num_blocks: int
+    block_size: int
+    block_states: tuple[str, ...]
+    refcounts: tuple[int, ...]
+    block_owners: tuple[tuple[str, ...], ...]
+    tables: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    pending_copies: tuple[tuple[int, int], ...] = ()
+    cached_blocks: int = 0
+    cached_tokens: int = 0
+    evictable_blocks: int = 0
+    protected_blocks: int = 0
+    free_blocks: int = 0
+    hit_tokens: int = 0
+    query_tokens: int = 0
+    hit_requests: int = 0
+    miss_requests: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of admitted prompt tokens served by the prefix cache."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def count(self, state: str) -> int:
+        return sum(1 for s in self.block_states if s == state)
+
+
+class KVCacheManager:
+    """Block tables for requests; see the module docstring and CONTRACTS.md §1."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.prefix_cache: RadixCache | None = (
+            RadixCache(block_size) if enable_prefix_caching else None
+        )
+        self.pool.set_evictor(self.prefix_cache)
+        self._tables: dict[str, list[int]] = {}
+        self._scopes: dict[str, tuple] = {}
+        self._locks: dict[str, _Node | None] = {}  # deepest locked node of each request's path
+        self._committed: dict[str, int] = {}  # full blocks already offered to the cache
+        self.hit_tokens = 0
+        self.query_tokens = 0
+        self.hit_requests = 0
+        self.miss_requests = 0
+
+    # ================================================================== queries
+    def num_allocatable_blocks(self) -> int:
+        """Free blocks plus cached blocks that can be evicted now."""
+        return self.pool.num_allocatable()
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """``ceil(num_tokens / block_size)``."""
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        return -(-num_tokens // self.block_size)
+
+    def lookup(self, scope: CacheScope | tuple, token_ids: Sequence[int]) -> int:
+        """Cached leading tokens of ``token_ids`` in ``scope``: whole blocks, ``<= len - 1``."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.match(scope, token_ids).num_tokens
+
+    def blocks_needed(self, request_id: str | None, num_tokens: int,
+                      scope: CacheScope | tuple = (), token_ids: Sequence[int] = (),
+                      *, write_from: int | None = None) -> int:
+        """Blocks that must be allocatable for the table to hold ``num_tokens`` slots.
+
+        For a running request: the missing blocks, plus (when ``write_from`` is given) one per
+        shared block that :meth:`grow` would copy-on-write for positions
+        ``[write_from, num_tokens)``. For a new request (``request_id=None``): fresh blocks beyond
+        the cached prefix, plus the matched cached blocks that are currently evictable (admission
+        locks them, taking them out of :meth:`num_allocatable_blocks`). In both cases
+        ``blocks_needed(...) <= num_allocatable_blocks()`` is exactly the condition under which
+        :meth:`admit` / :meth:`grow` succeed.
+        """
+        total = self.blocks_for(num_tokens)
+        if request_id is None:
+            if self.prefix_cache is None:
+                return total
+            match = self.prefix_cache.match(scope, token_ids)
+            return max(0, total - len(match.blocks)) + self._evictable_unfenced(match.blocks)
+        table = self._table(request_id)
+        extra = max(0, total - len(table))
+        if write_from is not None:
+            extra += len(self._cow_targets(table, num_tokens, write_from))
+        return extra
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block table. KeyError if unknown."""
+        return list(self._table(request_id))
+
+    def num_slots(self, request_id: str) -> int:
+        """Token slots the request's table holds (``len(table) * block_size``)."""
+        return len(self._table(request_id)) * self.block_size
+
+    def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
+        """Physical slots of positions ``[start, end)``; ValueError outside the table."""
+        table = self._table(request_id)
+        if not (isinstance(start, int) and isinstance(end, int) and
+                0 <= start <= end <= len(table) * self.block_size):
+            raise ValueError(
+                f"positions [{start}, {end}) outside the table of {request_id!r} "
+                f"({len(table) * self.block_size} slots)"
+            )
+        bs = self.block_size
+        return [bs * table[t // bs] + t % bs for t in range(start, end)]
+
+    def scope_of(self, request_id: str) -> tuple:
+        self._table(request_id)
+        return self._scopes[request_id]
+
+    # ================================================================== mutations
+    def admit(self, request_id: str, scope: CacheScope | tuple, token_ids: Sequence[int],
+              num_tokens: int) -> int:
+        """Create the table: reuse and lock the cached prefix, then allocate fresh blocks.
+
+        Returns the number of cached tokens reused (== :meth:`lookup`). The table then holds
+        ``num_tokens`` slots; ``num_tokens`` must exceed the cached count (ValueError). Duplicate
+        id -> ValueError; not enough blocks -> MemoryError. Unchanged on any error.
+        """
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {request_id!r}")
+        if request_id in self._tables:
+            raise ValueError(f"request {request_id!r} is already admitted")
+        key = scope_key(scope)
+        needed_total = self.blocks_for(num_tokens)
+        if num_tokens < 1:
+            raise ValueError("a request needs at least one token slot")
+        cache = self.prefix_cache
+        match = cache.match(key, token_ids) if cache is not None else None
+        cached = match.num_tokens if match else 0
+        hit_blocks = list(match.blocks) if match else []
+        if num_tokens <= cached:
+            raise ValueError(f"num_tokens={num_tokens} must exceed the {cached} cached tokens")
+        fresh = needed_total - len(hit_blocks)
+        available = self.pool.num_allocatable() - self._evictable_unfenced(hit_blocks)
+        if fresh > available:
+            raise MemoryError(
+                f"cannot admit {request_id!r}: needs {fresh} new blocks, {available} allocatable"
+            )
+        # capacity is guaranteed: mutate
+        if match is not None and match.node is not None:
+            self.prefix_cache.lock(match.node)  # type: ignore[union-attr]
+            self.pool.share(hit_blocks, request_id)
+        new = self.pool.allocate(fresh, request_id)
+        self._tables[request_id] = hit_blocks + new
+        self._scopes[request_id] = key
+        self._locks[request_id] = match.node if match else None
+        self._committed[request_id] = len(hit_blocks)
+        if self.prefix_cache is not None:
+            self.query_tokens += len(token_ids)
+            self.hit_tokens += cached
+            if cached:
+                self.hit_requests += 1
+            else:
+                self.miss_requests += 1
+        return cached
+
+    def grow(self, request_id: str, num_tokens: int, write_from: int) -> list[tuple[int, int]]:
+        """Make the table hold ``num_tokens`` slots; copy-on-write shared blocks to be written.
+
+        Positions ``[write_from, num_tokens)`` are about to be written: every shared block
+        covering them (another request's, or the prefix cache's) is replaced by a fresh copy.
+        Returns the ``(src, dst)`` copies, fenced until :meth:`complete_copies`. The table never
+        shrinks. KeyError unknown id, ValueError bad positions, MemoryError short of blocks.
+        """
+        table = self._table(request_id)
+        if not (isinstance(write_from, int) and isinstance(num_tokens, int)
+                and 0 <= write_from <= num_tokens):
+            raise ValueError(f"need 0 <= write_from <= num_tokens, got {write_from}, {num_tokens}")
+        extra = max(0, self.blocks_for(num_tokens) - len(table))
+        targets = self._cow_targets(table, num_tokens, write_from)
+        if extra + len(targets) > self.pool.num_allocatable():
+            raise MemoryError(
+                f"cannot grow {request_id!r}: needs {extra + len(targets)} blocks, "
+                f"{self.pool.num_allocatable()} allocatable"
+            )
+        copies = self.pool.cow([table[i] for i in targets], request_id)
+        for i, (_, new) in zip(targets, copies, strict=True):
+            table[i] = new
+        table.extend(self.pool.allocate(extra, request_id))
+        return copies
+
+    def complete_copies(self, copies: Sequence[tuple[int, int]]) -> None:
+        """The executor finished these payload copies: lift their fences."""
+        self.pool.complete_copies(copies)
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Cache the request's full blocks whose KV is written (``token_ids`` = those tokens).
+
+        ``token_ids`` is a prefix of prompt + outputs whose KV is in the table. Each full block not
+        offered before is inserted under the request's scope, and the request's lock moves to the
+        deepest cached node. No-op when caching is off. KeyError unknown id; ValueError if
+        ``token_ids`` is longer than the table.
+        """
+        table = self._table(request_id)
+        if len(token_ids) > len(table) * self.block_size:
+            raise ValueError(
+                f"{len(token_ids)} committed tokens exceed the {len(table) * self.block_size} "
+                f"slots of {request_id!r}"
+            )
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        full = len(token_ids) // self.block_size
+        # a block that is still the target (or source) of a pending copy is not cached yet
+        full = next((i for i in range(full) if self.pool.is_fenced(table[i])), full)
+        if full <= self._committed[request_id]:
+            return
+        result = cache.insert(self._scopes[request_id], token_ids, table[:full])
+        # give the cache its reference on every newly indexed block, then move the lock down
+        self.pool.share(list(result.new_blocks), CACHE_OWNER)
+        cache.lock(result.node)
+        old = self._locks[request_id]
+        if old is not None:
+            cache.unlock(old)
+        self._locks[request_id] = result.node
+        self._committed[request_id] = full
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child's table shares every block of the parent's (refcount +1 each)."""
+        table = self._table(parent_id)
+        if not isinstance(child_id, str):
+            raise TypeError(f"request_id must be a str, got {child_id!r}")
+        if child_id in self._tables:
+            raise ValueError(f"request {child_id!r} already exists")
+        self.pool.fork(table, parent_id, child_id)
+        node = self._locks[parent_id]
+        if node is not None:
+            self.prefix_cache.lock(node)  # type: ignore[union-attr]
+        self._tables[child_id] = list(table)
+        self._scopes[child_id] = self._scopes[parent_id]
+        self._locks[child_id] = node
+        self._committed[child_id] = self._committed[parent_id]
+
+    def free(self, request_id: str) -> bool:
+        """Release the request's blocks and unlock its cached path. False if it holds nothing.
+
+        Cached full blocks stay in the cache (evictable, most recently used); other blocks
+        become free (or stay fenced until their pending copy completes).
+        """
+        if request_id not in self._tables:
+            return False
+        table = self._tables.pop(request_id)
+        self.pool.release(reversed(table), request_id)
+        node = self._locks.pop(request_id)
+        if node is not None:
+            self.prefix_cache.unlock(node)  # type: ignore[union-attr]
+        del self._scopes[request_id]
+        del self._committed[request_id]
+        return True
+
+    # ================================================================== checks and views
+    def requests(self) -> list[str]:
+        return list(self._tables)
+
+    def locked_node(self, request_id: str) -> _Node | None:
+        self._table(request_id)
+        return self._locks[request_id]
+
+    def check_invariants(self) -> None:
+        """AssertionError naming the first broken invariant (see kvlab.core.invariants)."""
+        from .invariants import check_kv_manager
+
+        check_kv_manager(self)
+
+    def snapshot(self) -> KVSnapshot:
+        pool = self.pool
+        cache = self.prefix_cache
+        return KVSnapshot(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            block_states=tuple(pool.state(b) for b in range(self.num_blocks)),
+            refcounts=tuple(pool.refcount(b) for b in range(self.num_blocks)),
+            block_owners=tuple(tuple(sorted(str(o) for o in pool.owners(b)))
+                               for b in range(self.num_blocks)),
+            tables={rid: tuple(t) for rid, t in sorted(self._tables.items())},
+            pending_copies=tuple(pool.pending_copies()),
+            cached_blocks=cache.num_cached_blocks() if cache else 0,
+            cached_tokens=cache.cached_tokens() if cache else 0,
+            evictable_blocks=pool.num_evictable(),
+            protected_blocks=cache.protected_blocks() if cache else 0,
+            free_blocks=pool.num_free(),
+            hit_tokens=self.hit_tokens,
+            query_tokens=self.query_tokens,
+            hit_requests=self.hit_requests,
+            miss_requests=self.miss_requests,
+        )
+
+    def state_tuple(self) -> tuple:
+        """Everything observable (pool, tree, tables, counters) for before/after comparisons."""
+        return (
+            self.pool.state_tuple(),
+            self.prefix_cache.state_tuple() if self.prefix_cache else None,
+            tuple(sorted((rid, tuple(t)) for rid, t in self._tables.items())),
+            tuple(sorted((rid, repr(s)) for rid, s in self._scopes.items())),
+            tuple(sorted((rid, n.node_id if n else None) for rid, n in self._locks.items())),
+            tuple(sorted(self._committed.items())),
+            (self.hit_tokens, self.query_tokens, self.hit_requests, self.miss_requests),
+        )
+
+    # ================================================================== internals
+    def _table(self, request_id: str) -> list[int]:
+        try:
+            return self._tables[request_id]
+        except KeyError:
+            raise KeyError(f"unknown request {request_id!r}") from None
+
+    def _cow_targets(self, table: list[int], num_tokens: int, write_from: int) -> list[int]:
+        """Logical blocks of ``table`` covering ``[write_from, num_tokens)`` that are shared."""
+        if write_from >= num_tokens:
+            return []
+        first = write_from // self.block_size
+        last = min(len(table), self.blocks_for(num_tokens))
+        return [i for i in range(first, last) if self.pool.refcount(table[i]) > 1]
+
+    def _evictable_unfenced(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` count towards ``pool.num_evictable()`` right now."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        return sum(1 for b in blocks if cache.is_evictable(b) and not self.pool.is_fenced(b))

@@ -1,0 +1,462 @@
+"""The production prefix cache: radix trees per compatibility scope (spec rule 4).
+
+:class:`RadixCache` keeps the reference :class:`~kvlab.core.prefix.PrefixCache` contract and adds
+what an engine needs. It has two faces.
+
+**The reference face** — ``put(scope, token_ids, block_table)`` / ``longest(scope, token_ids)`` —
+returns exactly what ``PrefixCache`` returns on any sequence of calls (a differential test proves
+it): an entry is keyed by ``(scope, full token tuple)``, a second ``put`` of the same key
+overwrites, and ``longest`` returns the table stored under the longest stored key that is a
+prefix of the query (``(0, ())`` when none; an empty key never matches). Instead of scanning
+every entry it walks a path-compressed radix tree over tokens, one tree per scope, so a lookup
+costs O(length of the match), not O(number of entries × length).
+
+**The engine face** manages physical KV blocks. Its tree is block-granular: each node is one
+full block of ``block_size`` tokens (the node's *chunk*) and the physical block holding their KV;
+a node's path from the scope's root spells the whole prefix, so the KV in the block is valid
+only for that exact path, in that scope.
+
+* :meth:`match` — the longest cached path, whole blocks only, capped at ``len(tokens) - 1``
+  tokens so the last prompt token is always computed (its logits produce the first output).
+  Pure: no LRU side effect.
+* :meth:`insert` — add a request's full blocks. Where the path already exists the existing block
+  is kept (first writer wins); the caller learns which of its blocks were newly adopted.
+* :meth:`lock` / :meth:`unlock` — a request using a path locks it (every node from the root down);
+  unlocking stamps the path as most recently used.
+* :meth:`evict` — forget unlocked *leaves*, least recently used first; a parent becomes a
+  candidate once its last child is gone, so a path is always forgotten from its tail.
+
+The radix cache owns no memory itself: it returns block ids and the caller (KVCacheManager)
+moves references in the :class:`~kvlab.core.block_pool.BlockPool`. Scopes are compared by
+:func:`~kvlab.core.scope.scope_key`; a hit across any differing scope field is impossible
+because different scopes live in different trees.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .scope import CacheScope, scope_key
+
+_MISSING = object()
+
+
+# ---------------------------------------------------------------------- reference face
+class _RefNode:
+    """A node of the path-compressed token tree behind ``put``/``longest``."""
+
+    __slots__ = ("children", "edge", "value")
+
+    def __init__(self, edge: tuple):
+        self.edge = edge
+        self.children: dict = {}
+        self.value = _MISSING
+
+
+def _common_prefix_len(a: tuple, b: tuple, start: int) -> int:
+    """Length of the common prefix of ``a`` and ``b[start:]``."""
+    n = min(len(a), len(b) - start)
+    i = 0
+    while i < n and a[i] == b[start + i]:
+        i += 1
+    return i
+
+
+# ---------------------------------------------------------------------- engine face
+class _Node:
+    """One cached block: ``chunk`` (its tokens) under ``parent``, KV in physical ``block``."""
+
+    __slots__ = ("block", "children", "chunk", "depth", "last_access", "lock_ref", "node_id",
+                 "parent", "scope")
+
+    def __init__(self, node_id: int, scope: tuple, parent: _Node | None, chunk: tuple,
+                 block: int, depth: int):
+        self.node_id = node_id
+        self.scope = scope
+        self.parent = parent
+        self.chunk = chunk
+        self.block = block
+        self.depth = depth  # blocks from the root (the root is 0)
+        self.children: dict[tuple, _Node] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def path(self) -> list[_Node]:
+        """Nodes from just below the root down to this node."""
+        nodes = []
+        node: _Node | None = self
+        while node is not None and node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        return nodes
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Result of :meth:`RadixCache.match`: ``num_tokens`` cached tokens in ``blocks``.
+
+    ``node`` is the handle to :meth:`RadixCache.lock` (None when nothing matched).
+    ``unlocked_blocks`` counts matched blocks that are currently evictable: locking the match
+    takes them out of the evictable pool.
+    """
+
+    num_tokens: int
+    blocks: tuple[int, ...]
+    node: _Node | None
+    unlocked_blocks: int
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """Result of :meth:`RadixCache.insert`: the deepest node of the path and adopted blocks."""
+
+    node: _Node | None
+    new_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RadixNodeView:
+    """Plain-data view of one engine-face node (for figures)."""
+
+    node_id: int
+    parent_id: int | None
+    depth: int
+    chunk: tuple[int, ...]
+    block: int
+    lock_ref: int
+    last_access: int
+
+
+@dataclass(frozen=True)
+class RadixSnapshot:
+    """Plain-data view of the engine-face tree of one scope; ``nodes`` in depth-first order."""
+
+    block_size: int
+    scope: tuple
+    nodes: tuple[RadixNodeView, ...]
+
+
+class RadixCache:
+    """Prefix cache as radix trees, one per scope. See the module docstring for the contract."""
+
+    def __init__(self, block_size: int = 16):
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.block_size = block_size
+        # reference face
+        self._ref_roots: dict[tuple, _RefNode] = {}
+        self._num_entries = 0
+        # engine face
+        self._roots: dict[tuple, _Node] = {}
+        self._block_node: dict[int, _Node] = {}
+        self._num_locked = 0
+        self._clock = 0
+        self._next_id = 0
+        self._leaves: set[_Node] = set()  # unlocked non-root nodes without children
+        self._heap: list[tuple[int, int, _Node]] = []  # lazy LRU heap over self._leaves
+
+    # ================================================================== reference face
+    def put(self, scope: CacheScope | tuple, token_ids: Sequence[int], block_table) -> None:
+        """Store ``block_table`` under ``(scope, tuple(token_ids))`` (overwrites, like the ref)."""
+        key = scope_key(scope)
+        tokens = tuple(token_ids)
+        table = tuple(block_table)
+        root = self._ref_roots.get(key)
+        if root is None:
+            root = self._ref_roots[key] = _RefNode(())
+        node, i = root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                leaf = _RefNode(tokens[i:])
+                node.children[tokens[i]] = leaf
+                node, i = leaf, len(tokens)
+                break
+            common = _common_prefix_len(child.edge, tokens, i)
+            if common < len(child.edge):  # split the edge where the new key leaves it
+                mid = _RefNode(child.edge[:common])
+                child.edge = child.edge[common:]
+                mid.children[child.edge[0]] = child
+                node.children[tokens[i]] = mid
+                child = mid
+            node, i = child, i + common
+        if node.value is _MISSING:
+            self._num_entries += 1
+        node.value = table
+
+    def longest(self, scope: CacheScope | tuple, token_ids: Sequence[int]) -> tuple[int, tuple]:
+        """``(matched_tokens, block_table)`` of the longest stored prefix, or ``(0, ())``."""
+        root = self._ref_roots.get(scope_key(scope))
+        best: tuple[int, tuple] = (0, ())
+        if root is None:
+            return best
+        tokens = tuple(token_ids)
+        node, i = root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            edge = child.edge
+            if tokens[i:i + len(edge)] != edge:
+                break  # keys end only at nodes, so nothing deeper can match
+            node, i = child, i + len(edge)
+            if node.value is not _MISSING:
+                best = (i, node.value)
+        return best
+
+    @property
+    def num_entries(self) -> int:
+        """Number of distinct keys stored through :meth:`put`."""
+        return self._num_entries
+
+    # ================================================================== engine face: queries
+    def match(self, scope: CacheScope | tuple, token_ids: Sequence[int], *,
+              leave_last: bool = True) -> PrefixMatch:
+        """Longest cached path for ``token_ids`` in ``scope``, whole blocks only. No side effects.
+
+        With ``leave_last`` (the default) at most ``len(token_ids) - 1`` tokens match, so the
+        caller always computes the last token; without it every full block may match.
+        """
+        bs = self.block_size
+        root = self._roots.get(scope_key(scope))
+        limit = len(token_ids) - 1 if leave_last else len(token_ids)
+        max_blocks = max(0, limit) // bs
+        blocks: list[int] = []
+        unlocked = 0
+        node = root
+        if root is not None:
+            for i in range(max_blocks):
+                child = node.children.get(tuple(token_ids[i * bs:(i + 1) * bs]))
+                if child is None:
+                    break
+                blocks.append(child.block)
+                unlocked += child.lock_ref == 0
+                node = child
+        return PrefixMatch(len(blocks) * bs, tuple(blocks),
+                           node if blocks else None, unlocked)
+
+    def num_cached_blocks(self) -> int:
+        """Blocks indexed by the engine face (each holds ``block_size`` cached tokens)."""
+        return len(self._block_node)
+
+    def cached_tokens(self) -> int:
+        return len(self._block_node) * self.block_size
+
+    def evictable_blocks(self) -> int:
+        """Blocks on unlocked nodes: all of them can be evicted, leaves first."""
+        return len(self._block_node) - self._num_locked
+
+    def protected_blocks(self) -> int:
+        """Blocks on locked nodes (in use by some request's path)."""
+        return self._num_locked
+
+    def is_evictable(self, block: int) -> bool:
+        node = self._block_node.get(block)
+        return node is not None and node.lock_ref == 0
+
+    def contains_block(self, block: int) -> bool:
+        return block in self._block_node
+
+    def node_of(self, block: int) -> _Node | None:
+        return self._block_node.get(block)
+
+    def is_alive(self, node: _Node | None) -> bool:
+        """Whether ``node`` (a handle from match/insert) is still in the tree."""
+        if node is None:
+            return True
+        if node.is_root:
+            return self._roots.get(node.scope) is node
+        return self._block_node.get(node.block) is node
+
+    def scopes(self) -> list[tuple]:
+        """Scopes with at least one cached block (engine face)."""
+        return list(self._roots)
+
+    # ================================================================== engine face: mutations
+    def insert(self, scope: CacheScope | tuple, token_ids: Sequence[int],
+               blocks: Sequence[int]) -> InsertResult:
+        """Index ``blocks[i]`` as the KV of ``token_ids[i*bs:(i+1)*bs]`` under the preceding path.
+
+        Positions whose path already exists keep the existing block (first writer wins; the
+        caller's duplicate stays private to it). Returns the deepest node of the path and the
+        caller's blocks that were newly indexed: the caller must give the cache a reference on
+        them. ValueError (cache unchanged) if ``token_ids`` is shorter than ``len(blocks)``
+        blocks, a block id repeats, or a newly indexed block is already indexed elsewhere.
+        The path is stamped most recently used.
+        """
+        key = scope_key(scope)
+        bs = self.block_size
+        blocks = list(blocks)
+        if len(token_ids) < len(blocks) * bs:
+            raise ValueError(
+                f"{len(blocks)} blocks need {len(blocks) * bs} tokens, got {len(token_ids)}"
+            )
+        for block in blocks:
+            if not isinstance(block, int) or isinstance(block, bool) or block < 0:
+                raise ValueError(f"block ids must be non-negative ints, got {block!r}")
+        if len(set(blocks)) != len(blocks):
+            raise ValueError("one block table cannot contain duplicate blocks")
+        chunks = [tuple(token_ids[i * bs:(i + 1) * bs]) for i in range(len(blocks))]
+        # dry run: how far does the path exist already?
+        root = self._roots.get(key)
+        node, existing = root, 0
+        if root is not None:
+            for chunk in chunks:
+                child = node.children.get(chunk)
+                if child is None:
+                    break
+                node, existing = child, existing + 1
+        new_blocks = tuple(blocks[existing:])
+        for block in new_blocks:
+            if block in self._block_node:
+                raise ValueError(f"block {block} is already cached under another path")
+        if not blocks:
+            return InsertResult(None, ())
+        # mutate
+        if root is None:
+            root = self._roots[key] = self._new_node(key, None, (), -1)
+        node = root
+        for i, chunk in enumerate(chunks):
+            child = node.children.get(chunk)
+            if child is None:
+                child = self._new_node(key, node, chunk, blocks[i])
+                self._leaves.discard(node)
+                node.children[chunk] = child
+                self._block_node[blocks[i]] = child
+            node = child
+        self._touch(node)
+        return InsertResult(node, new_blocks)
+
+    def lock(self, node: _Node | None) -> None:
+        """Protect the path from the root to ``node`` from eviction (re-entrant; counts)."""
+        self._check_alive(node)
+        if node is None:
+            return
+        for n in node.path():
+            if n.lock_ref == 0:
+                self._num_locked += 1
+                self._leaves.discard(n)
+            n.lock_ref += 1
+
+    def unlock(self, node: _Node | None) -> None:
+        """Undo one :meth:`lock` of ``node``; the path becomes most recently used."""
+        self._check_alive(node)
+        if node is None:
+            return
+        path = node.path()
+        if any(n.lock_ref <= 0 for n in path):
+            raise ValueError("unlock of a path that is not locked")
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._num_locked -= 1
+        self._touch(node)
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Forget up to ``num_blocks`` unlocked leaves, least recently used first; their blocks."""
+        if not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+        evicted: list[int] = []
+        while len(evicted) < num_blocks and self._leaves:
+            last_access, _, node = heapq.heappop(self._heap)
+            if node not in self._leaves or node.last_access != last_access:
+                continue  # stale heap entry
+            self._leaves.discard(node)
+            parent = node.parent
+            del parent.children[node.chunk]
+            del self._block_node[node.block]
+            evicted.append(node.block)
+            if parent.is_root:
+                if not parent.children:
+                    del self._roots[parent.scope]
+            else:
+                self._refresh_leaf(parent)
+        return evicted
+
+    # ================================================================== views
+    def tree_snapshot(self, scope: CacheScope | tuple) -> RadixSnapshot:
+        """Plain-data engine-face tree of ``scope`` (depth-first, children in chunk order)."""
+        key = scope_key(scope)
+        root = self._roots.get(key)
+        views: list[RadixNodeView] = []
+
+        def visit(node: _Node) -> None:
+            for chunk in sorted(node.children):
+                child = node.children[chunk]
+                views.append(RadixNodeView(
+                    child.node_id, None if node.is_root else node.node_id, child.depth,
+                    child.chunk, child.block, child.lock_ref, child.last_access))
+                visit(child)
+
+        if root is not None:
+            visit(root)
+        return RadixSnapshot(self.block_size, key, tuple(views))
+
+    def state_tuple(self) -> tuple:
+        """Everything observable, as comparable plain data (for before/after tests)."""
+        engine = []
+        for key, root in self._roots.items():
+            stack = [(root, ())]
+            while stack:
+                node, path = stack.pop()
+                for chunk, child in node.children.items():
+                    cpath = (*path, chunk)
+                    engine.append((repr(key), cpath, child.block, child.lock_ref,
+                                   child.last_access))
+                    stack.append((child, cpath))
+        ref = []
+        for key, root in self._ref_roots.items():
+            stack = [(root, ())]
+            while stack:
+                node, path = stack.pop()
+                full = path + node.edge
+                if node.value is not _MISSING:
+                    ref.append((repr(key), full, node.value))
+                stack.extend((child, full) for child in node.children.values())
+        return (tuple(sorted(engine)), tuple(sorted(ref)), self._clock, self._num_locked)
+
+    def iter_nodes(self):
+        """Every engine-face non-root node (any order); for invariant checks."""
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                yield node
+                stack.extend(node.children.values())
+
+    # ================================================================== internals
+    def _new_node(self, scope: tuple, parent: _Node | None, chunk: tuple, block: int) -> _Node:
+        self._next_id += 1
+        depth = 0 if parent is None else parent.depth + 1
+        return _Node(self._next_id, scope, parent, chunk, block, depth)
+
+    def _touch(self, node: _Node) -> None:
+        """Stamp the path to ``node`` with a new clock value (most recently used)."""
+        self._clock += 1
+        for n in node.path():
+            n.last_access = self._clock
+            self._refresh_leaf(n)
+
+    def _refresh_leaf(self, node: _Node) -> None:
+        """Keep ``node``'s membership in the evictable-leaf set (and heap) up to date."""
+        if node.lock_ref == 0 and not node.children and not node.is_root:
+            self._leaves.add(node)
+            heapq.heappush(self._heap, (node.last_access, node.node_id, node))
+            if len(self._heap) > 2 * len(self._leaves) + 64:
+                self._heap = [(n.last_access, n.node_id, n) for n in self._leaves]
+                heapq.heapify(self._heap)
+        else:
+            self._leaves.discard(node)
+
+    def _check_alive(self, node: _Node | None) -> None:
+        if node is not None and not isinstance(node, _Node):
+            raise TypeError(f"expected a node handle from match()/insert(), got {node!r}")
+        if not self.is_alive(node):
+            raise ValueError("node handle is no longer in the cache (evicted)")

@@ -1,0 +1,220 @@
+"""KVCacheManager: the contract of CONTRACTS.md §1, scenario by scenario."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlab.core.kv_manager import KVCacheManager
+
+S = ("model-a", "tenant-1")
+
+
+def unchanged(mgr: KVCacheManager, fn, exc):
+    before = mgr.state_tuple()
+    with pytest.raises(exc):
+        fn()
+    assert mgr.state_tuple() == before
+    mgr.check_invariants()
+
+
+def test_admit_allocates_and_commit_caches_full_blocks():
+    kv = KVCacheManager(8, 4)
+    prompt = list(range(10))
+    assert kv.lookup(S, prompt) == 0
+    assert kv.blocks_needed(None, 11, S, prompt) == 3
+    assert kv.admit("a", S, prompt, 11) == 0
+    assert kv.block_table("a") == [0, 1, 2]
+    assert kv.slot_mapping("a", 3, 6) == [3, 4, 5]
+    kv.commit("a", prompt)
+    snap = kv.snapshot()
+    assert snap.cached_blocks == 2 and snap.protected_blocks == 2 and snap.evictable_blocks == 0
+    assert snap.block_states[:3] == ("shared", "shared", "exclusive")  # cache + a
+    assert snap.refcounts[:3] == (2, 2, 1)
+    kv.check_invariants()
+
+
+def test_prefix_hit_reuses_and_locks_blocks():
+    kv = KVCacheManager(8, 4)
+    prompt = list(range(10))
+    kv.admit("a", S, prompt, 11)
+    kv.commit("a", prompt)
+    kv.free("a")
+    snap = kv.snapshot()
+    assert snap.block_states[:3] == ("cached", "cached", "free")
+    assert snap.evictable_blocks == 2 and snap.free_blocks == 6
+    second = [*prompt, 50, 51]
+    assert kv.lookup(S, second) == 8
+    # 4 blocks in all, 2 cached: 2 fresh + the 2 evictable cached ones it will lock
+    assert kv.blocks_needed(None, 13, S, second) == 4
+    assert kv.admit("b", S, second, 13) == 8
+    assert kv.block_table("b")[:2] == [0, 1]
+    assert kv.snapshot().evictable_blocks == 0
+    assert kv.snapshot().hit_tokens == 8
+    kv.check_invariants()
+
+
+def test_last_token_always_recomputed():
+    kv = KVCacheManager(8, 4)
+    prompt = list(range(8))  # exactly two blocks
+    kv.admit("a", S, prompt, 8)
+    kv.commit("a", prompt)
+    kv.free("a")
+    assert kv.lookup(S, prompt) == 4  # not 8: the last token's logits are needed
+    assert kv.admit("b", S, prompt, 9) == 4
+    # b recomputes block 1 into a private duplicate; committing keeps the cached one canonical
+    kv.commit("b", prompt)
+    assert kv.prefix_cache.match(S, prompt, leave_last=False).blocks == (0, 1)
+    kv.check_invariants()
+    kv.free("b")
+    kv.check_invariants()
+    assert kv.snapshot().cached_blocks == 2
+
+
+def test_scopes_never_share():
+    kv = KVCacheManager(8, 4)
+    prompt = list(range(9))
+    kv.admit("a", S, prompt, 9)
+    kv.commit("a", prompt)
+    assert kv.lookup(("model-a", "tenant-2"), prompt) == 0
+    assert kv.admit("b", ("model-a", "tenant-2"), prompt, 9) == 0
+    kv.check_invariants()
+
+
+def test_fork_shares_and_grow_copies_on_write():
+    kv = KVCacheManager(10, 4)
+    prompt = list(range(6))
+    kv.admit("p", S, prompt, 7)
+    kv.commit("p", prompt)
+    for child in ("c1", "c2"):
+        kv.fork("p", child)
+    assert kv.snapshot().refcounts[:2] == (4, 3)  # cache + 3 sequences; tail block shared by 3
+    kv.check_invariants()
+    # each sequence writes its first sampled token at position 6 (inside the shared tail block)
+    assert kv.blocks_needed("c1", 7, write_from=6) == 1
+    copies = kv.grow("c1", 7, 6)
+    assert copies == [(1, 2)]
+    assert kv.snapshot().block_states[1:3] == ("pending_copy", "pending_copy")
+    kv.check_invariants()
+    kv.complete_copies(copies)
+    copies2 = kv.grow("c2", 7, 6)
+    assert copies2 == [(1, 3)]
+    kv.complete_copies(copies2)
+    assert kv.grow("p", 7, 6) == []  # the last owner writes in place
+    assert kv.block_table("p") == [0, 1]
+    assert kv.block_table("c1") == [0, 2] and kv.block_table("c2") == [0, 3]
+    kv.check_invariants()
+    # growing into a new block allocates without copies
+    assert kv.grow("c1", 9, 8) == [] and len(kv.block_table("c1")) == 3
+    for rid in ("p", "c1", "c2"):
+        assert kv.free(rid)
+        assert not kv.free(rid)  # idempotent
+    kv.check_invariants()
+    assert kv.snapshot().count("cached") == 1
+
+
+def test_free_during_pending_copy_parks_blocks():
+    kv = KVCacheManager(4, 2)
+    kv.admit("p", S, [1, 2, 3], 3)
+    kv.fork("p", "c")
+    copies = kv.grow("c", 4, 2)
+    kv.free("p")
+    kv.free("c")
+    kv.check_invariants()
+    assert kv.snapshot().free_blocks == 2  # the two fenced blocks are parked
+    kv.complete_copies(copies)
+    assert kv.snapshot().free_blocks == 4
+    kv.check_invariants()
+
+
+def test_eviction_under_pressure_keeps_locked_paths():
+    kv = KVCacheManager(7, 2)
+    a = [1, 2, 3, 4, 5]
+    kv.admit("a", S, a, 5)
+    kv.commit("a", a)  # caches blocks 0, 1
+    kv.free("a")
+    b = [1, 2, 3, 4, 9, 9, 9]
+    assert kv.admit("b", S, b, 7) == 4  # locks blocks 0, 1 and takes 2 more
+    c = [7, 7, 7, 7, 7]
+    kv.admit("c", ("other",), c, 5)  # 3 blocks
+    kv.commit("c", c)
+    kv.free("c")
+    snap = kv.snapshot()
+    assert snap.evictable_blocks == 2 and snap.free_blocks == 1
+    assert kv.num_allocatable_blocks() == 3
+    kv.admit("d", ("x",), [5, 5, 5], 3)  # the free block, then c's LRU leaf; never b's path
+    assert kv.lookup(S, b) == 4
+    assert kv.lookup(("other",), c) == 2
+    kv.check_invariants()
+    unchanged(kv, lambda: kv.admit("e", ("x",), [6, 6, 6], 3), MemoryError)
+    assert kv.blocks_needed(None, 3, ("x",), [6, 6, 6]) == 2 > kv.num_allocatable_blocks()
+
+
+def test_errors_leave_manager_unchanged():
+    kv = KVCacheManager(4, 2)
+    kv.admit("a", S, [1, 2, 3], 3)
+    kv.commit("a", [1, 2, 3])
+    unchanged(kv, lambda: kv.admit("a", S, [1], 1), ValueError)
+    unchanged(kv, lambda: kv.admit("b", S, [1, 2, 3], 2), ValueError)  # num_tokens <= cached
+    unchanged(kv, lambda: kv.admit("b", S, [9] * 20, 20), MemoryError)
+    unchanged(kv, lambda: kv.admit(3, S, [1], 1), TypeError)
+    unchanged(kv, lambda: kv.grow("zz", 4, 0), KeyError)
+    unchanged(kv, lambda: kv.grow("a", 4, 5), ValueError)
+    unchanged(kv, lambda: kv.grow("a", 100, 3), MemoryError)
+    unchanged(kv, lambda: kv.commit("a", [1, 2, 3, 4, 5]), ValueError)
+    unchanged(kv, lambda: kv.commit("zz", [1]), KeyError)
+    unchanged(kv, lambda: kv.fork("a", "a"), ValueError)
+    unchanged(kv, lambda: kv.fork("zz", "y"), KeyError)
+    unchanged(kv, lambda: kv.complete_copies([(0, 1)]), ValueError)
+    unchanged(kv, lambda: kv.slot_mapping("a", 0, 5), ValueError)
+    unchanged(kv, lambda: kv.block_table("zz"), KeyError)
+    assert kv.free("zz") is False
+
+
+def test_preemption_by_recompute_hits_committed_blocks():
+    kv = KVCacheManager(16, 4)
+    prompt = list(range(10))
+    kv.admit("r", S, prompt, 11)
+    kv.commit("r", prompt)
+    outputs = [100, 101, 102, 103, 104, 105]
+    kv.grow("r", 16, 10)
+    kv.commit("r", prompt + outputs)  # 16 tokens = 4 full blocks cached
+    kv.free("r")  # preempted
+    again = prompt + outputs
+    assert kv.admit("r", S, again, 17) == 12
+    kv.check_invariants()
+
+
+def test_caching_disabled():
+    kv = KVCacheManager(4, 2, enable_prefix_caching=False)
+    assert kv.prefix_cache is None
+    kv.admit("a", S, [1, 2, 3], 3)
+    kv.commit("a", [1, 2, 3])
+    kv.free("a")
+    assert kv.lookup(S, [1, 2, 3]) == 0
+    assert kv.snapshot().free_blocks == 4
+    assert kv.admit("b", S, [1, 2, 3], 3) == 0
+    assert kv.blocks_needed(None, 3, S, [1, 2, 3]) == 2
+    kv.check_invariants()
+
+
+def test_snapshot_is_frozen_plain_data():
+    kv = KVCacheManager(4, 2)
+    kv.admit("a", S, [1, 2, 3], 3)
+    snap = kv.snapshot()
+    with pytest.raises(AttributeError):
+        snap.num_blocks = 3  # type: ignore[misc]
+    assert snap.tables == {"a": (0, 1)}
+    assert set(snap.block_states) <= {"free", "exclusive", "shared", "cached", "pending_copy"}
+    assert snap.hit_rate == 0.0
+
+
+def test_invariant_checker_names_the_broken_rule():
+    kv = KVCacheManager(4, 2)
+    kv.admit("a", S, [1, 2, 3], 3)
+    kv.pool._refcount[0] += 1  # corrupt on purpose
+    with pytest.raises(AssertionError, match="refcount == owners"):
+        kv.check_invariants()
+    kv.pool._refcount[0] -= 1
+    kv._tables["a"].append(3)  # a table that lists a block the pool never gave it
+    with pytest.raises(AssertionError, match="refcount == live owners"):
+        kv.check_invariants()

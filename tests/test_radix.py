@@ -1,0 +1,181 @@
+"""RadixCache: differential test against the reference PrefixCache, engine face, scope isolation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab.core.invariants import check_radix
+from kvlab.core.prefix import PrefixCache
+from kvlab.core.radix import RadixCache
+from kvlab.core.scope import SCOPE_FIELDS, CacheScope, scope_key
+
+# ---------------------------------------------------------------------------- reference face
+tokens = st.lists(st.integers(0, 3), max_size=8)
+scopes = st.sampled_from([(), ("m", 1), ("m", 2)])
+tables = st.lists(st.integers(0, 50), max_size=4)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), scopes, tokens, tables),
+        st.tuples(st.just("longest"), scopes, tokens),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_differential_against_reference(operations):
+    ref, radix = PrefixCache(), RadixCache(block_size=4)
+    for op in operations:
+        if op[0] == "put":
+            _, scope, toks, table = op
+            ref.put(scope, toks, table)
+            radix.put(scope, toks, table)
+            assert radix.num_entries == len(ref.entries)
+        else:
+            _, scope, toks = op
+            assert radix.longest(scope, toks) == ref.longest(scope, toks)
+
+
+def test_reference_semantics_spelled_out():
+    cache = RadixCache()
+    cache.put(("s",), [], (9,))
+    assert cache.longest(("s",), [1]) == (0, ())  # an empty key never matches
+    cache.put(("s",), [1, 2, 3], (1,))
+    cache.put(("s",), [1, 2], (2,))
+    assert cache.longest(("s",), [1, 2, 3, 4]) == (3, (1,))
+    assert cache.longest(("s",), [1, 2, 4]) == (2, (2,))
+    assert cache.longest(("s",), [1]) == (0, ())
+    cache.put(("s",), [1, 2], ())  # overwrite with an empty table, still a hit of length 2
+    assert cache.longest(("s",), [1, 2, 4]) == (2, ())
+    assert cache.longest(("other",), [1, 2, 3]) == (0, ())
+    assert cache.longest(["s"], (1, 2, 3)) == (3, (1,))  # scopes compare as tuples
+
+
+# ---------------------------------------------------------------------------- scope isolation
+BASE = CacheScope(
+    model="llama-3-8b", weights_version="2024-04-18", tokenizer="llama3-tiktoken-128k",
+    chat_template="llama3-chat-v1", adapter="none", rope="theta=500000,scaling=none",
+    kv_dtype="bfloat16", kv_layout="paged-nhd-16", quant_schema="none", security_domain="tenant-a",
+)
+
+
+@pytest.mark.parametrize("name", SCOPE_FIELDS)
+def test_no_hit_across_any_differing_scope_field(name):
+    other = dataclasses.replace(BASE, **{name: getattr(BASE, name) + "-other"})
+    assert other.key() != BASE.key()
+    cache = RadixCache(block_size=2)
+    prompt = list(range(9))
+    cache.insert(BASE, prompt, [10, 11, 12, 13])
+    cache.put(BASE, prompt, (10, 11, 12, 13))
+    assert cache.match(BASE, prompt).num_tokens == 8
+    assert cache.longest(BASE, prompt) == (9, (10, 11, 12, 13))
+    assert cache.match(other, prompt).num_tokens == 0
+    assert cache.longest(other, prompt) == (0, ())
+    ref = PrefixCache()
+    ref.put(scope_key(BASE), prompt, (1,))
+    assert ref.longest(scope_key(other), prompt) == (0, ())
+
+
+def test_scope_fields_are_required_and_checked():
+    assert len(dataclasses.fields(CacheScope)) == len(SCOPE_FIELDS) == 10
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(CacheScope))
+    with pytest.raises(TypeError):
+        CacheScope(model="m")  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="security_domain"):
+        dataclasses.replace(BASE, security_domain="")
+    with pytest.raises(TypeError, match="adapter"):
+        dataclasses.replace(BASE, adapter=None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        BASE.model = "x"  # type: ignore[misc]
+    assert hash(BASE) == hash(dataclasses.replace(BASE))
+
+
+# ---------------------------------------------------------------------------- engine face
+def test_match_is_block_granular_and_leaves_the_last_token():
+    cache = RadixCache(block_size=4)
+    prompt = list(range(12))
+    res = cache.insert("s", prompt, [7, 8, 9])
+    assert res.new_blocks == (7, 8, 9)
+    assert cache.match("s", prompt).num_tokens == 8  # 12 tokens: the last block is recomputed
+    assert cache.match("s", prompt, leave_last=False).blocks == (7, 8, 9)
+    assert cache.match("s", [*prompt, 99]).blocks == (7, 8, 9)
+    assert cache.match("s", prompt[:6]).blocks == (7,)
+    assert cache.match("s", [0, 1, 2, 5, 6]).blocks == ()
+    assert cache.match("s", []).num_tokens == 0
+    check_radix(cache)
+
+
+def test_insert_first_writer_wins_and_validates():
+    cache = RadixCache(block_size=2)
+    cache.insert("s", [1, 2, 3, 4], [0, 1])
+    res = cache.insert("s", [1, 2, 3, 4, 5, 6], [5, 6, 2])
+    assert res.new_blocks == (2,)  # the path [1,2],[3,4] already exists with blocks 0, 1
+    assert cache.match("s", [1, 2, 3, 4, 5, 6, 7]).blocks == (0, 1, 2)
+    before = cache.state_tuple()
+    for args in (("s", [1, 2], [3, 4]), ("s", [9, 9, 8, 8], [3, 3]), ("s", [7, 7], [1])):
+        with pytest.raises(ValueError):
+            cache.insert(*args)
+        assert cache.state_tuple() == before
+    check_radix(cache)
+
+
+def test_lock_protects_and_eviction_is_lru_leaves_first():
+    cache = RadixCache(block_size=1)
+    cache.insert("s", [1, 2, 3], [10, 11, 12])  # path a
+    cache.insert("s", [1, 5], [10, 15])  # branch b shares block 10
+    cache.insert("t", [7], [20])  # another scope
+    assert cache.evictable_blocks() == 5
+    m = cache.match("s", [1, 2, 3, 0])
+    assert m.blocks == (10, 11, 12) and m.unlocked_blocks == 3
+    cache.lock(m.node)
+    assert cache.evictable_blocks() == 2 and cache.protected_blocks() == 3
+    check_radix(cache)
+    # unlocked leaves in LRU order: [1,5] (older) then [7]; locked path untouched
+    assert cache.evict(10) == [15, 20]
+    assert cache.scopes() == [scope_key("s")]
+    assert cache.match("s", [1, 2, 3, 0]).blocks == (10, 11, 12)
+    cache.unlock(m.node)
+    with pytest.raises(ValueError):
+        cache.unlock(m.node)
+    assert cache.evict(1) == [12]  # the tail goes first
+    assert cache.evict(5) == [11, 10]
+    assert cache.num_cached_blocks() == 0 and cache.scopes() == []
+    with pytest.raises(ValueError):
+        cache.lock(m.node)  # evicted handle
+    check_radix(cache)
+
+
+def test_unlock_refreshes_recency():
+    cache = RadixCache(block_size=1)
+    a = cache.insert("s", [1], [1]).node
+    cache.insert("s", [2], [2])
+    cache.lock(a)
+    cache.unlock(a)  # [1] is now the most recently used
+    assert cache.evict(1) == [2]
+
+
+def test_tree_snapshot_is_plain_data():
+    cache = RadixCache(block_size=2)
+    cache.insert("s", [1, 2, 3, 4], [0, 1])
+    cache.insert("s", [1, 2, 5, 6], [0, 2])
+    snap = cache.tree_snapshot("s")
+    assert [n.block for n in snap.nodes] == [0, 1, 2]
+    assert snap.nodes[1].parent_id == snap.nodes[0].node_id
+    assert cache.tree_snapshot("nothing").nodes == ()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        RadixCache(0)
+    cache = RadixCache()
+    with pytest.raises(TypeError):
+        cache.put([[1]], [1], [1])  # unhashable scope
+    with pytest.raises(ValueError):
+        cache.evict(-1)
+    with pytest.raises(TypeError):
+        cache.lock("not a node")
