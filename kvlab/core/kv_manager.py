@@ -265,9 +265,12 @@ class KVCacheManager:
         if cache is None:
             return
         full = len(token_ids) // self.block_size
+        done = self._committed[request_id]
+        if full <= done:
+            return
         # a block that is still the target (or source) of a pending copy is not cached yet
-        full = next((i for i in range(full) if self.pool.is_fenced(table[i])), full)
-        if full <= self._committed[request_id]:
+        full = next((i for i in range(done, full) if self.pool.is_fenced(table[i])), full)
+        if full <= done:
             return
         result = cache.insert(self._scopes[request_id], token_ids, table[:full])
         # give the cache its reference on every newly indexed block, then move the lock down

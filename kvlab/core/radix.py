@@ -442,7 +442,8 @@ class RadixCache:
         self._clock += 1
         for n in node.path():
             n.last_access = self._clock
-            self._refresh_leaf(n)
+        # ancestors have children, so only the deepest node can be an evictable leaf
+        self._refresh_leaf(node)
 
     def _refresh_leaf(self, node: _Node) -> None:
         """Keep ``node``'s membership in the evictable-leaf set (and heap) up to date."""
