@@ -252,3 +252,30 @@ def test_waste_timeline_figure(reports):
     assert len(ax.collections) == len(CATEGORIES)   # one stacked area per category
     assert fig.axes[1].lines[0].get_xdata().size == 500
     plt.close(fig)
+
+
+def test_workload_request_validation():
+    with pytest.raises(ValueError, match="prompt_len"):
+        WorkloadRequest(0, 0, 0, 5)
+    with pytest.raises(ValueError, match="arrival"):
+        WorkloadRequest(0, -1, 3, 5)
+
+
+def test_paged_request_must_fit_beside_watermark():
+    req = [WorkloadRequest(0, 0, 100, 100)]          # 200 tokens -> 13 blocks of 16
+    with pytest.raises(ValueError, match="never fit"):
+        simulate(req, "paged", 16 * 13, watermark=0.1)
+    rep = simulate(req, "paged", 16 * 13, watermark=0.0)
+    assert rep.finished == 1 and rep.preemptions == 0
+
+
+def test_single_request_timeline_is_exact():
+    """One request, prompt 5, output 3, block 4: used 5,6,7,8 over four steps; blocks grow."""
+    rep = simulate([WorkloadRequest(0, 0, 5, 3)], "paged", 64, block_size=4, watermark=0.0)
+    assert rep.steps == 4
+    assert rep.trace["used"].tolist() == [5, 6, 7, 8]
+    assert rep.trace["reserved"].tolist() == [3, 2, 1, 0]     # tail of the second block
+    assert rep.generated_tokens == 3
+    contiguous = simulate([WorkloadRequest(0, 0, 5, 3)], "max", 64, max_seq_len=16)
+    assert contiguous.trace["over_reserved"].tolist() == [8, 8, 8, 8]
+    assert contiguous.trace["reserved"].tolist() == [3, 2, 1, 0]

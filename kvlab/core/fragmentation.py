@@ -77,6 +77,13 @@ class WorkloadRequest:
     prompt_len: int
     output_len: int
 
+    def __post_init__(self) -> None:
+        for name in ("arrival", "prompt_len", "output_len"):
+            value = getattr(self, name)
+            low = 0 if name == "arrival" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"WorkloadRequest.{name} must be an int >= {low}, got {value!r}")
+
     @property
     def total_len(self) -> int:
         """Tokens whose K/V the request stores by the time it finishes."""
@@ -364,15 +371,18 @@ def simulate(
     if not 0 <= watermark < 1:
         raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
     paged = policy == "paged"
+    # A paged request must fit beside the watermark, or it could never be (re-)admitted.
+    room = ((arena_tokens // block_size - math.ceil(watermark * (arena_tokens // block_size)))
+            * block_size if paged else arena_tokens)
     for req in workload:
         if req.total_len > max_seq_len:
             raise ValueError(f"request {req.request_id} needs {req.total_len} tokens > "
                              f"max_seq_len {max_seq_len}")
         need = (-(-req.total_len // block_size) * block_size if paged
                 else ARENAS[arena].granted_size(reservation(policy, req, max_seq_len)))
-        if need > arena_tokens:
+        if need > room:
             raise ValueError(f"request {req.request_id} can never fit: needs {need} slots, "
-                             f"arena has {arena_tokens}")
+                             f"arena has room for {room}")
 
     pending = deque(sorted(workload, key=lambda r: (r.arrival, r.request_id)))
     waiting: deque[_Live] = deque()
