@@ -53,7 +53,10 @@ def test_slots_for_agrees_with_reference(table, block_size, positions):
 @given(block_sizes, st.lists(st.integers(0, 60), min_size=1, max_size=8), st.data())
 def test_block_table_agrees_with_reference(block_size, chunks, data):
     """Append chunks (prefill then decodes); every position maps as physical_slot says."""
-    allocator = BlockAllocator(500)
+    allocator = BlockAllocator(1000)
+    held = [allocator.allocate() for _ in range(1000)]
+    order = data.draw(st.permutations(range(1000)))
+    allocator.release([held[i] for i in order[:500]])   # 500 scattered free blocks
     table = BlockTable(block_size, allocator)
     written = {}
     for n in chunks:
