@@ -218,3 +218,64 @@ def test_invariant_checker_names_the_broken_rule():
     kv._tables["a"].append(3)  # a table that lists a block the pool never gave it
     with pytest.raises(AssertionError, match="refcount == live owners"):
         kv.check_invariants()
+
+
+# ---------------------------------------------------------------------------- chapter 3 views
+def test_fork_scenario_and_pool_figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvlab.viz.blocks import RefcountView, fork_scenario, pool_figure
+    from kvlab.viz.style import BLOCK_STATE_COLORS
+
+    steps = fork_scenario(n=3)
+    states = [s for _, snap in steps for s in snap.block_states]
+    assert {"free", "exclusive", "shared", "cached", "pending_copy"} <= set(states)
+    view = RefcountView(steps)
+    assert steps[view.start][1].pending_copies
+    fig = pool_figure(steps[view.start][1])
+    patches = {p.get_gid(): p for p in fig.axes[0].patches if p.get_gid()}
+    snap = steps[view.start][1]
+    for b in range(snap.num_blocks):
+        want = matplotlib.colors.to_rgba(BLOCK_STATE_COLORS[snap.block_states[b]])
+        assert patches[f"block-{b}"].get_facecolor() == want
+    assert "table-s2-2" in patches
+    plt.close(fig)
+    assert view.widget() is not None
+
+
+def test_chapter3_exercise_checks():
+    from kvlab.core.blocks import BlockAllocator
+    from kvlab.exercises._common import NotYetAnswered
+    from kvlab.exercises.ch03 import (
+        SAMPLING,
+        check_cow,
+        check_double_release,
+        check_sampling_blocks,
+        sampling_blocks,
+    )
+
+    assert "Correct" in check_cow(BlockAllocator.cow)
+
+    def decrement_first(alloc, table, i):  # the classic bug: mutate, then allocate
+        table = list(table)
+        old = table[i]
+        if alloc.refcount[old] == 1:
+            return table, None
+        alloc.refcount[old] -= 1
+        table[i] = alloc.allocate()
+        return table, (old, table[i])
+
+    with pytest.raises(AssertionError):
+        check_cow(decrement_first)
+    with pytest.raises(NotYetAnswered):
+        check_cow(...)
+    assert sampling_blocks(**SAMPLING) == (114, 300)
+    assert "Correct" in check_sampling_blocks(114, 300)
+    with pytest.raises(AssertionError):
+        check_sampling_blocks(75, 300)
+    assert "Correct" in check_double_release("c")
+    with pytest.raises(AssertionError):
+        check_double_release("b")

@@ -179,3 +179,53 @@ def test_bad_arguments():
         cache.evict(-1)
     with pytest.raises(TypeError):
         cache.lock("not a node")
+
+
+# ---------------------------------------------------------------------------- chapter 4 views
+def test_radix_figure_highlights_the_hit_path():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvlab.viz.radix import RadixView, hit_rate_figure, radix_figure
+
+    cache = RadixCache(block_size=2)
+    cache.insert("s", [1, 2, 3, 4], [0, 1])
+    cache.insert("s", [1, 2, 5, 6], [0, 2])
+    m = cache.match("s", [1, 2, 5, 6, 7])
+    cache.lock(m.node)
+    fig = radix_figure(cache.tree_snapshot("s"), highlight=m.blocks)
+    patches = {p.get_gid(): p for p in fig.axes[0].patches if p.get_gid()}
+    assert {"node-0", "node-1", "node-2", "node-root"} <= set(patches)
+    assert patches["node-2"].get_linewidth() > patches["node-1"].get_linewidth()
+    plt.close(fig)
+    view = RadixView(cache.tree_snapshot("s"), {"q": (m.num_tokens, m.blocks)})
+    plt.close(view.figure())
+    assert view.widget() is not None
+    fig = hit_rate_figure({"few-shot": {"computed_off": 10, "computed_on": 2, "hit_rate": 0.8}})
+    plt.close(fig)
+
+
+def test_chapter4_exercise_checks():
+    from kvlab.exercises.ch04 import (
+        FEW_SHOT,
+        check_last_token,
+        check_saved_prefill,
+        check_tenant_scopes,
+        saved_prefill,
+    )
+
+    assert "Correct" in check_last_token(32, "b")
+    for wrong in ((48, "b"), (32, "a")):
+        with pytest.raises(AssertionError):
+            check_last_token(*wrong)
+    acme = dataclasses.replace(BASE, security_domain="acme")
+    assert "Correct" in check_tenant_scopes(acme, dataclasses.replace(acme,
+                                                                      security_domain="globex"))
+    with pytest.raises(AssertionError):
+        check_tenant_scopes(acme, dataclasses.replace(acme, security_domain="globex",
+                                                      adapter="lora-1"))
+    off, on = saved_prefill(**FEW_SHOT)
+    assert off == 20 * 640 and on == 640 + 19 * (640 - 592)
+    assert "Correct" in check_saved_prefill(off, on)

@@ -1,0 +1,180 @@
+"""Chapter 3 figures: the KV pool coloured by block state, with refcounts, step by step.
+
+* :func:`pool_figure` — pure: a :class:`~kvlab.core.kv_manager.KVSnapshot` in, a Figure out. The
+  pool is drawn one cell per physical block, coloured by state (free / exclusive / shared /
+  cached / pending copy), with its refcount; below it, every request's block table.
+* :func:`fork_scenario` — a scripted run of a real :class:`KVCacheManager`: parallel sampling
+  with n=3 (prefill, fork, copy-on-write of the partial last block, decode, release), returning
+  ``(caption, snapshot)`` pairs.
+* :class:`RefcountView` — a slider over those steps (thin ipywidgets glue over pool_figure).
+
+Patches carry a ``gid`` (``"block-7"``, ``"table-p-1"``) so tests can find them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvlab.core.kv_manager import KVCacheManager, KVSnapshot
+
+from .style import (
+    BLOCK_STATE_COLORS,
+    BLOCK_STATE_LABELS,
+    BLOCK_STATE_ORDER,
+    INK,
+    MUTED,
+    request_color,
+)
+
+
+def pool_figure(snapshot: KVSnapshot, *, per_row: int = 12, title: str | None = None):
+    """Draw the pool of ``snapshot`` coloured by block state, refcounts inside, tables below.
+
+    Each pool cell shows its physical id (top left) and, when owned, ``rc=<refcount>``; a
+    fenced block (pending copy) is red whatever its owners. Each table row lists the request's
+    physical blocks in logical order, edged in the request's colour.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    if per_row <= 0:
+        raise ValueError("per_row must be positive")
+    n = snapshot.num_blocks
+    rows = -(-n // per_row)
+    rids = list(snapshot.tables)
+    longest = max((len(t) for t in snapshot.tables.values()), default=0)
+    width = max(per_row, longest + 2)
+    height = rows + (len(rids) + 0.8 if rids else 0)
+    fig, ax = plt.subplots(figsize=(min(0.62 * width + 1.2, 12.0), 0.62 * height + 1.3))
+    for b in range(n):
+        x, y = b % per_row, -(b // per_row)
+        state = snapshot.block_states[b]
+        ax.add_patch(Rectangle((x, y), 0.92, 0.92, facecolor=BLOCK_STATE_COLORS[state],
+                               edgecolor=INK, linewidth=0.6, gid=f"block-{b}"))
+        dark = state in ("exclusive", "pending_copy")
+        ax.text(x + 0.06, y + 0.8, str(b), fontsize=7, va="top",
+                color="white" if dark else INK)
+        if snapshot.refcounts[b]:
+            ax.text(x + 0.46, y + 0.34, f"rc={snapshot.refcounts[b]}", ha="center",
+                    va="center", fontsize=8, color="white" if dark else INK)
+    top = -rows - 0.6
+    for r, rid in enumerate(rids):
+        y = top - r
+        color = request_color(rid, rids)
+        ax.text(-0.2, y + 0.46, rid, ha="right", va="center", fontsize=9, color=color,
+                fontweight="bold")
+        for i, block in enumerate(snapshot.tables[rid]):
+            state = snapshot.block_states[block]
+            ax.add_patch(Rectangle((i, y), 0.92, 0.92, facecolor=BLOCK_STATE_COLORS[state],
+                                   edgecolor=color, linewidth=2.0, gid=f"table-{rid}-{i}"))
+            ax.text(i + 0.46, y + 0.46, str(block), ha="center", va="center", fontsize=8,
+                    color="white" if state in ("exclusive", "pending_copy") else INK)
+    if rids:
+        ax.text(-0.2, top + 1.25, "block tables (logical order)", ha="left", fontsize=8,
+                color=MUTED)
+    ax.set_xlim(-2.2, width)
+    ax.set_ylim(top - len(rids) + 0.6 if rids else -rows + 0.6, 1.2)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    handles = [Patch(facecolor=BLOCK_STATE_COLORS[s], edgecolor=INK, linewidth=0.5,
+                     label=BLOCK_STATE_LABELS[s]) for s in BLOCK_STATE_ORDER]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=5,
+              fontsize=8, handlelength=1.2, columnspacing=1.0)
+    counts = ", ".join(f"{s.replace('_', ' ')} {snapshot.count(s)}" for s in BLOCK_STATE_ORDER)
+    ax.set_title(title or f"KV pool: {counts}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def fork_scenario(*, n: int = 3, num_blocks: int = 12, block_size: int = 4,
+                  prompt_len: int = 10, decode_steps: int = 3) -> list[tuple[str, KVSnapshot]]:
+    """Parallel sampling on a real KVCacheManager; the snapshot after every step.
+
+    Steps: admit and prefill the prompt (full blocks go to the prefix cache); fork ``n - 1``
+    children; each sequence writes its first token (children copy-on-write the shared partial
+    last block, the parent, last owner, writes in place); the copies complete; decode; one child
+    finishes; all finish (the cached prompt blocks stay, evictable).
+    """
+    if n < 1 or prompt_len < 1:
+        raise ValueError("need n >= 1 and a non-empty prompt")
+    kv = KVCacheManager(num_blocks, block_size)
+    scope = ("demo-model", "tenant-a")
+    prompt = list(range(100, 100 + prompt_len))
+    steps: list[tuple[str, KVSnapshot]] = [("empty pool", kv.snapshot())]
+    kv.admit("p", scope, prompt, prompt_len)
+    steps.append((f"admit p: {prompt_len} prompt tokens in {kv.blocks_for(prompt_len)} blocks",
+                  kv.snapshot()))
+    kv.commit("p", prompt)
+    steps.append(("prefill done: full blocks cached (the cache is an owner, rc=2)",
+                  kv.snapshot()))
+    seqs = ["p"] + [f"s{i}" for i in range(1, n)]
+    for child in seqs[1:]:
+        kv.fork("p", child)
+    steps.append((f"fork {n - 1} children for n={n}: every block shared", kv.snapshot()))
+    tokens = {rid: list(prompt) for rid in seqs}
+    pending = []
+    sample = {rid: 1000 * k for k, rid in enumerate(seqs)}  # each sequence samples its own
+    for rid in reversed(seqs):  # children first: the parent ends as the last owner
+        pending += kv.grow(rid, prompt_len + 1, prompt_len)
+        tokens[rid].append(sample[rid] + len(tokens[rid]))
+    steps.append((f"first token: copy-on-write of the partial block, copies {pending}",
+                  kv.snapshot()))
+    kv.complete_copies(pending)
+    steps.append(("copies complete: fences lifted", kv.snapshot()))
+    for _ in range(decode_steps):
+        for rid in seqs:
+            length = len(tokens[rid])
+            kv.grow(rid, length + 1, length)
+            tokens[rid].append(sample[rid] + length)
+            kv.commit(rid, tokens[rid])
+    steps.append((f"{decode_steps} decode steps: private tails grow", kv.snapshot()))
+    if n > 1:
+        kv.free(seqs[-1])
+        steps.append((f"{seqs[-1]} finishes: its private blocks freed, its cached ones stay",
+                      kv.snapshot()))
+    for rid in seqs[:-1] if n > 1 else seqs:
+        kv.free(rid)
+    steps.append(("all finish: cached blocks evictable, everything else free", kv.snapshot()))
+    kv.check_invariants()
+    return steps
+
+
+class RefcountView:
+    """Step through ``(caption, snapshot)`` pairs with a slider; drawing is :func:`pool_figure`."""
+
+    def __init__(self, steps: Sequence[tuple[str, KVSnapshot]] | None = None, *,
+                 start: int | None = None):
+        self.steps = list(steps) if steps is not None else fork_scenario()
+        if not self.steps:
+            raise ValueError("RefcountView needs at least one step")
+        if start is None:  # default: the first step with a pending copy, else the first
+            start = next((i for i, (_, s) in enumerate(self.steps) if s.pending_copies), 0)
+        if not 0 <= start < len(self.steps):
+            raise ValueError(f"start {start} outside 0..{len(self.steps) - 1}")
+        self.start = start
+
+    def figure(self, index: int | None = None):
+        """The pure figure of step ``index`` (default: the view's start step)."""
+        index = self.start if index is None else index
+        caption, snapshot = self.steps[index]
+        return pool_figure(snapshot, title=f"step {index}: {caption}")
+
+    def widget(self):
+        import ipywidgets as w
+        import matplotlib.pyplot as plt
+        from IPython.display import display
+
+        out = w.Output()
+        slider = w.IntSlider(value=self.start, min=0, max=len(self.steps) - 1, description="step",
+                             continuous_update=False)
+
+        def redraw(change=None) -> None:
+            with out:
+                out.clear_output(wait=True)
+                fig = self.figure(slider.value)
+                display(fig)
+                plt.close(fig)
+
+        slider.observe(redraw, names="value")
+        redraw()
+        return w.VBox([slider, out])
