@@ -503,12 +503,6 @@ class SchedulerBase:
     def _requeue_preempted(self, rid: str) -> None:
         self.waiting.insert(0, rid)
 
-    def _fail(self, request: RuntimeRequest, message: str) -> None:
-        self.lifecycle.fail(request, message)
-        self.running.remove(request.request_id)
-        self.lifecycle.release(request, self.kv)
-        self._ended.append(request)
-
     def _uncomputed_prefix_hit(self, request: RuntimeRequest) -> int:
         """Tokens of the request served by the prefix cache now (0 without a cache)."""
         if self.kv.prefix_cache is None:
@@ -528,10 +522,11 @@ class SchedulerBase:
                 if pool:
                     self._preempt(plan, pool[0])
                     continue
-                if any(rid != request.request_id for rid in self.running):
-                    self._preempt(plan, request)
-                else:
-                    self._fail(request, "KV pool exhausted with nothing left to preempt")
+                # Nobody else to preempt (the rest is scheduled already, or it runs alone: then
+                # its table holds private duplicates of blocks another request cached first).
+                # Recomputing it later reuses the cache; a lone request always fits then,
+                # because add_request rejected any request whose max_slots exceed the pool.
+                self._preempt(plan, request)
                 return False
 
 
@@ -649,7 +644,10 @@ class ProductionScheduler(SchedulerBase):
        the not-yet-scheduled running request with the largest (priority value, admission order):
        the least important class, newest first. It is freed and re-queued with its tokens
        (prefix-cache hits make recomputation cheaper). With ``admission="reserve"`` and no forks
-       this never happens.
+       this does not happen, with one exception: when two running requests compute the same new
+       prefix at once, the second keeps private duplicates of the blocks the first cached
+       (KVCacheManager: first writer wins) and its lock pins the first one's copies too, which
+       the reservation did not count.
     3. **Admission, in order.** Waiting candidates are sorted: aged requests (waited
        ``max_wait_steps`` or more since arrival) first, FIFO; then the rest by ``order_key``
        (default: priority, earliest deadline, longest prefix-cache hit), ties by arrival.
@@ -661,7 +659,8 @@ class ProductionScheduler(SchedulerBase):
     4. **Overload.** With ``max_waiting`` set, a request arriving to a full queue is rejected
        ("queue full"); a request that can never fit is always rejected at arrival.
 
-    **Starvation bound** (``admission="reserve"``, no forks, ageing on): let ``T`` be the largest
+    **Starvation bound** (ageing on, and no preemption: ``admission="reserve"``, no forks, see
+    the exception in 2.): let ``T`` be the largest
     ``prompt + max_tokens`` of any request and ``k`` the number of requests that arrived
     before request ``R`` and still wait when ``R`` ages. Then ``R`` is admitted at most
     ``max_wait_steps + (k + 1) * T`` steps after its arrival. Proof sketch: once aged, only
@@ -753,11 +752,12 @@ class ProductionScheduler(SchedulerBase):
         # 3. admissions.
         reserved = self.reserved_blocks() if cfg.admission == "reserve" else 0
         watermark = int(cfg.watermark * self.kv.num_blocks)
-        for request, hit in self.waiting_order():
+        for request, _hit in self.waiting_order():
             if (plan.seqs_left == 0 or plan.tokens_left == 0
                     or len(self.running) >= cfg.max_num_seqs):
                 break
-            cached = hit if hit >= 0 else self._uncomputed_prefix_hit(request)
+            # fresh lookup: an admission earlier in this step may have evicted cached blocks
+            cached = self._uncomputed_prefix_hit(request)
             n = min(request.num_tokens - cached, cfg.prefill_chunk, plan.tokens_left)
             scope, tokens = request.scope, request.all_token_ids
             available = self.kv.num_allocatable_blocks()
