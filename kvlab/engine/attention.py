@@ -6,10 +6,12 @@ to end (``N`` tokens). A chunk is either a prefill chunk (``q > 1`` new tokens a
 single token (a decode, or a one-token prefill chunk) attending to positions ``0 .. start``.
 
 :func:`build_metadata` turns the chunks into index tensors once per step (every layer reuses
-them). Tokens are reordered so that all single-token chunks come first: they are attended
-together in one padded batch ``[B, T, kv_heads, D]`` gathered through their block tables, with a
-length mask. Multi-token chunks are attended one by one (a Python loop per *chunk*, never per
-token); a chunk with no cached prefix attends to its own fresh K/V with a causal mask and never
+them). Tokens are reordered so that all single-token chunks come first, sorted by context
+length and split into a few buckets; each bucket is attended together in one padded batch
+``[B, T, kv_heads, D]`` gathered block by block through the block tables into a reusable
+workspace, with an additive length mask. Multi-token chunks are attended one by one (a Python
+loop per *chunk*, never per token); a chunk with no cached prefix attends to its own fresh K/V
+with a causal mask and never
 touches the cache for reading.
 
 KV layout per layer: ``k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim]``; a
@@ -19,6 +21,7 @@ p % block_size`` (spec rule 2).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,7 +31,9 @@ import torch.nn.functional as F
 __all__ = [
     "AttentionMetadata",
     "ChunkSpec",
+    "DecodeBucket",
     "PrefillChunk",
+    "Workspace",
     "build_metadata",
     "dense_causal_attention",
     "paged_attention",
@@ -55,32 +60,82 @@ class PrefillChunk:
     slots: torch.Tensor  # [start_pos + num_tokens] flat slots of positions 0..end-1 (long)
 
 
+@dataclass(frozen=True)
+class DecodeBucket:
+    """Single-token chunks attended together: flat rows ``row0 .. row0+B-1``.
+
+    ``block_index``: ``[B * max_blocks]`` physical blocks (tables padded with block 0, row-major);
+    ``mask``: ``[B, 1, 1, max_blocks * block_size]`` additive (0 where the key position is in
+    the context, -inf elsewhere).
+    """
+
+    row0: int
+    size: int
+    max_blocks: int
+    block_index: torch.Tensor
+    mask: torch.Tensor
+
+
+class Workspace:
+    """Reusable scratch buffers (one per name, grown on demand, never shrunk).
+
+    Fresh multi-megabyte tensors cost page faults on every allocation; attention gathers K/V
+    into these instead. Not thread-safe; one per executor.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.device, self.dtype = torch.device(device), dtype
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor of ``shape`` backed by buffer ``name`` (contents undefined)."""
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1), device=self.device, dtype=self.dtype)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+
 @dataclass
 class AttentionMetadata:
     """Index tensors of one step (all on the model's device).
 
-    ``order[i]`` is the index (in the caller's chunk list) of the chunk owning flat row group i;
-    ``last_row[c]`` is the flat row of chunk ``c``'s last token (its logits sample the next token).
-    Rows ``0 .. num_single-1`` are the single-token chunks, in ``single_chunks`` order.
+    ``last_row[c]`` is the flat row of chunk ``c``'s last token (its logits sample the next
+    token). Rows ``0 .. num_single-1`` hold the single-token chunks (sorted by context length
+    and split into :class:`DecodeBucket` s); multi-token chunks follow.
     """
 
     input_ids: torch.Tensor      # [N] long
     positions: torch.Tensor      # [N] long
     slot_mapping: torch.Tensor   # [N] long, flat slot each new K/V is written to
     num_single: int
-    single_block_tables: torch.Tensor | None  # [B, max_blocks] long (padded with block 0)
-    single_context_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool
+    buckets: list[DecodeBucket]
     prefills: list[PrefillChunk]
     last_row: list[int]          # per input chunk (caller's order)
     block_size: int
+    workspace: Workspace | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
 
+def _split_buckets(num_blocks_sorted: list[int], min_size: int = 16, max_buckets: int = 4
+                   ) -> list[tuple[int, int]]:
+    """Split rows sorted by table length into <= ``max_buckets`` contiguous equal-count groups
+    of >= ``min_size`` rows (padding waste shrinks with the spread inside each group)."""
+    n = len(num_blocks_sorted)
+    k = max(1, min(max_buckets, n // min_size))
+    if num_blocks_sorted and num_blocks_sorted[0] == num_blocks_sorted[-1]:
+        k = 1
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(k) if bounds[i + 1] > bounds[i]]
+
+
 def build_metadata(
-    chunks: Sequence[ChunkSpec], block_size: int, device: torch.device | str = "cpu"
+    chunks: Sequence[ChunkSpec], block_size: int, device: torch.device | str = "cpu",
+    workspace: Workspace | None = None,
 ) -> AttentionMetadata:
     """Lay out ``chunks`` as one flat batch (single-token chunks first) and index it.
 
@@ -88,8 +143,6 @@ def build_metadata(
     """
     if not chunks:
         raise ValueError("build_metadata: no chunks to run")
-    singles = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
-    multis = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
     for i, c in enumerate(chunks):
         if len(c.token_ids) == 0:
             raise ValueError(f"build_metadata: chunk {i} has no tokens")
@@ -99,28 +152,41 @@ def build_metadata(
                 f"build_metadata: chunk {i} block table ({len(c.block_table)} blocks of "
                 f"{block_size}) does not cover positions {c.start_pos}..{end - 1}"
             )
+    # single-token chunks, sorted by context length so buckets pad little
+    singles = sorted((i for i, c in enumerate(chunks) if len(c.token_ids) == 1),
+                     key=lambda i: chunks[i].start_pos)
+    multis = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
     ids: list[int] = []
     last_row = [0] * len(chunks)
-    # single-token chunks: vectorised slot computation
-    s_pos = [chunks[i].start_pos for i in singles]
-    for row, i in enumerate(singles):
-        ids.append(chunks[i].token_ids[0])
-        last_row[i] = row
-    pos_parts: list[torch.Tensor] = []
-    slot_parts: list[torch.Tensor] = []
-    single_tables = single_mask = None
+    pos_list: list[int] = []
+    slot_list: list[int] = []
+    buckets: list[DecodeBucket] = []
     if singles:
-        max_blocks = max(len(chunks[i].block_table) for i in singles)
-        table_rows = [list(chunks[i].block_table) for i in singles]
-        padded = [r + [0] * (max_blocks - len(r)) for r in table_rows]
-        tables = torch.tensor(padded, dtype=torch.long)
-        pos = torch.tensor(s_pos, dtype=torch.long)
-        slots = tables.gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size
-        pos_parts.append(pos)
-        slot_parts.append(slots)
-        span = torch.arange(max_blocks * block_size)
-        single_mask = (span[None, :] <= pos[:, None])[:, None, None, :]
-        single_tables = tables
+        need = []
+        for row, i in enumerate(singles):
+            c = chunks[i]
+            p = c.start_pos
+            ids.append(c.token_ids[0])
+            last_row[i] = row
+            pos_list.append(p)
+            slot_list.append(c.block_table[p // block_size] * block_size + p % block_size)
+            need.append(p // block_size + 1)
+        for lo, hi in _split_buckets(need):
+            nb = need[hi - 1]
+            index = []
+            for i in singles[lo:hi]:
+                table = chunks[i].block_table
+                index.extend(table[:nb])
+                index.extend([0] * (nb - min(nb, len(table))))
+            span = torch.arange(nb * block_size)
+            pos = torch.tensor(pos_list[lo:hi])
+            mask = torch.zeros(hi - lo, 1, 1, nb * block_size).masked_fill_(
+                (span[None, :] > pos[:, None])[:, None, None, :], float("-inf"))
+            buckets.append(DecodeBucket(lo, hi - lo, nb,
+                                        torch.tensor(index, dtype=torch.long, device=device),
+                                        mask.to(device)))
+    pos_parts = [torch.tensor(pos_list, dtype=torch.long)]
+    slot_parts = [torch.tensor(slot_list, dtype=torch.long)]
     prefills: list[PrefillChunk] = []
     offset = len(singles)
     for i in multis:
@@ -140,11 +206,11 @@ def build_metadata(
         positions=torch.cat(pos_parts).to(device),
         slot_mapping=torch.cat(slot_parts).to(device),
         num_single=len(singles),
-        single_block_tables=None if single_tables is None else single_tables.to(device),
-        single_context_mask=None if single_mask is None else single_mask.to(device),
+        buckets=buckets,
         prefills=prefills,
         last_row=last_row,
         block_size=block_size,
+        workspace=workspace,
     )
 
 
@@ -156,6 +222,31 @@ def write_kv(
     kv_heads, dim = k_cache.shape[-2:]
     k_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, v)
+
+
+def _decode_bucket(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   b: DecodeBucket, scale: float, ws: Workspace) -> torch.Tensor:
+    """Attention of ``q: [B, H, D]`` (one token each) over their block tables -> [B, H, D]."""
+    num_blocks, bs, kv_heads, dim = k_cache.shape
+    heads = q.shape[1]
+    group = heads // kv_heads
+    t = b.max_blocks * bs
+    flat_k = k_cache.view(num_blocks, -1)
+    flat_v = v_cache.view(num_blocks, -1)
+    rows = b.block_index.numel()
+    gk = torch.index_select(flat_k, 0, b.block_index, out=ws.get("gk", (rows, flat_k.shape[1])))
+    gv = torch.index_select(flat_v, 0, b.block_index, out=ws.get("gv", (rows, flat_v.shape[1])))
+    # [B, T, KV, D] -> [B, KV, T, D] contiguous, so each (request, kv head) is one matrix
+    kt = ws.get("kt", (b.size, kv_heads, t, dim))
+    vt = ws.get("vt", (b.size, kv_heads, t, dim))
+    kt.copy_(gk.view(b.size, t, kv_heads, dim).permute(0, 2, 1, 3))
+    vt.copy_(gv.view(b.size, t, kv_heads, dim).permute(0, 2, 1, 3))
+    # the `group` query heads sharing a KV head are the rows of one small matmul
+    qg = q.reshape(b.size * kv_heads, group, dim)
+    mask = b.mask.expand(b.size, kv_heads, group, t).reshape(b.size * kv_heads, group, t)
+    scores = torch.baddbmm(mask, qg, kt.view(-1, t, dim).transpose(1, 2), alpha=scale)
+    out = torch.bmm(scores.softmax(-1), vt.view(-1, t, dim))
+    return out.view(b.size, heads, dim)
 
 
 def paged_attention(
@@ -171,17 +262,10 @@ def paged_attention(
     kv_heads = k_cache.shape[2]
     gqa = heads != kv_heads
     out = torch.empty_like(q)
-    b = meta.num_single
-    if b:
-        tables = meta.single_block_tables
-        # [B, nb, bs, KV, D] -> [B, KV, T, D]
-        kc = k_cache[tables].flatten(1, 2).transpose(1, 2)
-        vc = v_cache[tables].flatten(1, 2).transpose(1, 2)
-        qs = q[:b].unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(
-            qs, kc, vc, attn_mask=meta.single_context_mask, scale=scale, enable_gqa=gqa
-        )
-        out[:b] = o[:, :, 0]
+    ws = meta.workspace or Workspace(q.device, q.dtype)
+    for b in meta.buckets:
+        rows = slice(b.row0, b.row0 + b.size)
+        out[rows] = _decode_bucket(q[rows], k_cache, v_cache, b, scale, ws)
     flat_k = k_cache.view(-1, kv_heads, dim)
     flat_v = v_cache.view(-1, kv_heads, dim)
     for c in meta.prefills:

@@ -21,7 +21,7 @@ import torch
 
 from kvlab.core.scheduler_api import ScheduledChunk
 
-from .attention import AttentionMetadata, ChunkSpec, build_metadata
+from .attention import AttentionMetadata, ChunkSpec, Workspace, build_metadata
 from .kv_cache import PagedKVCache
 from .model import LlamaModel
 
@@ -51,6 +51,7 @@ class TorchExecutor:
         self.cache = cache
         self.device = model.device
         self.block_size = cache.block_size
+        self.workspace = Workspace(self.device, cache.data.dtype)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -63,7 +64,7 @@ class TorchExecutor:
         t0 = time.perf_counter()
         meta = build_metadata(
             [ChunkSpec(c.token_ids, c.start_pos, c.block_table) for c in chunks],
-            self.block_size, self.device) if chunks else None
+            self.block_size, self.device, self.workspace) if chunks else None
         sample_idx = [i for i, c in enumerate(chunks) if c.sample]
         t1 = time.perf_counter()
         self.cache.copy_blocks(copies)
