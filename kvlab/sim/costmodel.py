@@ -1,0 +1,141 @@
+"""Roofline cost of one engine step of a named model on a named GPU (no torch).
+
+A step runs the model once over every scheduled token. Its time is modelled as
+
+    t = max(FLOPs / (peak FLOP/s * compute_efficiency), bytes / (HBM bandwidth * bw_efficiency))
+        + fixed overhead
+
+with, for a batch of chunks (``n`` tokens of a request at positions ``[s, s + n)``):
+
+* FLOPs: ``2 * P_dense * n`` for the weight matrices of every layer (``P_dense`` = parameters
+  without the embedding/LM head), ``2 * hidden * vocab`` per *sampled* token for the LM head, and
+  ``4 * layers * heads * head_dim * sum(context)`` for attention (QK^T and AV over each token's
+  context ``p + 1``);
+* bytes: all weights once per step, plus the KV cache each chunk reads (its whole context,
+  ``2 * layers * kv_heads * head_dim * dtype_bytes`` per token) and writes (its ``n`` tokens).
+
+Activations, communication and kernel inefficiencies other than the two efficiency factors are
+ignored; the fixed overhead stands for kernel launches, sampling and the scheduler itself. It is
+a first-order model: good for comparing schedules (which batch shapes cost what), not for
+predicting a real engine's latency to a few percent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvlab.core.capacity import dtype_bytes
+from kvlab.core.catalog import GPUSpec, ModelShape, get_gpu, get_model
+from kvlab.core.scheduler_api import ScheduledChunk
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One step's modelled cost. Times in seconds."""
+
+    flops: float
+    bytes: float
+    compute_s: float
+    memory_s: float
+    overhead_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_s, self.memory_s) + self.overhead_s
+
+    @property
+    def bound(self) -> str:
+        """"compute" or "memory": which roof the step hits."""
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+@dataclass(frozen=True)
+class RooflineCostModel:
+    """Step time of ``model`` on ``gpu`` (names from :mod:`kvlab.core.catalog`) in ``dtype``.
+
+    ``overhead_s``: fixed cost per step (default 0.5 ms, an assumption, not a measurement).
+    ``compute_efficiency`` / ``bandwidth_efficiency``: the fraction of peak reached (default 1:
+    the pure roofline).
+    """
+
+    model: ModelShape
+    gpu: GPUSpec
+    dtype: str = "bf16"
+    overhead_s: float = 0.5e-3
+    compute_efficiency: float = 1.0
+    bandwidth_efficiency: float = 1.0
+
+    @classmethod
+    def named(cls, model: str, gpu: str, **kw) -> RooflineCostModel:
+        return cls(get_model(model), get_gpu(gpu), **kw)
+
+    def __post_init__(self) -> None:
+        if self.overhead_s < 0:
+            raise ValueError("overhead_s must be >= 0")
+        for name in ("compute_efficiency", "bandwidth_efficiency"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+
+    # -- per-token constants ------------------------------------------------------------------
+
+    @property
+    def element_bytes(self) -> float:
+        return dtype_bytes(self.dtype)
+
+    @property
+    def dense_params(self) -> int:
+        """Parameters multiplied per token in the layers (embedding and LM head excluded)."""
+        m = self.model
+        embed = m.vocab * m.hidden * (1 if m.tie_word_embeddings else 2)
+        return m.params - embed
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        m = self.model
+        return 2 * m.layers * m.kv_heads * m.head_dim * self.element_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.model.params * self.element_bytes
+
+    # -- costs --------------------------------------------------------------------------------
+
+    def cost(self, work: Iterable[tuple[int, int, bool]]) -> StepCost:
+        """Cost of chunks given as ``(num_tokens, start_pos, samples)`` triples."""
+        m = self.model
+        tokens = sampled = 0
+        context_sum = 0
+        kv_tokens_read = 0
+        for n, start, samples in work:
+            if n <= 0 or start < 0:
+                raise ValueError(f"bad chunk: {n} tokens at position {start}")
+            tokens += n
+            sampled += bool(samples)
+            # sum over p in [start, start + n) of (p + 1)
+            context_sum += n * start + n * (n + 1) // 2
+            kv_tokens_read += start + n
+        flops = (2.0 * self.dense_params * tokens + 2.0 * m.hidden * m.vocab * sampled
+                 + 4.0 * m.layers * m.heads * m.head_dim * context_sum)
+        moved = (self.weight_bytes if tokens else 0.0) + self.kv_bytes_per_token * (
+            kv_tokens_read + tokens)
+        compute_s = flops / (self.gpu.bf16_tflops * 1e12 * self.compute_efficiency)
+        memory_s = moved / (self.gpu.hbm_bandwidth * self.bandwidth_efficiency)
+        return StepCost(flops, moved, compute_s, memory_s, self.overhead_s if tokens else 0.0)
+
+    def step_cost(self, chunks: Sequence[ScheduledChunk],
+                  padding: Sequence[tuple[int, int]] = ()) -> StepCost:
+        """Cost of a scheduler step; ``padding`` adds ``(num_tokens, start_pos)`` dummy work
+        (slots a static batch computes for requests that already finished)."""
+        work = [(c.num_tokens, c.start_pos, c.sample) for c in chunks]
+        work += [(n, s, False) for n, s in padding if n > 0]
+        return self.cost(work)
+
+    def kv_blocks(self, block_size: int, memory_fraction: float = 0.9) -> int:
+        """KV blocks that fit in the GPU's memory after the weights (``memory_fraction`` of it
+        usable), for sizing a simulated pool."""
+        free = self.gpu.memory_bytes * memory_fraction - self.weight_bytes
+        if free <= 0:
+            raise ValueError(f"{self.model.name} weights do not fit on {self.gpu.name}")
+        return int(free // (self.kv_bytes_per_token * block_size))
