@@ -168,6 +168,9 @@ class BlockPool:
                 if not victims:  # pragma: no cover - guarded by num_allocatable
                     raise RuntimeError("evictor reported evictable blocks but released none")
                 for block in victims:
+                    if self._owners[block] != {CACHE_OWNER}:  # pragma: no cover - a cache bug
+                        raise RuntimeError(f"evictor released block {block}, which is in use "
+                                           f"by {sorted(map(repr, self._owners[block]))}")
                     self._drop(block, CACHE_OWNER)
         taken = [heapq.heappop(self._free_heap) for _ in range(n)]
         for block in taken:
