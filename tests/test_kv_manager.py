@@ -279,3 +279,27 @@ def test_chapter3_exercise_checks():
     assert "Correct" in check_double_release("c")
     with pytest.raises(AssertionError):
         check_double_release("b")
+
+
+def test_commit_never_caches_a_block_whose_copy_is_pending():
+    kv = KVCacheManager(8, 2, enable_prefix_caching=True)
+    kv.admit("p", S, [1, 2, 3], 3)  # blocks 0 (full) and 1 (partial)
+    kv.fork("p", "c")
+    copies = kv.grow("c", 4, 3)  # c copies the partial block before writing position 3
+    assert copies == [(1, 2)]
+    kv.commit("c", [1, 2, 3, 9])  # KV of position 3 is not there yet: the copy is pending
+    assert kv.prefix_cache.match(S, [1, 2, 3, 9, 0]).num_tokens == 2
+    kv.check_invariants()
+    kv.complete_copies(copies)
+    kv.commit("c", [1, 2, 3, 9])
+    assert kv.prefix_cache.match(S, [1, 2, 3, 9, 0]).num_tokens == 4
+    kv.check_invariants()
+
+
+def test_core_memory_modules_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvlab.core.kv_manager, kvlab.core.invariants, kvlab.core.radix, "
+            "kvlab.core.scope; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
