@@ -2,29 +2,93 @@
 
 It decides *what* runs: capacities, page tables, block ownership, prefix reuse, request
 states, batches, P/D descriptors and metrics. Tensors live in :mod:`kvlab.engine`.
+
+The first group of names are the specification's reference listings; the rest are the
+production versions the engine uses, tested against them.
 """
 
+# Reference listings of the specification: BlockAllocator, kv_bytes, REQUIRED_KV_FIELDS,
+# validate_kv_descriptor, goodput, physical_slot, PrefixCache, effective_bits, ALLOWED, Phase,
+# Request, build_batch. Everything else is a production version tested against them.
+from .block_pool import CACHE_OWNER, BlockPool
 from .blocks import BlockAllocator
-from .capacity import kv_bytes
+from .capacity import (
+    DTYPE_BYTES,
+    CapacityPlan,
+    dtype_bytes,
+    kv_bytes,
+    kv_element_bytes,
+    kv_heads_per_rank,
+    plan_capacity,
+)
+from .catalog import GPUS, MODELS, GPUSpec, ModelShape, dense_param_count, get_gpu, get_model
 from .disagg import REQUIRED_KV_FIELDS, validate_kv_descriptor
+from .fragmentation import (
+    WasteReport,
+    WorkloadRequest,
+    compare_policies,
+    sharegpt_like_workload,
+    simulate,
+    waste_table,
+)
+from .invariants import KV_MANAGER_INVARIANTS, InvariantSet, check_kv_manager
+from .kv_manager import KVCacheManager, KVSnapshot
 from .metrics import goodput
-from .paging import physical_slot
+from .paging import BlockTable, block_table_array, physical_slot, slot_mapping, slots_for
 from .prefix import PrefixCache
 from .quantization import effective_bits
+from .radix import PrefixMatch, RadixCache, RadixSnapshot
 from .request import ALLOWED, Phase, Request
 from .sched import build_batch
+from .scope import SCOPE_FIELDS, CacheScope, scope_key
 
 __all__ = [
     "ALLOWED",
+    "CACHE_OWNER",
+    "DTYPE_BYTES",
+    "GPUS",
+    "KV_MANAGER_INVARIANTS",
+    "MODELS",
     "REQUIRED_KV_FIELDS",
+    "SCOPE_FIELDS",
     "BlockAllocator",
+    "BlockPool",
+    "BlockTable",
+    "CacheScope",
+    "CapacityPlan",
+    "GPUSpec",
+    "InvariantSet",
+    "KVCacheManager",
+    "KVSnapshot",
+    "ModelShape",
     "Phase",
     "PrefixCache",
+    "PrefixMatch",
+    "RadixCache",
+    "RadixSnapshot",
     "Request",
+    "WasteReport",
+    "WorkloadRequest",
+    "block_table_array",
     "build_batch",
+    "check_kv_manager",
+    "compare_policies",
+    "dense_param_count",
+    "dtype_bytes",
     "effective_bits",
+    "get_gpu",
+    "get_model",
     "goodput",
     "kv_bytes",
+    "kv_element_bytes",
+    "kv_heads_per_rank",
     "physical_slot",
+    "plan_capacity",
+    "scope_key",
+    "sharegpt_like_workload",
+    "simulate",
+    "slot_mapping",
+    "slots_for",
     "validate_kv_descriptor",
+    "waste_table",
 ]
