@@ -194,7 +194,8 @@ def test_production_config_needs_budget_for_every_running_request():
         ProductionScheduler(KVCacheManager(4, 4),
                             SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4))
     for bad in (dict(max_num_seqs=0), dict(admission="lru"), dict(watermark=1.0),
-                dict(max_waiting=-1), dict(prefill_chunk=True)):
+                dict(max_waiting=-1), dict(prefill_chunk=True),
+                dict(admission_scan_limit=0)):
         with pytest.raises(ValueError):
             SchedulerConfig(**bad)
 

@@ -110,21 +110,37 @@ class EventLog:
     ``crash_at``: when set, appending the event with that index raises :class:`SimulatedCrash`
     *instead of* writing it, so the durable log is ``events[:crash_at]`` and nothing the caller
     meant to do after that append happens. Used to test recovery at every point of a run.
+    The schedulers :meth:`compact` the log now and then (ended, released requests), so it stays
+    proportional to the live requests, like a write-ahead log truncated at checkpoints.
     """
 
     events: list[Event] = field(default_factory=list)
     crash_at: int | None = None
+    next_index: int = -1       # index of the next event (events may have been compacted)
+
+    def __post_init__(self) -> None:
+        if self.next_index < 0:
+            self.next_index = self.events[-1].index + 1 if self.events else 0
 
     def append(self, kind: str, request_id: str, data: tuple[Any, ...] = (),
                step: int = 0) -> Event:
         if kind not in EVENT_KINDS:
             raise ValueError(f"unknown event kind {kind!r}; expected one of {sorted(EVENT_KINDS)}")
-        index = len(self.events)
+        index = self.next_index
         if self.crash_at is not None and index >= self.crash_at:
             raise SimulatedCrash(f"simulated crash before event {index} ({kind} {request_id})")
         event = Event(index, kind, request_id, tuple(data), step)
         self.events.append(event)
+        self.next_index += 1
         return event
+
+    def compact(self, request_ids: set[str]) -> int:
+        """Drop every event of ``request_ids`` (a checkpoint: call it only for requests that
+        ended and whose KV release completed, which recovery would ignore anyway). Indices of
+        the remaining events are kept. Returns the number of events dropped."""
+        before = len(self.events)
+        self.events = [e for e in self.events if e.request_id not in request_ids]
+        return before - len(self.events)
 
     def __len__(self) -> int:
         return len(self.events)

@@ -78,6 +78,9 @@ class SchedulerConfig:
         cache_affinity: production only. Order equal-class, equal-deadline candidates by longest
             prefix-cache hit first (within ``affinity_window`` candidates, to bound lookup cost).
         affinity_window: how many leading candidates get a prefix lookup per step.
+        admission_scan_limit: production only. At most this many waiting candidates are tried
+            per step (in order); the rest wait for a later step. Bounds the per-step cost when a
+            long queue does not fit. ``None``: try them all.
     """
 
     max_num_seqs: int = 64
@@ -89,6 +92,7 @@ class SchedulerConfig:
     max_wait_steps: int | None = 64
     cache_affinity: bool = True
     affinity_window: int = 256
+    admission_scan_limit: int | None = 128
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk",
@@ -101,10 +105,10 @@ class SchedulerConfig:
                              f"got {self.admission!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"SchedulerConfig.watermark must be in [0, 1), got {self.watermark!r}")
-        for name in ("max_waiting", "max_wait_steps"):
+        for name, low in (("max_waiting", 0), ("max_wait_steps", 0), ("admission_scan_limit", 1)):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"SchedulerConfig.{name} must be None or an int >= 0")
+            if value is not None and (not isinstance(value, int) or value < low):
+                raise ValueError(f"SchedulerConfig.{name} must be None or an int >= {low}")
 
 
 class SchedulerBase:
@@ -128,6 +132,7 @@ class SchedulerBase:
         self._deferred_release: list[str] = []  # aborted while in flight: free after the step
         self._ended: list[RuntimeRequest] = []  # rejected/failed, reported by update_from_output
         self._rejected_pending: list[str] = []  # rejected since the last schedule()
+        self._compact_at = 4096                  # log size that triggers the next compaction
 
     # -- protocol: queries --------------------------------------------------------------------
 
@@ -277,7 +282,17 @@ class SchedulerBase:
         self._inflight = None
         self._inflight_ids = set()
         early, self._ended = self._ended, []
+        if len(self.log) >= self._compact_at:
+            self._compact_log()
         return early + ended
+
+    def _compact_log(self) -> None:
+        """Checkpoint: drop the log events of requests that ended and hold no KV (amortised
+        O(1) per event: the next compaction waits until the log doubles)."""
+        done = {rid for rid, r in self._requests.items()
+                if r.status.is_terminal and not self.kv.has(rid)}
+        self.log.compact(done)
+        self._compact_at = max(4096, 2 * len(self.log))
 
     def fork(self, parent_id: str, child: RuntimeRequest) -> None:
         """Add ``child`` as an extra sample of ``parent_id`` (n > 1), sharing the parent's KV.
@@ -749,10 +764,16 @@ class ProductionScheduler(SchedulerBase):
             start = request.num_computed_tokens
             if self._ensure_kv(plan, request, n, victims):
                 plan.add_chunk(self._chunk(request, start, n))
-        # 3. admissions.
+        # 3. admissions (nothing to order when no admission is possible this step).
+        if (not self.waiting or plan.seqs_left == 0 or plan.tokens_left == 0
+                or len(self.running) >= cfg.max_num_seqs):
+            return
         reserved = self.reserved_blocks() if cfg.admission == "reserve" else 0
         watermark = int(cfg.watermark * self.kv.num_blocks)
-        for request, _hit in self.waiting_order():
+        candidates = self.waiting_order()
+        if cfg.admission_scan_limit is not None:
+            candidates = candidates[: cfg.admission_scan_limit]
+        for request, _hit in candidates:
             if (plan.seqs_left == 0 or plan.tokens_left == 0
                     or len(self.running) >= cfg.max_num_seqs):
                 break
@@ -761,6 +782,8 @@ class ProductionScheduler(SchedulerBase):
             n = min(request.num_tokens - cached, cfg.prefill_chunk, plan.tokens_left)
             scope, tokens = request.scope, request.all_token_ids
             available = self.kv.num_allocatable_blocks()
+            if available - (reserved if cfg.admission == "reserve" else watermark) <= 0:
+                break                                   # nothing at all can be admitted
             # blocks_needed(None, ...) counts fresh blocks plus the evictable cached blocks that
             # admission locks: "need <= available" is exactly when admit() succeeds.
             if cfg.admission == "reserve":
