@@ -1,0 +1,99 @@
+"""BatchTimeline figure/widget and the chapter 5 and 6 exercise checks."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pytest
+
+from kvlab.core.kv_manager import KVCacheManager
+from kvlab.core.lifecycle import RUNNING_STATUSES
+from kvlab.core.recovery import replay
+from kvlab.core.scheduler import BaselineScheduler, SchedulerConfig, default_order_key
+from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest
+from kvlab.exercises import ch05, ch06
+from kvlab.exercises._common import NotYetAnswered, try_check
+from kvlab.sim.tokens import drive
+from kvlab.viz.timeline import (
+    BatchTimeline,
+    TimelineStep,
+    batch_timeline_figure,
+    describe_step,
+    steps_from_outputs,
+)
+
+
+def small_run():
+    kv = KVCacheManager(14, 4)
+    sched = BaselineScheduler(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12,
+                                                  prefill_chunk=8))
+    arrivals = {1: [RuntimeRequest(f"r{i}", tuple(range(1 + i, 12 + 3 * i)), max_tokens=6 + i)
+                    for i in range(3)],
+                4: [RuntimeRequest("long", tuple(range(100, 140)), max_tokens=4)]}
+    result = drive(sched, arrivals=arrivals)
+    return steps_from_outputs(result.outputs, result.ended)
+
+
+def test_timeline_records_and_figure():
+    steps = small_run()
+    assert all(s.num_tokens <= 12 for s in steps)
+    assert any(s.preempted for s in steps) and any(s.finished for s in steps)
+    fig = batch_timeline_figure(steps, 12, start=2, end=10, highlight=3, title="t")
+    ax = fig.axes[0]
+    heights = sum(p.get_height() for p in ax.patches if hasattr(p, "get_height"))
+    assert heights >= sum(s.num_tokens for s in steps[2:10])
+    plt.close(fig)
+    text = describe_step(steps[0], 12)
+    assert text.startswith(f"step 1: {steps[0].num_tokens}/12 tokens")
+    with pytest.raises(ValueError):
+        batch_timeline_figure(steps, 0)
+    with pytest.raises(ValueError):
+        batch_timeline_figure(steps, 12, start=5, end=2)
+
+
+def test_timeline_widget_draws_headless():
+    steps = small_run()
+    widget = BatchTimeline(steps, 12, width=6)
+    widget.slider.value = 4
+    fig = widget.figure()
+    assert fig.axes[0].get_xlabel() == "step"
+    plt.close(fig)
+    with pytest.raises(ValueError):
+        BatchTimeline([], 12)
+    one = [TimelineStep(1, (("a", 3, True),))]
+    plt.close(batch_timeline_figure(one, 4))
+
+
+def test_ch05_checks():
+    with pytest.raises(NotYetAnswered):
+        ch05.check_legal_moves(...)
+    legal = [RequestStatus(d) in ch05.TRANSITIONS[RequestStatus(s)] for s, d in ch05.MOVES]
+    assert "Correct" in ch05.check_legal_moves(legal)
+    with pytest.raises(AssertionError):
+        ch05.check_legal_moves([not x for x in legal])
+    truth = {s.value: s in RUNNING_STATUSES for s in RequestStatus}
+    assert "Correct" in ch05.check_holds_kv(truth)
+    with pytest.raises(AssertionError):
+        ch05.check_holds_kv({**truth, "preempted": True})
+    events, kv = ch05.crash_scenario()
+    state = replay(events)
+    orphans = {rid for rid, e in state.items()
+               if kv.has(rid) and e.request.status not in RUNNING_STATUSES}
+    assert orphans == {"q3"}
+    assert "Correct" in ch05.check_orphans(orphans)
+    with pytest.raises(AssertionError):
+        ch05.check_orphans(set())
+    assert "Not answered" in try_check(ch05.check_orphans, ...)
+
+
+def test_ch06_checks():
+    assert "Correct" in ch06.check_batch([("d0", 1), ("d1", 1), ("p0", 4), ("w0", 2)])
+    with pytest.raises(AssertionError):
+        ch06.check_batch([("p0", 4), ("d0", 1)])
+    assert "Correct" in ch06.check_deadline_policy(ch06.edf_then_priority)
+    with pytest.raises(AssertionError, match="first token at step"):
+        ch06.check_deadline_policy(default_order_key)
+    with pytest.raises(AssertionError):
+        ch06.check_deadline_policy(42)
+    assert "Correct" in ch06.check_starvation_bound(16 + 4 * 2560)
+    with pytest.raises(AssertionError):
+        ch06.check_starvation_bound(2560)
