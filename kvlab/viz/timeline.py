@@ -180,3 +180,64 @@ class BatchTimeline:
         from IPython.display import display
 
         display(self.widget)
+
+
+# Layout of the request state diagram (x, y) for chapter 5.
+_STATE_POS = {
+    "waiting": (0.0, 1.0), "prefill": (1.4, 1.0), "decode": (2.8, 1.0),
+    "preempted": (2.1, 2.1), "finished": (4.2, 1.0), "cancelled": (2.8, -0.2),
+    "failed": (1.4, -0.2), "rejected": (0.0, -0.2),
+}
+
+
+def state_diagram_figure(transitions: dict, holds_kv: dict[str, bool],
+                         highlight: Sequence[str] = ()) -> Figure:
+    """The request state machine: ``transitions`` maps a status name to the names it may move
+    to; ``holds_kv`` says which statuses own a KV block table (drawn filled). Terminal statuses
+    (no way out) get a double border. ``highlight``: status names to outline in red."""
+    from matplotlib.patches import FancyBboxPatch
+
+    from .style import BLOCK_STATE_COLORS
+
+    unknown = set(transitions) - set(_STATE_POS)
+    if unknown:
+        raise ValueError(f"no position for states {sorted(unknown)}")
+    fig, ax = plt.subplots(figsize=(9.0, 4.0))
+    w, h = 0.95, 0.42
+    for src, targets in transitions.items():
+        for dst in targets:
+            (x0, y0), (x1, y1) = _STATE_POS[src], _STATE_POS[dst]
+            rad = 0.25 if (src, dst) in {("preempted", "prefill"), ("prefill", "finished")} else 0.0
+            ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
+                        arrowprops=dict(arrowstyle="-|>", color=MUTED, lw=1.0,
+                                        shrinkA=24, shrinkB=24,
+                                        connectionstyle=f"arc3,rad={rad}"))
+    for name, (x, y) in _STATE_POS.items():
+        if name not in transitions:
+            continue
+        held = holds_kv.get(name, False)
+        face = BLOCK_STATE_COLORS["exclusive"] if held else BLOCK_STATE_COLORS["free"]
+        edge = "#c44e52" if name in highlight else INK
+        terminal = not transitions[name]
+        ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h,
+                                    boxstyle="round,pad=0.02,rounding_size=0.08",
+                                    facecolor=face, edgecolor=edge,
+                                    linewidth=2.5 if name in highlight else 1.2))
+        if terminal:
+            ax.add_patch(FancyBboxPatch((x - w / 2 + 0.04, y - h / 2 + 0.04), w - 0.08, h - 0.08,
+                                        boxstyle="round,pad=0.02,rounding_size=0.06",
+                                        facecolor="none", edgecolor=edge, linewidth=0.8))
+        ax.text(x, y, name.upper(), ha="center", va="center", fontsize=9,
+                color="white" if held else INK, fontweight="bold")
+    ax.set_xlim(-0.7, 4.9)
+    ax.set_ylim(-0.6, 2.5)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    handles = [Patch(facecolor=BLOCK_STATE_COLORS["exclusive"], edgecolor=INK,
+                     label="holds a KV block table"),
+               Patch(facecolor=BLOCK_STATE_COLORS["free"], edgecolor=INK, label="holds no KV"),
+               Patch(facecolor="white", edgecolor=INK, linewidth=2.0,
+                     label="terminal (double border)")]
+    ax.legend(handles=handles, loc="upper left", fontsize=8)
+    fig.tight_layout()
+    return fig
