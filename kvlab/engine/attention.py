@@ -65,8 +65,8 @@ class DecodeBucket:
     """Single-token chunks attended together: flat rows ``row0 .. row0+B-1``.
 
     ``block_index``: ``[B * max_blocks]`` physical blocks (tables padded with block 0, row-major);
-    ``mask``: ``[B, 1, 1, max_blocks * block_size]`` additive (0 where the key position is in
-    the context, -inf elsewhere).
+    ``mask``: ``[B, 1, max_blocks * block_size]`` additive (0 where the key position is in
+    the context, -inf elsewhere; may be a strided view).
     """
 
     row0: int
@@ -86,6 +86,7 @@ class Workspace:
     def __init__(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.device, self.dtype = torch.device(device), dtype
         self._buffers: dict[str, torch.Tensor] = {}
+        self._index: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor of ``shape`` backed by buffer ``name`` (contents undefined)."""
@@ -95,6 +96,14 @@ class Workspace:
             buf = torch.empty(max(numel, 1), device=self.device, dtype=self.dtype)
             self._buffers[name] = buf
         return buf[:numel].view(shape)
+
+    def head_map(self, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(arange(heads), arange(heads) // (heads // kv_heads))`` on the device, cached."""
+        key = ("head_map", heads, kv_heads)
+        if key not in self._index:
+            h = torch.arange(heads, device=self.device)
+            self._index[key] = (h, h // (heads // kv_heads))
+        return self._index[key]
 
 
 @dataclass
@@ -115,13 +124,14 @@ class AttentionMetadata:
     last_row: list[int]          # per input chunk (caller's order)
     block_size: int
     workspace: Workspace | None = None
+    max_position: int = 0        # the largest entry of ``positions``
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
 
-def _split_buckets(num_blocks_sorted: list[int], min_size: int = 16, max_buckets: int = 4
+def _split_buckets(num_blocks_sorted: list[int], min_size: int = 8, max_buckets: int = 6
                    ) -> list[tuple[int, int]]:
     """Split rows sorted by table length into <= ``max_buckets`` contiguous equal-count groups
     of >= ``min_size`` rows (padding waste shrinks with the spread inside each group)."""
@@ -171,6 +181,11 @@ def build_metadata(
             pos_list.append(p)
             slot_list.append(c.block_table[p // block_size] * block_size + p % block_size)
             need.append(p // block_size + 1)
+        # one additive mask for all rows (key position > query position -> -inf), sliced per
+        # bucket: rows lo..hi-1 and the first nb blocks
+        span = torch.arange(need[-1] * block_size)
+        mask_all = torch.zeros(len(singles), need[-1] * block_size).masked_fill_(
+            span[None, :] > torch.tensor(pos_list)[:, None], float("-inf")).to(device)
         for lo, hi in _split_buckets(need):
             nb = need[hi - 1]
             index = []
@@ -178,13 +193,9 @@ def build_metadata(
                 table = chunks[i].block_table
                 index.extend(table[:nb])
                 index.extend([0] * (nb - min(nb, len(table))))
-            span = torch.arange(nb * block_size)
-            pos = torch.tensor(pos_list[lo:hi])
-            mask = torch.zeros(hi - lo, 1, 1, nb * block_size).masked_fill_(
-                (span[None, :] > pos[:, None])[:, None, None, :], float("-inf"))
             buckets.append(DecodeBucket(lo, hi - lo, nb,
                                         torch.tensor(index, dtype=torch.long, device=device),
-                                        mask.to(device)))
+                                        mask_all[lo:hi, None, :nb * block_size]))
     pos_parts = [torch.tensor(pos_list, dtype=torch.long)]
     slot_parts = [torch.tensor(slot_list, dtype=torch.long)]
     prefills: list[PrefillChunk] = []
@@ -203,14 +214,16 @@ def build_metadata(
         offset += q
     return AttentionMetadata(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.cat(pos_parts).to(device),
-        slot_mapping=torch.cat(slot_parts).to(device),
+        positions=(pos_parts[0] if len(pos_parts) == 1 else torch.cat(pos_parts)).to(device),
+        slot_mapping=(slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts)).to(
+            device),
         num_single=len(singles),
         buckets=buckets,
         prefills=prefills,
         last_row=last_row,
         block_size=block_size,
         workspace=workspace,
+        max_position=max(c.start_pos + len(c.token_ids) for c in chunks) - 1,
     )
 
 
@@ -226,27 +239,29 @@ def write_kv(
 
 def _decode_bucket(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    b: DecodeBucket, scale: float, ws: Workspace) -> torch.Tensor:
-    """Attention of ``q: [B, H, D]`` (one token each) over their block tables -> [B, H, D]."""
+    """Attention of ``q: [B, H, D]`` (one token each) over their block tables -> [B, H, D].
+
+    K/V blocks are gathered into ``[B, T, KV*D]`` (no transpose copy). Grouped-query heads are
+    handled with a block-diagonal query: head ``h`` is placed in the columns of its KV head
+    ``h // group`` (zeros elsewhere), so one batched matmul ``[B, H, KV*D] @ [B, KV*D, T]`` scores
+    every head against its own KV head; the PV product is read back on the same diagonal.
+    """
     num_blocks, bs, kv_heads, dim = k_cache.shape
     heads = q.shape[1]
-    group = heads // kv_heads
     t = b.max_blocks * bs
     flat_k = k_cache.view(num_blocks, -1)
     flat_v = v_cache.view(num_blocks, -1)
     rows = b.block_index.numel()
     gk = torch.index_select(flat_k, 0, b.block_index, out=ws.get("gk", (rows, flat_k.shape[1])))
     gv = torch.index_select(flat_v, 0, b.block_index, out=ws.get("gv", (rows, flat_v.shape[1])))
-    # [B, T, KV, D] -> [B, KV, T, D] contiguous, so each (request, kv head) is one matrix
-    kt = ws.get("kt", (b.size, kv_heads, t, dim))
-    vt = ws.get("vt", (b.size, kv_heads, t, dim))
-    kt.copy_(gk.view(b.size, t, kv_heads, dim).permute(0, 2, 1, 3))
-    vt.copy_(gv.view(b.size, t, kv_heads, dim).permute(0, 2, 1, 3))
-    # the `group` query heads sharing a KV head are the rows of one small matmul
-    qg = q.reshape(b.size * kv_heads, group, dim)
-    mask = b.mask.expand(b.size, kv_heads, group, t).reshape(b.size * kv_heads, group, t)
-    scores = torch.baddbmm(mask, qg, kt.view(-1, t, dim).transpose(1, 2), alpha=scale)
-    out = torch.bmm(scores.softmax(-1), vt.view(-1, t, dim))
-    return out.view(b.size, heads, dim)
+    heads_idx, kv_idx = ws.head_map(heads, kv_heads)
+    qd = ws.get("qd", (b.size, heads, kv_heads, dim)).zero_()
+    qd[:, heads_idx, kv_idx] = q
+    scores = torch.baddbmm(b.mask.expand(b.size, heads, t),
+                           qd.view(b.size, heads, kv_heads * dim),
+                           gk.view(b.size, t, kv_heads * dim).transpose(1, 2), alpha=scale)
+    out = torch.bmm(scores.softmax(-1), gv.view(b.size, t, kv_heads * dim))
+    return out.view(b.size, heads, kv_heads, dim)[:, heads_idx, kv_idx]
 
 
 def paged_attention(

@@ -64,7 +64,7 @@ class LLM:
                 engine.add_request(rid, p, sp)
                 ids.append(rid)
             while len(done) < len(ids):
-                for out in engine.step():
+                for out in engine._step(finished_only=True):
                     if out.finished:
                         done[out.request_id] = out
         except BaseException:

@@ -100,7 +100,7 @@ class EngineStats:
     step_time_s: float = 0.0          # whole step() wall time
     model_time_s: float = 0.0         # executor forward (copies + model + logits)
     prepare_time_s: float = 0.0       # executor metadata building
-    schedule_time_s: float = 0.0
+    schedule_time_s: float = 0.0      # scheduler.schedule() + update_from_output()
     sample_time_s: float = 0.0
 
     @property
@@ -199,6 +199,7 @@ class LLMEngine:
             raise ValueError(f"LLMEngine: max_model_len must be in 1..{cfg.max_position_embeddings}"
                              f" (scaled by the RoPE factor), got {max_model_len!r}")
         self.max_model_len = max_model_len
+        self.model.prepare_rope(max_model_len)
         itemsize = torch.empty((), dtype=dtype).element_size()
         block_bytes = cfg.kv_bytes_per_token(itemsize) * block_size
         if num_blocks is None:
@@ -235,7 +236,7 @@ class LLMEngine:
         self._seq_owner: dict[str, tuple[_Group, _Sequence]] = {}
         self._scopes: dict[str, tuple] = {}
         self._arrivals = 0
-        self._step = 0
+        self._step_count = 0
         self._last_output: SchedulerOutput | None = None
         self._last_sampled: dict[str, int] = {}
         self.stats = EngineStats()
@@ -402,10 +403,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step and one forward pass. Returns the outputs of every request
         that got a token, finished, or was rejected this step."""
+        return self._step(finished_only=False)
+
+    def _group_done(self, group: _Group) -> bool:
+        return len(group.seqs) == group.params.n and all(
+            self.scheduler.get_request(s.seq_id).status.is_terminal for s in group.seqs)
+
+    def _step(self, *, finished_only: bool) -> list[RequestOutput]:
+        """:meth:`step`; ``finished_only`` skips building outputs of unfinished requests."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
-        self._step += 1
+        self._step_count += 1
         now = self.clock()
         touched: dict[str, _Group] = {}
         for rid in out.rejected:
@@ -432,6 +441,7 @@ class LLMEngine:
         sampled = self._sample(res.request_ids, res.logits, now, touched)
         t3 = time.perf_counter()
         finished = self.scheduler.update_from_output(out, sampled)
+        t4 = time.perf_counter()
         self._last_output, self._last_sampled = out, dict(sampled)
         for req in finished:
             entry = self._seq_owner.get(req.request_id)
@@ -440,6 +450,8 @@ class LLMEngine:
         outputs = []
         for group in touched.values():
             if group.request_id not in self._groups:
+                continue
+            if finished_only and not self._group_done(group):
                 continue
             o = self._make_output(group)
             if o.finished:
@@ -452,7 +464,7 @@ class LLMEngine:
         st.steps += 1
         st.computed_tokens += sum(c.num_tokens for c in out.chunks)
         st.generated_tokens += len(sampled)
-        st.schedule_time_s += t1 - t0
+        st.schedule_time_s += (t1 - t0) + (t4 - t3)
         st.prepare_time_s += res.prepare_s
         st.model_time_s += res.forward_s
         st.sample_time_s += t3 - t2

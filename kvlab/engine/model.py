@@ -53,8 +53,10 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int)
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / rms(x)`` computed in float32, returned in ``x``'s dtype."""
+    if x.dtype == torch.float32:  # (torch's fused rms_norm is slower on CPU at these sizes)
+        return weight * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps))
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
@@ -87,10 +89,12 @@ class DecoderLayer(nn.Module):
         n = x.shape[0]
         hs = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         qkv = self.qkv(hs)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rope(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        # rotate Q and K heads together: one RoPE call for both
+        qk = qkv[:, :self.q_size + self.kv_size].view(n, cfg.num_heads + cfg.num_kv_heads,
+                                                      cfg.head_dim)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].reshape(n, cfg.num_kv_heads, cfg.head_dim)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
         x = x + self.o(attn.reshape(n, self.q_size))
@@ -123,13 +127,28 @@ class LlamaModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.dtype
 
-    def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin: [N, D // 2]`` in the model dtype for integer ``positions: [N]``."""
+    def _rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pos = positions.float()
         if self.cfg.rope.rope_type == "linear":
             pos = pos / self.cfg.rope.factor
-        freqs = pos[:, None] * self.inv_freq[None, :]
+        freqs = pos[:, None] * self.inv_freq.to(pos.device)[None, :]
         return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+
+    def prepare_rope(self, max_positions: int) -> None:
+        """Tabulate cos/sin for positions ``0 .. max_positions-1`` (looked up, not recomputed,
+        by every later step; the values equal the on-the-fly computation)."""
+        pos = torch.arange(max_positions, device=self.device)
+        self._rope_cos, self._rope_sin = self._rope_angles(pos)
+
+    def rope_cos_sin(self, positions: torch.Tensor, max_position: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin: [N, D // 2]`` in the model dtype for integer ``positions: [N]``.
+        ``max_position`` (the largest position, when the caller knows it) enables the table."""
+        table = getattr(self, "_rope_cos", None)
+        if table is not None and max_position is not None and max_position < table.shape[0]:
+            return (self._rope_cos.index_select(0, positions),
+                    self._rope_sin.index_select(0, positions))
+        return self._rope_angles(positions)
 
     def forward(
         self, meta: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -138,7 +157,7 @@ class LlamaModel(nn.Module):
         """Run the flat batch; return final-normed hidden states ``[len(rows), hidden]`` of
         ``rows`` (all rows when None). Writes the batch's K/V into ``kv_caches`` (per layer)."""
         x = self.embed(meta.input_ids)
-        cos, sin = self.rope_cos_sin(meta.positions)
+        cos, sin = self.rope_cos_sin(meta.positions, meta.max_position)
         for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kc, vc, meta)
         if rows is not None:
@@ -148,7 +167,8 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits ``[M, V]`` (float32) of hidden states ``[M, hidden]``."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def flops_per_token(self, context_len: int, *, with_lm_head: bool = True) -> float:
         """Forward FLOPs of one token attending to ``context_len`` positions: 2 per weight of
