@@ -1,6 +1,56 @@
-"""kvlab.engine: the torch layer — model, paged attention, sampling, quantisation, speculation."""
+"""kvlab.engine: the torch layer — model, paged attention, sampling, quantisation, speculation.
+
+The offline engine is shaped like vLLM's: :class:`LLM` (``generate``), :class:`LLMEngine`
+(``add_request`` / ``step`` / ``abort_request`` / ``snapshot``), :class:`SamplingParams` and
+:class:`RequestOutput`. Those names load on first use (PEP 562), so importing this package
+stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 from .quant import dequantize_groups, effective_bits, quantize_groups
 from .spec import speculative_step
 
-__all__ = ["dequantize_groups", "effective_bits", "quantize_groups", "speculative_step"]
+# name -> module defining it, imported on first attribute access
+_LAZY = {
+    "LLM": ".llm",
+    "LLMEngine": ".llm_engine",
+    "EngineStats": ".llm_engine",
+    "SamplingParams": ".params",
+    "RequestOutput": ".outputs",
+    "CompletionOutput": ".outputs",
+    "RequestMetrics": ".outputs",
+    "ModelConfig": ".config",
+    "ConfigError": ".config",
+    "CheckpointError": ".checkpoint",
+    "load_checkpoint": ".checkpoint",
+    "LlamaModel": ".model",
+    "PagedKVCache": ".kv_cache",
+    "TorchExecutor": ".executor",
+    "Tokenizer": ".tokenizer",
+    "EngineSnapshot": ".snapshot",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvlab.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = [
+    "dequantize_groups",
+    "effective_bits",
+    "quantize_groups",
+    "speculative_step",
+    *_LAZY,
+]

@@ -1,0 +1,177 @@
+"""Chapter 7 figures: one engine step — the batch, the block tables it wrote through, the pool.
+
+* :func:`engine_step_figure` — pure: an engine snapshot (``LLMEngine.snapshot()``, plain data) in,
+  a matplotlib Figure out. Three panels: the flat batch of the last step (one bar per chunk,
+  width = tokens, hatched for prefill), every live request's block table (cells written this
+  step outlined in black), and the KV pool coloured by block state with refcounts.
+* :class:`EngineStepper` — a thin ipywidgets wrapper: a button that calls ``engine.step()`` and
+  redraws the figure of the new snapshot.
+
+The snapshot is read by attribute only (duck typing), so this module never imports torch.
+"""
+
+from __future__ import annotations
+
+from .style import (
+    BLOCK_STATE_COLORS,
+    BLOCK_STATE_LABELS,
+    BLOCK_STATE_ORDER,
+    INK,
+    MUTED,
+    request_color,
+)
+
+__all__ = ["EngineStepper", "engine_step_figure"]
+
+
+def _dark(state: str) -> bool:
+    return state in ("exclusive", "pending_copy")
+
+
+def engine_step_figure(snapshot, *, max_pool_blocks: int = 48, per_row: int = 16,
+                       title: str | None = None):
+    """Draw ``snapshot`` (an :class:`~kvlab.engine.snapshot.EngineSnapshot`).
+
+    ``max_pool_blocks`` caps the pool panel (blocks ``0 .. max_pool_blocks-1``; the remainder is
+    summarised in the panel title). Raises ValueError for non-positive sizes.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    if max_pool_blocks <= 0 or per_row <= 0:
+        raise ValueError("max_pool_blocks and per_row must be positive")
+    reqs = [r for r in snapshot.requests if r.block_table]
+    order = [r.request_id for r in snapshot.requests]
+    batch = list(snapshot.last_batch)
+    bs = snapshot.block_size
+    shown = min(snapshot.num_blocks, max_pool_blocks)
+    pool_rows = -(-shown // per_row)
+    longest = max((len(r.block_table) for r in reqs), default=1)
+    width = max(per_row, longest + 1)
+    heights = [1.3, max(len(reqs), 1) * 0.55 + 0.4, pool_rows * 0.55 + 0.4]
+    fig, axes = plt.subplots(3, 1, figsize=(min(0.55 * width + 2.8, 12.0), sum(heights) + 1.6),
+                             gridspec_kw={"height_ratios": heights})
+    ax_batch, ax_tables, ax_pool = axes
+
+    # 1. the batch: one bar per chunk, laid end to end as the flat batch
+    total = sum(e.num_tokens for e in batch)
+    x = 0
+    for e in batch:
+        color = request_color(e.request_id, order)
+        ax_batch.add_patch(Rectangle((x, 0), e.num_tokens, 1, facecolor=color, alpha=0.85,
+                                     edgecolor=INK, linewidth=0.6,
+                                     hatch="//" if e.is_prefill else None,
+                                     gid=f"chunk-{e.request_id}"))
+        end = e.start_pos + e.num_tokens - 1
+        label = (f"{e.request_id}\nprefill {e.start_pos}..{end}" if e.is_prefill
+                 else f"{e.request_id}\ndecode @{e.start_pos}")
+        if e.sampled_token is not None:
+            label += f"\n\u2192 {e.sampled_token}"
+        if e.num_tokens >= 0.06 * max(total, 1):
+            ax_batch.text(x + e.num_tokens / 2, 0.5, label, ha="center", va="center",
+                          fontsize=7, color="white")
+        x += e.num_tokens
+    ax_batch.set_xlim(0, max(total, 1))
+    ax_batch.set_ylim(0, 1)
+    ax_batch.set_yticks([])
+    ax_batch.set_xlabel("position in the flat batch (tokens)")
+    n_pre = sum(e.is_prefill for e in batch)
+    ax_batch.set_title(title or f"step {snapshot.step}: {len(batch)} chunks, {total} tokens "
+                       f"({n_pre} prefill, {len(batch) - n_pre} decode)")
+
+    # 2. block tables of live requests; cells written this step outlined
+    written: dict[str, set[int]] = {e.request_id: {s // bs for s in e.slots} for e in batch}
+    for row, r in enumerate(reqs):
+        y = -row
+        color = request_color(r.request_id, order)
+        ax_tables.text(-0.3, y + 0.45, f"{r.request_id}: {r.status}, "
+                       f"{r.num_computed_tokens} tok", ha="right", va="center", fontsize=8,
+                       color=color, fontweight="bold")
+        for i, block in enumerate(r.block_table):
+            state = snapshot.block_states[block]
+            hit = block in written.get(r.request_id, ())
+            ax_tables.add_patch(Rectangle(
+                (i, y), 0.9, 0.9, facecolor=BLOCK_STATE_COLORS[state],
+                edgecolor=INK if hit else color, linewidth=2.6 if hit else 1.4,
+                gid=f"table-{r.request_id}-{i}"))
+            ax_tables.text(i + 0.45, y + 0.45, str(block), ha="center", va="center",
+                           fontsize=7, color="white" if _dark(state) else INK)
+    if not reqs:
+        ax_tables.text(0, 0.4, "no request holds KV", fontsize=9, color=MUTED)
+    ax_tables.set_xlim(-6.5, width)
+    ax_tables.set_ylim(-max(len(reqs), 1) + 0.8, 1.1)
+    ax_tables.set_aspect("equal")
+    ax_tables.axis("off")
+    ax_tables.set_title("block tables in logical order (black edge: written this step)",
+                        fontsize=9, fontweight="normal")
+
+    # 3. the pool, coloured by state, with refcounts
+    for b in range(shown):
+        x, y = b % per_row, -(b // per_row)
+        state = snapshot.block_states[b]
+        ax_pool.add_patch(Rectangle((x, y), 0.9, 0.9, facecolor=BLOCK_STATE_COLORS[state],
+                                    edgecolor=INK, linewidth=0.5, gid=f"block-{b}"))
+        rc = snapshot.refcounts[b]
+        ink = "white" if _dark(state) else INK
+        ax_pool.text(x + 0.06, y + 0.84, str(b), va="top", fontsize=5.5, color=ink)
+        if rc:
+            ax_pool.text(x + 0.5, y + 0.36, f"rc={rc}", ha="center", va="center", fontsize=6.5,
+                         color=ink)
+    ax_pool.set_xlim(-6.5, width)
+    ax_pool.set_ylim(-pool_rows + 0.8, 1.1)
+    ax_pool.set_aspect("equal")
+    ax_pool.axis("off")
+    counts = {s: sum(1 for st in snapshot.block_states if st == s) for s in BLOCK_STATE_ORDER}
+    more = f" (first {shown} of {snapshot.num_blocks} shown)" if shown < snapshot.num_blocks else ""
+    ax_pool.set_title("KV pool: block id, refcount" + more + "; "
+                      + ", ".join(f"{counts[s]} {s}" for s in BLOCK_STATE_ORDER if counts[s]),
+                      fontsize=9, fontweight="normal")
+    handles = [Patch(facecolor=BLOCK_STATE_COLORS[s], edgecolor=INK, linewidth=0.5,
+                     label=BLOCK_STATE_LABELS[s]) for s in BLOCK_STATE_ORDER]
+    handles += [Patch(facecolor="white", edgecolor=INK, hatch="//", label="prefill chunk")]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
+
+
+class EngineStepper:
+    """A "step" button over a live ``LLMEngine``; each click runs one step and redraws.
+
+    ``display()`` shows the widget. The drawing is :func:`engine_step_figure` of
+    ``engine.snapshot()``; this class only wires the button to it.
+    """
+
+    def __init__(self, engine, **figure_kwargs):
+        import ipywidgets as widgets
+
+        self.engine = engine
+        self.figure_kwargs = figure_kwargs
+        self.button = widgets.Button(description="step", icon="play")
+        self.status = widgets.Label()
+        self.output = widgets.Output()
+        self.button.on_click(lambda _: self.step())
+        self.widget = widgets.VBox([widgets.HBox([self.button, self.status]), self.output])
+        self._draw()
+
+    def step(self) -> None:
+        if not self.engine.has_unfinished_requests():
+            self.status.value = "all requests finished"
+            return
+        finished = [o.request_id for o in self.engine.step() if o.finished]
+        self.status.value = f"finished: {', '.join(finished)}" if finished else ""
+        self._draw()
+
+    def _draw(self) -> None:
+        import matplotlib.pyplot as plt
+
+        self.output.clear_output(wait=True)
+        with self.output:
+            fig = engine_step_figure(self.engine.snapshot(), **self.figure_kwargs)
+            plt.show(fig)
+            plt.close(fig)
+
+    def display(self):
+        from IPython.display import display
+
+        display(self.widget)
+        return self

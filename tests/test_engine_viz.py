@@ -1,0 +1,53 @@
+"""Chapter 7 figure and CLI: headless, from real engine snapshots."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from kvlab.engine.hf_parity import save_random_hf_model
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.engine.params import SamplingParams
+from kvlab.viz.engine import engine_step_figure
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = save_random_hf_model(tmp_path_factory.mktemp("viz") / "m", "llama", seed=5)
+    eng = LLMEngine(path, block_size=4, num_blocks=32, max_num_batched_tokens=16)
+    eng.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=4, temperature=0))
+    eng.add_request("b", list(range(5, 14)), SamplingParams(max_tokens=4, n=2, seed=0))
+    eng.step()
+    eng.step()
+    return eng
+
+
+def test_figure_shows_batch_tables_and_pool(engine):
+    import matplotlib.pyplot as plt
+
+    snap = engine.snapshot()
+    fig = engine_step_figure(snap, max_pool_blocks=20)
+    gids = {p.get_gid() for ax in fig.axes for p in ax.patches}
+    assert {f"chunk-{e.request_id}" for e in snap.last_batch} <= gids
+    assert {f"block-{b}" for b in range(20)} <= gids
+    assert "block-20" not in gids  # capped
+    for r in snap.requests:
+        assert {f"table-{r.request_id}-{i}" for i in range(len(r.block_table))} <= gids
+    assert "first 20 of 32" in fig.axes[2].get_title()
+    plt.close(fig)
+    with pytest.raises(ValueError):
+        engine_step_figure(snap, max_pool_blocks=0)
+
+
+def test_snapshot_is_plain_data(engine):
+    snap = engine.snapshot()
+    assert snap.step == 2 and snap.num_blocks == 32
+    assert len(snap.block_states) == len(snap.refcounts) == 32
+    for r in snap.requests:
+        assert all(isinstance(b, int) for b in r.block_table)
+    assert isinstance(snap.stats["prefix_hit_rate"], float)
