@@ -48,7 +48,7 @@ from .params import SamplingParams
 from .sampling import SamplerState, sample
 from .tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["DEFAULT_KV_CACHE_MEMORY_CPU", "EngineStats", "LLMEngine", "Prompt"]
+__all__ = ["DEFAULT_KV_CACHE_MEMORY_CPU", "EngineStats", "LLMEngine", "Prompt", "StepTrace"]
 
 Prompt = str | Sequence[int]
 
@@ -85,6 +85,26 @@ class _Group:
     base_seed: int = 0
     num_cached_tokens: int = 0
     admitted: bool = False
+
+
+@dataclass
+class StepTrace:
+    """What the last :meth:`LLMEngine.step` did, for teaching and debugging (references only).
+
+    ``scheduler_output``: the scheduler's decisions (chunks, copies, admissions, preemptions);
+    ``metadata``: the executor's flat-batch layout (``input_ids``, ``positions``,
+    ``slot_mapping``, decode buckets, prefill chunks); ``sampled_from``: request ids whose
+    logits rows were sampled, in row order; ``logits_shape``: ``(rows, vocab)``;
+    ``sampled``: token per sequence (forked samples included); ``finished``: sequence ids that
+    ended in this step.
+    """
+
+    scheduler_output: SchedulerOutput
+    metadata: Any
+    sampled_from: list[str]
+    logits_shape: tuple[int, ...]
+    sampled: dict[str, int]
+    finished: list[str]
 
 
 @dataclass
@@ -239,6 +259,7 @@ class LLMEngine:
         self._step_count = 0
         self._last_output: SchedulerOutput | None = None
         self._last_sampled: dict[str, int] = {}
+        self.last_trace: StepTrace | None = None
         self.stats = EngineStats()
         self.clock: Callable[[], float] = time.monotonic
 
@@ -443,6 +464,8 @@ class LLMEngine:
         finished = self.scheduler.update_from_output(out, sampled)
         t4 = time.perf_counter()
         self._last_output, self._last_sampled = out, dict(sampled)
+        self.last_trace = StepTrace(out, res.metadata, res.request_ids, tuple(res.logits.shape),
+                                    dict(sampled), [r.request_id for r in finished])
         for req in finished:
             entry = self._seq_owner.get(req.request_id)
             if entry is not None:
