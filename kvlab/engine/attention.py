@@ -86,7 +86,7 @@ class Workspace:
     def __init__(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.device, self.dtype = torch.device(device), dtype
         self._buffers: dict[str, torch.Tensor] = {}
-        self._index: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._index: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor of ``shape`` backed by buffer ``name`` (contents undefined)."""
@@ -97,12 +97,18 @@ class Workspace:
             self._buffers[name] = buf
         return buf[:numel].view(shape)
 
-    def head_map(self, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(arange(heads), arange(heads) // (heads // kv_heads))`` on the device, cached."""
+    def head_map(self, heads: int, kv_heads: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For grouped-query attention: ``h = arange(heads)``, each head's KV head
+        ``h // (heads // kv_heads)``, and the one-hot ``[heads, kv_heads, 1]`` of that map
+        (in the workspace dtype). Cached per shape."""
         key = ("head_map", heads, kv_heads)
         if key not in self._index:
             h = torch.arange(heads, device=self.device)
-            self._index[key] = (h, h // (heads // kv_heads))
+            kv = h // (heads // kv_heads)
+            onehot = torch.zeros(heads, kv_heads, 1, device=self.device, dtype=self.dtype)
+            onehot[h, kv] = 1
+            self._index[key] = (h, kv, onehot)
         return self._index[key]
 
 
@@ -184,7 +190,8 @@ def build_metadata(
         # one additive mask for all rows (key position > query position -> -inf), sliced per
         # bucket: rows lo..hi-1 and the first nb blocks
         span = torch.arange(need[-1] * block_size)
-        mask_all = torch.zeros(len(singles), need[-1] * block_size).masked_fill_(
+        dtype = workspace.dtype if workspace is not None else torch.float32
+        mask_all = torch.zeros(len(singles), need[-1] * block_size, dtype=dtype).masked_fill_(
             span[None, :] > torch.tensor(pos_list)[:, None], float("-inf")).to(device)
         for lo, hi in _split_buckets(need):
             nb = need[hi - 1]
@@ -254,10 +261,9 @@ def _decode_bucket(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     rows = b.block_index.numel()
     gk = torch.index_select(flat_k, 0, b.block_index, out=ws.get("gk", (rows, flat_k.shape[1])))
     gv = torch.index_select(flat_v, 0, b.block_index, out=ws.get("gv", (rows, flat_v.shape[1])))
-    heads_idx, kv_idx = ws.head_map(heads, kv_heads)
-    qd = ws.get("qd", (b.size, heads, kv_heads, dim)).zero_()
-    qd[:, heads_idx, kv_idx] = q
-    scores = torch.baddbmm(b.mask.expand(b.size, heads, t),
+    heads_idx, kv_idx, onehot = ws.head_map(heads, kv_heads)
+    qd = q[:, :, None, :] * onehot  # [B, H, KV, D], zero outside each head's own KV head
+    scores = torch.baddbmm(b.mask.to(q.dtype).expand(b.size, heads, t),
                            qd.view(b.size, heads, kv_heads * dim),
                            gk.view(b.size, t, kv_heads * dim).transpose(1, 2), alpha=scale)
     out = torch.bmm(scores.softmax(-1), gv.view(b.size, t, kv_heads * dim))
