@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from .style import INK, MUTED, PHASE_COLORS, request_color
 
@@ -107,7 +108,8 @@ def batch_timeline_figure(
     ax.text(len(window) - 0.4, budget, " budget", va="bottom", ha="right", color=INK, fontsize=9)
     ax.set_xlim(-0.6, max(len(window), 1) - 0.4)
     ax.set_ylim(0, top * 1.3)
-    ax.set_yticks([t for t in ax.get_yticks() if t <= top])
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_yticks([t for t in ax.get_yticks() if 0 <= t <= top])
     ticks = list(range(0, len(window), max(1, len(window) // 10)))
     ax.set_xticks(ticks)
     ax.set_xticklabels([str(window[i].step) for i in ticks])
