@@ -195,3 +195,30 @@ def test_text_prompts_need_a_tokenizer(model_dir):
     llm = _llm(model_dir)
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("hello", GREEDY)
+
+
+def _run_one(eng, rid, prompt, **kw):
+    eng.add_request(rid, prompt, SamplingParams(max_tokens=2, temperature=0), **kw)
+    out = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out = o if o.request_id == rid else out
+    return out
+
+
+def test_prefix_cache_is_scoped_by_security_domain(model_dir, prompts):
+    eng = LLMEngine(model_dir, block_size=4, num_blocks=128)
+    assert _run_one(eng, "a1", prompts[0], security_domain="tenant-a").num_cached_tokens == 0
+    assert _run_one(eng, "b1", prompts[0], security_domain="tenant-b").num_cached_tokens == 0
+    hit = _run_one(eng, "a2", prompts[0], security_domain="tenant-a").num_cached_tokens
+    assert hit == (len(prompts[0]) - 1) // 4 * 4  # every full block but the last token's
+    assert eng.cache_scope("tenant-a") != eng.cache_scope("tenant-b")
+    eng.check_invariants()
+
+
+def test_bfloat16_runs_the_same_code(model_dir, prompts):
+    llm = _llm(model_dir, dtype=torch.bfloat16)
+    outs = llm.generate(prompts[:3], GREEDY)
+    assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
+    assert llm.engine.cache.data.dtype == torch.bfloat16
+    assert dict(llm.engine.cache_scope()).get("kv_dtype") == "bfloat16"
