@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from kvlab.engine.checkpoint import resolve_model_path  # noqa: E402
 from kvlab.engine.llm import LLM  # noqa: E402
+from kvlab.engine.llm_engine import EngineStats  # noqa: E402
 from kvlab.engine.params import SamplingParams  # noqa: E402
 from kvlab.engine.tokenizer import load_tokenizer  # noqa: E402
 
@@ -122,7 +123,7 @@ def run_kvlab(model: str | Path, workload, *, max_num_seqs: int = 64) -> dict:
     llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
     llm.generate([p for p, _ in workload[:4]], SamplingParams(max_tokens=4, temperature=0))
     eng = llm.engine
-    eng.stats.__init__()  # reset counters after the warm-up
+    eng.stats = EngineStats()  # reset the counters after the warm-up
     for i, (prompt, n) in enumerate(workload):
         eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, temperature=0,
                                                         ignore_eos=True))
@@ -160,18 +161,21 @@ def run_kvlab_steady(model: str | Path, *, requests: int = 64, prompt: int = 128
     for i in range(requests):
         eng.add_request(f"s{i}", [rng.randrange(vocab) for _ in range(prompt)],
                         SamplingParams(max_tokens=output, temperature=0, ignore_eos=True))
-    step_s = model_s = 0.0
+    fields = ("step_time_s", "model_time_s", "schedule_time_s", "prepare_time_s",
+              "sample_time_s")
+    sums = dict.fromkeys(fields, 0.0)
     steps = 0
     while eng.has_unfinished_requests():
-        before_step, before_model = eng.stats.step_time_s, eng.stats.model_time_s
+        before = {f: getattr(eng.stats, f) for f in fields}
         eng._step(finished_only=True)
         chunks = eng._last_output.chunks
         if len(chunks) == requests and all(c.num_tokens == 1 for c in chunks):
             steps += 1
-            step_s += eng.stats.step_time_s - before_step
-            model_s += eng.stats.model_time_s - before_model
-    return {"steps": steps, "step_ms": 1e3 * step_s / max(steps, 1),
-            "overhead_share": 1 - model_s / step_s if steps else None}
+            for f in fields:
+                sums[f] += getattr(eng.stats, f) - before[f]
+    per_step = {f.replace("_time_s", "_ms"): 1e3 * v / max(steps, 1) for f, v in sums.items()}
+    return {"steps": steps, "per_step_ms": per_step,
+            "overhead_share": 1 - sums["model_time_s"] / sums["step_time_s"] if steps else None}
 
 
 def load_hf(model_dir: Path):
@@ -323,7 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
     at64 = steady["overhead_share"]
     print(f"kvlab time outside the model: {kv['overhead_share']:.1%} over the workload; "
           f"{at64:.1%} over {steady['steps']} steps with {args.requests} requests decoding "
-          f"({steady['step_ms']:.1f} ms/step; target <= 15%)")
+          f"(target <= 15%)\n  per step (ms): " + ", ".join(
+              f"{k.replace('_ms', '')} {v:.2f}" for k, v in steady["per_step_ms"].items()))
     print("kvlab step time split (s): " + ", ".join(
         f"{k} {v:.2f}" for k, v in kv["time_split_s"].items())
         + f" | prefix-cache hit rate {kv['prefix_hit_rate']:.1%}")
