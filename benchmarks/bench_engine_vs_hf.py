@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
-    ap.add_argument("--repeats", type=int, default=2, help="runs of each path (best kept)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each path (best kept)")
     ap.add_argument("--no-continuous", action="store_true", help="skip HF continuous batching")
     args = ap.parse_args(argv)
     if args.threads:
