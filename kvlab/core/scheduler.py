@@ -114,6 +114,10 @@ class SchedulerConfig:
 class SchedulerBase:
     """Request registry, queues, KV bookkeeping and output handling shared by both policies."""
 
+    #: The event log is compacted (ended, released requests dropped) when it reaches this many
+    #: events, then whenever it doubles in size since the last compaction.
+    compact_min_events: int = 4096
+
     def __init__(self, kv: Any, config: SchedulerConfig | None = None, *,
                  log: EventLog | None = None) -> None:
         self.kv = kv
@@ -132,7 +136,7 @@ class SchedulerBase:
         self._deferred_release: list[str] = []  # aborted while in flight: free after the step
         self._ended: list[RuntimeRequest] = []  # rejected/failed, reported by update_from_output
         self._rejected_pending: list[str] = []  # rejected since the last schedule()
-        self._compact_at = 4096                  # log size that triggers the next compaction
+        self._compact_at = self.compact_min_events  # log size that triggers the next compaction
 
     # -- protocol: queries --------------------------------------------------------------------
 
@@ -292,7 +296,7 @@ class SchedulerBase:
         done = {rid for rid, r in self._requests.items()
                 if r.status.is_terminal and not self.kv.has(rid)}
         self.log.compact(done)
-        self._compact_at = max(4096, 2 * len(self.log))
+        self._compact_at = max(self.compact_min_events, 2 * len(self.log))
 
     def fork(self, parent_id: str, child: RuntimeRequest) -> None:
         """Add ``child`` as an extra sample of ``parent_id`` (n > 1), sharing the parent's KV.

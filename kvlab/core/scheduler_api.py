@@ -136,7 +136,8 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     copies: tuple[tuple[int, int], ...] = ()
     preempted: tuple[str, ...] = ()        # request ids preempted (KV released) this step
-    admitted: tuple[str, ...] = ()         # request ids that got KV for the first time this step
+    admitted: tuple[str, ...] = ()         # request ids given a KV table this step (first
+                                           # admission, or re-admission after a preemption)
     rejected: tuple[str, ...] = ()         # request ids refused at admission this step
     num_batched_tokens: int = 0
 
