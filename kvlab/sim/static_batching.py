@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvlab.core.scheduler import SchedulerBase, _StepPlan
 from kvlab.core.scheduler_api import RequestStatus, SchedulerOutput
+from kvlab.core.scheduler_base import SchedulerBase, _StepPlan
 
 S = RequestStatus
 

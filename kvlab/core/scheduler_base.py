@@ -1,0 +1,552 @@
+"""Shared machinery of kvlab's schedulers: configuration, request registry and queues, KV
+bookkeeping, output handling, invariants. The policies live in :mod:`.scheduler_baseline` and
+:mod:`.scheduler_production`; :mod:`.scheduler` re-exports everything (see its docstring for
+the rules common to both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .lifecycle import (
+    RUNNING_STATUSES,
+    WAITING_STATUSES,
+    EventLog,
+    Lifecycle,
+)
+from .scheduler_api import (
+    FinishReason,
+    RequestStatus,
+    RuntimeRequest,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+
+S = RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Budgets and policy knobs. Token counts are tokens; steps are scheduler steps.
+
+    Attributes:
+        max_num_seqs: requests in one step's batch (and, for the production scheduler, running).
+        max_num_batched_tokens: the token budget of one step, decodes and prefill chunks together.
+        prefill_chunk: the longest prefill chunk one request gets in a step.
+        admission: production only. ``"reserve"`` admits a request only if KV for its whole
+            prompt + max_tokens fits beside what running requests may still need (no preemption
+            is ever needed without forks); ``"watermark"`` admits when the first chunk fits and
+            ``watermark`` of the pool stays free, preempting when KV runs out (more concurrency,
+            recompute risk).
+        watermark: fraction of the pool kept free by ``"watermark"`` admission.
+        max_waiting: production only. Overload policy: a request arriving when this many wait is
+            rejected with reason "queue full". ``None`` = unbounded queue.
+        max_wait_steps: production only. Ageing: a request waiting this many steps since its
+            arrival outranks every class, deadline and cache hit, FIFO among the aged, and blocks
+            admissions behind it while it does not fit. ``None`` disables ageing (then
+            starvation is possible, see chapter 6).
+        cache_affinity: production only. Order equal-class, equal-deadline candidates by longest
+            prefix-cache hit first (within ``affinity_window`` candidates, to bound lookup cost).
+        affinity_window: how many leading candidates get a prefix lookup per step.
+        admission_scan_limit: production only. At most this many waiting candidates are tried
+            per step (in order); the rest wait for a later step. Bounds the per-step cost when a
+            long queue does not fit. ``None``: try them all.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    prefill_chunk: int = 256
+    admission: str = "reserve"
+    watermark: float = 0.0
+    max_waiting: int | None = None
+    max_wait_steps: int | None = 64
+    cache_affinity: bool = True
+    affinity_window: int = 256
+    admission_scan_limit: int | None = 128
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk",
+                     "affinity_window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
+        if self.admission not in ("reserve", "watermark"):
+            raise ValueError("SchedulerConfig.admission must be 'reserve' or 'watermark', "
+                             f"got {self.admission!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"SchedulerConfig.watermark must be in [0, 1), got {self.watermark!r}")
+        for name, low in (("max_waiting", 0), ("max_wait_steps", 0), ("admission_scan_limit", 1)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < low):
+                raise ValueError(f"SchedulerConfig.{name} must be None or an int >= {low}")
+
+
+class SchedulerBase:
+    """Request registry, queues, KV bookkeeping and output handling shared by both policies."""
+
+    #: The event log is compacted (ended, released requests dropped) when it reaches this many
+    #: events, then whenever it doubles in size since the last compaction.
+    compact_min_events: int = 4096
+
+    def __init__(self, kv: Any, config: SchedulerConfig | None = None, *,
+                 log: EventLog | None = None) -> None:
+        self.kv = kv
+        self.config = config if config is not None else SchedulerConfig()
+        self.lifecycle = Lifecycle(log, step=lambda: self._step)
+        self._requests: dict[str, RuntimeRequest] = {}
+        self._seq: dict[str, int] = {}          # arrival order (stable tie-breaker)
+        self._admit_seq: dict[str, int] = {}    # order of the latest admission
+        self._counter = 0
+        self.waiting: list[str] = []
+        self.running: list[str] = []
+        self._step = 0
+        self._inflight: SchedulerOutput | None = None
+        self._inflight_ids: set[str] = set()
+        self._forked: dict[str, str] = {}       # child -> parent, forked during the in-flight step
+        self._deferred_release: list[str] = []  # aborted while in flight: free after the step
+        self._ended: list[RuntimeRequest] = []  # rejected/failed, reported by update_from_output
+        self._rejected_pending: list[str] = []  # rejected since the last schedule()
+        self._compact_at = self.compact_min_events  # log size that triggers the next compaction
+
+    # -- protocol: queries --------------------------------------------------------------------
+
+    @property
+    def log(self) -> EventLog:
+        return self.lifecycle.log
+
+    @property
+    def step_count(self) -> int:
+        """Steps scheduled so far (the ``step`` of the latest output)."""
+        return self._step
+
+    def get_request(self, request_id: str) -> RuntimeRequest:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"unknown request {request_id!r}") from None
+
+    def requests(self) -> Sequence[RuntimeRequest]:
+        """Every request ever added, in arrival order (terminal ones included)."""
+        return list(self._requests.values())
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self._ended or self._inflight_ids)
+
+    # -- protocol: request arrival and abort --------------------------------------------------
+
+    def add_request(self, request: RuntimeRequest) -> None:
+        """Queue ``request``; reject it (REJECTED + reason) if it can never fit or on overload."""
+        self._validate_new(request)
+        self.lifecycle.add(request)
+        rid = request.request_id
+        self._requests[rid] = request
+        self._seq[rid] = self._counter
+        self._counter += 1
+        request.arrival_step = self._step
+        why = self._never_fits(request) or self._overloaded(request)
+        if why is not None:
+            self.lifecycle.reject(request, why)
+            self._ended.append(request)
+            self._rejected_pending.append(rid)
+            return
+        self.waiting.append(rid)
+
+    def abort_request(self, request_id: str) -> RuntimeRequest | None:
+        """Cancel a request (client abort). Idempotent: an ended request is returned unchanged,
+        an unknown id returns None. A request in the step now executing is cancelled at once but
+        its KV is freed after ``update_from_output`` (the executor may still be using it)."""
+        request = self._requests.get(request_id)
+        if request is None or request.status.is_terminal:
+            return request
+        in_queue = self.waiting if request.status in WAITING_STATUSES else self.running
+        self.lifecycle.cancel(request)
+        in_queue.remove(request_id)
+        if request_id in self._inflight_ids:
+            self._deferred_release.append(request_id)
+        else:
+            self.lifecycle.release(request, self.kv)
+        return request
+
+    # -- protocol: one step -------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's chunks; allocates their KV. See the policy class for the rules."""
+        if self._inflight is not None:
+            if not self._inflight.is_empty:
+                raise RuntimeError(
+                    f"schedule() called before update_from_output() of step {self._inflight.step}")
+            self._inflight = None
+        self._step += 1
+        plan = _StepPlan(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self._schedule_into(plan)
+        chunks = tuple(plan.chunks)
+        output = SchedulerOutput(
+            step=self._step,
+            chunks=chunks,
+            copies=tuple(plan.copies),
+            preempted=tuple(plan.preempted),
+            admitted=tuple(plan.admitted),
+            rejected=tuple(self._rejected_pending),
+            num_batched_tokens=sum(c.num_tokens for c in chunks),
+        )
+        self._rejected_pending = []
+        self._inflight = output
+        self._inflight_ids = {c.request_id for c in chunks}
+        return output
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: Mapping[str, int]
+    ) -> list[RuntimeRequest]:
+        """Apply a step's results; returns requests that ended (finished, rejected, failed).
+
+        ``sampled`` maps every request whose chunk had ``sample=True`` (and every child forked
+        this step) to its new token. Validated before anything changes. Aborted requests'
+        tokens are ignored.
+        """
+        inflight = self._inflight
+        if inflight is None or output is not inflight:
+            if output.is_empty and not sampled:
+                ended, self._ended = self._ended, []
+                return ended
+            raise ValueError(f"output of step {output.step} is not the step in flight")
+        live = [c for c in output.chunks if not self._requests[c.request_id].status.is_terminal]
+        expected = {c.request_id for c in live if c.sample}
+        expected |= {child for child in self._forked
+                     if not self._requests[child].status.is_terminal}
+        aborted = {c.request_id for c in output.chunks} | set(self._forked)
+        missing = expected - set(sampled)
+        extra = set(sampled) - expected - aborted
+        if missing:
+            raise ValueError(f"no sampled token for {sorted(missing)}")
+        if extra:
+            raise ValueError(f"sampled tokens for requests that did not sample: {sorted(extra)}")
+        for rid in expected:
+            token = sampled[rid]
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"sampled token for {rid!r} must be an int >= 0, got {token!r}")
+
+        ended: list[RuntimeRequest] = []
+        touched: list[RuntimeRequest] = []
+        for chunk in live:
+            request = self._requests[chunk.request_id]
+            request.num_computed_tokens = chunk.start_pos + chunk.num_tokens
+            token = sampled[chunk.request_id] if chunk.sample else None
+            self._apply_token(request, token)
+            touched.append(request)
+        for child_id in self._forked:
+            child = self._requests[child_id]
+            if child.status.is_terminal:
+                continue
+            self._apply_token(child, sampled[child_id])
+            touched.append(child)
+        for request in touched:
+            if self.kv.prefix_cache is not None:
+                self.kv.commit(request.request_id,
+                               request.all_token_ids[:request.num_computed_tokens])
+            reason = self._stop_reason(request)
+            if reason is not None:
+                self.lifecycle.finish(request, reason)
+                self.running.remove(request.request_id)
+                self.lifecycle.release(request, self.kv)
+                ended.append(request)
+        for rid in self._deferred_release:
+            self.lifecycle.release(self._requests[rid], self.kv)
+        self._deferred_release = []
+        self._forked = {}
+        self._inflight = None
+        self._inflight_ids = set()
+        early, self._ended = self._ended, []
+        if len(self.log) >= self._compact_at:
+            self._compact_log()
+        return early + ended
+
+    def _compact_log(self) -> None:
+        """Checkpoint: drop the log events of requests that ended and hold no KV (amortised
+        O(1) per event: the next compaction waits until the log doubles)."""
+        done = {rid for rid, r in self._requests.items()
+                if r.status.is_terminal and not self.kv.has(rid)}
+        self.log.compact(done)
+        self._compact_at = max(self.compact_min_events, 2 * len(self.log))
+
+    def fork(self, parent_id: str, child: RuntimeRequest) -> None:
+        """Add ``child`` as an extra sample of ``parent_id`` (n > 1), sharing the parent's KV.
+
+        Call between ``schedule()`` and ``update_from_output()`` of the step in which the
+        parent's chunk has ``sample=True``; the child's first token is then passed in
+        ``sampled``. The child must carry the parent's prompt and be fresh (WAITING, no output).
+        """
+        parent = self.get_request(parent_id)
+        chunk = self._inflight_chunk(parent_id)
+        if chunk is None or not chunk.sample:
+            raise ValueError(f"fork({parent_id!r}): the parent has no sampling chunk in flight")
+        if parent.status.is_terminal:
+            raise ValueError(f"fork({parent_id!r}): the parent already ended")
+        self._validate_new(child)
+        if child.prompt_token_ids != parent.prompt_token_ids:
+            raise ValueError("fork: the child must have the parent's prompt_token_ids")
+        cid = child.request_id
+        child.parent_id = parent_id
+        self.lifecycle.add(child)
+        self._requests[cid] = child
+        self._seq[cid] = self._counter
+        self._counter += 1
+        child.arrival_step = self._step
+        computed = chunk.start_pos + chunk.num_tokens
+
+        def do_fork() -> int:
+            self.kv.fork(parent_id, cid)
+            return computed
+
+        self.lifecycle.acquire(child, "fork", do_fork)
+        child.num_computed_tokens = computed
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.lifecycle.transition(child, S.PREFILL)
+        child.admitted_step = self._step
+        self._admit_seq[cid] = self._counter
+        self.running.insert(self.running.index(parent_id) + 1, cid)
+        self._forked[cid] = parent_id
+
+    def _restore(self, requests: Sequence[RuntimeRequest], running_order: Sequence[str],
+                 step: int) -> None:
+        """Install recovered requests into this empty scheduler (kvlab.core.recovery only).
+
+        Waiting requests are queued preempted-first, each group in arrival order; running
+        requests in ``running_order`` (their admission order before the crash).
+        """
+        if self._requests or self._step:
+            raise RuntimeError("_restore needs a fresh scheduler")
+        for request in requests:
+            rid = request.request_id
+            self._requests[rid] = request
+            self._seq[rid] = self._counter
+            self._counter += 1
+        self.waiting = (
+            [r.request_id for r in requests if r.status == S.PREEMPTED]
+            + [r.request_id for r in requests if r.status == S.WAITING])
+        for rid in running_order:
+            self.running.append(rid)
+            self._admit_seq[rid] = self._counter
+            self._counter += 1
+        self._step = step
+
+    # -- invariants ---------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """AssertionError naming the first broken invariant (queues, KV ownership, counters)."""
+        waiting, running = set(self.waiting), set(self.running)
+        assert len(waiting) == len(self.waiting), "a request is twice in the waiting queue"
+        assert len(running) == len(self.running), "a request is twice in the running queue"
+        assert not waiting & running, f"in both queues: {sorted(waiting & running)}"
+        deferred = set(self._deferred_release)
+        for rid, request in self._requests.items():
+            status = request.status
+            if status in WAITING_STATUSES:
+                assert rid in waiting, f"{rid} is {status.value} but not in the waiting queue"
+            elif status in RUNNING_STATUSES:
+                assert rid in running, f"{rid} is {status.value} but not in the running queue"
+            else:
+                assert rid not in waiting and rid not in running, f"{rid} ended but is queued"
+                assert request.finish_reason is not None, f"{rid} ended without a reason"
+            holds = self.kv.has(rid)
+            if status in RUNNING_STATUSES:
+                assert holds, f"running request {rid} holds no KV"
+            elif rid not in deferred:
+                assert not holds, f"{rid} is {status.value} but still holds KV"
+            assert 0 <= request.num_computed_tokens <= request.num_tokens, \
+                f"{rid}: num_computed_tokens out of range"
+            assert len(request.output_token_ids) <= request.max_tokens, \
+                f"{rid}: more outputs than max_tokens"
+            if status == S.DECODE and rid not in self._inflight_ids:
+                assert request.num_uncomputed_tokens == 1, f"{rid}: decoding but not 1 token behind"
+        self.kv.check_invariants()
+
+    # -- helpers for policies -----------------------------------------------------------------
+
+    def _schedule_into(self, plan: _StepPlan) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def max_slots(self, request: RuntimeRequest) -> int:
+        """KV slots the request can ever occupy: every token but the last one sampled."""
+        final = request.num_prompt_tokens + request.max_tokens
+        if request.max_model_len is not None:
+            final = min(final, request.max_model_len)
+        return final - 1
+
+    def _validate_new(self, request: RuntimeRequest) -> None:
+        if not isinstance(request, RuntimeRequest):
+            raise TypeError(f"expected a RuntimeRequest, got {type(request).__name__}")
+        rid = request.request_id
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id must be a non-empty str, got {rid!r}")
+        if rid in self._requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_tokens must be an int >= 1")
+        if request.status != S.WAITING or request.output_token_ids or request.num_computed_tokens:
+            raise ValueError(
+                f"request {rid!r} must be fresh (WAITING, no outputs, nothing computed)")
+        if request.max_model_len is not None and request.max_model_len < 1:
+            raise ValueError(f"request {rid!r}: max_model_len must be >= 1")
+
+    def _never_fits(self, request: RuntimeRequest) -> str | None:
+        n = request.num_prompt_tokens
+        if request.max_model_len is not None and n >= request.max_model_len:
+            return f"prompt of {n} tokens leaves no room in max_model_len={request.max_model_len}"
+        need = self.kv.blocks_for(self.max_slots(request))
+        if need > self.kv.num_blocks:
+            return (f"prompt + max_tokens needs {need} KV blocks; the pool has "
+                    f"{self.kv.num_blocks}: it can never fit")
+        return None
+
+    def _overloaded(self, request: RuntimeRequest) -> str | None:
+        return None
+
+    def _inflight_chunk(self, rid: str) -> ScheduledChunk | None:
+        if self._inflight is None:
+            return None
+        for chunk in self._inflight.chunks:
+            if chunk.request_id == rid:
+                return chunk
+        return None
+
+    def _apply_token(self, request: RuntimeRequest, token: int | None) -> None:
+        # Log the progress before the status change: a crash in between leaves a PREFILL
+        # request one token behind, which recovery (and the next step) handle as a decode.
+        if token is not None:
+            request.output_token_ids.append(token)
+            if request.first_token_step is None:
+                request.first_token_step = self._step
+        self.lifecycle.progress(request, token)
+        if token is not None and request.status == S.PREFILL:
+            self.lifecycle.transition(request, S.DECODE)
+
+    @staticmethod
+    def _stop_reason(request: RuntimeRequest) -> FinishReason | None:
+        """Stop conditions of CONTRACTS §2, applied after each sampled token."""
+        if request.status != S.DECODE or not request.output_token_ids:
+            return None
+        token = request.output_token_ids[-1]
+        if token in request.stop_token_ids or (
+            request.eos_token_id is not None and token == request.eos_token_id
+            and not request.ignore_eos
+        ):
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= request.max_tokens:
+            return FinishReason.LENGTH
+        if request.max_model_len is not None and request.num_tokens >= request.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _admit(self, plan: _StepPlan, request: RuntimeRequest, cached: int, n: int) -> None:
+        """Give a waiting request its table (reusing ``cached`` prefix tokens) and a chunk."""
+        rid = request.request_id
+        tokens = request.all_token_ids
+        got = self.lifecycle.acquire(
+            request, "admit", lambda: self.kv.admit(rid, request.scope, tokens, cached + n))
+        if got != cached:  # the manager's lookup() and admit() disagree: a bug, not a policy
+            raise AssertionError(f"{rid}: admit reused {got} tokens, lookup said {cached}")
+        first = request.admitted_step is None
+        self.lifecycle.transition(request, S.PREFILL)
+        request.num_computed_tokens = cached
+        if first:
+            request.num_cached_tokens = cached
+            request.admitted_step = self._step
+        self.waiting.remove(rid)
+        self._admit_seq[rid] = self._counter
+        self._counter += 1
+        self._place_running(rid)
+        plan.admitted.append(rid)
+        plan.add_chunk(self._chunk(request, cached, n))
+
+    def _place_running(self, rid: str) -> None:
+        self.running.append(rid)
+
+    def _grow(self, request: RuntimeRequest, n: int) -> list[tuple[int, int]]:
+        """Extend a running request's table for ``n`` more tokens (MemoryError: unchanged)."""
+        start = request.num_computed_tokens
+        return list(self.kv.grow(request.request_id, start + n, write_from=start))
+
+    def _chunk(self, request: RuntimeRequest, start: int, n: int) -> ScheduledChunk:
+        end = start + n
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_pos=start,
+            block_table=tuple(self.kv.block_table(request.request_id)),
+            sample=end == request.num_tokens,
+            is_prefill=request.status == S.PREFILL,
+        )
+
+    def _preempt(self, plan: _StepPlan, request: RuntimeRequest) -> None:
+        """Recompute preemption: free the KV, back to waiting with its tokens kept."""
+        rid = request.request_id
+        self.lifecycle.transition(request, S.PREEMPTED)
+        self.lifecycle.release(request, self.kv)
+        request.num_computed_tokens = 0
+        self.running.remove(rid)
+        self._requeue_preempted(rid)
+        plan.preempted.append(rid)
+
+    def _requeue_preempted(self, rid: str) -> None:
+        self.waiting.insert(0, rid)
+
+    def _uncomputed_prefix_hit(self, request: RuntimeRequest) -> int:
+        """Tokens of the request served by the prefix cache now (0 without a cache)."""
+        if self.kv.prefix_cache is None:
+            return 0
+        return self.kv.lookup(request.scope, request.all_token_ids)
+
+    def _ensure_kv(self, plan: _StepPlan, request: RuntimeRequest, n: int,
+                   victims: Callable[[], list[RuntimeRequest]]) -> bool:
+        """Grow ``request`` by ``n`` tokens, preempting from ``victims()`` (best victim first)
+        while KV is short. False if ``request`` itself had to be preempted or failed."""
+        while True:
+            try:
+                plan.copies.extend(self._grow(request, n))
+                return True
+            except MemoryError:
+                pool = [v for v in victims() if v is not request]
+                if pool:
+                    self._preempt(plan, pool[0])
+                    continue
+                # Nobody else to preempt (the rest is scheduled already, or it runs alone: then
+                # its table holds private duplicates of blocks another request cached first).
+                # Recomputing it later reuses the cache; a lone request always fits then,
+                # because add_request rejected any request whose max_slots exceed the pool.
+                self._preempt(plan, request)
+                return False
+
+
+class _StepPlan:
+    """Mutable accumulator of one step's decisions (budgets are enforced by ``add_chunk``)."""
+
+    def __init__(self, token_budget: int, max_seqs: int) -> None:
+        self.token_budget = token_budget
+        self.max_seqs = max_seqs
+        self.chunks: list[ScheduledChunk] = []
+        self.copies: list[tuple[int, int]] = []
+        self.preempted: list[str] = []
+        self.admitted: list[str] = []
+        self.used = 0
+        self.scheduled: set[str] = set()
+
+    @property
+    def tokens_left(self) -> int:
+        return self.token_budget - self.used
+
+    @property
+    def seqs_left(self) -> int:
+        return self.max_seqs - len(self.chunks)
+
+    def add_chunk(self, chunk: ScheduledChunk) -> None:
+        if chunk.request_id in self.scheduled:
+            raise AssertionError(f"{chunk.request_id} scheduled twice in one step")
+        if chunk.num_tokens <= 0 or chunk.num_tokens > self.tokens_left or self.seqs_left <= 0:
+            raise AssertionError("a chunk would break the step's budgets")
+        self.chunks.append(chunk)
+        self.used += chunk.num_tokens
+        self.scheduled.add(chunk.request_id)

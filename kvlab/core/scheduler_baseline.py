@@ -1,0 +1,70 @@
+"""The spec's decode-first policy as a real scheduler (see :mod:`.scheduler`)."""
+
+from __future__ import annotations
+
+from .lifecycle import RUNNING_STATUSES
+from .request import Phase
+from .request import Request as ReferenceRequest
+from .scheduler_api import RequestStatus, RuntimeRequest
+from .scheduler_base import SchedulerBase, _StepPlan
+
+S = RequestStatus
+
+
+class BaselineScheduler(SchedulerBase):
+    """The spec's decode-first ``build_batch`` as a real scheduler (see the module docstring).
+
+    Per step: every running decode gets one token (running order), then running prefills and
+    then waiting requests (FIFO; preempted requests at the front) get
+    ``min(tokens left, prefill_chunk, budget left)``; stop at ``max_num_seqs`` entries or an
+    exhausted budget, exactly like ``build_batch``. KV: a waiting request is admitted only if its
+    first chunk fits (otherwise admission stops: no skipping); a running request that cannot
+    grow preempts the newest-admitted running request not yet scheduled this step. No
+    reservation, no priorities, no deadlines, no overload limit.
+    """
+
+    def _schedule_into(self, plan: _StepPlan) -> None:
+        chunk_cap = self.config.prefill_chunk
+        running = [self._requests[rid] for rid in self.running]
+        decodes = [r for r in running if r.status == S.DECODE]
+        prefills = [r for r in running if r.status == S.PREFILL]
+
+        def victims() -> list[RuntimeRequest]:
+            pool = [self._requests[rid] for rid in self.running if rid not in plan.scheduled]
+            return sorted(pool, key=lambda r: -self._admit_seq[r.request_id])
+
+        for request in decodes + prefills:
+            if plan.seqs_left == 0 or plan.tokens_left == 0:
+                return
+            if request.status not in RUNNING_STATUSES:   # preempted earlier in this step
+                continue
+            n = 1 if request.status == S.DECODE else min(
+                request.num_uncomputed_tokens, chunk_cap, plan.tokens_left)
+            start = request.num_computed_tokens
+            if self._ensure_kv(plan, request, n, victims):
+                plan.add_chunk(self._chunk(request, start, n))
+        for rid in list(self.waiting):
+            if plan.seqs_left == 0 or plan.tokens_left == 0:
+                return
+            request = self._requests[rid]
+            cached = self._uncomputed_prefix_hit(request)
+            n = min(request.num_tokens - cached, chunk_cap, plan.tokens_left)
+            need = self.kv.blocks_needed(None, cached + n, request.scope, request.all_token_ids)
+            if need > self.kv.num_allocatable_blocks():
+                return   # head of line: wait for KV, never skip ahead
+            try:
+                self._admit(plan, request, cached, n)
+            except MemoryError:
+                return
+
+    def reference_view(self) -> list[ReferenceRequest]:
+        """This scheduler's state as the spec's reference ``Request`` list, in the order
+        ``build_batch`` must see it (running, then waiting) for the two to agree."""
+        view = []
+        for rid in self.running + self.waiting:
+            r = self._requests[rid]
+            phase = {S.DECODE: Phase.DECODE, S.PREFILL: Phase.PREFILL}.get(r.status, Phase.WAITING)
+            left = r.num_uncomputed_tokens if phase != Phase.WAITING else (
+                r.num_tokens - self._uncomputed_prefix_hit(r))
+            view.append(ReferenceRequest(rid, left, len(r.output_token_ids), phase))
+        return view
