@@ -97,3 +97,25 @@ def test_ch06_checks():
     assert "Correct" in ch06.check_starvation_bound(16 + 4 * 2560)
     with pytest.raises(AssertionError):
         ch06.check_starvation_bound(2560)
+
+
+def test_recovery_figure_and_explorer():
+    from kvlab.core.scheduler import ProductionScheduler
+    from kvlab.viz.timeline import RecoveryExplorer, event_text, recovery_figure
+
+    def make(kv, log):
+        return ProductionScheduler(kv, ch05.CONFIG, log=log)
+
+    explorer = RecoveryExplorer(ch05.crash_scenario, make, 52, start=41)
+    snap = explorer.snapshot()
+    rows = {r.request_id: r for r in snap.rows}
+    assert rows["q3"].decision == "free orphan" and rows["q3"].held_kv
+    assert rows["q3"].logged_status == "finished"
+    assert snap.tail[-1].endswith("transition decode -> finished (length)")
+    fig = recovery_figure(snap)
+    assert fig.axes
+    plt.close(fig)
+    events, _ = ch05.crash_scenario(5)
+    assert event_text(events[-1]).endswith("acquired admit, 0 tokens already computed")
+    with pytest.raises(ValueError):
+        RecoveryExplorer(ch05.crash_scenario, make, 0)

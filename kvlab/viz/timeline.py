@@ -243,3 +243,144 @@ def state_diagram_figure(transitions: dict, holds_kv: dict[str, bool],
     ax.legend(handles=handles, loc="upper left", fontsize=8)
     fig.tight_layout()
     return fig
+
+
+# ----------------------------------------------------------------------- crash and recovery
+
+
+@dataclass(frozen=True)
+class RecoveryRow:
+    """One request at a crash: its last logged status, whether the KV manager still held a
+    table for it, and what recovery decided (resume, requeue, free, finish or nothing)."""
+
+    request_id: str
+    logged_status: str
+    held_kv: bool
+    decision: str
+
+
+@dataclass(frozen=True)
+class RecoverySnapshot:
+    """Plain data for :func:`recovery_figure`: the crash point, the last durable events (as
+    text) and one :class:`RecoveryRow` per request known to the log."""
+
+    crash_at: int
+    tail: tuple[str, ...]
+    rows: tuple[RecoveryRow, ...]
+
+
+def recovery_snapshot(crash_at: int, events: Sequence, held: dict[str, bool],
+                      report) -> RecoverySnapshot:
+    """Build a snapshot from the durable ``events``, which requests the KV manager ``held``
+    *before* recovery, and the :class:`~kvlab.core.recovery.RecoveryReport`."""
+    from kvlab.core.recovery import replay
+
+    decisions: dict[str, str] = {}
+    for what, ids in (("resume", report.resumed), ("requeue", report.requeued),
+                      ("free orphan", report.freed), ("finish", report.finished)):
+        for rid in ids:
+            decisions[rid] = what
+    rows = []
+    for rid, entry in replay(events).items():
+        rows.append(RecoveryRow(rid, entry.request.status.value, bool(held.get(rid, False)),
+                                decisions.get(rid, "nothing")))
+    tail = tuple(event_text(e) for e in list(events)[-4:])
+    return RecoverySnapshot(crash_at, tail, tuple(rows))
+
+
+def event_text(event) -> str:
+    """A short human-readable line for a :class:`~kvlab.core.lifecycle.Event`."""
+    d = event.data
+    if event.kind == "transition":
+        what = f"{d[0]} -> {d[1]}" + (f" ({d[2]})" if d[2] else "")
+    elif event.kind == "progress":
+        what = f"computed {d[0]}" + (f", token {d[1]}" if d[1] is not None else "")
+    elif event.kind == "acquired":
+        what = f"{d[0]}, {d[1]} tokens already computed"
+    elif event.kind in ("acquire", "released"):
+        what = str(d[0])
+    else:
+        what = ""
+    return f"{event.index:>3} {event.request_id} {event.kind} {what}".rstrip()
+
+
+_DECISION_COLORS = {"resume": "#009e73", "requeue": "#e69f00", "free orphan": "#c44e52",
+                    "finish": "#0072b2", "nothing": "#adb5bd"}
+
+
+def recovery_figure(snapshot: RecoverySnapshot) -> Figure:
+    """One row per request: logged status (filled if it is a running status, i.e. may hold
+    KV), whether the manager held KV at the crash, and recovery's decision."""
+    from .style import BLOCK_STATE_COLORS
+
+    rows = snapshot.rows
+    fig, ax = plt.subplots(figsize=(9.0, 1.2 + 0.42 * max(len(rows), 1)))
+    for i, row in enumerate(rows):
+        y = len(rows) - 1 - i
+        running = row.logged_status in ("prefill", "decode")
+        face = BLOCK_STATE_COLORS["exclusive" if running else "free"]
+        ax.add_patch(plt.Rectangle((1.0, y - 0.35), 1.6, 0.7, edgecolor=INK, facecolor=face))
+        ax.text(1.8, y, row.logged_status, ha="center", va="center", fontsize=9,
+                color="white" if running else INK)
+        ax.add_patch(plt.Rectangle((3.0, y - 0.35), 1.2, 0.7, edgecolor=INK,
+                                   facecolor=BLOCK_STATE_COLORS["exclusive" if row.held_kv
+                                                                else "free"]))
+        ax.text(3.6, y, "table" if row.held_kv else "none", ha="center", va="center", fontsize=9,
+                color="white" if row.held_kv else INK)
+        ax.add_patch(plt.Rectangle((4.6, y - 0.35), 1.8, 0.7, edgecolor=INK,
+                                   facecolor=_DECISION_COLORS.get(row.decision, MUTED)))
+        ax.text(5.5, y, row.decision, ha="center", va="center", fontsize=9, color="white")
+        ax.text(0.9, y, row.request_id, ha="right", va="center", fontsize=10)
+    top = len(rows) - 0.3
+    for x, label in ((1.8, "status in the log"), (3.6, "KV at the crash"), (5.5, "recovery")):
+        ax.text(x, top + 0.2, label, ha="center", va="bottom", fontsize=9, color=MUTED)
+    ax.text(6.7, top + 0.2, f"durable log, crash before event {snapshot.crash_at}:",
+            ha="left", va="bottom", fontsize=9, color=MUTED)
+    for j, line in enumerate(snapshot.tail):
+        ax.text(6.7, top - 0.45 * j - 0.3, line[:52], ha="left", va="center", fontsize=8,
+                family="monospace", color=INK)
+    ax.set_xlim(0, 11.5)
+    ax.set_ylim(-0.6, len(rows) + 0.3)
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+class RecoveryExplorer:
+    """Slider over crash points: ``crash(k)`` returns ``(events, kv)`` of a run crashed before
+    event ``k``; the widget recovers it (with ``make_scheduler``) and draws the decisions."""
+
+    def __init__(self, crash, make_scheduler, num_events: int, start: int | None = None) -> None:
+        import ipywidgets as widgets
+
+        if num_events < 1:
+            raise ValueError("num_events must be >= 1")
+        self.crash, self.make_scheduler = crash, make_scheduler
+        self.slider = widgets.IntSlider(value=start if start is not None else num_events // 2,
+                                        min=0, max=num_events - 1, description="crash at",
+                                        continuous_update=False)
+        self.out = widgets.Output()
+        self.slider.observe(lambda change: self.draw(), names="value")
+        self.widget = widgets.VBox([self.slider, self.out])
+        self.draw()
+
+    def snapshot(self, k: int | None = None) -> RecoverySnapshot:
+        from kvlab.core.recovery import recover
+
+        k = self.slider.value if k is None else k
+        events, kv = self.crash(k)
+        held = {rid: kv.has(rid) for rid in {e.request_id for e in events}}
+        _, report = recover(events, kv, self.make_scheduler)
+        return recovery_snapshot(k, events, held, report)
+
+    def draw(self) -> None:
+        self.out.clear_output(wait=True)
+        with self.out:
+            fig = recovery_figure(self.snapshot())
+            plt.show()
+            plt.close(fig)
+
+    def _ipython_display_(self) -> None:  # pragma: no cover - notebook only
+        from IPython.display import display
+
+        display(self.widget)
