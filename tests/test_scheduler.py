@@ -428,3 +428,22 @@ def test_every_running_request_advances_every_step():
             r.request_id for r in sched.requests() if r.status.is_terminal)
 
     drive(sched, check=True, on_step=check)
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+def test_forget_drops_only_ended_and_reported_requests(cls):
+    kv = KVCacheManager(4, 4)
+    sched = cls(kv, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8))
+    sched.add_request(req("big", 20, 8))              # rejected: can never fit
+    sched.add_request(req("a", 3, 2))
+    with pytest.raises(ValueError, match="not ended"):
+        sched.forget("a")
+    with pytest.raises(ValueError, match="still being reported"):
+        sched.forget("big")
+    with pytest.raises(KeyError):
+        sched.forget("nope")
+    drive(sched, check=True)
+    assert sched.forget("big").status == RequestStatus.REJECTED
+    assert sched.forget("a").finish_reason == FinishReason.LENGTH
+    assert sched.requests() == [] and not sched.has_unfinished_requests()
+    sched.check_invariants()

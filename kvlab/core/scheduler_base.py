@@ -128,8 +128,27 @@ class SchedulerBase:
             raise KeyError(f"unknown request {request_id!r}") from None
 
     def requests(self) -> Sequence[RuntimeRequest]:
-        """Every request ever added, in arrival order (terminal ones included)."""
+        """Every request added and not forgotten, in arrival order (terminal ones included)."""
         return list(self._requests.values())
+
+    def forget(self, request_id: str) -> RuntimeRequest:
+        """Drop an ended request from the registry (a long-running engine calls this once it
+        has reported the request, so memory stays proportional to live requests).
+
+        KeyError for an unknown id; ValueError (nothing changed) if the request has not ended,
+        still owes a report (``update_from_output`` has not returned it yet) or is part of the
+        step in flight.
+        """
+        request = self.get_request(request_id)
+        if not request.status.is_terminal:
+            raise ValueError(f"request {request_id!r} is {request.status.value}: not ended")
+        if any(r is request for r in self._ended) or request_id in self._inflight_ids \
+                or request_id in self._deferred_release or request_id in self._forked:
+            raise ValueError(f"request {request_id!r} is still being reported or executed")
+        del self._requests[request_id]
+        self._seq.pop(request_id, None)
+        self._admit_seq.pop(request_id, None)
+        return request
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._ended or self._inflight_ids)
@@ -265,9 +284,9 @@ class SchedulerBase:
     def _compact_log(self) -> None:
         """Checkpoint: drop the log events of requests that ended and hold no KV (amortised
         O(1) per event: the next compaction waits until the log doubles)."""
-        done = {rid for rid, r in self._requests.items()
-                if r.status.is_terminal and not self.kv.has(rid)}
-        self.log.compact(done)
+        live = {rid for rid, r in self._requests.items()
+                if not r.status.is_terminal or self.kv.has(rid)}
+        self.log.compact({e.request_id for e in self.log.events} - live)  # ended or forgotten
         self._compact_at = max(self.compact_min_events, 2 * len(self.log))
 
     def fork(self, parent_id: str, child: RuntimeRequest) -> None:
