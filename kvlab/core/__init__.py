@@ -33,13 +33,23 @@ from .fragmentation import (
 )
 from .invariants import KV_MANAGER_INVARIANTS, InvariantSet, check_kv_manager
 from .kv_manager import KVCacheManager, KVSnapshot
+from .lifecycle import TRANSITIONS, EventLog, Lifecycle
 from .metrics import goodput
 from .paging import BlockTable, block_table_array, physical_slot, slot_mapping, slots_for
 from .prefix import PrefixCache
 from .quantization import effective_bits
 from .radix import PrefixMatch, RadixCache, RadixSnapshot
+from .recovery import recover
 from .request import ALLOWED, Phase, Request
 from .sched import build_batch
+from .scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
+from .scheduler_api import (
+    FinishReason,
+    RequestStatus,
+    RuntimeRequest,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from .scope import SCOPE_FIELDS, CacheScope, scope_key
 
 __all__ = [
@@ -51,22 +61,33 @@ __all__ = [
     "MODELS",
     "REQUIRED_KV_FIELDS",
     "SCOPE_FIELDS",
+    "TRANSITIONS",
+    "BaselineScheduler",
     "BlockAllocator",
     "BlockPool",
     "BlockTable",
     "CacheScope",
     "CapacityPlan",
+    "EventLog",
+    "FinishReason",
     "GPUSpec",
     "InvariantSet",
     "KVCacheManager",
     "KVSnapshot",
+    "Lifecycle",
     "ModelShape",
     "Phase",
     "PrefixCache",
     "PrefixMatch",
+    "ProductionScheduler",
     "RadixCache",
     "RadixSnapshot",
     "Request",
+    "RequestStatus",
+    "RuntimeRequest",
+    "ScheduledChunk",
+    "SchedulerConfig",
+    "SchedulerOutput",
     "WasteReport",
     "WorkloadRequest",
     "block_table_array",
@@ -84,6 +105,7 @@ __all__ = [
     "kv_heads_per_rank",
     "physical_slot",
     "plan_capacity",
+    "recover",
     "scope_key",
     "sharegpt_like_workload",
     "simulate",
