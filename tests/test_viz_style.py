@@ -49,3 +49,12 @@ def test_legend_figure_draws_one_swatch_per_state_and_request():
     assert len(state_ax.patches) == len(BLOCK_STATE_ORDER)
     fills = [mcolors.to_hex(p.get_facecolor()) for p in state_ax.patches]
     assert fills == [BLOCK_STATE_COLORS[s] for s in BLOCK_STATE_ORDER]
+
+
+def test_every_lazy_viz_name_resolves():
+    import kvlab.viz as viz
+
+    for name in viz._LAZY:
+        assert callable(getattr(viz, name)), name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        viz.nope  # noqa: B018

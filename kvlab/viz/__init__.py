@@ -2,7 +2,12 @@
 
 Widgets never reach into engine internals: they draw the plain-data snapshots that
 ``kvlab.core`` and ``kvlab.engine`` return. The colours and sizes come from :mod:`.style`.
+Chapter figures load on first use, so ``from kvlab.viz import setup_notebook`` stays light.
 """
+
+from __future__ import annotations
+
+import importlib
 
 from .notebook import setup_notebook
 from .style import (
@@ -16,6 +21,36 @@ from .style import (
     use_style,
 )
 
+# name -> submodule of kvlab.viz that defines it, imported on first attribute access.
+_LAZY = {
+    **dict.fromkeys(["capacity_figure", "capacity_explorer"], "capacity"),
+    **dict.fromkeys(
+        ["block_table_figure", "waste_figure", "waste_timeline_figure", "BlockTableView"], "paging"
+    ),
+    **dict.fromkeys(["pool_figure", "fork_scenario", "RefcountView"], "blocks"),
+    **dict.fromkeys(["radix_figure", "hit_rate_figure", "RadixView"], "radix"),
+    **dict.fromkeys(
+        ["batch_timeline_figure", "BatchTimeline", "state_diagram_figure", "recovery_figure",
+         "RecoveryExplorer"],
+        "timeline",
+    ),
+    **dict.fromkeys(["engine_step_figure", "EngineStepper"], "engine"),
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvlab.viz' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
     "BLOCK_STATE_COLORS",
     "BLOCK_STATE_ORDER",
@@ -26,4 +61,5 @@ __all__ = [
     "request_color",
     "setup_notebook",
     "use_style",
+    *_LAZY,
 ]
