@@ -1,8 +1,9 @@
 """``python -m kvlab``: a short demo of the engine on the shipped model, with a summary.
 
-Generates continuations for a batch of prompts (half of them share the corpus' system prompt, so
-the prefix cache has something to reuse), prints a few of them and a summary: requests, tokens,
-tokens/s, prefix-cache hit rate, steps and the share of step time spent outside the model.
+Generates continuations for two waves of prompts (the second wave asks questions that open with
+the corpus' system prompt, which the first wave left in the prefix cache), prints a few of them
+and a summary: requests, tokens, tokens/s, prefix-cache hit rate, steps and the share of step
+time spent outside the model.
 """
 
 from __future__ import annotations
@@ -20,9 +21,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--device", default=None, help="cpu (default) or cuda")
     ap.add_argument("--show", type=int, default=3, help="how many generations to print")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: the shipped model's matmuls are too small "
+                         "to gain from more, and busy threads stall each other; 0 = torch default)")
     args = ap.parse_args(argv)
     if args.requests < 1 or args.max_tokens < 1:
         ap.error("--requests and --max-tokens must be >= 1")
+
+    import torch
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
 
     from kvlab.engine.llm import LLM
     from kvlab.engine.params import SamplingParams
@@ -33,15 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"kvlab: cannot load model {args.model!r}: {err}", file=sys.stderr)
         return 1
-    half = args.requests // 2
-    prompts = shared_prefix_prompts(0, half) + sample_prompts(0, args.requests - half)
     if llm.tokenizer is None:
         print("kvlab: the model has no tokenizer.json; the demo needs text prompts",
               file=sys.stderr)
         return 1
+    # two waves: story/encyclopedia openings plus questions, then more questions, which find
+    # the shared system prompt in the prefix cache
+    first = (args.requests + 1) // 2
+    quarter = first // 2
+    waves = [sample_prompts(0, first - quarter) + shared_prefix_prompts(0, quarter),
+             shared_prefix_prompts(1, args.requests - first)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = [out for wave in waves if wave for out in llm.generate(wave, params)]
     elapsed = time.perf_counter() - start
     stats = llm.engine.stats
     for out in outputs[:: max(1, len(outputs) // max(args.show, 1))][: args.show]:
