@@ -11,7 +11,8 @@ transformers is an optional (dev) dependency: it is imported inside the function
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,20 @@ from typing import Any
 import torch
 
 __all__ = ["ParityReport", "compare_with_hf", "save_random_hf_model"]
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence transformers' progress bars (their timings would make outputs irreproducible)."""
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()
 
 
 def save_random_hf_model(path: str | Path, arch: str = "llama", *, seed: int = 0,
@@ -49,7 +64,8 @@ def save_random_hf_model(path: str | Path, arch: str = "llama", *, seed: int = 0
                              layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.1)
     path = Path(path)
-    model.save_pretrained(path)
+    with _quiet_transformers():
+        model.save_pretrained(path)
     return path
 
 
@@ -87,7 +103,8 @@ def compare_with_hf(model_dir: str | Path, prompts: Sequence[Sequence[int]], *,
     outs = llm.generate([list(p) for p in prompts],
                         SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
                                        logprobs=logprobs))
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with _quiet_transformers():
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     worst, mism, unexplained, total = 0.0, 0, 0, 0
     details = []
     for prompt, out in zip(prompts, outs, strict=True):
