@@ -51,3 +51,23 @@ def test_snapshot_is_plain_data(engine):
     for r in snap.requests:
         assert all(isinstance(b, int) for b in r.block_table)
     assert isinstance(snap.stats["prefix_hit_rate"], float)
+
+
+def test_cli_demo_runs(capsys):
+    from kvlab.__main__ import main
+    from kvlab.models import shipped_model_path
+
+    try:
+        shipped_model_path("kvlab-tiny")
+    except FileNotFoundError:
+        pytest.skip("shipped weights not built")
+    assert main(["--requests", "4", "--max-tokens", "4", "--show", "1", "--threads", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "requests 4" in out and "prefix-cache hit rate" in out and "tokens/s" in out
+
+
+def test_cli_reports_unknown_model(capsys):
+    from kvlab.__main__ import main
+
+    assert main(["--model", "/nonexistent/model"]) == 1
+    assert "cannot load model" in capsys.readouterr().err

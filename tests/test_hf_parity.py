@@ -56,3 +56,20 @@ def test_parity_check_detects_wrong_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(LLM, "__init__", perturbed)
     report = compare_with_hf(path, _prompts(3), max_tokens=4)
     assert report.max_logprob_diff > TOL
+
+
+def test_shipped_model_matches_hf():
+    """The trained kvlab-tiny (tied embeddings, real tokenizer) through kvlab vs transformers."""
+    from kvlab.engine.tokenizer import load_tokenizer
+    from kvlab.models import shipped_model_path
+    from kvlab.models.corpus import sample_prompts, shared_prefix_prompts
+
+    try:
+        path = shipped_model_path("kvlab-tiny")
+    except FileNotFoundError:
+        pytest.skip("shipped weights not built")
+    tok = load_tokenizer(path)
+    prompts = [tok.encode(t) for t in sample_prompts(5, 2) + shared_prefix_prompts(5, 2)]
+    report = compare_with_hf(path, prompts, max_tokens=16, logprobs=5, block_size=16)
+    assert report.max_logprob_diff < TOL, report
+    assert report.unexplained_mismatches == 0, report.details
