@@ -157,6 +157,9 @@ def test_bad_engine_arguments(model_dir):
                         ({"max_model_len": 10_000}, "max_model_len"),
                         ({"scheduler": "fifo"}, "unknown scheduler"),
                         ({"dtype": "float13"}, "unknown dtype"),
+                        ({"dtype": "int8"}, "floating-point"),
+                        ({"kv_cache_memory": 0}, "kv_cache_memory"),
+                        ({"security_domain": ""}, "security_domain"),
                         ({"device": "cuda:0"} if not __import__("torch").cuda.is_available()
                          else {"block_size": -1}, "cuda|block_size")]:
         with pytest.raises(ValueError, match=msg):

@@ -192,6 +192,16 @@ class LLMEngine:
                              f"got {num_blocks!r}")
         if not isinstance(seed, int):
             raise ValueError(f"LLMEngine: seed must be an int, got {seed!r}")
+        for name, v in (("max_prefill_chunk", max_prefill_chunk),
+                        ("kv_cache_memory", kv_cache_memory)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"LLMEngine: {name} must be a positive int or None, got {v!r}")
+        if isinstance(scheduler, str) and scheduler not in ("baseline", "production"):
+            raise ValueError(f"unknown scheduler {scheduler!r}; expected 'baseline', "
+                             "'production' or a factory (kv, SchedulerConfig) -> Scheduler")
+        if not isinstance(security_domain, str) or not security_domain:
+            raise ValueError(f"LLMEngine: security_domain must be a non-empty str, "
+                             f"got {security_domain!r}")
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("LLMEngine: device='cuda' requested but CUDA is not available")
@@ -200,6 +210,9 @@ class LLMEngine:
                 raise ValueError(f"LLMEngine: unknown dtype {dtype!r}")
             dtype = getattr(torch, dtype)
         dtype = dtype or _default_dtype(dev)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"LLMEngine: dtype must be a floating-point torch dtype, "
+                             f"got {dtype!r}")
         if isinstance(model, LoadedCheckpoint):
             ckpt = model
             ckpt.model.to(device=dev, dtype=dtype)
