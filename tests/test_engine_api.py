@@ -222,3 +222,21 @@ def test_bfloat16_runs_the_same_code(model_dir, prompts):
     assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
     assert llm.engine.cache.data.dtype == torch.bfloat16
     assert dict(llm.engine.cache_scope()).get("kv_dtype") == "bfloat16"
+
+
+def test_rejected_request_with_n_samples_finishes(model_dir, prompts):
+    """A request the scheduler refuses (here: an overload policy with no queue) ends with
+    finish_reason 'rejected', even with n > 1 samples never forked."""
+    import dataclasses
+
+    from kvlab.core.scheduler import ProductionScheduler
+
+    def no_queue(kv, config):
+        return ProductionScheduler(kv, dataclasses.replace(config, max_waiting=0))
+
+    llm = _llm(model_dir, scheduler=no_queue)
+    outs = llm.generate(prompts[:2], SamplingParams(max_tokens=4, n=2, seed=0))
+    assert [o.outputs[0].finish_reason for o in outs] == ["rejected", "rejected"]
+    assert all(o.finished and len(o.outputs) == 1 for o in outs)
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_invariants()

@@ -440,8 +440,9 @@ class LLMEngine:
         return self._step(finished_only=False)
 
     def _group_done(self, group: _Group) -> bool:
-        return len(group.seqs) == group.params.n and all(
-            self.scheduler.get_request(s.seq_id).status.is_terminal for s in group.seqs)
+        """Every sample ended. (Before the fork only the parent exists; if it ends then —
+        rejected, failed, or done after one token — no sample will ever be forked from it.)"""
+        return all(self.scheduler.get_request(s.seq_id).status.is_terminal for s in group.seqs)
 
     def _step(self, *, finished_only: bool) -> list[RequestOutput]:
         """:meth:`step`; ``finished_only`` skips building outputs of unfinished requests."""
@@ -553,7 +554,6 @@ class LLMEngine:
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         completions = []
         all_done = True
-        expected = group.params.n
         for seq in group.seqs:
             req = self.scheduler.get_request(seq.seq_id)
             reason = req.finish_reason.value if req.finish_reason is not None else None
@@ -567,7 +567,7 @@ class LLMEngine:
                 cumulative_logprob=seq.cumulative_logprob, _decode=decode))
             if seq.index == 0:
                 group.metrics.num_preemptions = req.num_preemptions
-        finished = force_finished or (all_done and (len(group.seqs) == expected))
+        finished = force_finished or all_done
         return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
                              completions, finished, group.metrics, group.num_cached_tokens)
 
