@@ -25,6 +25,7 @@ from kvlab.models.corpus import (
     build_world,
     corpus_words,
     generate_corpus,
+    qa_examples,
     sample_prompts,
     shared_prefix_prompts,
 )
@@ -308,3 +309,26 @@ def test_draft_agrees_with_target_often(loaded):
         agree += sum(int(a == b) for a, b in zip(pred, cont, strict=True))
         total += len(cont)
     assert total > 0 and agree / total >= 0.6, agree / total
+
+
+def _answer(torch, model, tok, prompt: str) -> str:
+    """Greedy answer line of a Q&A prompt (up to the first newline, at most 40 tokens)."""
+    ids, out = tok.encode(prompt).ids, []
+    with torch.no_grad():
+        seq = torch.tensor([ids])
+        for _ in range(40):
+            nxt = int(model(input_ids=seq).logits[0, -1].argmax())
+            out.append(nxt)
+            if nxt == 1 or "\n" in tok.decode(out):
+                break
+            seq = torch.cat([seq, torch.tensor([[nxt]])], dim=1)
+    return tok.decode(out).split("\n")[0].strip()
+
+
+def test_target_knows_more_facts_of_the_world_than_the_draft(loaded):
+    torch, models, tok = loaded
+    examples = qa_examples(13, 24)  # ~69% right for the shipped target on 120 questions
+    right = {name: sum(_answer(torch, model, tok, prompt) == answer for prompt, answer in examples)
+             for name, model in models.items()}
+    assert right["kvlab-tiny"] >= 9, right
+    assert right["kvlab-tiny"] >= right["kvlab-tiny-draft"] + 5, right

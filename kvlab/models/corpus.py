@@ -35,6 +35,7 @@ __all__ = [
     "corpus_words",
     "generate_corpus",
     "generate_document",
+    "qa_examples",
     "sample_prompts",
     "shared_prefix_prompts",
 ]
@@ -787,6 +788,22 @@ def _prompt_cut(doc: str) -> str:
     return " ".join(words[: max(4, (2 * len(words)) // 3)])
 
 
+def qa_examples(seed: int, n: int, *, corpus_seed: int = CORPUS_SEED) -> list[tuple[str, str]]:
+    """``n`` (prompt, answer) pairs: a Q&A prompt as in :func:`shared_prefix_prompts` and the
+    one-line answer the world of ``corpus_seed`` makes true (what the Archivist would say).
+
+    Use it to measure how many facts of the world a model has learned: greedy-decode the
+    prompt up to the first newline and compare with ``answer`` (which has no leading space).
+    """
+    _check_counts(seed, n, 0)
+    world = build_world(corpus_seed)
+    examples = []
+    for i in range(n):
+        question, answer = _qa_pair(_Writer(world, random.Random(f"kvlab-qa:{seed}:{i}")))
+        examples.append((f"{SYSTEM_PROMPT}\n\nUser: {question}\nArchivist:", answer))
+    return examples
+
+
 def shared_prefix_prompts(seed: int, n: int, *, corpus_seed: int = CORPUS_SEED) -> list[str]:
     """``n`` Q&A prompts that all start with :data:`SYSTEM_PROMPT` and differ after it.
 
@@ -794,10 +811,4 @@ def shared_prefix_prompts(seed: int, n: int, *, corpus_seed: int = CORPUS_SEED) 
     world of ``corpus_seed``, so a trained model answers them in the corpus style. Useful for
     prefix-caching demonstrations: the shared prefix is identical token for token.
     """
-    _check_counts(seed, n, 0)
-    world = build_world(corpus_seed)
-    prompts = []
-    for i in range(n):
-        question, _ = _qa_pair(_Writer(world, random.Random(f"kvlab-qa:{seed}:{i}")))
-        prompts.append(f"{SYSTEM_PROMPT}\n\nUser: {question}\nArchivist:")
-    return prompts
+    return [prompt for prompt, _ in qa_examples(seed, n, corpus_seed=corpus_seed)]
