@@ -511,29 +511,30 @@ class LLMEngine:
     def _sample(self, request_ids: list[str], logits: torch.Tensor, now: float,
                 touched: dict[str, _Group]) -> dict[str, int]:
         rows: list[int] = []
-        seqs: list[_Sequence] = []
+        pairs: list[tuple[_Group, _Sequence]] = []
+        forked = False
         for row, rid in enumerate(request_ids):
             group, seq = self._seq_owner[rid]
             if group.params.n > 1 and not group.forked:
-                self._fork(group)
+                self._fork(group)  # the samples all draw from this row
+                forked = True
                 for s in group.seqs:
                     rows.append(row)
-                    seqs.append(s)
+                    pairs.append((group, s))
                 continue
             rows.append(row)
-            seqs.append(seq)
-        if not seqs:
+            pairs.append((group, seq))
+        if not pairs:
             return {}
-        idx = torch.tensor(rows, device=logits.device)
-        picked = logits if rows == list(range(len(request_ids))) else logits[idx]
-        result = sample(picked, [s.sampler for s in seqs])
+        picked = logits[torch.tensor(rows, device=logits.device)] if forked else logits
+        result = sample(picked, [s.sampler for _, s in pairs])
         sampled: dict[str, int] = {}
-        for i, seq in enumerate(seqs):
-            group = self._seq_owner[seq.seq_id][0]
-            sampled[seq.seq_id] = result.token_ids[i]
-            seq.cumulative_logprob += result.logprobs[i]
+        for (group, seq), token, logprob, top in zip(
+                pairs, result.token_ids, result.logprobs, result.top_logprobs, strict=True):
+            sampled[seq.seq_id] = token
+            seq.cumulative_logprob += logprob
             if seq.logprobs is not None:
-                seq.logprobs.append(result.top_logprobs[i])
+                seq.logprobs.append(top)
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
             touched[group.request_id] = group
