@@ -231,14 +231,18 @@ def loaded():
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer
 
-    torch.set_num_threads(2)
+    # One thread: these models are tiny, and with 2+ threads on cores shared with other jobs a
+    # forward pass can be ~40x slower (threads wait on each other). Restored afterwards.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     models = {
         n: transformers.LlamaForCausalLM.from_pretrained(
             str(shipped_model_path(n)), local_files_only=True).eval()
         for n in NAMES
     }
     tok = Tokenizer.from_file(str(shipped_model_path(NAMES[0]) / "tokenizer.json"))
-    return torch, models, tok
+    yield torch, models, tok
+    torch.set_num_threads(threads)
 
 
 def _greedy(torch, model, ids, max_new):
