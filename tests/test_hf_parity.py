@@ -73,3 +73,21 @@ def test_shipped_model_matches_hf():
     report = compare_with_hf(path, prompts, max_tokens=16, logprobs=5, block_size=16)
     assert report.max_logprob_diff < TOL, report
     assert report.unexplained_mismatches == 0, report.details
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from kvlab.engine.checkpoint import load_checkpoint
+
+    single = save_random_hf_model(tmp_path / "single", "qwen2", seed=6)
+    hf = AutoModelForCausalLM.from_pretrained(str(single))
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    a, b = load_checkpoint(single), load_checkpoint(tmp_path / "sharded")
+    for (name, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items(),
+                                 strict=True):
+        assert torch.equal(x, y), name
+    report = compare_with_hf(tmp_path / "sharded", _prompts(2), max_tokens=4)
+    assert report.max_logprob_diff < TOL
