@@ -336,3 +336,25 @@ def test_target_knows_more_facts_of_the_world_than_the_draft(loaded):
              for name, model in models.items()}
     assert right["kvlab-tiny"] >= 9, right
     assert right["kvlab-tiny"] >= right["kvlab-tiny-draft"] + 5, right
+
+
+def test_training_stream_and_schedule():
+    torch = pytest.importorskip("torch")
+    from tokenizers import Tokenizer
+
+    script = _load_train_script()
+    tok = Tokenizer.from_file(str(shipped_model_path(NAMES[0]) / "tokenizer.json"))
+    docs = generate_corpus(CORPUS_SEED, 3, start=TEST_START)
+    stream = script.token_stream(tok, docs)
+    bounds = (stream == 0).nonzero().flatten().tolist()
+    assert stream[0] == 0 and stream[-1] == 1 and len(bounds) == 3
+    pieces = [stream[a:b] for a, b in zip(bounds, [*bounds[1:], stream.numel()], strict=True)]
+    for doc, piece in zip(docs, pieces, strict=True):
+        assert piece[-1] == 1 and tok.decode(piece.tolist()) == doc
+    win = script.windows(stream, 64)
+    assert win.shape == (stream.numel() // 64, 64) and torch.equal(win[1], stream[64:128])
+    spec = script.TARGET
+    rates = [script.lr_at(s, spec) for s in range(spec.steps)]
+    assert rates[0] < rates[spec.warmup - 1] == pytest.approx(spec.lr)
+    assert max(rates) == pytest.approx(spec.lr) and rates[-1] >= 0.1 * spec.lr * 0.999
+    assert all(a >= b for a, b in zip(rates[spec.warmup:], rates[spec.warmup + 1:], strict=False))
