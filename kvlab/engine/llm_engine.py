@@ -43,6 +43,7 @@ from kvlab.core.scope import CacheScope
 from .checkpoint import LoadedCheckpoint, load_checkpoint
 from .executor import TorchExecutor
 from .kv_cache import PagedKVCache
+from .model import rope_inv_freq
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .params import SamplingParams
 from .sampling import SamplerState, sample
@@ -216,7 +217,9 @@ class LLMEngine:
         if isinstance(model, LoadedCheckpoint):
             ckpt = model
             ckpt.model.to(device=dev, dtype=dtype)
-            ckpt.model.inv_freq = ckpt.model.inv_freq.float()
+            # RoPE frequencies stay float32 (recomputed: a cast to half precision loses bits)
+            ckpt.model.inv_freq = rope_inv_freq(ckpt.config.rope, ckpt.config.head_dim,
+                                                ckpt.config.max_position_embeddings).to(dev)
         else:
             ckpt = load_checkpoint(model, dtype=dtype, device=dev)
         self.checkpoint = ckpt
