@@ -157,12 +157,13 @@ class LLMEngine:
     """A real model stepping through paged KV. See the module docstring for one step.
 
     ``model``: shipped model name, local Hugging Face directory, or a
-    :class:`~kvlab.engine.checkpoint.LoadedCheckpoint`. ``num_blocks=None`` sizes the cache from
-    ``kv_cache_memory`` bytes (default :data:`DEFAULT_KV_CACHE_MEMORY_CPU` on CPU, half the free
-    memory on CUDA), capped at ``max_num_seqs * max_model_len`` tokens. ``max_model_len``
-    defaults to the model's ``max_position_embeddings``. ``max_prefill_chunk`` caps the prefill
-    tokens one request gets per step (None: the whole step budget). ``security_domain`` is the
-    default tenant of requests (part of every prefix-cache scope).
+    :class:`~kvlab.engine.checkpoint.LoadedCheckpoint` (used in place: moved to this engine's
+    device and dtype, so engines sharing one must agree on both). ``num_blocks=None`` sizes the
+    cache from ``kv_cache_memory`` bytes (default :data:`DEFAULT_KV_CACHE_MEMORY_CPU` on CPU,
+    half the free memory on CUDA), capped at ``max_num_seqs * max_model_len`` tokens.
+    ``max_model_len`` defaults to the model's ``max_position_embeddings``. ``max_prefill_chunk``
+    caps the prefill tokens one request gets per step (None: the whole step budget).
+    ``security_domain`` is the default tenant of requests (part of every prefix-cache scope).
     """
 
     def __init__(
