@@ -1,7 +1,11 @@
 """kvlab: an interactive textbook on KV memory and scheduling in LLM inference, and its engine.
 
 Torch-free names come from :mod:`kvlab.core` at once; torch-dependent names (quantisation,
-speculative decoding, the engine) load on first use, so ``import kvlab`` stays fast.
+speculative decoding, the engine) load on first use, so ``import kvlab`` stays fast::
+
+    from kvlab import LLM, SamplingParams
+    llm = LLM("kvlab-tiny")
+    outputs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32, temperature=0))
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ _LAZY = {
     "quantize_groups": "kvlab.engine.quant",
     "dequantize_groups": "kvlab.engine.quant",
     "speculative_step": "kvlab.engine.spec",
+    "LLM": "kvlab.engine.llm",
+    "LLMEngine": "kvlab.engine.llm_engine",
+    "SamplingParams": "kvlab.engine.params",
+    "RequestOutput": "kvlab.engine.outputs",
+    "CompletionOutput": "kvlab.engine.outputs",
 }
 
 

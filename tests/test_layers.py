@@ -33,3 +33,8 @@ def test_metadata_layer_never_imports_torch(statement):
 def test_torch_names_load_lazily_on_first_use():
     modules = _modules_after("import kvlab; kvlab.quantize_groups")
     assert "torch" in modules and "kvlab.engine.quant" in modules
+
+
+def test_engine_api_is_reachable_from_the_top_level():
+    modules = _modules_after("import kvlab; kvlab.LLM, kvlab.SamplingParams, kvlab.RequestOutput")
+    assert {"kvlab.engine.llm", "kvlab.engine.params", "kvlab.engine.outputs"} <= modules

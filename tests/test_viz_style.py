@@ -58,3 +58,16 @@ def test_every_lazy_viz_name_resolves():
         assert callable(getattr(viz, name)), name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         viz.nope  # noqa: B018
+
+
+def test_setup_notebook_limits_torch_threads_before_torch_starts():
+    import subprocess
+    import sys
+
+    code = (
+        "from kvlab.viz import setup_notebook; setup_notebook(torch_threads=1); "
+        "import torch; print(torch.get_num_threads())"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, env={"PATH": "/usr/bin:/bin"})
+    assert result.stdout.strip() == "1"

@@ -9,12 +9,15 @@ import sys
 from .style import use_style
 
 
-def setup_notebook(seed: int = 0) -> None:
-    """Seed Python, NumPy and (if installed) torch; use the book's figure style.
+def setup_notebook(seed: int = 0, torch_threads: int = 1) -> None:
+    """Seed Python, NumPy and torch; fix torch's CPU thread count; use the book's figure style.
 
     Called in the first code cell of every chapter so that outputs are reproducible and
-    figures look the same in JupyterLab, under nbval and on the site. Torch is seeded only
-    when already imported or importable, and kept to a deterministic single thread count.
+    figures look the same in JupyterLab, under nbval and on the site. The book's models are
+    tiny: their matmuls gain nothing from several threads, and on a shared CPU extra threads
+    make them many times slower, so torch gets ``torch_threads`` (1 by default). Torch is not
+    imported here: when it is not loaded yet the limit goes through ``OMP_NUM_THREADS`` (read
+    when torch starts) and its seed is set by whoever imports it (kvlab seeds per request).
     """
     random.seed(seed)
     os.environ.setdefault("PYTHONHASHSEED", str(seed))
@@ -25,7 +28,11 @@ def setup_notebook(seed: int = 0) -> None:
     except ImportError:  # pragma: no cover - numpy is a dependency
         pass
     if "torch" in sys.modules:
-        sys.modules["torch"].manual_seed(seed)
+        torch = sys.modules["torch"]
+        torch.manual_seed(seed)
+        torch.set_num_threads(torch_threads)
+    else:
+        os.environ["OMP_NUM_THREADS"] = str(torch_threads)
     import matplotlib
 
     if "ipykernel" in sys.modules:
