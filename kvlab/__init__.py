@@ -10,8 +10,7 @@ speculative decoding, the engine) load on first use, so ``import kvlab`` stays f
 
 from __future__ import annotations
 
-import importlib
-
+from kvlab._lazy import lazy_exports
 from kvlab.core import (
     ALLOWED,
     REQUIRED_KV_FIELDS,
@@ -42,18 +41,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
-
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
 
 __all__ = [
     "ALLOWED",

@@ -8,7 +8,7 @@ stays cheap.
 
 from __future__ import annotations
 
-import importlib
+from kvlab._lazy import lazy_exports
 
 from .quant import dequantize_groups, effective_bits, quantize_groups
 from .spec import speculative_step
@@ -34,18 +34,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvlab.engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
-
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
 
 __all__ = [
     "dequantize_groups",

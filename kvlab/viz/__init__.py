@@ -7,7 +7,7 @@ Chapter figures load on first use, so ``from kvlab.viz import setup_notebook`` s
 
 from __future__ import annotations
 
-import importlib
+from kvlab._lazy import lazy_exports
 
 from .notebook import setup_notebook
 from .style import (
@@ -23,33 +23,22 @@ from .style import (
 
 # name -> submodule of kvlab.viz that defines it, imported on first attribute access.
 _LAZY = {
-    **dict.fromkeys(["capacity_figure", "capacity_explorer"], "capacity"),
+    **dict.fromkeys(["capacity_figure", "capacity_explorer"], ".capacity"),
     **dict.fromkeys(
-        ["block_table_figure", "waste_figure", "waste_timeline_figure", "BlockTableView"], "paging"
+        ["block_table_figure", "waste_figure", "waste_timeline_figure", "BlockTableView"], ".paging"
     ),
-    **dict.fromkeys(["pool_figure", "fork_scenario", "RefcountView"], "blocks"),
-    **dict.fromkeys(["radix_figure", "hit_rate_figure", "RadixView"], "radix"),
+    **dict.fromkeys(["pool_figure", "fork_scenario", "RefcountView"], ".blocks"),
+    **dict.fromkeys(["radix_figure", "hit_rate_figure", "RadixView"], ".radix"),
     **dict.fromkeys(
         ["batch_timeline_figure", "BatchTimeline", "state_diagram_figure", "recovery_figure",
          "RecoveryExplorer"],
-        "timeline",
+        ".timeline",
     ),
-    **dict.fromkeys(["engine_step_figure", "EngineStepper"], "engine"),
+    **dict.fromkeys(["engine_step_figure", "EngineStepper"], ".engine"),
 }
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvlab.viz' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
-
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
 
 __all__ = [
     "BLOCK_STATE_COLORS",
