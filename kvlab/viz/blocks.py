@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from kvlab.core.kv_manager import KVCacheManager, KVSnapshot
 
+from ._widgets import figure_widget
 from .style import (
     BLOCK_STATE_COLORS,
     BLOCK_STATE_LABELS,
@@ -160,21 +161,9 @@ class RefcountView:
         return pool_figure(snapshot, title=f"step {index}: {caption}")
 
     def widget(self):
+        """A step slider above :meth:`figure` of the selected step."""
         import ipywidgets as w
-        import matplotlib.pyplot as plt
-        from IPython.display import display
 
-        out = w.Output()
         slider = w.IntSlider(value=self.start, min=0, max=len(self.steps) - 1, description="step",
                              continuous_update=False)
-
-        def redraw(change=None) -> None:
-            with out:
-                out.clear_output(wait=True)
-                fig = self.figure(slider.value)
-                display(fig)
-                plt.close(fig)
-
-        slider.observe(redraw, names="value")
-        redraw()
-        return w.VBox([slider, out])
+        return figure_widget({"index": slider}, self.figure)

@@ -11,6 +11,7 @@ import numpy as np
 from kvlab.core.capacity import DTYPE_BYTES, CapacityPlan, GiB, plan_capacity
 from kvlab.core.catalog import GPUS, MODELS, get_gpu, get_model
 
+from ._widgets import figure_widget
 from .style import BLOCK_STATE_COLORS, INK, MUTED, PHASE_COLORS, REQUEST_PALETTE
 
 #: Colour of each memory use in :func:`capacity_figure` (taken from the book's palette).
@@ -100,8 +101,6 @@ def capacity_explorer(model: str = "Llama-3-8B", gpu: str = "H100-80GB SXM"):
     :func:`capacity_figure`, printing :meth:`CapacityPlan.summary` beneath it.
     """
     import ipywidgets as w
-    import matplotlib.pyplot as plt
-    from IPython.display import display
 
     controls = {
         "model": w.Dropdown(options=sorted(MODELS), value=model, description="model"),
@@ -116,25 +115,15 @@ def capacity_explorer(model: str = "Llama-3-8B", gpu: str = "H100-80GB SXM"):
         "reserve_gib": w.FloatSlider(value=2.0, min=0.0, max=16.0, step=0.5,
                                      description="reserve GiB"),
     }
-    out = w.Output()
 
-    def redraw(*_):
-        values = {k: c.value for k, c in controls.items()}
-        plan = plan_capacity(
-            get_model(values["model"]), get_gpu(values["gpu"]), kv_dtype=values["kv_dtype"],
-            context_len=values["context_len"], tp=values["tp"],
-            gpu_memory_utilization=values["gpu_memory_utilization"],
-            reserve_bytes=values["reserve_gib"] * GiB,
+    def plan(model, gpu, kv_dtype, context_len, tp, gpu_memory_utilization,
+             reserve_gib) -> CapacityPlan:
+        return plan_capacity(
+            get_model(model), get_gpu(gpu), kv_dtype=kv_dtype, context_len=context_len, tp=tp,
+            gpu_memory_utilization=gpu_memory_utilization, reserve_bytes=reserve_gib * GiB,
         )
-        with out:
-            out.clear_output(wait=True)
-            fig = capacity_figure(plan)
-            display(fig)
-            plt.close(fig)
-            print(plan.summary())
 
-    for control in controls.values():
-        control.observe(redraw, names="value")
-    redraw()
-    return w.VBox([w.HBox(list(controls.values())[:4]), w.HBox(list(controls.values())[4:]),
-                   out])
+    row = list(controls.values())
+    return figure_widget(controls, lambda **v: capacity_figure(plan(**v)),
+                         caption=lambda **v: plan(**v).summary(),
+                         header=[w.HBox(row[:4]), w.HBox(row[4:])])

@@ -12,6 +12,7 @@ The snapshot is read by attribute only (duck typing), so this module never impor
 
 from __future__ import annotations
 
+from ._widgets import figure_output
 from .style import (
     BLOCK_STATE_COLORS,
     BLOCK_STATE_LABELS,
@@ -148,7 +149,8 @@ class EngineStepper:
         self.figure_kwargs = figure_kwargs
         self.button = widgets.Button(description="step", icon="play")
         self.status = widgets.Label()
-        self.output = widgets.Output()
+        self.output, self._draw = figure_output(
+            lambda: engine_step_figure(self.engine.snapshot(), **self.figure_kwargs))
         self.button.on_click(lambda _: self.step())
         self.widget = widgets.VBox([widgets.HBox([self.button, self.status]), self.output])
         self._draw()
@@ -160,15 +162,6 @@ class EngineStepper:
         finished = [o.request_id for o in self.engine.step() if o.finished]
         self.status.value = f"finished: {', '.join(finished)}" if finished else ""
         self._draw()
-
-    def _draw(self) -> None:
-        import matplotlib.pyplot as plt
-
-        self.output.clear_output(wait=True)
-        with self.output:
-            fig = engine_step_figure(self.engine.snapshot(), **self.figure_kwargs)
-            plt.show(fig)
-            plt.close(fig)
 
     def display(self):
         from IPython.display import display

@@ -19,6 +19,7 @@ import numpy as np
 
 from kvlab.core.fragmentation import CATEGORIES, WasteReport
 
+from ._widgets import figure_output
 from .style import (
     BLOCK_STATE_COLORS,
     INK,
@@ -301,10 +302,8 @@ class BlockTableView:
     def widget(self):
         """The ipywidgets front end (buttons + figure)."""
         import ipywidgets as w
-        import matplotlib.pyplot as plt
-        from IPython.display import display
 
-        out = w.Output()
+        out, show = figure_output(self.figure)
         who = w.Dropdown(options=[], description="request")
         tokens = w.BoundedIntText(value=5, min=1, max=self.num_blocks * self.block_size,
                                   description="tokens")
@@ -316,11 +315,7 @@ class BlockTableView:
             who.options = list(self.tables)
             message.value = note or (f"{len(self.allocator.free)} of {self.num_blocks} "
                                      "blocks free")
-            with out:
-                out.clear_output(wait=True)
-                fig = self.figure()
-                display(fig)
-                plt.close(fig)
+            show()
 
         def act(name):
             def handler(_):

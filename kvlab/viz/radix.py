@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 
 from kvlab.core.radix import RadixSnapshot
 
+from ._widgets import figure_widget
 from .style import BLOCK_STATE_COLORS, INK, MUTED
 
 
@@ -151,20 +152,8 @@ class RadixView:
                             title=f"{label}: {tokens} cached tokens in {len(blocks)} blocks")
 
     def widget(self):
+        """A dropdown of the lookups above :meth:`figure` of the chosen one."""
         import ipywidgets as w
-        import matplotlib.pyplot as plt
-        from IPython.display import display
 
-        out = w.Output()
         pick = w.Dropdown(options=list(self.lookups), value=self.start, description="lookup")
-
-        def redraw(change=None) -> None:
-            with out:
-                out.clear_output(wait=True)
-                fig = self.figure(pick.value)
-                display(fig)
-                plt.close(fig)
-
-        pick.observe(redraw, names="value")
-        redraw()
-        return w.VBox([pick, out])
+        return figure_widget({"label": pick}, self.figure)

@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from ._widgets import figure_output
 from .style import INK, MUTED, PHASE_COLORS, request_color
 
 
@@ -157,7 +158,8 @@ class BatchTimeline:
         self.slider = widgets.IntSlider(value=min(width, len(steps)) - 1, min=0,
                                         max=len(steps) - 1, description="step index",
                                         continuous_update=False)
-        self.out = widgets.Output()
+        self.out, self._redraw = figure_output(
+            self.figure, lambda: describe_step(self.steps[self.slider.value], self.budget))
         self.slider.observe(lambda change: self.draw(), names="value")
         self.widget = widgets.VBox([self.slider, self.out])
         self.draw()
@@ -171,12 +173,8 @@ class BatchTimeline:
                                      highlight=i, title=self.title)
 
     def draw(self) -> None:
-        self.out.clear_output(wait=True)
-        with self.out:
-            fig = self.figure()
-            plt.show()
-            plt.close(fig)
-            print(describe_step(self.steps[self.slider.value], self.budget))
+        """Redraw the output: the figure at the slider's step, that step described beneath."""
+        self._redraw()
 
     def _ipython_display_(self) -> None:  # pragma: no cover - notebook only
         from IPython.display import display
@@ -359,7 +357,7 @@ class RecoveryExplorer:
         self.slider = widgets.IntSlider(value=start if start is not None else num_events // 2,
                                         min=0, max=num_events - 1, description="crash at",
                                         continuous_update=False)
-        self.out = widgets.Output()
+        self.out, self._redraw = figure_output(lambda: recovery_figure(self.snapshot()))
         self.slider.observe(lambda change: self.draw(), names="value")
         self.widget = widgets.VBox([self.slider, self.out])
         self.draw()
@@ -374,11 +372,8 @@ class RecoveryExplorer:
         return recovery_snapshot(k, events, held, report)
 
     def draw(self) -> None:
-        self.out.clear_output(wait=True)
-        with self.out:
-            fig = recovery_figure(self.snapshot())
-            plt.show()
-            plt.close(fig)
+        """Redraw the output: the recovery decisions at the slider's crash point."""
+        self._redraw()
 
     def _ipython_display_(self) -> None:  # pragma: no cover - notebook only
         from IPython.display import display
