@@ -17,12 +17,12 @@ Run: ``python benchmarks/bench_allocator.py``. Writes ``benchmarks/results/alloc
 
 from __future__ import annotations
 
-import json
 import platform
 import random
 import time
 from collections import deque
-from pathlib import Path
+
+from _results import write_results
 
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.blocks import BlockAllocator
@@ -164,10 +164,7 @@ def main() -> dict:
         "trace": {"caching_on": on, "caching_off": off, "prefill_saved_fraction": saved},
         "primitives": prim,
     }
-    out = Path(__file__).parent / "results" / "allocator.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results("allocator", result)
     return result
 
 

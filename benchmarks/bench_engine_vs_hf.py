@@ -40,13 +40,13 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from _results import write_results  # noqa: E402
+
 from kvlab.engine.checkpoint import resolve_model_path  # noqa: E402
 from kvlab.engine.llm import LLM  # noqa: E402
 from kvlab.engine.llm_engine import EngineStats  # noqa: E402
 from kvlab.engine.params import SamplingParams  # noqa: E402
 from kvlab.engine.tokenizer import load_tokenizer  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results" / "engine_vs_hf.json"
 
 
 # --------------------------------------------------------------------------- workload
@@ -351,9 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["transformers"] = transformers.__version__
     except ImportError:  # pragma: no cover
         pass
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS.relative_to(REPO)}")
+    write_results("engine_vs_hf", result)
     return result
 
 

@@ -13,13 +13,12 @@ Run: ``python benchmarks/bench_fragmentation.py``. Writes
 
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
+from _results import write_results
 
 from kvlab.core.fragmentation import compare_policies, sharegpt_like_workload
 from kvlab.core.paging import physical_slot, slot_mapping
@@ -94,14 +93,12 @@ def main() -> None:
     rows = memory_part()
     print_memory(rows)
     mapping = slot_mapping_part()
-    out = Path(__file__).resolve().parent / "results" / "fragmentation.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    print()
+    write_results("fragmentation", {
         "arena_tokens": ARENA_TOKENS, "num_requests": NUM_REQUESTS, "seeds": list(SEEDS),
         "memory": rows, "slot_mapping": mapping,
         "machine": {"python": platform.python_version(), "processor": platform.machine()},
-    }, indent=1))
-    print(f"\nwrote {out}")
+    })
 
 
 if __name__ == "__main__":

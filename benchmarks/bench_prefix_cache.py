@@ -15,11 +15,11 @@ Run: ``python benchmarks/bench_prefix_cache.py``. Writes ``benchmarks/results/pr
 
 from __future__ import annotations
 
-import json
 import platform
 import random
 import time
-from pathlib import Path
+
+from _results import write_results
 
 from kvlab.core.prefix import PrefixCache
 from kvlab.core.radix import RadixCache
@@ -120,10 +120,7 @@ def main() -> dict:
         "linear_cost_growth": growth_lin,
         "radix_cost_growth": growth_rad,
     }
-    out = Path(__file__).parent / "results" / "prefix_cache.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results("prefix_cache", result)
     return result
 
 

@@ -20,11 +20,11 @@ writes benchmarks/results/scheduler.json. Runs in well under 2 minutes on 2 core
 
 from __future__ import annotations
 
-import json
 import platform
 import random
 import time
-from pathlib import Path
+
+from _results import write_results
 
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
@@ -123,10 +123,7 @@ def main() -> dict:
     print(f"model step: Llama-3-8B bf16 on H100-80GB SXM, one decode token per running request "
           f"at context {CONTEXT_FOR_SCALE}, roofline + 0.5 ms overhead (kvlab.sim.costmodel)")
     result = {"python": platform.python_version(), "machine": platform.machine(), "rows": rows}
-    out = Path(__file__).parent / "results" / "scheduler.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results("scheduler", result)
     return result
 
 
