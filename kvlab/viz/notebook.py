@@ -12,6 +12,9 @@ from .style import use_style
 def setup_notebook(seed: int = 0, torch_threads: int = 1) -> None:
     """Seed Python, NumPy and torch; fix torch's CPU thread count; use the book's figure style.
 
+    String hashing cannot be seeded from inside a running kernel (``PYTHONHASHSEED`` is read at
+    interpreter start), so chapters never print anything whose order depends on ``hash(str)``.
+
     Called in the first code cell of every chapter so that outputs are reproducible and
     figures look the same in JupyterLab, under nbval and on the site. The book's models are
     tiny: their matmuls gain nothing from several threads, and on a shared CPU extra threads
@@ -20,7 +23,6 @@ def setup_notebook(seed: int = 0, torch_threads: int = 1) -> None:
     when torch starts) and its seed is set by whoever imports it (kvlab seeds per request).
     """
     random.seed(seed)
-    os.environ.setdefault("PYTHONHASHSEED", str(seed))
     try:
         import numpy as np
 
