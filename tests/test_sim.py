@@ -94,8 +94,11 @@ def test_workload_generators():
     s1 = RequestSpec("x", 0.0, 10, 3, prefix_group=1)
     s2 = RequestSpec("y", 0.0, 12, 3, prefix_group=1)
     r1, r2 = to_request(s1, shared_prefix=6), to_request(s2, shared_prefix=6)
-    assert r1.prompt_token_ids[:6] == r2.prompt_token_ids[:6]
-    assert r1.prompt_token_ids[6:] != r2.prompt_token_ids[6:8]
+    assert len(r1.prompt_token_ids) == 10 and len(r2.prompt_token_ids) == 12
+    assert r1.prompt_token_ids[:6] == r2.prompt_token_ids[:6]        # the group's prefix
+    assert r1.prompt_token_ids[6:10] != r2.prompt_token_ids[6:10]    # private suffixes differ
+    lone = to_request(RequestSpec("x", 0.0, 10, 3), shared_prefix=6)  # no group: no sharing
+    assert lone.prompt_token_ids[:6] != r1.prompt_token_ids[:6]
     assert r1.max_tokens == 3 and r1.ignore_eos
 
 
