@@ -268,12 +268,26 @@ def test_capacity_figure_when_weights_do_not_fit():
     plt.close(fig)
 
 
-def test_capacity_explorer_builds():
+def test_capacity_explorer_replans_on_change(capsys):
+    """Headless, the widget's output area prints to stdout: one figure + plan summary per draw."""
     viz = _figure_module()
     box = viz.capacity_explorer()
     assert len(box.children) == 3
-    tp = box.children[1].children[0]
-    tp.value = 8                                     # triggers a re-plan without error
+    model, tp = box.children[0].children[0], box.children[1].children[0]
+    capsys.readouterr()
+    model.value = "Llama-3-70B"                      # does not fit one H100: a re-plan
+    tp.value = 8                                     # ... and another, sharded 8 ways
+    captions = capsys.readouterr().out.split("Figure(")[1:]
+    assert len(captions) == 2
+    assert "TP=1" in captions[0] and "does not fit" in captions[0]
+    plan = plan_capacity(LLAMA70, H100, context_len=8192, tp=8, gpu_memory_utilization=0.9,
+                         reserve_bytes=2 * GiB)
+    assert plan.kv_heads_per_rank == 1               # 8 KV heads over 8 ranks
+    assert plan.num_blocks == 79_672
+    shown = captions[1]
+    assert "Llama-3-70B on H100-80GB SXM (TP=8)" in shown
+    assert "(1 KV heads/rank)" in shown and "79,672 blocks" in shown
+    assert shown.rstrip().endswith(plan.summary().rstrip())
 
 
 # --- exercises -----------------------------------------------------------------------------
