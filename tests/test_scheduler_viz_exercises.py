@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import pytest
+from matplotlib.colors import to_rgba
 
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.lifecycle import RUNNING_STATUSES
@@ -13,6 +14,7 @@ from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest
 from kvlab.exercises import ch05, ch06
 from kvlab.exercises._common import NotYetAnswered, try_check
 from kvlab.sim.tokens import drive
+from kvlab.viz.style import BLOCK_STATE_COLORS, request_color
 from kvlab.viz.timeline import (
     BatchTimeline,
     TimelineStep,
@@ -38,9 +40,33 @@ def test_timeline_records_and_figure():
     assert all(s.num_tokens <= 12 for s in steps)
     assert any(s.preempted for s in steps) and any(s.finished for s in steps)
     fig = batch_timeline_figure(steps, 12, start=2, end=10, highlight=3, title="t")
-    ax = fig.axes[0]
-    heights = sum(p.get_height() for p in ax.patches if hasattr(p, "get_height"))
-    assert heights >= sum(s.num_tokens for s in steps[2:10])
+    (ax,) = fig.axes
+    window = steps[2:10]
+    # one bar segment per chunk, stacked in chunk order, coloured by first appearance of the
+    # request over all steps, hatched iff prefill
+    order = ["r0", "r1", "r2", "long"]
+    bars = [c.patches[0] for c in ax.containers]
+    got = [(round(b.get_x() + b.get_width() / 2), b.get_y(), b.get_height(),
+            b.get_hatch() == "///", to_rgba(b.get_facecolor())) for b in bars]
+    expected, totals = [], []
+    for x, s in enumerate(window):
+        bottom = 0
+        for rid, n, prefill in s.chunks:
+            expected.append((x, bottom, n, prefill, to_rgba(request_color(rid, order))))
+            bottom += n
+        totals.append(bottom)
+    assert got == expected
+    assert totals == [10, 12, 3, 3, 3, 10, 10, 9]    # steps 3..10 of small_run
+    # the highlighted step (index 3 = window position 1) is the one shaded span
+    (span,) = [p for p in ax.patches if p not in bars]
+    assert (span.get_x(), span.get_x() + span.get_width()) == pytest.approx((0.5, 1.5))
+    # event markers: admitted (row 0), preempted (row 1), finished (row 2) above the bars
+    top = 12
+    marks = sorted((round(x), round((y - top * 1.08) / (top * 0.07)))
+                   for coll in ax.collections for x, y in coll.get_offsets())
+    assert marks == [(1, 0), (2, 1), (4, 2), (5, 0), (6, 2)]  # steps 4, 5, 7, 8, 9
+    assert [t.get_text() for t in ax.get_xticklabels()] == [str(s.step) for s in window]
+    assert ax.get_title() == "t" and ax.get_xlabel() == "step"
     plt.close(fig)
     text = describe_step(steps[0], 12)
     assert text.startswith(f"step 1: {steps[0].num_tokens}/12 tokens")
@@ -101,7 +127,7 @@ def test_ch06_checks():
 
 def test_recovery_figure_and_explorer():
     from kvlab.core.scheduler import ProductionScheduler
-    from kvlab.viz.timeline import RecoveryExplorer, event_text, recovery_figure
+    from kvlab.viz.timeline import RecoveryExplorer, RecoveryRow, event_text, recovery_figure
 
     def make(kv, log):
         return ProductionScheduler(kv, ch05.CONFIG, log=log)
@@ -112,8 +138,34 @@ def test_recovery_figure_and_explorer():
     assert rows["q3"].decision == "free orphan" and rows["q3"].held_kv
     assert rows["q3"].logged_status == "finished"
     assert snap.tail[-1].endswith("transition decode -> finished (length)")
+    assert snap.rows == (
+        RecoveryRow("q0", "decode", True, "resume"),
+        RecoveryRow("q1", "cancelled", False, "nothing"),
+        RecoveryRow("q2", "decode", True, "resume"),
+        RecoveryRow("q3", "finished", True, "free orphan"),
+    )
     fig = recovery_figure(snap)
-    assert fig.axes
+    (ax,) = fig.axes
+    # one row per request, top to bottom: id, logged status, KV held, decision
+    cells: dict[float, list[str]] = {}
+    for t in sorted(ax.texts, key=lambda t: t.get_position()[0]):
+        x, y = t.get_position()
+        if x < 6:
+            cells.setdefault(round(y, 6), []).append(t.get_text())
+    header = round(len(snap.rows) - 0.1, 6)
+    assert cells == {
+        3: ["q0", "decode", "table", "resume"],
+        2: ["q1", "cancelled", "none", "nothing"],
+        1: ["q2", "decode", "table", "resume"],
+        0: ["q3", "finished", "table", "free orphan"],
+        header: ["status in the log", "KV at the crash", "recovery"],
+    }
+    log = [t.get_text() for t in ax.texts if t.get_position()[0] > 6]
+    assert log == ["durable log, crash before event 41:", *snap.tail]
+    # the status box is filled (may hold KV) exactly for running statuses
+    status_boxes = sorted((p for p in ax.patches if p.get_x() == 1.0), key=lambda p: -p.get_y())
+    assert [to_rgba(p.get_facecolor()) == to_rgba(BLOCK_STATE_COLORS["exclusive"])
+            for p in status_boxes] == [True, False, True, False]
     plt.close(fig)
     events, _ = ch05.crash_scenario(5)
     assert event_text(events[-1]).endswith("acquired admit, 0 tokens already computed")
