@@ -22,6 +22,7 @@ from kvlab.sim.tokens import drive, hash_token
 
 S = RequestStatus
 SHARED = tuple(range(500, 532))
+VOCAB = 1000  # the fake model's vocabulary (hash_token's default)
 
 
 @st.composite
@@ -31,12 +32,20 @@ def workloads(draw):
     for i in range(n):
         head = SHARED[: draw(st.sampled_from([0, 4, 8, 16]))]
         tail = tuple(draw(st.lists(st.integers(1, 400), min_size=1, max_size=20)))
+        max_tokens = draw(st.integers(1, 10))
+        # stop / eos tokens: often ones the request will generate (so the STOP path is taken),
+        # sometimes arbitrary ones (usually never generated)
+        cont = greedy(head + tail, max_tokens)
+        token = st.one_of(st.sampled_from(cont), st.integers(0, VOCAB - 1))
         reqs.append((
             draw(st.integers(1, 15)),                          # arrival step
-            RuntimeRequest(f"r{i}", head + tail, max_tokens=draw(st.integers(1, 10)),
+            RuntimeRequest(f"r{i}", head + tail, max_tokens=max_tokens,
                            priority=draw(st.integers(0, 2)),
                            deadline=draw(st.one_of(st.none(), st.floats(0, 50))),
-                           max_model_len=draw(st.one_of(st.none(), st.integers(8, 40)))),
+                           max_model_len=draw(st.one_of(st.none(), st.integers(8, 40))),
+                           stop_token_ids=frozenset(draw(st.lists(token, max_size=2))),
+                           eos_token_id=draw(st.one_of(st.none(), token)),
+                           ignore_eos=draw(st.booleans())),
         ))
     aborts = draw(st.lists(st.tuples(st.integers(1, 30), st.integers(0, n - 1)), max_size=3))
     seqs = draw(st.integers(1, 6))
@@ -53,13 +62,25 @@ def workloads(draw):
     return reqs, aborts, cfg, kv
 
 
-def greedy(prompt, n, eos=None):
+def greedy(prompt, n):
+    """The fake model's uninterrupted continuation: ``n`` tokens, EOS not avoided."""
     tokens, out = list(prompt), []
     for _ in range(n):
-        t = hash_token(tokens, avoid=eos)
+        t = hash_token(tokens, VOCAB)
         out.append(t)
         tokens.append(t)
     return out
+
+
+def model_tokens(request):
+    """Token source for drive(): like greedy(), so it can emit the request's EOS."""
+    return hash_token(request.all_token_ids, VOCAB)
+
+
+def stops_at(r, token):
+    """Does generating ``token`` end ``r`` with STOP?"""
+    return token in r.stop_token_ids or (
+        r.eos_token_id is not None and token == r.eos_token_id and not r.ignore_eos)
 
 
 def run(cls, reqs, aborts, cfg, kvspec):
@@ -70,7 +91,9 @@ def run(cls, reqs, aborts, cfg, kvspec):
     for step, r in reqs:
         arrivals.setdefault(step, []).append(RuntimeRequest(
             r.request_id, r.prompt_token_ids, r.max_tokens, priority=r.priority,
-            deadline=r.deadline, max_model_len=r.max_model_len))
+            deadline=r.deadline, max_model_len=r.max_model_len,
+            stop_token_ids=r.stop_token_ids, eos_token_id=r.eos_token_id,
+            ignore_eos=r.ignore_eos))
     for step, i in aborts:
         abort_at.setdefault(step, []).append(reqs[i][1].request_id)
     seen_outputs: dict[str, int] = {}
@@ -96,7 +119,8 @@ def run(cls, reqs, aborts, cfg, kvspec):
             seen_computed[rid] = r.num_computed_tokens
         waiting_after.append(list(sched.waiting))
 
-    drive(sched, arrivals=arrivals, aborts=abort_at, check=True, on_step=on_step, max_steps=3000)
+    drive(sched, model_tokens, arrivals=arrivals, aborts=abort_at, check=True, on_step=on_step,
+          max_steps=3000)
     assert not kv.requests() and kv.num_allocatable_blocks() == num_blocks
     return sched, waiting_after
 
@@ -109,12 +133,18 @@ def test_schedulers_keep_every_invariant(workload, cls):
     for r in sched.requests():
         assert r.status.is_terminal and r.finish_reason is not None
         want = greedy(r.prompt_token_ids, r.max_tokens)
+        out = r.output_token_ids
+        # no token before the last one is a stop token: generating one ends the request at once
+        assert not any(stops_at(r, t) for t in out[:-1])
         if r.status == S.FINISHED:
-            assert r.finish_reason == FinishReason.LENGTH
-            assert r.output_token_ids == want[: len(r.output_token_ids)]
-            assert len(r.output_token_ids) == r.max_tokens or r.num_tokens == r.max_model_len
+            assert out == want[: len(out)] and out
+            # STOP iff the last token stops it (a stop id, or the EOS unless ignore_eos) ...
+            assert (r.finish_reason == FinishReason.STOP) == stops_at(r, out[-1])
+            if r.finish_reason == FinishReason.LENGTH:  # ... else the length limits ended it
+                assert len(out) == r.max_tokens or r.num_tokens == r.max_model_len
         elif r.status == S.CANCELLED:
-            assert r.output_token_ids == want[: len(r.output_token_ids)]
+            assert out == want[: len(out)]
+            assert not (out and stops_at(r, out[-1])), "a stopped request cannot be cancelled"
         else:
             assert r.status == S.REJECTED and r.status_message and not r.output_token_ids
 
