@@ -83,6 +83,12 @@ class KVSnapshot:
 class KVCacheManager:
     """Block tables for requests; see the module docstring and CONTRACTS.md §1."""
 
+    #: Shortcuts on the decode path: O(1) tests for calls that would change nothing (:meth:`grow`
+    #: with room and no copy-on-write, :meth:`needs_commit`) and :meth:`commit` inserting only
+    #: the new blocks below the request's locked node. Observable behaviour is the same either
+    #: way; tests switch them off on one instance to compare it with the general path.
+    fast_paths: bool = True
+
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -230,6 +236,10 @@ class KVCacheManager:
         if not (isinstance(write_from, int) and isinstance(num_tokens, int)
                 and 0 <= write_from <= num_tokens):
             raise ValueError(f"need 0 <= write_from <= num_tokens, got {write_from}, {num_tokens}")
+        # fast path (most decode steps): nothing to allocate or copy, so the general path
+        # below would change nothing and return [] as well
+        if self.fast_paths and self._grow_is_noop(table, num_tokens, write_from):
+            return []
         extra = max(0, self.blocks_for(num_tokens) - len(table))
         targets = self._cow_targets(table, num_tokens, write_from)
         if extra + len(targets) > self.pool.num_allocatable():
@@ -272,7 +282,15 @@ class KVCacheManager:
         full = next((i for i in range(done, full) if self.pool.is_fenced(table[i])), full)
         if full <= done:
             return
-        result = cache.insert(self._scopes[request_id], token_ids, table[:full])
+        start = self._locks[request_id]
+        if self.fast_paths and start is not None and start.depth == done:
+            # fast path: the locked node spells the first `done` blocks (admit, commit and fork
+            # keep it so), so inserting only the new blocks below it gives the same tree
+            bs = self.block_size
+            result = cache.insert(self._scopes[request_id], token_ids[done * bs:full * bs],
+                                  table[done:full], below=start)
+        else:
+            result = cache.insert(self._scopes[request_id], token_ids, table[:full])
         # give the cache its reference on every newly indexed block, then move the lock down
         self.pool.share(list(result.new_blocks), CACHE_OWNER)
         cache.lock(result.node)
@@ -281,6 +299,18 @@ class KVCacheManager:
             cache.unlock(old)
         self._locks[request_id] = result.node
         self._committed[request_id] = full
+
+    def needs_commit(self, request_id: str, num_tokens: int) -> bool:
+        """Whether :meth:`commit` of the request's first ``num_tokens`` tokens may cache anything.
+
+        False when caching is off, or (fast path) when no block became full since the request's
+        last commit: :meth:`commit` would then return without changing anything, so the caller
+        can skip it and the building of its token list. KeyError for an unknown id.
+        """
+        if self.prefix_cache is None:
+            return False
+        self._table(request_id)
+        return not self.fast_paths or num_tokens // self.block_size > self._committed[request_id]
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child's table shares every block of the parent's (refcount +1 each)."""
@@ -370,6 +400,22 @@ class KVCacheManager:
             return self._tables[request_id]
         except KeyError:
             raise KeyError(f"unknown request {request_id!r}") from None
+
+    def _grow_is_noop(self, table: list[int], num_tokens: int, write_from: int) -> bool:
+        """O(1) test for the common decode step: :meth:`grow` would allocate and copy nothing.
+
+        True when the table already holds ``num_tokens`` slots and the positions to write lie
+        in one block that the request holds alone (or there is nothing to write). False means
+        "maybe not": the general path decides.
+        """
+        bs = self.block_size
+        if num_tokens > len(table) * bs:
+            return False
+        if write_from == num_tokens:
+            return True
+        first = write_from // bs
+        # table entries are valid block ids: read the count without refcount()'s argument check
+        return first == (num_tokens - 1) // bs and self.pool._refcount[table[first]] == 1
 
     def _cow_targets(self, table: list[int], num_tokens: int, write_from: int) -> list[int]:
         """Logical blocks of ``table`` covering ``[write_from, num_tokens)`` that are shared."""

@@ -281,7 +281,7 @@ class RadixCache:
 
     # ================================================================== engine face: mutations
     def insert(self, scope: CacheScope | tuple, token_ids: Sequence[int],
-               blocks: Sequence[int]) -> InsertResult:
+               blocks: Sequence[int], *, below: _Node | None = None) -> InsertResult:
         """Index ``blocks[i]`` as the KV of ``token_ids[i*bs:(i+1)*bs]`` under the preceding path.
 
         Positions whose path already exists keep the existing block (first writer wins; the
@@ -290,8 +290,16 @@ class RadixCache:
         them. ValueError (cache unchanged) if ``token_ids`` is shorter than ``len(blocks)``
         blocks, a block id repeats, or a newly indexed block is already indexed elsewhere.
         The path is stamped most recently used.
+
+        ``below``: a live node of ``scope`` (a handle from match/insert) whose path spells the
+        tokens that precede ``token_ids``. The blocks are indexed under it, with the same result
+        as inserting the whole path from the root, without walking that prefix again.
         """
         key = scope_key(scope)
+        if below is not None:
+            self._check_alive(below)
+            if below.scope != key:
+                raise ValueError("insert(below=...): the node belongs to another scope")
         bs = self.block_size
         blocks = list(blocks)
         if len(token_ids) < len(blocks) * bs:
@@ -305,7 +313,7 @@ class RadixCache:
             raise ValueError("one block table cannot contain duplicate blocks")
         chunks = [tuple(token_ids[i * bs:(i + 1) * bs]) for i in range(len(blocks))]
         # dry run: how far does the path exist already?
-        root = self._roots.get(key)
+        root = below if below is not None else self._roots.get(key)
         node, existing = root, 0
         if root is not None:
             for chunk in chunks:

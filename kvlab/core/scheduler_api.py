@@ -98,6 +98,19 @@ class RuntimeRequest:
     def all_token_ids(self) -> tuple[int, ...]:
         return self.prompt_token_ids + tuple(self.output_token_ids)
 
+    def token_slice(self, start: int, end: int) -> tuple[int, ...]:
+        """``all_token_ids[start:end]`` for ``0 <= start <= end``, in O(end - start): the hot
+        paths use it instead of rebuilding the whole prompt + output tuple every step."""
+        if not 0 <= start <= end:
+            raise ValueError(f"token_slice needs 0 <= start <= end, got {start}, {end}")
+        prompt = self.prompt_token_ids
+        p = len(prompt)
+        if end <= p:
+            return prompt[start:end]
+        if start >= p:
+            return tuple(self.output_token_ids[start - p:end - p])
+        return prompt[start:] + tuple(self.output_token_ids[:end - p])
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -261,9 +261,9 @@ class SchedulerBase:
             self._apply_token(child, sampled[child_id])
             touched.append(child)
         for request in touched:
-            if self.kv.prefix_cache is not None:
-                self.kv.commit(request.request_id,
-                               request.all_token_ids[:request.num_computed_tokens])
+            rid, computed = request.request_id, request.num_computed_tokens
+            if self.kv.needs_commit(rid, computed):  # False: commit would change nothing
+                self.kv.commit(rid, request.token_slice(0, computed))
             reason = self._stop_reason(request)
             if reason is not None:
                 self.lifecycle.finish(request, reason)
@@ -493,7 +493,7 @@ class SchedulerBase:
         end = start + n
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=request.token_slice(start, end),
             start_pos=start,
             block_table=tuple(self.kv.block_table(request.request_id)),
             sample=end == request.num_tokens,
@@ -564,8 +564,9 @@ class _StepPlan:
     def add_chunk(self, chunk: ScheduledChunk) -> None:
         if chunk.request_id in self.scheduled:
             raise AssertionError(f"{chunk.request_id} scheduled twice in one step")
-        if chunk.num_tokens <= 0 or chunk.num_tokens > self.tokens_left or self.seqs_left <= 0:
+        n = chunk.num_tokens
+        if n <= 0 or n > self.tokens_left or self.seqs_left <= 0:
             raise AssertionError("a chunk would break the step's budgets")
         self.chunks.append(chunk)
-        self.used += chunk.num_tokens
+        self.used += n
         self.scheduled.add(chunk.request_id)
