@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlab.core.kv_manager import KVCacheManager
 
@@ -303,3 +305,85 @@ def test_core_memory_modules_do_not_import_torch():
     code = ("import sys, kvlab.core.kv_manager, kvlab.core.invariants, kvlab.core.radix, "
             "kvlab.core.scope; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fork_before_commit_keeps_the_childs_shared_blocks_locked():
+    """A child forked before the parent cached its full blocks shares them; when the parent
+    caches them and finishes, the child's lock must cover them (else they are evictable while
+    in use, and eviction would hit a block the child still reads)."""
+    kv = KVCacheManager(25, 2)
+    tokens = list(range(100, 120))
+    kv.admit("r0", (), tokens[:10], 10)
+    kv.fork("r0", "r1")
+    kv.grow("r0", 11, 10)
+    kv.commit("r0", tokens[:11])
+    kv.check_invariants()
+    kv.free("r0")
+    kv.check_invariants()
+    shared = kv.block_table("r1")
+    assert kv.locked_node("r1").depth == 5
+    assert all(not kv.prefix_cache.is_evictable(b) for b in shared)
+    # memory pressure evicts only the parent's unshared cached block, never the child's
+    kv.admit("x", ("other",), list(range(38)), 38)
+    kv.check_invariants()
+    assert kv.block_table("r1") == shared
+    assert all(kv.prefix_cache.node_of(b) is not None for b in shared)
+    # the child then commits and finishes like any request: its blocks stay cached, evictable
+    kv.free("x")
+    kv.grow("r1", 11, 10)
+    kv.commit("r1", [*tokens[:10], 7])
+    kv.check_invariants()
+    kv.free("r1")
+    kv.check_invariants()
+    assert kv.snapshot().free_blocks + kv.snapshot().evictable_blocks == 25
+
+
+def _fork_before_commit(bs: int, prompt_len: int, children: int, commit_order: list[int],
+                        free_order: list[int]) -> None:
+    """Fork ``children`` samples of a request before anyone caches its full blocks, each sample
+    writes its own next token, then they commit and free in the given orders. After every call
+    the invariants hold, and memory pressure (a big admission) never evicts a block in use."""
+    num_blocks = (children + 1) * (prompt_len // bs + 2) + 4
+    kv = KVCacheManager(num_blocks, bs)
+    prompt = list(range(1, prompt_len + 1))
+    ids = [f"r{i}" for i in range(children + 1)]
+    kv.admit(ids[0], (), prompt, prompt_len)
+    for rid in ids[1:]:
+        kv.fork(ids[0], rid)
+        kv.check_invariants()
+    for rid in ids:
+        kv.complete_copies(kv.grow(rid, prompt_len + 1, prompt_len))
+        kv.check_invariants()
+    for i in commit_order:
+        kv.commit(ids[i], [*prompt, 100 + i])
+        kv.check_invariants()
+    for i in free_order:
+        tables = {r: kv.block_table(r) for r in ids if kv.has(r) and r != ids[i]}
+        kv.free(ids[i])
+        kv.check_invariants()
+        spare = kv.num_allocatable_blocks()
+        if spare:  # evict everything evictable; the live requests keep their blocks
+            kv.admit("pressure", ("other",), list(range(spare * bs)), spare * bs)
+            kv.check_invariants()
+            assert {r: kv.block_table(r) for r in tables} == tables
+            kv.free("pressure")
+            kv.check_invariants()
+    assert kv.num_allocatable_blocks() == num_blocks
+
+
+@settings(max_examples=150, deadline=None)
+@given(bs=st.sampled_from([1, 2, 4]), prompt_len=st.integers(1, 12), data=st.data())
+def test_fork_before_commit_any_order(bs, prompt_len, data):
+    children = data.draw(st.integers(1, 3))
+    order = list(range(children + 1))
+    commit_order = data.draw(st.permutations(order))
+    commit_order = commit_order[:data.draw(st.integers(1, children + 1))]
+    free_order = data.draw(st.permutations(order))
+    _fork_before_commit(bs, prompt_len, children, commit_order, free_order)
+
+
+def test_fork_before_commit_check_is_not_vacuous(monkeypatch):
+    """Without extending the sharers' locks at commit the scenario breaks an invariant."""
+    monkeypatch.setattr(KVCacheManager, "_lock_for_sharers", lambda self, rid, blocks: None)
+    with pytest.raises(AssertionError, match=r"cached on an unlocked \(evictable\) node"):
+        _fork_before_commit(2, 10, 1, [0], [0, 1])

@@ -253,6 +253,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.work: dict[str, tuple[list, int, int]] = {}  # rid -> (copies, write_from, end)
         self.orphan_copies: list[tuple[int, int]] = []
         self.preempted: list[tuple[str, tuple, list[int]]] = []
+        self.uncommitted: set[str] = set()  # written but not yet committed to the cache
         self.next_id = 0
 
     def _rid(self) -> str:
@@ -327,7 +328,17 @@ class ManagerMachine(RuleBasedStateMachine):
         for pos, slot in zip(range(start, end), self.kv.slot_mapping(rid, start, end), strict=True):
             self.payload[slot] = self.tokens[rid][pos]
         self.computed[rid] = end
-        self.kv.commit(rid, self.tokens[rid][:end])
+        if data.draw(st.booleans(), label="commit now"):
+            self.kv.commit(rid, self.tokens[rid][:end])
+        else:  # commit later: a fork can happen in between (the parent's blocks not cached yet)
+            self.uncommitted.add(rid)
+
+    @precondition(lambda self: self.kv is not None and self._late())
+    @rule(data=st.data())
+    def commit_late(self, data):
+        rid = data.draw(st.sampled_from(self._late()))
+        self.uncommitted.discard(rid)
+        self.kv.commit(rid, self.tokens[rid][:self.computed[rid]])
 
     def _copy(self, copies):
         bs = self.bs
@@ -342,12 +353,26 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.kv is not None and self._idle())
     @rule(data=st.data())
     def fork(self, data):
-        parent = data.draw(st.sampled_from(self._idle()))
+        self._fork(data.draw(st.sampled_from(self._idle())))
+
+    def _late(self) -> list[str]:
+        return sorted(r for r in self.uncommitted if r in self.tokens and r not in self.work)
+
+    @precondition(lambda self: self.kv is not None and self._late())
+    @rule(data=st.data())
+    def fork_before_commit(self, data):
+        """Fork a request whose written full blocks are not cached yet (they are shared
+        uncached; the later commit must lock them for the child too)."""
+        self._fork(data.draw(st.sampled_from(self._late())))
+
+    def _fork(self, parent: str) -> None:
         child = self._rid()
         self.kv.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])
         self.computed[child] = self.computed[parent]
         self.scope[child] = self.scope[parent]
+        if parent in self.uncommitted:
+            self.uncommitted.add(child)
 
     @precondition(lambda self: self.kv is not None and self.tokens)
     @rule(data=st.data(), preempt=st.booleans())
@@ -360,6 +385,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.kv.free(rid) is False
         tokens = self.tokens.pop(rid)
         del self.computed[rid]
+        self.uncommitted.discard(rid)
         scope = self.scope.pop(rid)
         if preempt:
             self.preempted.append((rid, scope, tokens))
@@ -406,17 +432,18 @@ TestManager.settings = settings(SETTINGS, max_examples=120, stateful_step_count=
 
 # mutation tests: no shrinking (it only has to fail), first failure only; derandomized, so the
 # example sequence (and therefore which check fires first) is the same on every run
-MUTANT_SETTINGS = settings(SETTINGS, max_examples=300, database=None, phases=[Phase.generate],
+MUTANT_SETTINGS = settings(SETTINGS, max_examples=1000, database=None, phases=[Phase.generate],
                            report_multiple_bugs=False, derandomize=True)
 
 
 def test_manager_machine_catches_a_missing_copy_on_write(monkeypatch):
     """The machine is not vacuous: a manager that forgets copy-on-write is caught. Without the
     copy a request keeps writing into a block the prefix cache holds for another path, so the
-    request ends up using a cached block that its own locked path does not cover."""
+    request ends up using a cached block that its own locked path does not cover (or, first,
+    reads KV that another request overwrote)."""
     monkeypatch.setattr(KVCacheManager, "_cow_targets", lambda self, table, n, w: [])
     with pytest.raises(AssertionError, match=r"block \d+ of '\w+' is cached on an unlocked "
-                                             r"\(evictable\) node"):
+                                             r"\(evictable\) node|reads wrong KV"):
         run_state_machine_as_test(ManagerMachine, settings=MUTANT_SETTINGS)
 
 
@@ -426,3 +453,4 @@ def test_manager_machine_catches_a_cache_that_never_locks(monkeypatch):
     monkeypatch.setattr(RadixCache, "unlock", lambda self, node: None)
     with pytest.raises(AssertionError, match=r"lock 0 != [1-9]\d* requests on its path"):
         run_state_machine_as_test(ManagerMachine, settings=MUTANT_SETTINGS)
+

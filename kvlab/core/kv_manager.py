@@ -299,6 +299,40 @@ class KVCacheManager:
             cache.unlock(old)
         self._locks[request_id] = result.node
         self._committed[request_id] = full
+        self._lock_for_sharers(request_id, result.new_blocks)
+
+    def _lock_for_sharers(self, request_id: str, new_blocks: Sequence[int]) -> None:
+        """Extend the lock of every other request that holds one of ``new_blocks``.
+
+        A block is in two tables before the cache indexes it only through :meth:`fork` (a
+        parent forked before it cached its full blocks): parent and child then hold the same
+        leading blocks at the same positions, with the same tokens. When one of them commits
+        those blocks, the others' locks must move down to them too, or the blocks would become
+        evictable as soon as the committer frees them while the sharers still use them. Each
+        sharer's lock moves to the node of the deepest new block it holds (``new_blocks`` are
+        in path order) and its committed count follows, exactly as if it had committed them.
+        """
+        cache = self.prefix_cache
+        if cache is None or not new_blocks:
+            return
+        deepest: dict[str, _Node] = {}
+        for block in new_blocks:
+            owners = self.pool.owners(block)
+            if len(owners) <= 2:  # the committer and the cache
+                continue
+            node = cache.node_of(block)
+            for owner in owners:
+                if owner != request_id and owner != CACHE_OWNER:
+                    deepest[owner] = node  # type: ignore[assignment]
+        for owner, node in deepest.items():
+            old = self._locks[owner]
+            if old is not None and old.depth >= node.depth:
+                continue
+            cache.lock(node)
+            if old is not None:
+                cache.unlock(old)
+            self._locks[owner] = node
+            self._committed[owner] = max(self._committed[owner], node.depth)
 
     def needs_commit(self, request_id: str, num_tokens: int) -> bool:
         """Whether :meth:`commit` of the request's first ``num_tokens`` tokens may cache anything.
