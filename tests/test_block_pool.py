@@ -187,3 +187,16 @@ def test_bad_construction():
         BlockPool(0)
     with pytest.raises(TypeError):
         BlockPool(2).refcount("0")
+
+
+@pytest.mark.parametrize("num_blocks", [0, -1, True, False, 2.0, "4"])
+def test_num_blocks_must_be_a_positive_int_not_a_bool(num_blocks):
+    with pytest.raises(ValueError, match="num_blocks must be a positive int"):
+        BlockPool(num_blocks)
+
+
+@pytest.mark.parametrize("n", [True, False, -1, 1.0])
+def test_allocate_rejects_bools_and_non_ints_unchanged(n):
+    pool = BlockPool(4)
+    pool.allocate(1, "a")
+    unchanged(pool, lambda: pool.allocate(n, "b"), ValueError)

@@ -387,3 +387,28 @@ def test_fork_before_commit_check_is_not_vacuous(monkeypatch):
     monkeypatch.setattr(KVCacheManager, "_lock_for_sharers", lambda self, rid, blocks: None)
     with pytest.raises(AssertionError, match=r"cached on an unlocked \(evictable\) node"):
         _fork_before_commit(2, 10, 1, [0], [0, 1])
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"num_blocks": 0, "block_size": 2}, "num_blocks"),
+    ({"num_blocks": -3, "block_size": 2}, "num_blocks"),
+    ({"num_blocks": True, "block_size": 2}, "num_blocks"),
+    ({"num_blocks": 4.0, "block_size": 2}, "num_blocks"),
+    ({"num_blocks": 4, "block_size": True}, "block_size"),
+    ({"num_blocks": 4, "block_size": 0}, "block_size"),
+    ({"num_blocks": 4, "block_size": "2"}, "block_size"),
+])
+def test_constructor_names_the_bad_size(kwargs, field):
+    with pytest.raises(ValueError, match=f"{field} must be a positive int"):
+        KVCacheManager(**kwargs)
+
+
+def test_bool_positions_and_sizes_are_rejected_unchanged():
+    kv = KVCacheManager(8, 2)
+    kv.admit("a", (), [1, 2, 3], 3)
+    with pytest.raises(ValueError):
+        kv.blocks_for(True)
+    unchanged(kv, lambda: kv.grow("a", True, 0), ValueError)
+    unchanged(kv, lambda: kv.grow("a", 4, False), ValueError)
+    with pytest.raises(ValueError):
+        kv.slot_mapping("a", False, 2)

@@ -75,8 +75,8 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int):
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"a block pool needs a positive number of blocks, got {num_blocks!r}")
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._owners: list[set[Hashable]] = [set() for _ in range(num_blocks)]
         self._refcount: list[int] = [0] * num_blocks
@@ -152,7 +152,7 @@ class BlockPool:
         Free blocks first, lowest id first; then cached blocks released by the evictor, least
         recently used first. MemoryError (pool unchanged) when fewer than ``n`` are allocatable.
         """
-        if not isinstance(n, int) or n < 0:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"number of blocks to allocate must be a non-negative int, got {n!r}")
         self._check_owner(owner)
         if n == 0:

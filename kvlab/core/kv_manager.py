@@ -42,6 +42,11 @@ from .radix import RadixCache, _Node
 from .scope import CacheScope, scope_key
 
 
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (``True`` is an int to Python, never a size or position)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class KVSnapshot:
     """A plain-data picture of the manager (drawn by kvlab.viz.blocks.pool_figure).
@@ -90,7 +95,9 @@ class KVCacheManager:
     fast_paths: bool = True
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
-        if not isinstance(block_size, int) or block_size <= 0:
+        if not _is_int(num_blocks) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if not _is_int(block_size) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -115,7 +122,7 @@ class KVCacheManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         """``ceil(num_tokens / block_size)``."""
-        if not isinstance(num_tokens, int) or num_tokens < 0:
+        if not _is_int(num_tokens) or num_tokens < 0:
             raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         return -(-num_tokens // self.block_size)
 
@@ -164,7 +171,7 @@ class KVCacheManager:
     def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
         """Physical slots of positions ``[start, end)``; ValueError outside the table."""
         table = self._table(request_id)
-        if not (isinstance(start, int) and isinstance(end, int) and
+        if not (_is_int(start) and _is_int(end) and
                 0 <= start <= end <= len(table) * self.block_size):
             raise ValueError(
                 f"positions [{start}, {end}) outside the table of {request_id!r} "
@@ -233,7 +240,7 @@ class KVCacheManager:
         shrinks. KeyError unknown id, ValueError bad positions, MemoryError short of blocks.
         """
         table = self._table(request_id)
-        if not (isinstance(write_from, int) and isinstance(num_tokens, int)
+        if not (_is_int(write_from) and _is_int(num_tokens)
                 and 0 <= write_from <= num_tokens):
             raise ValueError(f"need 0 <= write_from <= num_tokens, got {write_from}, {num_tokens}")
         # fast path (most decode steps): nothing to allocate or copy, so the general path
