@@ -164,3 +164,26 @@ def test_bad_engine_arguments(model_dir):
                          else {"block_size": -1}, "cuda|block_size")]:
         with pytest.raises(ValueError, match=msg):
             LLMEngine(model_dir, **kwargs)
+
+
+@pytest.mark.parametrize("scheduler", ["baseline", "production"])
+def test_engine_token_budget_below_max_num_seqs(model_dir, scheduler):
+    """The schedulers require max_num_seqs <= max_num_batched_tokens; the engine caps the batch
+    size it hands them at the token budget (a batch never holds more requests than tokens)."""
+    eng = LLMEngine(model_dir, block_size=4, num_blocks=40, max_num_seqs=64,
+                    max_num_batched_tokens=8, scheduler=scheduler)
+    assert eng.scheduler_config.max_num_seqs == 8
+    assert _run(eng, {"a": [1, 2, 3], "b": [4, 5, 6, 7]}) == {"a": 3, "b": 3}
+    eng.check_invariants()
+
+
+def _run(eng, prompts, max_tokens=3):
+    """Add ``prompts`` (id -> tokens), step until done; id -> number of generated tokens."""
+    for rid, prompt in prompts.items():
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = len(out.outputs[0].token_ids)
+    return done

@@ -65,7 +65,8 @@ def test_spec_build_batch_asserts():
 def test_baseline_batch_equals_reference_build_batch(seed, caching):
     """Where build_batch is defined (KV never short), the baseline's batch is build_batch's."""
     rng = random.Random(seed)
-    cfg = SchedulerConfig(max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 24),
+    seqs = rng.randint(1, 6)
+    cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=max(seqs, rng.randint(1, 24)),
                           prefill_chunk=rng.randint(1, 12))
     kv = KVCacheManager(400, 4, enable_prefix_caching=caching)
     sched = BaselineScheduler(kv, cfg)
@@ -189,10 +190,14 @@ def test_reserve_admission_reserves_for_max_tokens():
     assert sched.get_request("b").admitted_step > sched.get_request("a").finished_step - 1
 
 
-def test_production_config_needs_budget_for_every_running_request():
+@pytest.mark.parametrize("cls", [BaselineScheduler, ProductionScheduler])
+def test_config_needs_budget_for_every_batch_entry(cls):
     with pytest.raises(ValueError, match="max_num_seqs <= max_num_batched_tokens"):
-        ProductionScheduler(KVCacheManager(4, 4),
-                            SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4))
+        cls(KVCacheManager(4, 4), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4))
+    cls(KVCacheManager(4, 4), SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4))
+
+
+def test_config_validation():
     for bad in (dict(max_num_seqs=0), dict(admission="lru"), dict(watermark=1.0),
                 dict(max_waiting=-1), dict(prefill_chunk=True),
                 dict(admission_scan_limit=0)):
@@ -313,7 +318,8 @@ def test_fork_shares_parent_blocks_and_finishes(cls):
 
 def test_fork_requires_a_sampling_parent_in_flight():
     sched = BaselineScheduler(KVCacheManager(32, 4),
-                              SchedulerConfig(max_num_batched_tokens=4, prefill_chunk=4))
+                              SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4,
+                                              prefill_chunk=4))
     sched.add_request(req("p", 10, 6))
     with pytest.raises(ValueError, match="no sampling chunk"):
         sched.fork("p", req("c", 10, 6))

@@ -92,8 +92,14 @@ class SchedulerBase:
 
     def __init__(self, kv: Any, config: SchedulerConfig | None = None, *,
                  log: EventLog | None = None) -> None:
+        config = config if config is not None else SchedulerConfig()
+        if config.max_num_seqs > config.max_num_batched_tokens:
+            raise ValueError(
+                f"{type(self).__name__} needs max_num_seqs <= max_num_batched_tokens (got "
+                f"{config.max_num_seqs} > {config.max_num_batched_tokens}) so that a full batch "
+                "still gives every request at least one token")
         self.kv = kv
-        self.config = config if config is not None else SchedulerConfig()
+        self.config = config
         self.lifecycle = Lifecycle(log, step=lambda: self._step)
         self._requests: dict[str, RuntimeRequest] = {}
         self._seq: dict[str, int] = {}          # arrival order (stable tie-breaker)

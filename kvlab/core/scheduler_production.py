@@ -65,10 +65,7 @@ class ProductionScheduler(SchedulerBase):
 
     def __init__(self, kv: Any, config: SchedulerConfig | None = None, *,
                  log: EventLog | None = None, order_key: OrderKey | None = None) -> None:
-        super().__init__(kv, config, log=log)
-        if self.config.max_num_seqs > self.config.max_num_batched_tokens:
-            raise ValueError("ProductionScheduler needs max_num_seqs <= max_num_batched_tokens "
-                             "so that every running request advances every step")
+        super().__init__(kv, config, log=log)   # checks max_num_seqs <= max_num_batched_tokens
         self.order_key: OrderKey = order_key if order_key is not None else default_order_key
 
     def _overloaded(self, request: RuntimeRequest) -> str | None:

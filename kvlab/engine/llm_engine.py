@@ -259,8 +259,11 @@ class LLMEngine:
                                  enable_prefix_caching=enable_prefix_caching)
         from kvlab.core.scheduler import SchedulerConfig
 
+        # A step's batch never holds more requests than tokens (each entry takes >= 1), so the
+        # schedulers' rule max_num_seqs <= max_num_batched_tokens loses nothing here.
         self.scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=min(max_num_seqs, max_num_batched_tokens),
+            max_num_batched_tokens=max_num_batched_tokens,
             prefill_chunk=max_prefill_chunk or max_num_batched_tokens)
         self.scheduler = _make_scheduler(scheduler, self.kv, self.scheduler_config)
         self.enable_prefix_caching = enable_prefix_caching
