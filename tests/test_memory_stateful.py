@@ -439,11 +439,12 @@ MUTANT_SETTINGS = settings(SETTINGS, max_examples=1000, database=None, phases=[P
 def test_manager_machine_catches_a_missing_copy_on_write(monkeypatch):
     """The machine is not vacuous: a manager that forgets copy-on-write is caught. Without the
     copy a request keeps writing into a block the prefix cache holds for another path, so the
-    request ends up using a cached block that its own locked path does not cover (or, first,
-    reads KV that another request overwrote)."""
+    request ends up using a cached block that its own locked path does not cover, or (whichever
+    the example sequence hits first) reads KV another request overwrote, or the cache holds
+    stale KV."""
     monkeypatch.setattr(KVCacheManager, "_cow_targets", lambda self, table, n, w: [])
     with pytest.raises(AssertionError, match=r"block \d+ of '\w+' is cached on an unlocked "
-                                             r"\(evictable\) node|reads wrong KV"):
+                                             r"\(evictable\) node|reads wrong KV|holds stale KV"):
         run_state_machine_as_test(ManagerMachine, settings=MUTANT_SETTINGS)
 
 

@@ -328,8 +328,8 @@ class KVCacheManager:
             if len(owners) <= 2:  # the committer and the cache
                 continue
             node = cache.node_of(block)
-            for owner in owners:
-                if owner != request_id and owner != CACHE_OWNER:
+            for owner in sorted(str(o) for o in owners if o != CACHE_OWNER):
+                if owner != request_id:   # sorted: lock order must not depend on hashing
                     deepest[owner] = node  # type: ignore[assignment]
         for owner, node in deepest.items():
             old = self._locks[owner]
