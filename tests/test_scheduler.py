@@ -122,6 +122,50 @@ def test_bad_requests_raise_and_change_nothing(cls):
     assert (list(sched.waiting), len(sched.log), sched.requests()) == before
 
 
+def _sched_state(sched):
+    return (list(sched.waiting), list(sched.running), sched.step_count, len(sched.log),
+            sched.log.next_index, [copy.deepcopy(r) for r in sched.requests()],
+            sched.kv.state_tuple())
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+@pytest.mark.parametrize(("fields", "names"), [
+    ({"prompt_token_ids": [1, 2, 3]}, "prompt_token_ids must be a tuple"),
+    ({"prompt_token_ids": ("x", "y")}, r"prompt_token_ids\[0\]"),
+    ({"prompt_token_ids": (1, 2.0)}, r"prompt_token_ids\[1\]"),
+    ({"prompt_token_ids": (1, True)}, r"prompt_token_ids\[1\]"),
+    ({"prompt_token_ids": (1, -2, 3)}, r"prompt_token_ids\[1\]"),
+    ({"prompt_token_ids": ()}, "empty prompt"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": 2.0}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_model_len": 0}, "max_model_len"),
+    ({"max_model_len": 8.5}, "max_model_len"),
+    ({"stop_token_ids": frozenset({-1})}, "stop_token_ids"),
+    ({"stop_token_ids": [3]}, "stop_token_ids"),
+    ({"eos_token_id": -1}, "eos_token_id"),
+    ({"eos_token_id": False}, "eos_token_id"),
+    ({"ignore_eos": 1}, "ignore_eos"),
+    ({"priority": 1.5}, "priority"),
+    ({"deadline": "soon"}, "deadline"),
+    ({"deadline": float("nan")}, "deadline"),
+    ({"scope": 7}, "scope"),
+    ({"finish_reason": FinishReason.STOP}, "fresh"),
+])
+def test_bad_request_fields_are_named_and_change_nothing(cls, fields, names):
+    """A malformed request is refused at add_request (ValueError naming the field or element)
+    with the scheduler unchanged; it used to be queued and make every schedule() raise."""
+    sched = cls(KVCacheManager(16, 4))
+    sched.add_request(req("a", 3))
+    sched.schedule()
+    before = _sched_state(sched)
+    base = {"request_id": "b", "prompt_token_ids": (1, 2, 3), "max_tokens": 3}
+    with pytest.raises(ValueError, match=names):
+        sched.add_request(RuntimeRequest(**{**base, **fields}))
+    assert _sched_state(sched) == before
+    sched.check_invariants()
+
+
 @pytest.mark.parametrize("cls", SCHEDULERS)
 def test_update_validates_before_mutating(cls):
     kv = KVCacheManager(16, 4)

@@ -23,8 +23,14 @@ from .scheduler_api import (
     ScheduledChunk,
     SchedulerOutput,
 )
+from .scope import scope_key
 
 S = RequestStatus
+
+
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (``True`` is an int to Python, never a token id or count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -407,15 +413,51 @@ class SchedulerBase:
             raise ValueError(f"request_id must be a non-empty str, got {rid!r}")
         if rid in self._requests:
             raise ValueError(f"duplicate request id {rid!r}")
-        if not request.prompt_token_ids:
+        prompt = request.prompt_token_ids
+        if not isinstance(prompt, tuple):
+            raise ValueError(f"request {rid!r}: prompt_token_ids must be a tuple of ints, got "
+                             f"{type(prompt).__name__}")
+        if not prompt:
             raise ValueError(f"request {rid!r} has an empty prompt")
-        if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
-            raise ValueError(f"request {rid!r}: max_tokens must be an int >= 1")
-        if request.status != S.WAITING or request.output_token_ids or request.num_computed_tokens:
+        for i, token in enumerate(prompt):
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"request {rid!r}: prompt_token_ids[{i}] must be an int >= 0, "
+                                 f"got {token!r}")
+        if not _is_int(request.max_tokens) or request.max_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_tokens must be an int >= 1, "
+                             f"got {request.max_tokens!r}")
+        if request.max_model_len is not None and (
+                not _is_int(request.max_model_len) or request.max_model_len < 1):
+            raise ValueError(f"request {rid!r}: max_model_len must be None or an int >= 1, "
+                             f"got {request.max_model_len!r}")
+        stops = request.stop_token_ids
+        if not isinstance(stops, (set, frozenset)) or not all(
+                _is_int(t) and t >= 0 for t in stops):
+            raise ValueError(f"request {rid!r}: stop_token_ids must be a frozenset of ints >= 0, "
+                             f"got {stops!r}")
+        eos = request.eos_token_id
+        if eos is not None and (not _is_int(eos) or eos < 0):
+            raise ValueError(f"request {rid!r}: eos_token_id must be None or an int >= 0, "
+                             f"got {eos!r}")
+        if not isinstance(request.ignore_eos, bool):
+            raise ValueError(f"request {rid!r}: ignore_eos must be a bool, "
+                             f"got {request.ignore_eos!r}")
+        if not _is_int(request.priority):
+            raise ValueError(f"request {rid!r}: priority must be an int, "
+                             f"got {request.priority!r}")
+        deadline = request.deadline
+        if deadline is not None and (not isinstance(deadline, (int, float))
+                                     or isinstance(deadline, bool) or deadline != deadline):
+            raise ValueError(f"request {rid!r}: deadline must be None or a number, "
+                             f"got {deadline!r}")
+        try:
+            scope_key(request.scope)
+        except TypeError as error:
+            raise ValueError(f"request {rid!r}: bad scope: {error}") from None
+        if (request.status != S.WAITING or request.output_token_ids
+                or request.num_computed_tokens or request.finish_reason is not None):
             raise ValueError(
                 f"request {rid!r} must be fresh (WAITING, no outputs, nothing computed)")
-        if request.max_model_len is not None and request.max_model_len < 1:
-            raise ValueError(f"request {rid!r}: max_model_len must be >= 1")
 
     def _never_fits(self, request: RuntimeRequest) -> str | None:
         n = request.num_prompt_tokens
