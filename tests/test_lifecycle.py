@@ -141,14 +141,22 @@ def test_release_is_idempotent_and_logged_write_ahead():
     kv.check_invariants()
 
 
-def test_failed_acquisition_leaves_intent_only():
+def test_failed_acquisition_logs_the_compensating_outcome():
+    """A refused acquisition ends with ``acquire_failed`` (no dangling intent): the log and
+    its replay agree with the manager that the request holds no KV."""
+    from kvlab.core.recovery import replay
+
     kv = KVCacheManager(1, 4)
     life = Lifecycle()
     request = make()
+    life.add(request)
+    state = kv.state_tuple()
     with pytest.raises(MemoryError):
         life.acquire(request, "admit", lambda: kv.admit("r", (), tuple(range(9)), 9))
-    assert [e.kind for e in life.log] == ["acquire"]
-    assert not kv.has("r")
+    assert [e.kind for e in life.log] == ["add", "acquire", "acquire_failed"]
+    assert life.log.events[-1].data == ("admit", "MemoryError")
+    assert not kv.has("r") and kv.state_tuple() == state
+    assert replay(life.log.events)["r"].kv == "none"
 
 
 def test_event_log_crash_at_stops_before_the_event():

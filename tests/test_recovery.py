@@ -33,8 +33,23 @@ def script():
     return arrivals, aborts, forks
 
 
-def build(cls, log):
-    kv = KVCacheManager(8, 4)
+class RefusingKV(KVCacheManager):
+    """Refuses the first admission of "c" with MemoryError (unchanged, as the contract says),
+    although the scheduler's capacity check passed: a failed acquisition in the log."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.refused = False
+
+    def admit(self, request_id, scope, token_ids, num_tokens):
+        if request_id == "c" and not self.refused:
+            self.refused = True
+            raise MemoryError("refused once (test)")
+        return super().admit(request_id, scope, token_ids, num_tokens)
+
+
+def build(cls, log, kv_cls=KVCacheManager):
+    kv = kv_cls(8, 4)
     return cls(kv, CFG, log=log)
 
 
@@ -60,9 +75,9 @@ def fresh(d):
     return {k: [copy_request(q) for q in v] for k, v in d.items()}
 
 
-def reference(cls):
+def reference(cls, kv_cls=KVCacheManager):
     arrivals, aborts, forks = script()
-    sched = build(cls, EventLog())
+    sched = build(cls, EventLog(), kv_cls)
     result = drive(sched, arrivals=fresh(arrivals), aborts=aborts, forks=fresh(forks), check=True)
     return sched, result
 
@@ -84,8 +99,23 @@ def test_reference_run_exercises_every_path(cls):
 
 
 @pytest.mark.parametrize("cls", [BaselineScheduler, ProductionScheduler])
-def test_crash_at_every_event_then_recover(cls):
-    ref_sched, _ = reference(cls)
+def test_refused_admission_is_logged_with_its_outcome(cls):
+    """A failed admission ends with the compensating ``acquire_failed`` right after its
+    intent; the request stays waiting, holds no KV, and is admitted later."""
+    sched, _ = reference(cls, RefusingKV)
+    events = [e for e in sched.log.events if e.request_id == "c"]
+    kinds = [e.kind for e in events]
+    i = kinds.index("acquire_failed")
+    assert kinds[i - 1] == "acquire" and kinds[i + 1:].count("acquire_failed") == 0
+    assert events[i].data == ("admit", "MemoryError")
+    assert kinds[i + 1] == "acquire" and kinds[i + 2] == "acquired"
+    assert sched.get_request("c").status == S.FINISHED
+
+
+@pytest.mark.parametrize("kv_cls", [KVCacheManager, RefusingKV], ids=["kv", "refusing-kv"])
+@pytest.mark.parametrize("cls", [BaselineScheduler, ProductionScheduler])
+def test_crash_at_every_event_then_recover(cls, kv_cls):
+    ref_sched, _ = reference(cls, kv_cls)
     n_events = len(ref_sched.log)
     want = {r.request_id: r.output_token_ids for r in ref_sched.requests()
             if r.status == S.FINISHED}
@@ -93,7 +123,7 @@ def test_crash_at_every_event_then_recover(cls):
     outcomes = {"freed": 0, "requeued": 0, "resumed": 0}
     for k in range(n_events):
         log = EventLog(crash_at=k)
-        sched = build(cls, log)
+        sched = build(cls, log, kv_cls)
         kv = sched.kv
         with pytest.raises(SimulatedCrash):
             drive(sched, arrivals=fresh(arrivals), aborts=aborts, forks=fresh(forks))

@@ -12,8 +12,9 @@ tokens. This module owns every status change of a runtime request:
   ``False``; :meth:`Lifecycle.release` of a request that holds no KV returns ``False``.
 * Every transition and every KV acquisition/release is appended to an :class:`EventLog` in
   write-ahead order: the *intent* is logged before the KV manager is touched and the *outcome*
-  after it. After a crash at any point, :mod:`kvlab.core.recovery` replays the durable prefix of
-  the log to decide which requests may still hold KV, and frees exactly the orphans.
+  after it (``acquire_failed`` when the manager refused, e.g. out of blocks). After a crash at
+  any point, :mod:`kvlab.core.recovery` replays the durable prefix of the log to decide which
+  requests may still hold KV, and frees exactly the orphans.
 
 Which resources each status holds (checked by the schedulers' ``check_invariants``):
 
@@ -97,6 +98,8 @@ EVENT_KINDS = frozenset({
     "acquire",    # data: (kind,)  intent: about to create/extend the KV table ("admit"/"fork")
     "acquired",   # data: (kind, num_computed_tokens)  the manager holds the table; KV of that
                   #       many leading tokens is already written (cached prefix, or the parent's)
+    "acquire_failed",  # data: (kind, exception type name)  the manager refused the acquisition
+                  #       (e.g. MemoryError) and is unchanged: the request holds no KV
     "release",    # data: ()  intent: about to free the request's KV
     "released",   # data: (freed: bool,)  the KV manager no longer holds the table
     "progress",   # data: (num_computed_tokens, sampled token | None)  after a step's output
@@ -256,12 +259,19 @@ class Lifecycle:
         """Run ``action`` (a KV-manager call creating the table) between intent and outcome.
 
         ``action`` returns how many leading tokens already have KV in the new table (the cached
-        prefix for an admission, the parent's computed tokens for a fork). If it raises
-        (e.g. MemoryError, the manager unchanged) the intent stays in the log without an
-        outcome, which recovery reads as "may or may not hold KV: ask the manager".
+        prefix for an admission, the parent's computed tokens for a fork). If it raises (e.g.
+        MemoryError; the KV manager's mutations are all-or-nothing, so it is unchanged) the
+        compensating outcome ``acquire_failed`` is logged and the exception re-raised: every
+        intent in the log gets an outcome, and recovery reads the request as holding no KV.
+        Only a crash *during* the action leaves the intent alone, which recovery reads as "may
+        or may not hold KV: ask the manager".
         """
         self._append("acquire", request.request_id, (kind,))
-        cached = action()
+        try:
+            cached = action()
+        except Exception as error:
+            self._append("acquire_failed", request.request_id, (kind, type(error).__name__))
+            raise
         self._append("acquired", request.request_id, (kind, cached))
         return cached
 

@@ -91,8 +91,8 @@ def replay(events: Iterable[Event]) -> dict[str, ReplayedRequest]:
             request.num_computed_tokens = computed
             if kind == "admit" and request.admitted_step is None:
                 request.num_cached_tokens = computed
-        elif event.kind == "released":
-            entry.kv = "none"
+        elif event.kind in ("released", "acquire_failed"):
+            entry.kv = "none"   # released, or the manager refused the acquisition (unchanged)
         elif event.kind == "progress":
             computed, token = event.data
             request.num_computed_tokens = computed
