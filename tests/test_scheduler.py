@@ -376,6 +376,43 @@ def test_fork_requires_a_sampling_parent_in_flight():
 
 # ---------------------------------------------------------------- aborts
 
+def _fork_state(sched):
+    return (*_sched_state(sched), dict(sched._seq), dict(sched._admit_seq), sched._counter,
+            dict(sched._forked))
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+@pytest.mark.parametrize("case", ["child-table-exists", "parent-table-gone", "duplicate-child",
+                                  "other-prompt", "no-sampling-chunk", "aborted-parent"])
+def test_failing_fork_leaves_scheduler_unchanged(cls, case):
+    """Every precondition of fork is checked before the first mutation: a failing fork
+    leaves queues, registry, counters, log and KV exactly as they were."""
+    sched = cls(KVCacheManager(32, 4), SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16))
+    sched.add_request(req("p", 6, 4))
+    sched.add_request(req("q", 12, 4))
+    sched.schedule()
+    parent, child = "p", req("c", 6, 4)
+    if case == "child-table-exists":      # the manager holds a table the scheduler never made
+        sched.kv.admit("c", ("elsewhere",), (9, 9), 2)
+    elif case == "parent-table-gone":     # the parent's table vanished behind the scheduler
+        sched.kv.free("p")
+    elif case == "duplicate-child":
+        child = req("q", 6, 4)
+    elif case == "other-prompt":
+        child = req("c", 5, 4)
+    elif case == "no-sampling-chunk":     # "q"'s chunk stops short of its last prompt token
+        parent, child = "q", req("c", 12, 4)
+    else:                                 # the parent was aborted while in flight
+        sched.abort_request("p")
+    before = _fork_state(sched)
+    with pytest.raises(ValueError):
+        sched.fork(parent, child)
+    assert _fork_state(sched) == before
+    assert child.parent_id is None
+    if case not in ("child-table-exists", "parent-table-gone"):
+        sched.check_invariants()
+
+
 @pytest.mark.parametrize("cls", SCHEDULERS)
 def test_abort_waiting_running_inflight_and_idempotent(cls):
     kv = KVCacheManager(32, 4)

@@ -318,6 +318,11 @@ class SchedulerBase:
         if child.prompt_token_ids != parent.prompt_token_ids:
             raise ValueError("fork: the child must have the parent's prompt_token_ids")
         cid = child.request_id
+        # everything the mutations below rely on, checked before the first one
+        if parent_id not in self.running or not self.kv.has(parent_id):
+            raise ValueError(f"fork({parent_id!r}): the parent is not running with a KV table")
+        if self.kv.has(cid):
+            raise ValueError(f"fork: the KV manager already holds a table for {cid!r}")
         child.parent_id = parent_id
         self.lifecycle.add(child)
         self._requests[cid] = child
