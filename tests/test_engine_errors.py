@@ -187,3 +187,105 @@ def _run(eng, prompts, max_tokens=3):
             if out.finished:
                 done[out.request_id] = len(out.outputs[0].token_ids)
     return done
+
+
+def _all_blocks_free_or_cached(eng):
+    snap = eng.kv.snapshot()
+    assert not snap.tables and not snap.pending_copies
+    assert snap.free_blocks + snap.evictable_blocks == eng.kv.num_blocks
+
+
+class _FailOnce:
+    """Wraps a callable; the ``at``-th call raises RuntimeError, the others pass through."""
+
+    def __init__(self, fn, at=1):
+        self.fn, self.at, self.calls = fn, at, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("device lost (test)")
+        return self.fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("scheduler", ["baseline", "production"])
+def test_executor_error_fails_the_step_and_engine_keeps_serving(model_dir, scheduler,
+                                                                 monkeypatch):
+    eng = LLMEngine(model_dir, block_size=4, num_blocks=40, scheduler=scheduler)
+    eng.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0))
+    eng.step()
+    eng.add_request("b", [6, 7, 8], SamplingParams(max_tokens=4, temperature=0))
+    monkeypatch.setattr(eng.executor, "execute", _FailOnce(eng.executor.execute))
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.step()
+    eng.check_invariants()
+    _all_blocks_free_or_cached(eng)   # the step's KV was released, exactly once
+    for rid in ("a", "b"):
+        req = eng.scheduler.get_request(rid)
+        assert req.status.value == "failed" and req.finish_reason.value == "error"
+        assert "device lost" in req.status_message
+    # the next step reports them (finish_reason "error") and the engine serves new requests
+    outs = {o.request_id: o for o in eng.step()}
+    assert {rid: o.outputs[0].finish_reason for rid, o in outs.items()} == {
+        "a": "error", "b": "error"}
+    assert outs["a"].finished and len(outs["a"].outputs[0].token_ids) == 1
+    assert not eng.has_unfinished_requests()
+    assert _run(eng, {"c": [1, 2, 3, 4, 5], "d": [6, 7]}) == {"c": 3, "d": 3}
+    eng.check_invariants()
+    _all_blocks_free_or_cached(eng)
+
+
+def test_sampling_error_after_fork_fails_parent_and_children(model_dir, monkeypatch):
+    """n=2 forks the child inside sampling, before the sampler raises: every request of the
+    step fails (parent, child and the other chunk's request), the shared KV is released once,
+    and the request that was not in the step is untouched and then served."""
+    import kvlab.engine.llm_engine as mod
+
+    eng = LLMEngine(model_dir, block_size=4, num_blocks=40, max_num_seqs=2,
+                    max_num_batched_tokens=8)
+    eng.add_request("long", list(range(1, 30)), SamplingParams(max_tokens=3, temperature=0))
+    eng.step()    # 8 of 29 prompt tokens: no sampling yet
+    eng.add_request("pair", [1, 2, 3], SamplingParams(n=2, max_tokens=3, temperature=0))
+    eng.add_request("later", [4, 5, 6], SamplingParams(max_tokens=3, temperature=0))
+    monkeypatch.setattr(mod, "sample", _FailOnce(mod.sample))
+    with pytest.raises(RuntimeError, match="device lost"):
+        while True:   # the first sampling step: long's last chunk + pair's prompt (forked)
+            eng.step()
+    assert mod.sample.calls == 1
+    statuses = {r: eng.scheduler.get_request(r).status.value
+                for r in ("long", "pair", "pair#1", "later")}
+    assert statuses == {"long": "failed", "pair": "failed", "pair#1": "failed",
+                        "later": "waiting"}
+    eng.check_invariants()
+    _all_blocks_free_or_cached(eng)
+    done = _run(eng, {"new": [4, 5, 6]})
+    assert done == {"long": 0, "pair": 0, "later": 3, "new": 3}
+    assert not eng._groups
+    eng.check_invariants()
+    _all_blocks_free_or_cached(eng)
+
+
+def test_executor_error_with_pending_copies(model_dir, monkeypatch):
+    """The step after a fork copies-on-write the shared last block; if execute raises before
+    the copies ran, they are settled (no fenced block is left) and the KV freed."""
+    eng = LLMEngine(model_dir, block_size=4, num_blocks=40)
+    eng.add_request("pair", [1, 2, 3, 4, 5, 6], SamplingParams(n=2, max_tokens=4,
+                                                             temperature=0.8, seed=1))
+    eng.step()                                   # prefill, sample, fork
+    seen = []
+
+    def execute(chunks, copies, real=eng.executor.execute):
+        seen.append(tuple(copies))
+        if copies:
+            raise RuntimeError("device lost (test)")
+        return real(chunks, copies)
+
+    monkeypatch.setattr(eng.executor, "execute", execute)
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.step()
+    assert seen[-1], "the failing step had copy-on-write copies"
+    eng.check_invariants()
+    _all_blocks_free_or_cached(eng)
+    monkeypatch.undo()
+    assert _run(eng, {"next": [9, 8, 7]}) == {"pair": 1, "next": 3}  # pair: reported failed
+    _all_blocks_free_or_cached(eng)

@@ -16,7 +16,7 @@ from kvlab.core.scheduler import (
     SchedulerConfig,
     starvation_bound,
 )
-from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest, SchedulerOutput
 from kvlab.sim.tokens import drive, greedy_tokens, hash_token
 
 S = RequestStatus
@@ -383,7 +383,8 @@ def _fork_state(sched):
 
 @pytest.mark.parametrize("cls", SCHEDULERS)
 @pytest.mark.parametrize("case", ["child-table-exists", "parent-table-gone", "duplicate-child",
-                                  "other-prompt", "no-sampling-chunk", "aborted-parent"])
+                                  "other-prompt", "no-sampling-chunk", "aborted-parent",
+                                  "parent-has-outputs"])
 def test_failing_fork_leaves_scheduler_unchanged(cls, case):
     """Every precondition of fork is checked before the first mutation: a failing fork
     leaves queues, registry, counters, log and KV exactly as they were."""
@@ -400,6 +401,9 @@ def test_failing_fork_leaves_scheduler_unchanged(cls, case):
         child = req("q", 6, 4)
     elif case == "other-prompt":
         child = req("c", 5, 4)
+    elif case == "parent-has-outputs":    # fork belongs right after the prompt's last chunk
+        sched.update_from_output(sched._inflight, {"p": 7})
+        sched.schedule()
     elif case == "no-sampling-chunk":     # "q"'s chunk stops short of its last prompt token
         parent, child = "q", req("c", 12, 4)
     else:                                 # the parent was aborted while in flight
@@ -534,3 +538,44 @@ def test_forget_drops_only_ended_and_reported_requests(cls):
     assert sched.forget("a").finish_reason == FinishReason.LENGTH
     assert sched.requests() == [] and not sched.has_unfinished_requests()
     sched.check_invariants()
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+def test_fail_step_fails_the_step_and_releases_its_kv_once(cls):
+    """The executor could not run a step: its requests (and children forked in it) fail with
+    reason ERROR, their KV is released exactly once, requests aborted in flight are released,
+    and the scheduler goes on (pending copies: see tests/test_engine_errors.py)."""
+    from kvlab.core.recovery import replay
+
+    kv = KVCacheManager(32, 4)
+    sched = cls(kv, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16))
+    for rid, n in (("p", 6), ("q", 5), ("w", 4)):
+        sched.add_request(req(rid, n, 4))
+    out = sched.schedule()
+    before = _sched_state(sched)
+    with pytest.raises(ValueError, match="not the step in flight"):
+        sched.fail_step(SchedulerOutput(step=99, chunks=()), "x")
+    assert _sched_state(sched) == before
+    sched.fork("p", req("p#1", 6, 4))                       # after p's prompt, as the engine
+    sched.abort_request("w")                                 # aborted in flight
+    frees = []
+    real_free = kv.free
+    kv.free = lambda rid: frees.append(rid) or real_free(rid)
+    failed = sched.fail_step(out, "device lost")
+    kv.free = real_free
+    assert sorted(r.request_id for r in failed) == ["p", "p#1", "q"]
+    for r in failed:
+        assert (r.status, r.finish_reason, r.status_message) == (
+            S.FAILED, FinishReason.ERROR, "device lost")
+    assert sorted(frees) == ["p", "p#1", "q", "w"]           # each exactly once
+    assert not kv.requests() and not kv.pool.pending_copies()
+    sched.check_invariants()
+    replayed = replay(sched.log.events)
+    assert all(replayed[r].kv == "none" for r in ("p", "p#1", "q", "w"))
+    # the failed requests are reported by the next update, and new work runs
+    sched.add_request(req("n", 3, 2))
+    out = sched.schedule()
+    ended = sched.update_from_output(out, {c.request_id: 1 for c in out.chunks if c.sample})
+    assert sorted(r.request_id for r in ended) == ["p", "p#1", "q"]
+    drive(sched, arrivals={}, check=True)
+    assert sched.get_request("n").status == S.FINISHED

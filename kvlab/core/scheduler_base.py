@@ -6,6 +6,7 @@ the rules common to both).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -293,6 +294,46 @@ class SchedulerBase:
             self._compact_log()
         return early + ended
 
+    def fail_step(self, output: SchedulerOutput, message: str) -> list[RuntimeRequest]:
+        """The step in flight could not run (the executor or the sampler raised): end it.
+
+        Every live request of the step (its chunks and the children forked during it) becomes
+        FAILED (finish reason ERROR, ``message`` in ``status_message``), leaves the running queue
+        and releases its KV exactly once; requests aborted while it was in flight release theirs
+        too. The step's copy-on-write copies still pending are completed first: their
+        destination blocks belong only to requests of this step, which fail, so no KV that
+        survives depends on them. Then the step is cleared: the next ``schedule()`` runs, and
+        the next ``update_from_output()`` reports the failed requests (like rejections).
+        Requests outside the step are untouched. Returns the failed requests. ValueError
+        (nothing changed) if ``output`` is not the step in flight.
+        """
+        if self._inflight is None or output is not self._inflight:
+            raise ValueError(f"fail_step: output of step {output.step} is not the step in flight")
+        if not isinstance(message, str):
+            raise TypeError(f"fail_step: message must be a str, got {message!r}")
+        pool = getattr(self.kv, "pool", None)
+        if output.copies and pool is not None:
+            still = Counter(pool.pending_copies()) & Counter(output.copies)
+            if still:
+                self.kv.complete_copies(list(still.elements()))
+        failed: list[RuntimeRequest] = []
+        for rid in [c.request_id for c in output.chunks] + list(self._forked):
+            request = self._requests[rid]
+            if request.status.is_terminal:
+                continue   # aborted while in flight: released with the deferred ones below
+            self.lifecycle.fail(request, message)
+            self.running.remove(rid)
+            self.lifecycle.release(request, self.kv)
+            failed.append(request)
+        for rid in self._deferred_release:
+            self.lifecycle.release(self._requests[rid], self.kv)
+        self._deferred_release = []
+        self._forked = {}
+        self._inflight = None
+        self._inflight_ids = set()
+        self._ended.extend(failed)
+        return failed
+
     def _compact_log(self) -> None:
         """Checkpoint: drop the log events of requests that ended and hold no KV (amortised
         O(1) per event: the next compaction waits until the log doubles)."""
@@ -314,6 +355,9 @@ class SchedulerBase:
             raise ValueError(f"fork({parent_id!r}): the parent has no sampling chunk in flight")
         if parent.status.is_terminal:
             raise ValueError(f"fork({parent_id!r}): the parent already ended")
+        if parent.output_token_ids:
+            raise ValueError(f"fork({parent_id!r}): the parent already has outputs; fork in the "
+                             "step of its prompt's last chunk")
         self._validate_new(child)
         if child.prompt_token_ids != parent.prompt_token_ids:
             raise ValueError("fork: the child must have the parent's prompt_token_ids")

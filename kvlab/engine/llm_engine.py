@@ -476,11 +476,15 @@ class LLMEngine:
             entry[0].num_cached_tokens = req.num_cached_tokens
             self.stats.prompt_tokens += req.num_prompt_tokens
             self.stats.cached_prompt_tokens += min(req.num_cached_tokens, req.num_prompt_tokens)
-        res = self.executor.execute(out.chunks, out.copies)
-        if out.copies:
-            self.kv.complete_copies(out.copies)
-        t2 = time.perf_counter()
-        sampled = self._sample(res.request_ids, res.logits, now, touched)
+        try:
+            res = self.executor.execute(out.chunks, out.copies)
+            if out.copies:
+                self.kv.complete_copies(out.copies)
+            t2 = time.perf_counter()
+            sampled = self._sample(res.request_ids, res.logits, now, touched)
+        except BaseException as error:
+            self._fail_step(out, error)
+            raise
         t3 = time.perf_counter()
         finished = self.scheduler.update_from_output(out, sampled)
         t4 = time.perf_counter()
@@ -514,6 +518,16 @@ class LLMEngine:
         st.sample_time_s += t3 - t2
         st.step_time_s += time.perf_counter() - t0
         return outputs
+
+    def _fail_step(self, out: SchedulerOutput, error: BaseException) -> None:
+        """Execute or sample raised: the scheduler fails the step's requests (FAILED / ERROR,
+        KV released, pending copies settled) and clears the step, so the engine keeps serving
+        the other and new requests. The failed requests' final outputs (``finish_reason
+        "error"``) come from the next :meth:`step`. A custom scheduler without ``fail_step``
+        keeps the step in flight (the error is re-raised either way)."""
+        fail = getattr(self.scheduler, "fail_step", None)
+        if fail is not None:
+            fail(out, f"step {out.step} failed: {type(error).__name__}: {error}")
 
     def _sample(self, request_ids: list[str], logits: torch.Tensor, now: float,
                 touched: dict[str, _Group]) -> dict[str, int]:
