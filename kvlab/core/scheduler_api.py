@@ -45,7 +45,8 @@ TERMINAL_STATUSES = frozenset(
 
 
 class FinishReason(str, Enum):
-    """Why a request ended; the strings match the OpenAI/vLLM ``finish_reason`` values."""
+    """Why a request ended. ``stop``, ``length`` and ``abort`` are vLLM's ``finish_reason``
+    values (the first two also OpenAI's); ``error`` and ``rejected`` are kvlab's additions."""
 
     STOP = "stop"          # a stop token (or EOS) was generated
     LENGTH = "length"      # max_tokens reached (or the model's context)
@@ -81,7 +82,9 @@ class RuntimeRequest:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    engine_state: Any = None                # opaque to the scheduler (sampling params, RNG, ...)
+    engine_state: Any = None                # opaque slot for an engine; the scheduler never
+                                            # reads it (kvlab's engine keeps sampling state,
+                                            # RNG included, in its own per-sequence records)
     # Filled in by the scheduler (the engine may read them; it should not write them):
     status_message: str | None = None       # why it was rejected / failed (human readable)
     parent_id: str | None = None            # set by ``fork`` for the extra samples of n > 1
