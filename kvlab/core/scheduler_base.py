@@ -283,16 +283,20 @@ class SchedulerBase:
                 self.running.remove(request.request_id)
                 self.lifecycle.release(request, self.kv)
                 ended.append(request)
+        self._close_step()
+        early, self._ended = self._ended, []
+        if len(self.log) >= self._compact_at:
+            self._compact_log()
+        return early + ended
+
+    def _close_step(self) -> None:
+        """End the step in flight: release requests aborted during it, forget its forks."""
         for rid in self._deferred_release:
             self.lifecycle.release(self._requests[rid], self.kv)
         self._deferred_release = []
         self._forked = {}
         self._inflight = None
         self._inflight_ids = set()
-        early, self._ended = self._ended, []
-        if len(self.log) >= self._compact_at:
-            self._compact_log()
-        return early + ended
 
     def fail_step(self, output: SchedulerOutput, message: str) -> list[RuntimeRequest]:
         """The step in flight could not run (the executor or the sampler raised): end it.
@@ -325,12 +329,7 @@ class SchedulerBase:
             self.running.remove(rid)
             self.lifecycle.release(request, self.kv)
             failed.append(request)
-        for rid in self._deferred_release:
-            self.lifecycle.release(self._requests[rid], self.kv)
-        self._deferred_release = []
-        self._forked = {}
-        self._inflight = None
-        self._inflight_ids = set()
+        self._close_step()
         self._ended.extend(failed)
         return failed
 
