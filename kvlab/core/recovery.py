@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .lifecycle import RUNNING_STATUSES, Event, EventLog
-from .scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+from .scheduler_api import FinishReason, RequestStatus, RuntimeRequest, stop_reason
 
 S = RequestStatus
 
@@ -177,13 +177,13 @@ def recover(
 
     running_order = sorted(resumed, key=lambda rid: state[rid].admit_index)
     last_step = max((event.step for event in durable), default=0)
-    scheduler._restore([entry.request for entry in state.values()], running_order, last_step)
+    scheduler.restore([entry.request for entry in state.values()], running_order, last_step)
     for rid in running_order:
         request = state[rid].request
         if request.status == S.PREFILL and request.output_token_ids \
                 and request.num_uncomputed_tokens == 1:
             lifecycle.transition(request, S.DECODE)
-        reason = scheduler._stop_reason(request)
+        reason = stop_reason(request)
         if reason is not None:
             lifecycle.finish(request, reason)
             scheduler.running.remove(rid)

@@ -123,6 +123,27 @@ class RuntimeRequest:
         return self.num_tokens - self.num_computed_tokens
 
 
+def stop_reason(request: RuntimeRequest) -> FinishReason | None:
+    """Why a decoding request must stop after its latest sampled token, or None to go on.
+
+    A stop token (or EOS unless ``ignore_eos``) stops with STOP; reaching ``max_tokens`` or
+    ``max_model_len`` with LENGTH. Only a DECODE request with outputs can stop.
+    """
+    if request.status != RequestStatus.DECODE or not request.output_token_ids:
+        return None
+    token = request.output_token_ids[-1]
+    if token in request.stop_token_ids or (
+        request.eos_token_id is not None and token == request.eos_token_id
+        and not request.ignore_eos
+    ):
+        return FinishReason.STOP
+    if len(request.output_token_ids) >= request.max_tokens:
+        return FinishReason.LENGTH
+    if request.max_model_len is not None and request.num_tokens >= request.max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
 @dataclass(frozen=True)
 class ScheduledChunk:
     """Work for one request in one step: feed ``token_ids`` at positions ``start_pos...``.

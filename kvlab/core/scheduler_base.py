@@ -18,11 +18,11 @@ from .lifecycle import (
     Lifecycle,
 )
 from .scheduler_api import (
-    FinishReason,
     RequestStatus,
     RuntimeRequest,
     ScheduledChunk,
     SchedulerOutput,
+    stop_reason,
 )
 from .scope import scope_key
 
@@ -277,7 +277,7 @@ class SchedulerBase:
             rid, computed = request.request_id, request.num_computed_tokens
             if self.kv.needs_commit(rid, computed):  # False: commit would change nothing
                 self.kv.commit(rid, request.token_slice(0, computed))
-            reason = self._stop_reason(request)
+            reason = stop_reason(request)
             if reason is not None:
                 self.lifecycle.finish(request, reason)
                 self.running.remove(request.request_id)
@@ -387,15 +387,15 @@ class SchedulerBase:
         self.running.insert(self.running.index(parent_id) + 1, cid)
         self._forked[cid] = parent_id
 
-    def _restore(self, requests: Sequence[RuntimeRequest], running_order: Sequence[str],
+    def restore(self, requests: Sequence[RuntimeRequest], running_order: Sequence[str],
                  step: int) -> None:
-        """Install recovered requests into this empty scheduler (kvlab.core.recovery only).
+        """Install recovered requests into this empty scheduler (the entry point of recovery).
 
         Waiting requests are queued preempted-first, each group in arrival order; running
         requests in ``running_order`` (their admission order before the crash).
         """
         if self._requests or self._step:
-            raise RuntimeError("_restore needs a fresh scheduler")
+            raise RuntimeError("restore needs a fresh scheduler")
         for request in requests:
             rid = request.request_id
             self._requests[rid] = request
@@ -538,23 +538,6 @@ class SchedulerBase:
         self.lifecycle.progress(request, token)
         if token is not None and request.status == S.PREFILL:
             self.lifecycle.transition(request, S.DECODE)
-
-    @staticmethod
-    def _stop_reason(request: RuntimeRequest) -> FinishReason | None:
-        """Stop conditions of CONTRACTS §2, applied after each sampled token."""
-        if request.status != S.DECODE or not request.output_token_ids:
-            return None
-        token = request.output_token_ids[-1]
-        if token in request.stop_token_ids or (
-            request.eos_token_id is not None and token == request.eos_token_id
-            and not request.ignore_eos
-        ):
-            return FinishReason.STOP
-        if len(request.output_token_ids) >= request.max_tokens:
-            return FinishReason.LENGTH
-        if request.max_model_len is not None and request.num_tokens >= request.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _admit(self, plan: _StepPlan, request: RuntimeRequest, cached: int, n: int) -> None:
         """Give a waiting request its table (reusing ``cached`` prefix tokens) and a chunk."""
