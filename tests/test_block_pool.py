@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.core.block_pool import CACHE_OWNER, BlockPool
+from kvlab.core.block_pool import CACHE_OWNER, BlockPool, OutOfBlocks
 from kvlab.core.invariants import check_pool
 
 
@@ -29,7 +29,7 @@ def test_allocate_lowest_first_and_states():
 def test_allocate_all_or_nothing():
     pool = BlockPool(3)
     pool.allocate(2, "a")
-    unchanged(pool, lambda: pool.allocate(2, "b"), MemoryError)
+    unchanged(pool, lambda: pool.allocate(2, "b"), OutOfBlocks)
     unchanged(pool, lambda: pool.allocate(-1, "b"), ValueError)
     assert pool.allocate(0, "b") == []
 
@@ -91,7 +91,7 @@ def test_cow_errors_and_out_of_memory_unchanged():
     pool = BlockPool(2)
     table = pool.allocate(2, "p")
     pool.fork(table, "p", "c")
-    unchanged(pool, lambda: pool.cow(table, "c"), MemoryError)
+    unchanged(pool, lambda: pool.cow(table, "c"), OutOfBlocks)
     unchanged(pool, lambda: pool.cow(table, "stranger"), ValueError)
     unchanged(pool, lambda: pool.complete_copies([(0, 1)]), ValueError)
 
@@ -108,7 +108,7 @@ def test_fenced_block_is_parked_not_freed():
     assert pool.num_free() == 1
     # the parked blocks cannot be handed out
     assert pool.allocate(1, "x") == [2]
-    with pytest.raises(MemoryError):
+    with pytest.raises(OutOfBlocks):
         pool.allocate(1, "y")
     check_pool(pool)
     pool.complete_copies([(old, new)])
@@ -171,7 +171,7 @@ def test_allocation_prefers_free_then_evicts_lru_cached():
     assert pool.allocate(1, "b") == [3]  # the truly free block first
     assert pool.allocate(2, "c") == [0, 1]  # then the least recently cached ones
     assert pool.state(2) == "cached"
-    unchanged(pool, lambda: pool.allocate(2, "d"), MemoryError)
+    unchanged(pool, lambda: pool.allocate(2, "d"), OutOfBlocks)
     check_pool(pool)
 
 

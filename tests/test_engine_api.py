@@ -178,17 +178,25 @@ def test_step_api_abort_and_snapshot(model_dir, prompts):
     eng.step()
     snap = eng.snapshot()
     assert {r.request_id for r in snap.requests} >= {"a", "b", "b#1"}
-    assert {e.request_id for e in snap.last_batch} == {"a", "b"}
+    assert {e.request_id for e in snap.last_batch} == {"a", "b", "b#1"}  # n=2 fans out
     for entry in snap.last_batch:
         view = next(r for r in snap.requests if r.request_id == entry.request_id)
         bs = snap.block_size
         assert entry.slots == tuple(view.block_table[p // bs] * bs + p % bs for p in range(
             entry.start_pos, entry.start_pos + entry.num_tokens))
-    # forks share the parent's blocks: refcounts > 1 on the shared prompt blocks
-    parent = next(r for r in snap.requests if r.request_id == "b")
-    child = next(r for r in snap.requests if r.request_id == "b#1")
-    assert parent.block_table[0] == child.block_table[0]
-    assert snap.refcounts[parent.block_table[0]] >= 2
+    # samples admitted in one step each compute the prompt (nothing was cached yet); a later
+    # request with the same prompt shares their full blocks through the prefix cache
+    first = next(r for r in snap.requests if r.request_id == "b")
+    second = next(r for r in snap.requests if r.request_id == "b#1")
+    assert first.block_table[0] != second.block_table[0]
+    heads = {r.block_table[0] for r in snap.requests}
+    eng.add_request("c", prompts[1], SamplingParams(max_tokens=2, temperature=0))
+    eng.step()
+    snap = eng.snapshot()
+    later = next(r for r in snap.requests if r.request_id == "c")
+    assert later.num_cached_tokens == (len(prompts[1]) - 1) // 4 * 4 > 0
+    assert later.block_table[0] in heads    # the first writer's copy (a shares the prefix)
+    assert snap.refcounts[later.block_table[0]] >= 3    # its writer, c and the prefix cache
     out = eng.abort_request("a")
     assert out.finished and out.outputs[0].finish_reason == "abort"
     eng.check_invariants()
@@ -261,7 +269,7 @@ def test_bfloat16_matches_float32(model_dir, prompts):
 
 def test_rejected_request_with_n_samples_finishes(model_dir, prompts):
     """A request the scheduler refuses (here: an overload policy with no queue) ends with
-    finish_reason 'rejected', even with n > 1 samples never forked."""
+    finish_reason 'rejected' on every one of its n samples."""
     import dataclasses
 
     from kvlab.core.scheduler import ProductionScheduler
@@ -271,7 +279,7 @@ def test_rejected_request_with_n_samples_finishes(model_dir, prompts):
 
     llm = _llm(model_dir, scheduler=no_queue)
     outs = llm.generate(prompts[:2], SamplingParams(max_tokens=4, n=2, seed=0))
-    assert [o.outputs[0].finish_reason for o in outs] == ["rejected", "rejected"]
-    assert all(o.finished and len(o.outputs) == 1 for o in outs)
+    assert [[c.finish_reason for c in o.outputs] for o in outs] == [["rejected"] * 2] * 2
+    assert all(o.finished for o in outs)
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_invariants()

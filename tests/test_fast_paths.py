@@ -1,10 +1,11 @@
 """The decode-path shortcuts change nothing observable.
 
-``KVCacheManager.fast_paths`` (an O(1) no-op test in ``grow``; ``needs_commit`` letting the
-scheduler skip ``commit`` between block boundaries) and ``RuntimeRequest.token_slice`` must
-behave exactly like the general code they bypass. Differential tests: the same random workload
-runs on a manager (or scheduler) with the shortcuts and on one with ``fast_paths = False``, and
-every return value, exception and state snapshot must agree step by step.
+``KVCacheManager``'s O(1) shortcuts (the no-op test in ``grow``; ``needs_commit`` letting the
+scheduler skip ``commit`` between block boundaries; ``commit`` inserting only the new blocks
+below the locked node) and ``RuntimeRequest.token_slice`` must behave exactly like the general
+code they bypass. Differential tests: the same random workload runs on a manager (or scheduler)
+and on :class:`GeneralPath`, a test-only subclass with every shortcut replaced by the general
+computation, and every return value, exception and state snapshot must agree step by step.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import random
 
 import pytest
 
+from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
 from kvlab.core.scheduler_api import RuntimeRequest
@@ -21,11 +23,25 @@ from kvlab.sim.tokens import drive
 SHARED = tuple(range(900, 940))
 
 
+class GeneralPath(KVCacheManager):
+    """The manager with its shortcuts replaced by the general code (for differential tests)."""
+
+    def _grow_is_noop(self, table, num_tokens, write_from):
+        return False
+
+    def needs_commit(self, request_id, num_tokens):
+        self.block_table(request_id)   # KeyError for an unknown id, like the real one
+        return self.prefix_cache is not None
+
+    def _insert(self, request_id, token_ids, table, done, full):
+        return self.prefix_cache.insert(self.scope_of(request_id), token_ids, table[:full])
+
+
 def _outcome(fn):
     """``("ok", value)`` or ``("error", exception type)``."""
     try:
         return ("ok", fn())
-    except (MemoryError, ValueError, KeyError) as e:
+    except (OutOfBlocks, ValueError, KeyError) as e:
         return ("error", type(e))
 
 
@@ -46,8 +62,7 @@ def test_manager_fast_paths_match_the_general_path(seed):
     num_blocks = rng.randint(4, 40)
     caching = rng.random() < 0.8
     fast = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
-    slow = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
-    slow.fast_paths = False
+    slow = GeneralPath(num_blocks, block_size, enable_prefix_caching=caching)
     pair = (fast, slow) if seed % 2 else (slow, fast)
     tokens: dict[str, list[int]] = {}   # request -> tokens whose KV is written (or being written)
     pending: list[tuple[int, int]] = []
@@ -147,33 +162,32 @@ def test_needs_commit_only_at_block_boundaries():
 
 # ---------------------------------------------------------------- whole schedulers
 def _workload(rng: random.Random):
+    """Random arrivals; one in five is an n > 1 request, fanned out as the engine does."""
     arrivals: dict[int, list[RuntimeRequest]] = {}
-    forks: dict[str, list[RuntimeRequest]] = {}
     for i in range(rng.randint(1, 14)):
         prompt = SHARED[: rng.choice([0, 5, 16, 33])] + tuple(
             rng.randint(1, 300) for _ in range(rng.randint(1, 20)))
         max_tokens = rng.randint(1, 24)
-        arrivals.setdefault(rng.randint(1, 12), []).append(
-            RuntimeRequest(f"r{i}", prompt, max_tokens, priority=rng.randint(0, 1)))
+        step = arrivals.setdefault(rng.randint(1, 12), [])
+        step.append(RuntimeRequest(f"r{i}", prompt, max_tokens, priority=rng.randint(0, 1)))
         if rng.random() < 0.2:
-            forks[f"r{i}"] = [RuntimeRequest(f"r{i}#{k}", prompt, max_tokens)
-                              for k in range(1, rng.randint(2, 3))]
-    return arrivals, forks
+            step += [RuntimeRequest(f"r{i}#{k}", prompt, max_tokens)
+                     for k in range(1, rng.randint(2, 3))]
+    return arrivals
 
 
-def _trace(cls, fast_paths: bool, seed: int):
+def _trace(cls, manager_cls, seed: int):
     rng = random.Random(seed)
-    arrivals, forks = _workload(rng)
-    kv = KVCacheManager(rng.randint(12, 60), rng.choice([2, 4, 8]),
-                        enable_prefix_caching=rng.random() < 0.85)
-    kv.fast_paths = fast_paths
+    arrivals = _workload(rng)
+    kv = manager_cls(rng.randint(12, 60), rng.choice([2, 4, 8]),
+                     enable_prefix_caching=rng.random() < 0.85)
     seqs = rng.randint(1, 8)
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=rng.randint(seqs, 40),
                           prefill_chunk=rng.randint(1, 16),
                           admission=rng.choice(["reserve", "watermark"]))
     sched = cls(kv, cfg)
     steps = []
-    drive(sched, arrivals=arrivals, forks=forks, check=True, max_steps=5000,
+    drive(sched, arrivals=arrivals, check=True, max_steps=5000,
           on_step=lambda out: steps.append((out, kv.state_tuple())))
     requests = [(r.request_id, r.status, tuple(r.output_token_ids), r.num_preemptions)
                 for r in sched.requests()]
@@ -183,7 +197,7 @@ def _trace(cls, fast_paths: bool, seed: int):
 @pytest.mark.parametrize("cls", [BaselineScheduler, ProductionScheduler])
 @pytest.mark.parametrize("seed", range(25))
 def test_schedulers_step_identically_with_and_without_fast_paths(cls, seed):
-    assert _trace(cls, True, seed) == _trace(cls, False, seed)
+    assert _trace(cls, KVCacheManager, seed) == _trace(cls, GeneralPath, seed)
 
 
 # ---------------------------------------------------------------- token slices

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.kv_manager import KVCacheManager
 
 S = ("model-a", "tenant-1")
@@ -147,7 +148,7 @@ def test_eviction_under_pressure_keeps_locked_paths():
     assert kv.lookup(S, b) == 4
     assert kv.lookup(("other",), c) == 2
     kv.check_invariants()
-    unchanged(kv, lambda: kv.admit("e", ("x",), [6, 6, 6], 3), MemoryError)
+    unchanged(kv, lambda: kv.admit("e", ("x",), [6, 6, 6], 3), OutOfBlocks)
     assert kv.blocks_needed(None, 3, ("x",), [6, 6, 6]) == 2 > kv.num_allocatable_blocks()
 
 
@@ -157,11 +158,11 @@ def test_errors_leave_manager_unchanged():
     kv.commit("a", [1, 2, 3])
     unchanged(kv, lambda: kv.admit("a", S, [1], 1), ValueError)
     unchanged(kv, lambda: kv.admit("b", S, [1, 2, 3], 2), ValueError)  # num_tokens <= cached
-    unchanged(kv, lambda: kv.admit("b", S, [9] * 20, 20), MemoryError)
+    unchanged(kv, lambda: kv.admit("b", S, [9] * 20, 20), OutOfBlocks)
     unchanged(kv, lambda: kv.admit(3, S, [1], 1), TypeError)
     unchanged(kv, lambda: kv.grow("zz", 4, 0), KeyError)
     unchanged(kv, lambda: kv.grow("a", 4, 5), ValueError)
-    unchanged(kv, lambda: kv.grow("a", 100, 3), MemoryError)
+    unchanged(kv, lambda: kv.grow("a", 100, 3), OutOfBlocks)
     unchanged(kv, lambda: kv.commit("a", [1, 2, 3, 4, 5]), ValueError)
     unchanged(kv, lambda: kv.commit("zz", [1]), KeyError)
     unchanged(kv, lambda: kv.fork("a", "a"), ValueError)

@@ -30,7 +30,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvlab.core.block_pool import BlockPool
+from kvlab.core.block_pool import BlockPool, OutOfBlocks
 from kvlab.core.invariants import check_kv_manager, check_pool, check_radix
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.prefix import PrefixCache
@@ -67,7 +67,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 4))
     def allocate(self, n):
         rid = self._new_id()
-        ok, blocks = expect_unchanged(self.pool, lambda: self.pool.allocate(n, rid), MemoryError)
+        ok, blocks = expect_unchanged(self.pool, lambda: self.pool.allocate(n, rid), OutOfBlocks)
         if ok:
             assert len(blocks) == n and all(not self.owners[b] for b in blocks)
             self.tables[rid] = blocks
@@ -103,7 +103,7 @@ class PoolMachine(RuleBasedStateMachine):
             return
         idx = data.draw(st.lists(st.sampled_from(range(len(table))), unique=True, max_size=3))
         blocks = [table[i] for i in idx]
-        ok, copies = expect_unchanged(self.pool, lambda: self.pool.cow(blocks, rid), MemoryError)
+        ok, copies = expect_unchanged(self.pool, lambda: self.pool.cow(blocks, rid), OutOfBlocks)
         if not ok:
             return
         shared = [b for b in blocks if len(self.owners[b]) > 1]
@@ -284,7 +284,7 @@ class ManagerMachine(RuleBasedStateMachine):
         needed = kv.blocks_needed(None, len(prompt) + reserve, scope, prompt)
         allocatable = kv.num_allocatable_blocks()
         ok, cached = expect_unchanged(
-            kv, lambda: kv.admit(rid, scope, prompt, len(prompt) + reserve), MemoryError)
+            kv, lambda: kv.admit(rid, scope, prompt, len(prompt) + reserve), OutOfBlocks)
         assert ok == (needed <= allocatable), "blocks_needed must predict admission exactly"
         if not ok:
             return
@@ -308,7 +308,7 @@ class ManagerMachine(RuleBasedStateMachine):
         kv = self.kv
         needed = kv.blocks_needed(rid, end, write_from=start)
         allocatable = kv.num_allocatable_blocks()
-        ok, copies = expect_unchanged(kv, lambda: kv.grow(rid, end, start), MemoryError)
+        ok, copies = expect_unchanged(kv, lambda: kv.grow(rid, end, start), OutOfBlocks)
         assert ok == (needed <= allocatable), "blocks_needed must predict grow exactly"
         if ok:
             self.work[rid] = (copies, start, end)
@@ -442,7 +442,9 @@ def test_manager_machine_catches_a_missing_copy_on_write(monkeypatch):
     request ends up using a cached block that its own locked path does not cover, or (whichever
     the example sequence hits first) reads KV another request overwrote, or the cache holds
     stale KV."""
-    monkeypatch.setattr(KVCacheManager, "_cow_targets", lambda self, table, n, w: [])
+    real = KVCacheManager._plan_grow
+    monkeypatch.setattr(KVCacheManager, "_plan_grow",
+                        lambda self, table, n, w: (real(self, table, n, w)[0], []))
     with pytest.raises(AssertionError, match=r"block \d+ of '\w+' is cached on an unlocked "
                                              r"\(evictable\) node|reads wrong KV|holds stale KV"):
         run_state_machine_as_test(ManagerMachine, settings=MUTANT_SETTINGS)

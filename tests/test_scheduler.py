@@ -1,4 +1,4 @@
-"""Schedulers: reference differential, admission, stop rules, preemption, forks, aborts, policy."""
+"""Schedulers: reference differential, admission, stop rules, preemption, aborts, policy."""
 
 from __future__ import annotations
 
@@ -332,90 +332,7 @@ def test_baseline_victim_is_newest_admitted():
     assert sched.waiting == [] and sched.get_request("a").num_preemptions == 0
 
 
-# ---------------------------------------------------------------- forks (n > 1)
-
-@pytest.mark.parametrize("cls", SCHEDULERS)
-def test_fork_shares_parent_blocks_and_finishes(cls):
-    kv = KVCacheManager(32, 4)
-    sched = cls(kv, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32))
-    parent = req("p", 10, 6)
-    children = [req(f"p#{i}", 10, 6) for i in (1, 2)]
-    sched.add_request(parent)
-    out = sched.schedule()
-    assert out.chunks[0].sample
-    for child in children:
-        sched.fork("p", child)
-    table = kv.block_table("p")
-    assert kv.block_table("p#1") == table == kv.block_table("p#2")
-    with pytest.raises(ValueError):
-        sched.fork("p", req("p#1", 10, 6))             # duplicate
-    with pytest.raises(ValueError):
-        sched.fork("p", req("p#3", 9, 6))              # wrong prompt
-    sched.update_from_output(out, {"p": 1, "p#1": 2, "p#2": 3})
-    sched.check_invariants()
-    assert [sched.get_request(r).output_token_ids for r in ("p", "p#1", "p#2")] == [[1], [2], [3]]
-    assert sched.get_request("p#1").parent_id == "p"
-    drive(sched, check=True)
-    assert all(r.finish_reason == FinishReason.LENGTH for r in sched.requests())
-    assert not kv.requests()
-
-
-def test_fork_requires_a_sampling_parent_in_flight():
-    sched = BaselineScheduler(KVCacheManager(32, 4),
-                              SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4,
-                                              prefill_chunk=4))
-    sched.add_request(req("p", 10, 6))
-    with pytest.raises(ValueError, match="no sampling chunk"):
-        sched.fork("p", req("c", 10, 6))
-    out = sched.schedule()                             # 4 of 10 prompt tokens: no sample
-    with pytest.raises(ValueError, match="no sampling chunk"):
-        sched.fork("p", req("c", 10, 6))
-    sched.update_from_output(out, {})
-    sched.check_invariants()
-
-
 # ---------------------------------------------------------------- aborts
-
-def _fork_state(sched):
-    return (*_sched_state(sched), dict(sched._seq), dict(sched._admit_seq), sched._counter,
-            dict(sched._forked))
-
-
-@pytest.mark.parametrize("cls", SCHEDULERS)
-@pytest.mark.parametrize("case", ["child-table-exists", "parent-table-gone", "duplicate-child",
-                                  "other-prompt", "no-sampling-chunk", "aborted-parent",
-                                  "parent-has-outputs"])
-def test_failing_fork_leaves_scheduler_unchanged(cls, case):
-    """Every precondition of fork is checked before the first mutation: a failing fork
-    leaves queues, registry, counters, log and KV exactly as they were."""
-    sched = cls(KVCacheManager(32, 4), SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16))
-    sched.add_request(req("p", 6, 4))
-    sched.add_request(req("q", 12, 4))
-    sched.schedule()
-    parent, child = "p", req("c", 6, 4)
-    if case == "child-table-exists":      # the manager holds a table the scheduler never made
-        sched.kv.admit("c", ("elsewhere",), (9, 9), 2)
-    elif case == "parent-table-gone":     # the parent's table vanished behind the scheduler
-        sched.kv.free("p")
-    elif case == "duplicate-child":
-        child = req("q", 6, 4)
-    elif case == "other-prompt":
-        child = req("c", 5, 4)
-    elif case == "parent-has-outputs":    # fork belongs right after the prompt's last chunk
-        sched.update_from_output(sched._inflight, {"p": 7})
-        sched.schedule()
-    elif case == "no-sampling-chunk":     # "q"'s chunk stops short of its last prompt token
-        parent, child = "q", req("c", 12, 4)
-    else:                                 # the parent was aborted while in flight
-        sched.abort_request("p")
-    before = _fork_state(sched)
-    with pytest.raises(ValueError):
-        sched.fork(parent, child)
-    assert _fork_state(sched) == before
-    assert child.parent_id is None
-    if case not in ("child-table-exists", "parent-table-gone"):
-        sched.check_invariants()
-
 
 @pytest.mark.parametrize("cls", SCHEDULERS)
 def test_abort_waiting_running_inflight_and_idempotent(cls):
@@ -542,9 +459,8 @@ def test_forget_drops_only_ended_and_reported_requests(cls):
 
 @pytest.mark.parametrize("cls", SCHEDULERS)
 def test_fail_step_fails_the_step_and_releases_its_kv_once(cls):
-    """The executor could not run a step: its requests (and children forked in it) fail with
-    reason ERROR, their KV is released exactly once, requests aborted in flight are released,
-    and the scheduler goes on (pending copies: see tests/test_engine_errors.py)."""
+    """The executor could not run a step: its requests fail with reason ERROR, their KV is
+    released exactly once, requests aborted in flight are released, and the scheduler goes on."""
     from kvlab.core.recovery import replay
 
     kv = KVCacheManager(32, 4)
@@ -556,26 +472,25 @@ def test_fail_step_fails_the_step_and_releases_its_kv_once(cls):
     with pytest.raises(ValueError, match="not the step in flight"):
         sched.fail_step(SchedulerOutput(step=99, chunks=()), "x")
     assert _sched_state(sched) == before
-    sched.fork("p", req("p#1", 6, 4))                       # after p's prompt, as the engine
     sched.abort_request("w")                                 # aborted in flight
     frees = []
     real_free = kv.free
     kv.free = lambda rid: frees.append(rid) or real_free(rid)
     failed = sched.fail_step(out, "device lost")
     kv.free = real_free
-    assert sorted(r.request_id for r in failed) == ["p", "p#1", "q"]
+    assert sorted(r.request_id for r in failed) == ["p", "q"]
     for r in failed:
         assert (r.status, r.finish_reason, r.status_message) == (
             S.FAILED, FinishReason.ERROR, "device lost")
-    assert sorted(frees) == ["p", "p#1", "q", "w"]           # each exactly once
+    assert sorted(frees) == ["p", "q", "w"]                  # each exactly once
     assert not kv.requests() and not kv.pool.pending_copies()
     sched.check_invariants()
     replayed = replay(sched.log.events)
-    assert all(replayed[r].kv == "none" for r in ("p", "p#1", "q", "w"))
+    assert all(replayed[r].kv == "none" for r in ("p", "q", "w"))
     # the failed requests are reported by the next update, and new work runs
     sched.add_request(req("n", 3, 2))
     out = sched.schedule()
     ended = sched.update_from_output(out, {c.request_id: 1 for c in out.chunks if c.sample})
-    assert sorted(r.request_id for r in ended) == ["p", "p#1", "q"]
+    assert sorted(r.request_id for r in ended) == ["p", "q"]
     drive(sched, arrivals={}, check=True)
     assert sched.get_request("n").status == S.FINISHED

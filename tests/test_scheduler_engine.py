@@ -55,9 +55,10 @@ def generate(model_dir, prompts, params, factory, num_blocks):
               max_num_batched_tokens=16, max_prefill_chunk=8, scheduler=factory)
     outs = llm.generate(prompts, params)
     sched = llm.engine.scheduler
-    preemptions = sum(r.num_preemptions for r in sched.requests())
+    preemptions = sum(o.metrics.num_preemptions for o in outs)
     sched.check_invariants()
     assert not llm.engine.kv.requests()
+    assert not sched.requests()   # every reported request was forgotten
     return [[c.token_ids for c in o.outputs] for o in outs], preemptions
 
 

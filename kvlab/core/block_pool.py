@@ -19,7 +19,10 @@ engine needs:
   those run out it asks an *evictor* (the prefix cache, see :class:`Evictor`) to drop its
   references on least-recently-used cached blocks, which makes them free.
 * **All or nothing.** Every method validates its whole input before mutating anything; an
-  exception (ValueError, IndexError, KeyError, MemoryError) leaves the pool unchanged.
+  exception (ValueError, IndexError, KeyError, :class:`OutOfBlocks`) leaves the pool unchanged.
+  Running short of blocks is an ordinary outcome, signalled by :class:`OutOfBlocks`, never by the
+  builtin ``MemoryError`` (which means the *process* is out of memory and must not be caught as
+  control flow).
 """
 
 from __future__ import annotations
@@ -28,6 +31,18 @@ import heapq
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Protocol
+
+
+class OutOfBlocks(Exception):
+    """Too few allocatable KV blocks for a request: ``needed`` blocks, ``available`` now.
+
+    A scheduler catches it to preempt or wait; nothing was changed by the call that raised it.
+    """
+
+    def __init__(self, message: str, needed: int, available: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
 
 
 class _CacheOwner:
@@ -150,7 +165,8 @@ class BlockPool:
         """Take ``n`` blocks for ``owner`` (each becomes exclusive); all or nothing.
 
         Free blocks first, lowest id first; then cached blocks released by the evictor, least
-        recently used first. MemoryError (pool unchanged) when fewer than ``n`` are allocatable.
+        recently used first. :class:`OutOfBlocks` (pool unchanged) when fewer than ``n`` are
+        allocatable.
         """
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"number of blocks to allocate must be a non-negative int, got {n!r}")
@@ -158,11 +174,10 @@ class BlockPool:
         if n == 0:
             return []
         if len(self._free) < n:
-            if self.num_allocatable() < n:
-                raise MemoryError(
-                    f"KV blocks exhausted: need {n}, free {len(self._free)}, "
-                    f"evictable {self.num_evictable()}"
-                )
+            available = self.num_allocatable()
+            if available < n:
+                raise OutOfBlocks(f"KV blocks exhausted: need {n}, free {len(self._free)}, "
+                                  f"evictable {self.num_evictable()}", n, available)
             while len(self._free) < n:
                 victims = self._evictor.evict(n - len(self._free))  # type: ignore[union-attr]
                 if not victims:  # pragma: no cover - guarded by num_allocatable
@@ -231,7 +246,7 @@ class BlockPool:
         ``(old, new)`` is returned: the executor must copy ``old``'s payload into ``new`` and
         then call :meth:`complete_copies`. Until then both blocks are fenced. Blocks ``owner``
         holds alone are left as they are. ValueError if ``owner`` does not hold a block;
-        MemoryError (pool unchanged) if the new blocks cannot be allocated.
+        :class:`OutOfBlocks` (pool unchanged) if the new blocks cannot be allocated.
         """
         blocks = self._check_table(blocks)
         for block in blocks:

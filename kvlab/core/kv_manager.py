@@ -1,6 +1,6 @@
 """KVCacheManager: per-request block tables over a refcounted pool and a radix prefix cache.
 
-This is the object the scheduler allocates from (contract: /work/CONTRACTS.md §1). It ties
+This is the object the scheduler allocates from. It ties
 together :class:`~kvlab.core.block_pool.BlockPool` (who holds which physical block) and
 :class:`~kvlab.core.radix.RadixCache` (which blocks hold which cached prefix).
 
@@ -29,16 +29,20 @@ existing cached blocks stay canonical (first writer wins) and the request keeps 
 duplicate until it finishes; its later blocks are still cached under the canonical path.
 
 Every mutation validates its input and checks capacity before changing anything: on
-MemoryError / ValueError / KeyError the manager is unchanged.
+:class:`~kvlab.core.block_pool.OutOfBlocks` / ValueError / KeyError the manager is unchanged.
+How many blocks an admission or a growth needs is computed in one place (``_plan_admit`` /
+``_plan_grow``), used both by :meth:`KVCacheManager.blocks_needed` and by the mutation itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from .block_pool import CACHE_OWNER, BlockPool
-from .radix import RadixCache, _Node
+from .block_pool import CACHE_OWNER, BlockPool, OutOfBlocks
+from .paging import token_slots
+from .radix import PrefixMatch, RadixCache, _Node
 from .scope import CacheScope, scope_key
 
 
@@ -85,14 +89,30 @@ class KVSnapshot:
         return sum(1 for s in self.block_states if s == state)
 
 
-class KVCacheManager:
-    """Block tables for requests; see the module docstring and CONTRACTS.md §1."""
+@dataclass(frozen=True)
+class _AdmitPlan:
+    """What :meth:`KVCacheManager.admit` would do: reuse ``hit_blocks`` (``cached`` tokens),
+    allocate ``fresh`` blocks, and lock ``lock_cost`` cached blocks that are evictable now."""
 
-    #: Shortcuts on the decode path: O(1) tests for calls that would change nothing (:meth:`grow`
-    #: with room and no copy-on-write, :meth:`needs_commit`) and :meth:`commit` inserting only
-    #: the new blocks below the request's locked node. Observable behaviour is the same either
-    #: way; tests switch them off on one instance to compare it with the general path.
-    fast_paths: bool = True
+    match: PrefixMatch | None
+    cached: int
+    hit_blocks: tuple[int, ...]
+    fresh: int
+    lock_cost: int
+
+    @property
+    def needed(self) -> int:
+        """Allocatable blocks the admission consumes (fresh ones + evictable ones it locks)."""
+        return self.fresh + self.lock_cost
+
+
+class KVCacheManager:
+    """Block tables for requests over a refcounted pool and a radix prefix cache.
+
+    The decode path is O(1) per request: :meth:`grow` returns at once when the table has room
+    and the block to write is exclusive, :meth:`needs_commit` says when no block became full,
+    and :meth:`commit` inserts only the new blocks below the request's locked node.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
         if not _is_int(num_blocks) or num_blocks <= 0:
@@ -135,27 +155,20 @@ class KVCacheManager:
     def blocks_needed(self, request_id: str | None, num_tokens: int,
                       scope: CacheScope | tuple = (), token_ids: Sequence[int] = (),
                       *, write_from: int | None = None) -> int:
-        """Blocks that must be allocatable for the table to hold ``num_tokens`` slots.
+        """Allocatable blocks that :meth:`admit` (``request_id=None``) or :meth:`grow` would use.
 
-        For a running request: the missing blocks, plus (when ``write_from`` is given) one per
-        shared block that :meth:`grow` would copy-on-write for positions
-        ``[write_from, num_tokens)``. For a new request (``request_id=None``): fresh blocks beyond
-        the cached prefix, plus the matched cached blocks that are currently evictable (admission
-        locks them, taking them out of :meth:`num_allocatable_blocks`). In both cases
-        ``blocks_needed(...) <= num_allocatable_blocks()`` is exactly the condition under which
-        :meth:`admit` / :meth:`grow` succeed.
+        For a new request: fresh blocks beyond the cached prefix of ``token_ids`` in ``scope``,
+        plus the matched cached blocks that are evictable now (admission locks them). For a
+        running request: the missing blocks, plus one per shared block that :meth:`grow` would
+        copy-on-write for positions ``[write_from, num_tokens)``. The same computation decides
+        whether the mutation succeeds: ``blocks_needed(...) <= num_allocatable_blocks()``.
         """
-        total = self.blocks_for(num_tokens)
         if request_id is None:
-            if self.prefix_cache is None:
-                return total
-            match = self.prefix_cache.match(scope, token_ids)
-            return max(0, total - len(match.blocks)) + self._evictable_unfenced(match.blocks)
+            return self._plan_admit(scope_key(scope), token_ids, num_tokens).needed
         table = self._table(request_id)
-        extra = max(0, total - len(table))
-        if write_from is not None:
-            extra += len(self._cow_targets(table, num_tokens, write_from))
-        return extra
+        frm = num_tokens if write_from is None else write_from
+        extra, targets = self._plan_grow(table, num_tokens, frm)
+        return extra + len(targets)
 
     def has(self, request_id: str) -> bool:
         return request_id in self._tables
@@ -177,8 +190,7 @@ class KVCacheManager:
                 f"positions [{start}, {end}) outside the table of {request_id!r} "
                 f"({len(table) * self.block_size} slots)"
             )
-        bs = self.block_size
-        return [bs * table[t // bs] + t % bs for t in range(start, end)]
+        return token_slots(table, self.block_size, start, end)
 
     def scope_of(self, request_id: str) -> tuple:
         self._table(request_id)
@@ -191,28 +203,24 @@ class KVCacheManager:
 
         Returns the number of cached tokens reused (== :meth:`lookup`). The table then holds
         ``num_tokens`` slots; ``num_tokens`` must exceed the cached count (ValueError). Duplicate
-        id -> ValueError; not enough blocks -> MemoryError. Unchanged on any error.
+        id -> ValueError; not enough blocks -> :class:`OutOfBlocks`. Unchanged on any error.
         """
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {request_id!r}")
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} is already admitted")
         key = scope_key(scope)
-        needed_total = self.blocks_for(num_tokens)
-        if num_tokens < 1:
-            raise ValueError("a request needs at least one token slot")
-        cache = self.prefix_cache
-        match = cache.match(key, token_ids) if cache is not None else None
-        cached = match.num_tokens if match else 0
-        hit_blocks = list(match.blocks) if match else []
-        if num_tokens <= cached:
-            raise ValueError(f"num_tokens={num_tokens} must exceed the {cached} cached tokens")
-        fresh = needed_total - len(hit_blocks)
-        available = self.pool.num_allocatable() - self._evictable_unfenced(hit_blocks)
-        if fresh > available:
-            raise MemoryError(
-                f"cannot admit {request_id!r}: needs {fresh} new blocks, {available} allocatable"
-            )
+        if not _is_int(num_tokens) or num_tokens < 1:
+            raise ValueError(f"a request needs at least one token slot, got {num_tokens!r}")
+        plan = self._plan_admit(key, token_ids, num_tokens)
+        if num_tokens <= plan.cached:
+            raise ValueError(f"num_tokens={num_tokens} must exceed the {plan.cached} cached tokens")
+        available = self.pool.num_allocatable()
+        if plan.needed > available:
+            raise OutOfBlocks(f"cannot admit {request_id!r}: needs {plan.needed} blocks, "
+                              f"{available} allocatable", plan.needed, available)
+        match, cached, hit_blocks = plan.match, plan.cached, list(plan.hit_blocks)
+        fresh = plan.fresh
         # capacity is guaranteed: mutate
         if match is not None and match.node is not None:
             self.prefix_cache.lock(match.node)  # type: ignore[union-attr]
@@ -237,28 +245,29 @@ class KVCacheManager:
         Positions ``[write_from, num_tokens)`` are about to be written: every shared block
         covering them (another request's, or the prefix cache's) is replaced by a fresh copy.
         Returns the ``(src, dst)`` copies, fenced until :meth:`complete_copies`. The table never
-        shrinks. KeyError unknown id, ValueError bad positions, MemoryError short of blocks.
+        shrinks. KeyError unknown id, ValueError bad positions, :class:`OutOfBlocks` short of
+        blocks.
         """
         table = self._table(request_id)
         if not (_is_int(write_from) and _is_int(num_tokens)
                 and 0 <= write_from <= num_tokens):
             raise ValueError(f"need 0 <= write_from <= num_tokens, got {write_from}, {num_tokens}")
-        # fast path (most decode steps): nothing to allocate or copy, so the general path
-        # below would change nothing and return [] as well
-        if self.fast_paths and self._grow_is_noop(table, num_tokens, write_from):
+        if self._grow_is_noop(table, num_tokens, write_from):   # most decode steps
             return []
-        extra = max(0, self.blocks_for(num_tokens) - len(table))
-        targets = self._cow_targets(table, num_tokens, write_from)
-        if extra + len(targets) > self.pool.num_allocatable():
-            raise MemoryError(
-                f"cannot grow {request_id!r}: needs {extra + len(targets)} blocks, "
-                f"{self.pool.num_allocatable()} allocatable"
-            )
+        extra, targets = self._plan_grow(table, num_tokens, write_from)
+        available = self.pool.num_allocatable()
+        if extra + len(targets) > available:
+            raise OutOfBlocks(f"cannot grow {request_id!r}: needs {extra + len(targets)} blocks, "
+                              f"{available} allocatable", extra + len(targets), available)
         copies = self.pool.cow([table[i] for i in targets], request_id)
         for i, (_, new) in zip(targets, copies, strict=True):
             table[i] = new
         table.extend(self.pool.allocate(extra, request_id))
         return copies
+
+    def pending_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write copies handed out and not yet completed, sorted."""
+        return self.pool.pending_copies()
 
     def complete_copies(self, copies: Sequence[tuple[int, int]]) -> None:
         """The executor finished these payload copies: lift their fences."""
@@ -289,15 +298,7 @@ class KVCacheManager:
         full = next((i for i in range(done, full) if self.pool.is_fenced(table[i])), full)
         if full <= done:
             return
-        start = self._locks[request_id]
-        if self.fast_paths and start is not None and start.depth == done:
-            # fast path: the locked node spells the first `done` blocks (admit, commit and fork
-            # keep it so), so inserting only the new blocks below it gives the same tree
-            bs = self.block_size
-            result = cache.insert(self._scopes[request_id], token_ids[done * bs:full * bs],
-                                  table[done:full], below=start)
-        else:
-            result = cache.insert(self._scopes[request_id], token_ids, table[:full])
+        result = self._insert(request_id, token_ids, table, done, full)
         # give the cache its reference on every newly indexed block, then move the lock down
         self.pool.share(list(result.new_blocks), CACHE_OWNER)
         cache.lock(result.node)
@@ -344,14 +345,14 @@ class KVCacheManager:
     def needs_commit(self, request_id: str, num_tokens: int) -> bool:
         """Whether :meth:`commit` of the request's first ``num_tokens`` tokens may cache anything.
 
-        False when caching is off, or (fast path) when no block became full since the request's
-        last commit: :meth:`commit` would then return without changing anything, so the caller
-        can skip it and the building of its token list. KeyError for an unknown id.
+        False when caching is off, or when no block became full since the request's last commit:
+        :meth:`commit` would then return without changing anything, so the caller can skip it
+        and the building of its token list. KeyError for an unknown id.
         """
         if self.prefix_cache is None:
             return False
         self._table(request_id)
-        return not self.fast_paths or num_tokens // self.block_size > self._committed[request_id]
+        return num_tokens // self.block_size > self._committed[request_id]
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child's table shares every block of the parent's (refcount +1 each)."""
@@ -455,16 +456,43 @@ class KVCacheManager:
         if write_from == num_tokens:
             return True
         first = write_from // bs
-        # table entries are valid block ids: read the count without refcount()'s argument check
-        return first == (num_tokens - 1) // bs and self.pool._refcount[table[first]] == 1
+        return first == (num_tokens - 1) // bs and self.pool.refcount(table[first]) == 1
 
-    def _cow_targets(self, table: list[int], num_tokens: int, write_from: int) -> list[int]:
-        """Logical blocks of ``table`` covering ``[write_from, num_tokens)`` that are shared."""
+    def _insert(self, request_id: str, token_ids: Sequence[int], table: list[int], done: int,
+                full: int) -> Any:
+        """Index blocks ``done..full-1`` of ``table`` in the tree. The request's locked node
+        spells its first ``done`` blocks (admit, commit and fork keep it so), so only the new
+        blocks are inserted below it; without a lock the whole path is inserted from the root."""
+        cache = self.prefix_cache
+        assert cache is not None
+        start = self._locks[request_id]
+        scope = self._scopes[request_id]
+        if start is not None and start.depth == done:
+            bs = self.block_size
+            return cache.insert(scope, token_ids[done * bs:full * bs], table[done:full],
+                                below=start)
+        return cache.insert(scope, token_ids, table[:full])
+
+    def _plan_grow(self, table: list[int], num_tokens: int,
+                   write_from: int) -> tuple[int, list[int]]:
+        """(blocks to append, logical blocks to copy-on-write) for :meth:`grow`: the shared
+        blocks of ``table`` covering positions ``[write_from, num_tokens)``."""
+        extra = max(0, self.blocks_for(num_tokens) - len(table))
         if write_from >= num_tokens:
-            return []
+            return extra, []
         first = write_from // self.block_size
         last = min(len(table), self.blocks_for(num_tokens))
-        return [i for i in range(first, last) if self.pool.refcount(table[i]) > 1]
+        return extra, [i for i in range(first, last) if self.pool.refcount(table[i]) > 1]
+
+    def _plan_admit(self, key: tuple, token_ids: Sequence[int], num_tokens: int) -> _AdmitPlan:
+        """The cached prefix :meth:`admit` reuses and the blocks it needs (see _AdmitPlan)."""
+        total = self.blocks_for(num_tokens)
+        if self.prefix_cache is None:
+            return _AdmitPlan(None, 0, (), total, 0)
+        match = self.prefix_cache.match(key, token_ids)
+        hit = tuple(match.blocks)
+        return _AdmitPlan(match, match.num_tokens, hit, max(0, total - len(hit)),
+                          self._evictable_unfenced(hit))
 
     def _evictable_unfenced(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` count towards ``pool.num_evictable()`` right now."""

@@ -31,6 +31,16 @@ def physical_slot(block_table: Sequence[int], block_size: int, token_pos: int) -
 # ---------------------------------------------------------------------------------------------
 
 
+def token_slots(block_table: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
+    """Physical slots of positions ``[start, end)``: :func:`physical_slot` without its checks.
+
+    The one place the engine computes slots (the KV manager, the attention metadata, snapshots);
+    callers guarantee that the table covers ``end`` positions.
+    """
+    return [block_table[t // block_size] * block_size + t % block_size
+            for t in range(start, end)]
+
+
 class Allocator(Protocol):
     """What a :class:`BlockTable` needs from a block pool (the reference ``BlockAllocator``)."""
 

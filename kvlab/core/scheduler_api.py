@@ -87,7 +87,8 @@ class RuntimeRequest:
                                             # RNG included, in its own per-sequence records)
     # Filled in by the scheduler (the engine may read them; it should not write them):
     status_message: str | None = None       # why it was rejected / failed (human readable)
-    parent_id: str | None = None            # set by ``fork`` for the extra samples of n > 1
+    arrival_seq: int = 0                    # arrival order (the scheduler's stable tie-breaker)
+    admit_seq: int = 0                      # order of the latest admission (preemption victims)
     arrival_step: int | None = None         # scheduler step counter when add_request ran
     admitted_step: int | None = None        # step that first gave it KV (kept across preemption)
     first_token_step: int | None = None     # step whose output carried its first sampled token
@@ -198,8 +199,6 @@ class Scheduler(Protocol):
         self, output: SchedulerOutput, sampled: Mapping[str, int]
     ) -> list[RuntimeRequest]: ...
 
-    def fork(self, parent_id: str, child: RuntimeRequest) -> None: ...
-
     def fail_step(self, output: SchedulerOutput, message: str) -> list[RuntimeRequest]:
         """The executor failed on ``output`` (the step in flight): fail its requests with
         reason ERROR, release their KV once, and clear the step so the engine can go on."""
@@ -208,6 +207,12 @@ class Scheduler(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def get_request(self, request_id: str) -> RuntimeRequest: ...
+
+    def find_request(self, request_id: str) -> RuntimeRequest | None: ...
+
+    def can_forget(self, request_id: str) -> bool: ...
+
+    def forget(self, request_id: str) -> RuntimeRequest: ...
 
     def requests(self) -> Sequence[RuntimeRequest]: ...
 

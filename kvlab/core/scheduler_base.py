@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .block_pool import OutOfBlocks
 from .lifecycle import (
     RUNNING_STATUSES,
     WAITING_STATUSES,
@@ -109,15 +110,12 @@ class SchedulerBase:
         self.config = config
         self.lifecycle = Lifecycle(log, step=lambda: self._step)
         self._requests: dict[str, RuntimeRequest] = {}
-        self._seq: dict[str, int] = {}          # arrival order (stable tie-breaker)
-        self._admit_seq: dict[str, int] = {}    # order of the latest admission
-        self._counter = 0
+        self._counter = 0                       # source of arrival_seq / admit_seq
         self.waiting: list[str] = []
         self.running: list[str] = []
         self._step = 0
         self._inflight: SchedulerOutput | None = None
         self._inflight_ids: set[str] = set()
-        self._forked: dict[str, str] = {}       # child -> parent, forked during the in-flight step
         self._deferred_release: list[str] = []  # aborted while in flight: free after the step
         self._ended: list[RuntimeRequest] = []  # rejected/failed, reported by update_from_output
         self._rejected_pending: list[str] = []  # rejected since the last schedule()
@@ -155,13 +153,27 @@ class SchedulerBase:
         request = self.get_request(request_id)
         if not request.status.is_terminal:
             raise ValueError(f"request {request_id!r} is {request.status.value}: not ended")
-        if any(r is request for r in self._ended) or request_id in self._inflight_ids \
-                or request_id in self._deferred_release or request_id in self._forked:
+        if not self.can_forget(request_id):
             raise ValueError(f"request {request_id!r} is still being reported or executed")
         del self._requests[request_id]
-        self._seq.pop(request_id, None)
-        self._admit_seq.pop(request_id, None)
         return request
+
+    def can_forget(self, request_id: str) -> bool:
+        """Whether :meth:`forget` would succeed: known, ended, reported, not in flight."""
+        request = self._requests.get(request_id)
+        return (request is not None and request.status.is_terminal
+                and not any(r is request for r in self._ended)
+                and request_id not in self._inflight_ids
+                and request_id not in self._deferred_release)
+
+    def _next_seq(self) -> int:
+        """The next value of the counter that orders arrivals and admissions."""
+        self._counter += 1
+        return self._counter
+
+    def find_request(self, request_id: str) -> RuntimeRequest | None:
+        """The request with this id, or None if unknown (or forgotten)."""
+        return self._requests.get(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._ended or self._inflight_ids)
@@ -174,8 +186,7 @@ class SchedulerBase:
         self.lifecycle.add(request)
         rid = request.request_id
         self._requests[rid] = request
-        self._seq[rid] = self._counter
-        self._counter += 1
+        request.arrival_seq = self._next_seq()
         request.arrival_step = self._step
         why = self._never_fits(request) or self._overloaded(request)
         if why is not None:
@@ -233,9 +244,9 @@ class SchedulerBase:
     ) -> list[RuntimeRequest]:
         """Apply a step's results; returns requests that ended (finished, rejected, failed).
 
-        ``sampled`` maps every request whose chunk had ``sample=True`` (and every child forked
-        this step) to its new token. Validated before anything changes. Aborted requests'
-        tokens are ignored.
+        ``sampled`` maps every request whose chunk had ``sample=True`` to its new token.
+        Validated before anything changes. Tokens of requests aborted during the step are
+        ignored.
         """
         inflight = self._inflight
         if inflight is None or output is not inflight:
@@ -245,9 +256,7 @@ class SchedulerBase:
             raise ValueError(f"output of step {output.step} is not the step in flight")
         live = [c for c in output.chunks if not self._requests[c.request_id].status.is_terminal]
         expected = {c.request_id for c in live if c.sample}
-        expected |= {child for child in self._forked
-                     if not self._requests[child].status.is_terminal}
-        aborted = {c.request_id for c in output.chunks} | set(self._forked)
+        aborted = {c.request_id for c in output.chunks}
         missing = expected - set(sampled)
         extra = set(sampled) - expected - aborted
         if missing:
@@ -267,12 +276,6 @@ class SchedulerBase:
             token = sampled[chunk.request_id] if chunk.sample else None
             self._apply_token(request, token)
             touched.append(request)
-        for child_id in self._forked:
-            child = self._requests[child_id]
-            if child.status.is_terminal:
-                continue
-            self._apply_token(child, sampled[child_id])
-            touched.append(child)
         for request in touched:
             rid, computed = request.request_id, request.num_computed_tokens
             if self.kv.needs_commit(rid, computed):  # False: commit would change nothing
@@ -290,38 +293,36 @@ class SchedulerBase:
         return early + ended
 
     def _close_step(self) -> None:
-        """End the step in flight: release requests aborted during it, forget its forks."""
+        """End the step in flight: release the requests aborted during it."""
         for rid in self._deferred_release:
             self.lifecycle.release(self._requests[rid], self.kv)
         self._deferred_release = []
-        self._forked = {}
         self._inflight = None
         self._inflight_ids = set()
 
     def fail_step(self, output: SchedulerOutput, message: str) -> list[RuntimeRequest]:
         """The step in flight could not run (the executor or the sampler raised): end it.
 
-        Every live request of the step (its chunks and the children forked during it) becomes
-        FAILED (finish reason ERROR, ``message`` in ``status_message``), leaves the running queue
-        and releases its KV exactly once; requests aborted while it was in flight release theirs
-        too. The step's copy-on-write copies still pending are completed first: their
-        destination blocks belong only to requests of this step, which fail, so no KV that
-        survives depends on them. Then the step is cleared: the next ``schedule()`` runs, and
-        the next ``update_from_output()`` reports the failed requests (like rejections).
-        Requests outside the step are untouched. Returns the failed requests. ValueError
-        (nothing changed) if ``output`` is not the step in flight.
+        Every live request of the step becomes FAILED (finish reason ERROR, ``message`` in
+        ``status_message``), leaves the running queue and releases its KV exactly once;
+        requests aborted while it was in flight release theirs too. The step's copy-on-write
+        copies still pending are completed first: their destination blocks belong only to
+        requests of this step, which fail, so no KV that survives depends on them. Then the
+        step is cleared: the next ``schedule()`` runs, and the next ``update_from_output()``
+        reports the failed requests (like rejections). Requests outside the step are
+        untouched. Returns the failed requests. ValueError (nothing changed) if ``output`` is
+        not the step in flight.
         """
         if self._inflight is None or output is not self._inflight:
             raise ValueError(f"fail_step: output of step {output.step} is not the step in flight")
         if not isinstance(message, str):
             raise TypeError(f"fail_step: message must be a str, got {message!r}")
-        pool = getattr(self.kv, "pool", None)
-        if output.copies and pool is not None:
-            still = Counter(pool.pending_copies()) & Counter(output.copies)
+        if output.copies:
+            still = Counter(self.kv.pending_copies()) & Counter(output.copies)
             if still:
                 self.kv.complete_copies(list(still.elements()))
         failed: list[RuntimeRequest] = []
-        for rid in [c.request_id for c in output.chunks] + list(self._forked):
+        for rid in [c.request_id for c in output.chunks]:
             request = self._requests[rid]
             if request.status.is_terminal:
                 continue   # aborted while in flight: released with the deferred ones below
@@ -341,52 +342,6 @@ class SchedulerBase:
         self.log.compact({e.request_id for e in self.log.events} - live)  # ended or forgotten
         self._compact_at = max(self.compact_min_events, 2 * len(self.log))
 
-    def fork(self, parent_id: str, child: RuntimeRequest) -> None:
-        """Add ``child`` as an extra sample of ``parent_id`` (n > 1), sharing the parent's KV.
-
-        Call between ``schedule()`` and ``update_from_output()`` of the step in which the
-        parent's chunk has ``sample=True``; the child's first token is then passed in
-        ``sampled``. The child must carry the parent's prompt and be fresh (WAITING, no output).
-        """
-        parent = self.get_request(parent_id)
-        chunk = self._inflight_chunk(parent_id)
-        if chunk is None or not chunk.sample:
-            raise ValueError(f"fork({parent_id!r}): the parent has no sampling chunk in flight")
-        if parent.status.is_terminal:
-            raise ValueError(f"fork({parent_id!r}): the parent already ended")
-        if parent.output_token_ids:
-            raise ValueError(f"fork({parent_id!r}): the parent already has outputs; fork in the "
-                             "step of its prompt's last chunk")
-        self._validate_new(child)
-        if child.prompt_token_ids != parent.prompt_token_ids:
-            raise ValueError("fork: the child must have the parent's prompt_token_ids")
-        cid = child.request_id
-        # everything the mutations below rely on, checked before the first one
-        if parent_id not in self.running or not self.kv.has(parent_id):
-            raise ValueError(f"fork({parent_id!r}): the parent is not running with a KV table")
-        if self.kv.has(cid):
-            raise ValueError(f"fork: the KV manager already holds a table for {cid!r}")
-        child.parent_id = parent_id
-        self.lifecycle.add(child)
-        self._requests[cid] = child
-        self._seq[cid] = self._counter
-        self._counter += 1
-        child.arrival_step = self._step
-        computed = chunk.start_pos + chunk.num_tokens
-
-        def do_fork() -> int:
-            self.kv.fork(parent_id, cid)
-            return computed
-
-        self.lifecycle.acquire(child, "fork", do_fork)
-        child.num_computed_tokens = computed
-        child.num_cached_tokens = parent.num_cached_tokens
-        self.lifecycle.transition(child, S.PREFILL)
-        child.admitted_step = self._step
-        self._admit_seq[cid] = self._counter
-        self.running.insert(self.running.index(parent_id) + 1, cid)
-        self._forked[cid] = parent_id
-
     def restore(self, requests: Sequence[RuntimeRequest], running_order: Sequence[str],
                  step: int) -> None:
         """Install recovered requests into this empty scheduler (the entry point of recovery).
@@ -399,15 +354,13 @@ class SchedulerBase:
         for request in requests:
             rid = request.request_id
             self._requests[rid] = request
-            self._seq[rid] = self._counter
-            self._counter += 1
+            request.arrival_seq = self._next_seq()
         self.waiting = (
             [r.request_id for r in requests if r.status == S.PREEMPTED]
             + [r.request_id for r in requests if r.status == S.WAITING])
         for rid in running_order:
             self.running.append(rid)
-            self._admit_seq[rid] = self._counter
-            self._counter += 1
+            self._requests[rid].admit_seq = self._next_seq()
         self._step = step
 
     # -- invariants ---------------------------------------------------------------------------
@@ -520,14 +473,6 @@ class SchedulerBase:
     def _overloaded(self, request: RuntimeRequest) -> str | None:
         return None
 
-    def _inflight_chunk(self, rid: str) -> ScheduledChunk | None:
-        if self._inflight is None:
-            return None
-        for chunk in self._inflight.chunks:
-            if chunk.request_id == rid:
-                return chunk
-        return None
-
     def _apply_token(self, request: RuntimeRequest, token: int | None) -> None:
         # Log the progress before the status change: a crash in between leaves a PREFILL
         # request one token behind, which recovery (and the next step) handle as a decode.
@@ -554,8 +499,7 @@ class SchedulerBase:
             request.num_cached_tokens = cached
             request.admitted_step = self._step
         self.waiting.remove(rid)
-        self._admit_seq[rid] = self._counter
-        self._counter += 1
+        request.admit_seq = self._next_seq()
         self._place_running(rid)
         plan.admitted.append(rid)
         plan.add_chunk(self._chunk(request, cached, n))
@@ -564,7 +508,7 @@ class SchedulerBase:
         self.running.append(rid)
 
     def _grow(self, request: RuntimeRequest, n: int) -> list[tuple[int, int]]:
-        """Extend a running request's table for ``n`` more tokens (MemoryError: unchanged)."""
+        """Extend a running request's table for ``n`` more tokens (OutOfBlocks: unchanged)."""
         start = request.num_computed_tokens
         return list(self.kv.grow(request.request_id, start + n, write_from=start))
 
@@ -606,7 +550,7 @@ class SchedulerBase:
             try:
                 plan.copies.extend(self._grow(request, n))
                 return True
-            except MemoryError:
+            except OutOfBlocks:
                 pool = [v for v in victims() if v is not request]
                 if pool:
                     self._preempt(plan, pool[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .block_pool import OutOfBlocks
 from .lifecycle import RUNNING_STATUSES
 from .request import Phase
 from .request import Request as ReferenceRequest
@@ -31,7 +32,7 @@ class BaselineScheduler(SchedulerBase):
 
         def victims() -> list[RuntimeRequest]:
             pool = [self._requests[rid] for rid in self.running if rid not in plan.scheduled]
-            return sorted(pool, key=lambda r: -self._admit_seq[r.request_id])
+            return sorted(pool, key=lambda r: -r.admit_seq)
 
         for request in decodes + prefills:
             if plan.seqs_left == 0 or plan.tokens_left == 0:
@@ -54,7 +55,7 @@ class BaselineScheduler(SchedulerBase):
                 return   # head of line: wait for KV, never skip ahead
             try:
                 self._admit(plan, request, cached, n)
-            except MemoryError:
+            except OutOfBlocks:
                 return
 
     def reference_view(self) -> list[ReferenceRequest]:

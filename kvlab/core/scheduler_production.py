@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from .block_pool import OutOfBlocks
 from .lifecycle import RUNNING_STATUSES, EventLog
 from .scheduler_api import RequestStatus, RuntimeRequest
 from .scheduler_base import SchedulerBase, SchedulerConfig, _StepPlan
@@ -76,7 +77,7 @@ class ProductionScheduler(SchedulerBase):
 
     def _running_order(self) -> list[RuntimeRequest]:
         reqs = [self._requests[rid] for rid in self.running]
-        return sorted(reqs, key=lambda r: (r.priority, self._admit_seq[r.request_id]))
+        return sorted(reqs, key=lambda r: (r.priority, r.admit_seq))
 
     def is_aged(self, request: RuntimeRequest) -> bool:
         limit = self.config.max_wait_steps
@@ -98,14 +99,14 @@ class ProductionScheduler(SchedulerBase):
         for rid in self.waiting:
             request = self._requests[rid]
             (aged if self.is_aged(request) else rest).append(request)
-        aged.sort(key=lambda r: self._seq[r.request_id])
+        aged.sort(key=lambda r: r.arrival_seq)
         # Cheap order first (no lookups), then cache affinity inside a bounded window.
-        rest.sort(key=lambda r: (*self.order_key(r, 0, self._step), self._seq[r.request_id]))
+        rest.sort(key=lambda r: (*self.order_key(r, 0, self._step), r.arrival_seq))
         use_hits = self.config.cache_affinity and self.kv.prefix_cache is not None
         window = self.config.affinity_window if use_hits else 0
         head = [(r, self._uncomputed_prefix_hit(r)) for r in rest[:window]]
         head.sort(key=lambda p: (*self.order_key(p[0], p[1], self._step),
-                                 self._seq[p[0].request_id]))
+                                 p[0].arrival_seq))
         tail = [(r, -1) for r in rest[window:]]
         return [(r, -1) for r in aged] + head + tail
 
@@ -115,7 +116,7 @@ class ProductionScheduler(SchedulerBase):
 
         def victims() -> list[RuntimeRequest]:
             pool = [self._requests[rid] for rid in self.running if rid not in plan.scheduled]
-            return sorted(pool, key=lambda r: (-r.priority, -self._admit_seq[r.request_id]))
+            return sorted(pool, key=lambda r: (-r.priority, -r.admit_seq))
 
         # 1. sizes: one token each, then extend prefills in order.
         sizes: dict[str, int] = {}
@@ -173,7 +174,7 @@ class ProductionScheduler(SchedulerBase):
                 continue
             try:
                 self._admit(plan, request, cached, n)
-            except MemoryError:
+            except OutOfBlocks:
                 if self.is_aged(request):
                     break
                 continue

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvlab.core.paging import token_slots
+
 __all__ = [
     "AttentionMetadata",
     "ChunkSpec",
@@ -185,7 +187,7 @@ def build_metadata(
             ids.append(c.token_ids[0])
             last_row[i] = row
             pos_list.append(p)
-            slot_list.append(c.block_table[p // block_size] * block_size + p % block_size)
+            slot_list.extend(token_slots(c.block_table, block_size, p, p + 1))
             need.append(p // block_size + 1)
         # one additive mask for all rows (key position > query position -> -inf), sliced per
         # bucket: rows lo..hi-1 and the first nb blocks
@@ -211,9 +213,9 @@ def build_metadata(
         c = chunks[i]
         q = len(c.token_ids)
         ids.extend(c.token_ids)
-        table = torch.tensor(list(c.block_table), dtype=torch.long)
         all_pos = torch.arange(c.start_pos + q)
-        all_slots = table[all_pos // block_size] * block_size + all_pos % block_size
+        all_slots = torch.tensor(token_slots(c.block_table, block_size, 0, c.start_pos + q),
+                                 dtype=torch.long)
         pos_parts.append(all_pos[c.start_pos:])
         slot_parts.append(all_slots[c.start_pos:])
         prefills.append(PrefillChunk(offset, q, c.start_pos, all_slots.to(device)))

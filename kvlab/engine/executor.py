@@ -1,31 +1,36 @@
 """TorchExecutor: runs a scheduler's decisions on the real model and the real KV tensors.
 
-The executor is the only place where :mod:`kvlab.core` decisions touch tensors. Per step it
+It is the :class:`~kvlab.core.engine_core.Executor` of the real engine, and the only place where
+:mod:`kvlab.core` decisions touch tensors. Per step it
 
 1. performs the copy-on-write ``copies`` on the cache (before any write of this step),
 2. lays the chunks out as one flat batch (:func:`~kvlab.engine.attention.build_metadata`:
    positions and slot mappings from the chunks' block tables),
 3. runs the forward pass (which writes the new K/V through the slot mapping), and
-4. returns the logits of the last token of every chunk with ``sample=True``.
+4. samples one token from the logits of the last token of every chunk with ``sample=True``,
+   with the :class:`~kvlab.engine.sampling.SamplerState` that the engine stored in the
+   request's ``engine_state``.
 
-It knows nothing of requests' sampling parameters or lifecycles; the engine does.
+It never changes requests, queues or KV ownership; the scheduler does.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvlab.core.scheduler_api import ScheduledChunk
+from kvlab.core.engine_core import ModelOutput
+from kvlab.core.scheduler_api import RuntimeRequest, ScheduledChunk, SchedulerOutput
 
 from .attention import AttentionMetadata, ChunkSpec, Workspace, build_metadata
 from .kv_cache import PagedKVCache
 from .model import LlamaModel
+from .sampling import SamplerState, sample
 
-__all__ = ["ExecutorOutput", "TorchExecutor"]
+__all__ = ["ExecutorOutput", "StepInfo", "TorchExecutor"]
 
 
 @dataclass
@@ -39,10 +44,31 @@ class ExecutorOutput:
     forward_s: float = 0.0   # copies + model forward + logits (device-synchronised)
 
 
-class TorchExecutor:
-    """Execute steps of ``model`` over ``cache`` (both on the same device)."""
+@dataclass
+class StepInfo:
+    """Detail of one executed step (``ModelOutput.info``): the flat-batch ``metadata``, the
+    sampled ``request_ids`` in logits-row order, ``logits_shape``, and per sampled request its
+    raw log-probability and (if asked) its top-logprobs dict; timings in seconds."""
 
-    def __init__(self, model: LlamaModel, cache: PagedKVCache):
+    metadata: AttentionMetadata | None
+    request_ids: list[str]
+    logits_shape: tuple[int, ...]
+    logprobs: dict[str, float]
+    top_logprobs: dict[str, dict[int, float] | None]
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+class TorchExecutor:
+    """Execute steps of ``model`` over ``cache`` (both on the same device).
+
+    ``requests`` looks a running request up by id (the scheduler's ``get_request``); its
+    ``engine_state`` must be the :class:`SamplerState` of that sequence.
+    """
+
+    def __init__(self, model: LlamaModel, cache: PagedKVCache,
+                 requests: Callable[[str], RuntimeRequest] | None = None):
         cfg = model.cfg
         if len(cache.layers) != cfg.num_layers or cache.data.shape[-2:] != (
                 cfg.num_kv_heads, cfg.head_dim):
@@ -52,15 +78,36 @@ class TorchExecutor:
         self.device = model.device
         self.block_size = cache.block_size
         self.workspace = Workspace(self.device, cache.data.dtype)
+        self.requests = requests
+
+    def execute(self, output: SchedulerOutput) -> ModelOutput:
+        """Run ``output`` (copies, forward, sampling); see the module docstring."""
+        res = self.forward(output.chunks, output.copies)
+        t0 = time.perf_counter()
+        lookup = self.requests
+        assert lookup is not None, "TorchExecutor.execute needs a request lookup"
+        states: list[SamplerState] = [lookup(rid).engine_state for rid in res.request_ids]
+        assert all(isinstance(s, SamplerState) for s in states), "request without a sampler"
+        picked = sample(res.logits, states) if states else None
+        sample_s = time.perf_counter() - t0
+        ids = res.request_ids
+        info = StepInfo(
+            res.metadata, ids, tuple(res.logits.shape),
+            dict(zip(ids, picked.logprobs, strict=True)) if picked else {},
+            dict(zip(ids, picked.top_logprobs, strict=True)) if picked else {},
+            res.prepare_s, res.forward_s, sample_s)
+        sampled = dict(zip(ids, picked.token_ids, strict=True)) if picked else {}
+        return ModelOutput(sampled, res.prepare_s + res.forward_s + sample_s, info)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[ScheduledChunk],
+    def forward(self, chunks: Sequence[ScheduledChunk],
                 copies: Sequence[tuple[int, int]] = ()) -> ExecutorOutput:
-        """Run one step; ValueError (cache untouched) when a chunk's table does not cover it."""
+        """Copies, then the forward pass over ``chunks``; the logits of the sampling rows.
+        ValueError (cache untouched) when a chunk's table does not cover it."""
         t0 = time.perf_counter()
         meta = build_metadata(
             [ChunkSpec(c.token_ids, c.start_pos, c.block_table) for c in chunks],

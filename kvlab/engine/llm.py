@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+
+from tqdm import tqdm
 
 from .llm_engine import LLMEngine, Prompt
 from .outputs import RequestOutput
@@ -49,12 +52,16 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of ``prompts``.
 
         ``prompts``: one prompt or a list; a prompt is a str or a list of token ids.
         ``sampling_params``: one for all prompts, or one per prompt. Every prompt is validated
-        before any is queued (a bad one raises and nothing runs).
+        before any is queued (a bad one raises and nothing runs). Requests added to
+        ``self.engine`` directly keep running alongside; their outputs produced meanwhile are
+        returned by the engine's next ``step()``. ``use_tqdm``: a progress bar on a terminal
+        (tqdm's convention: shown only when stderr is a TTY).
         """
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and isinstance(prompts[0], int)):
@@ -75,19 +82,38 @@ class LLM:
             engine.validate_request(p, sp)
         ids: list[str] = []
         done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(prompts), desc="Processed prompts", unit="req",
+                   disable=None if use_tqdm else True)
         try:
             for p, sp in zip(prompts, params, strict=True):
-                rid = f"gen-{self._counter}"
-                self._counter += 1
+                rid = self._next_id()
                 engine.add_request(rid, p, sp)
                 ids.append(rid)
+            mine = set(ids)
             while len(done) < len(ids):
-                for out in engine._step(finished_only=True):
-                    if out.finished:
+                foreign = []
+                for out in engine.step(only_finished=True):
+                    if out.request_id in mine:
                         done[out.request_id] = out
+                        bar.update(1)
+                    else:
+                        foreign.append(out)
+                if foreign:
+                    engine.defer_outputs(foreign)
         except BaseException:
             for rid in ids:  # leave the engine clean if interrupted
-                if rid not in done and rid in engine._groups:
-                    engine.abort_request(rid)
+                if rid not in done:
+                    with contextlib.suppress(KeyError):   # it ended in the step that raised
+                        engine.abort_request(rid)
             raise
+        finally:
+            bar.close()
         return [done[rid] for rid in ids]
+
+    def _next_id(self) -> str:
+        """A request id no request in the engine uses (users may add their own, even gen-N)."""
+        while True:
+            rid = f"gen-{self._counter}"
+            self._counter += 1
+            if not self.engine.has_request(rid):
+                return rid

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput"]
+if TYPE_CHECKING:
+    from kvlab.core.scheduler_api import SchedulerOutput
+
+__all__ = ["CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput", "StepTrace"]
 
 
 @dataclass
@@ -71,3 +75,49 @@ class RequestOutput:
                          for o in self.outputs)
         return (f"RequestOutput({self.request_id!r}, prompt={len(self.prompt_token_ids)} tok, "
                 f"cached={self.num_cached_tokens}, finished={self.finished}, [{outs}])")
+
+
+@dataclass
+class StepTrace:
+    """What the last :meth:`LLMEngine.step` did, for teaching and debugging (references only).
+
+    ``scheduler_output``: the scheduler's decisions (chunks, copies, admissions, preemptions);
+    ``metadata``: the executor's flat-batch layout (``input_ids``, ``positions``,
+    ``slot_mapping``, decode buckets, prefill chunks); ``sampled_from``: request ids whose
+    logits rows were sampled, in row order; ``logits_shape``: ``(rows, vocab)``;
+    ``sampled``: token per sequence; ``finished``: sequence ids that ended in this step.
+    """
+
+    scheduler_output: SchedulerOutput
+    metadata: Any
+    sampled_from: list[str]
+    logits_shape: tuple[int, ...]
+    sampled: dict[str, int]
+    finished: list[str]
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started (times in seconds)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0            # prompt tokens of admitted requests
+    cached_prompt_tokens: int = 0     # of which served by the prefix cache
+    computed_tokens: int = 0          # tokens run through the model (prefill + decode)
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    step_time_s: float = 0.0          # whole step() wall time
+    model_time_s: float = 0.0         # executor forward (copies + model + logits)
+    prepare_time_s: float = 0.0       # executor metadata building
+    schedule_time_s: float = 0.0      # scheduler.schedule() + update_from_output()
+    sample_time_s: float = 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def overhead_share(self) -> float:
+        """Share of step time spent outside the model forward (scheduling, metadata, sampling,
+        bookkeeping)."""
+        return 1.0 - self.model_time_s / self.step_time_s if self.step_time_s else 0.0

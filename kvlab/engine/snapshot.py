@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.core.paging import token_slots
+
 __all__ = ["BatchEntry", "EngineSnapshot", "RequestView", "take_snapshot"]
 
 
@@ -25,7 +27,6 @@ class RequestView:
     num_cached_tokens: int
     block_table: tuple[int, ...]
     finish_reason: str | None
-    parent_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -76,16 +77,15 @@ def take_snapshot(engine: Any, *, include_finished: bool = False) -> EngineSnaps
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=len(req.output_token_ids),
             num_computed_tokens=req.num_computed_tokens, num_cached_tokens=req.num_cached_tokens,
             block_table=table,
-            finish_reason=None if req.finish_reason is None else req.finish_reason.value,
-            parent_id=getattr(req, "parent_id", None)))
+            finish_reason=None if req.finish_reason is None else req.finish_reason.value))
     batch = []
-    out = engine._last_output
+    trace = engine.last_trace
+    out = trace.scheduler_output if trace is not None else None
     if out is not None:
         for c in out.chunks:
-            slots = tuple(c.block_table[p // bs] * bs + p % bs
-                          for p in range(c.start_pos, c.start_pos + c.num_tokens))
+            slots = tuple(token_slots(c.block_table, bs, c.start_pos, c.start_pos + c.num_tokens))
             batch.append(BatchEntry(c.request_id, c.start_pos, c.num_tokens, c.is_prefill,
-                                    c.sample, slots, engine._last_sampled.get(c.request_id)))
+                                    c.sample, slots, trace.sampled.get(c.request_id)))
     ks = kv.snapshot()
     st = engine.stats
     stats = {

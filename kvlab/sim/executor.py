@@ -1,10 +1,11 @@
-"""The simulator: drive any scheduler on a simulated clock, charging each step its roofline cost.
+"""The simulator: the engine's own step loop on a simulated clock, each step priced by a roofline.
 
-:func:`simulate` plays the engine: it adds requests when their arrival time comes, calls
-``schedule()``, advances the clock by the step's modelled time
-(:class:`~kvlab.sim.costmodel.RooflineCostModel`), hands back one token per sampling chunk and
-calls ``update_from_output``. No tensors are touched, so the same scheduler and KV manager that
-the real engine uses can be studied with thousands of requests on a laptop.
+:class:`CostModelExecutor` is the :class:`~kvlab.core.engine_core.Executor` of the simulator: it
+charges a step the time a :class:`~kvlab.sim.costmodel.RooflineCostModel` gives it and produces
+each sampled token with a token function instead of a model. :func:`simulate` runs
+:class:`~kvlab.core.engine_core.EngineCore` (the same loop as the real engine) with it, adding
+requests when their arrival time comes. No tensors are touched, so the scheduler and KV manager
+that the real engine uses can be studied with thousands of requests on a laptop.
 
 Tokens are not a model's: the next token is a cheap deterministic function of the request's
 length (outputs end by ``max_tokens``; EOS is ignored), which is all scheduling needs.
@@ -17,9 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest
+from kvlab.core.engine_core import EngineCore, ModelOutput
+from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest, SchedulerOutput
 
-from .costmodel import RooflineCostModel
+from .costmodel import RooflineCostModel, StepCost
 from .workload import RequestSpec, to_request
 
 
@@ -48,6 +50,38 @@ class SimClock:
 def sim_token(request: RuntimeRequest) -> int:
     """The simulator's token source: cheap and deterministic (never 0, 1 or 2)."""
     return 3 + (request.num_tokens * 7919) % 30000
+
+
+TokenFn = Callable[[RuntimeRequest], int]
+
+
+class CostModelExecutor:
+    """An executor without a model: tokens from ``token_fn(request)``, time from ``cost``.
+
+    ``requests`` looks a request up by id (the scheduler's ``get_request``). ``cost=None``
+    charges nothing (a pure token driver). ``padding(output) -> [(num_tokens, start_pos)]``,
+    if given, is dummy work the scheduler makes the GPU do (a static batch's padding); it is
+    priced like real tokens. ``info`` of the result is ``(StepCost | None, padding tokens)``.
+    """
+
+    def __init__(self, requests: Callable[[str], RuntimeRequest], token_fn: TokenFn = sim_token,
+                 cost: RooflineCostModel | None = None,
+                 padding: Callable[[SchedulerOutput], Sequence[tuple[int, int]]] | None = None):
+        self.requests = requests
+        self.token_fn = token_fn
+        self.cost = cost
+        self.padding = padding
+
+    def execute(self, output: SchedulerOutput) -> ModelOutput:
+        sampled = {c.request_id: self.token_fn(self.requests(c.request_id))
+                   for c in output.chunks if c.sample}
+        pad = list(self.padding(output)) if self.padding is not None else []
+        step: StepCost | None = None
+        seconds = 0.0
+        if self.cost is not None:
+            step = self.cost.step_cost(output.chunks, pad)
+            seconds = step.seconds if not output.is_empty else 0.0
+        return ModelOutput(sampled, seconds, (step, sum(n for n, _ in pad)))
 
 
 @dataclass
@@ -169,7 +203,7 @@ def simulate(
     cost: RooflineCostModel,
     *,
     shared_prefix: int = 0,
-    token_fn: Callable[[RuntimeRequest], int] = sim_token,
+    token_fn: TokenFn = sim_token,
     record_steps: bool = True,
     max_steps: int = 10_000_000,
     until: float | None = None,
@@ -178,33 +212,35 @@ def simulate(
 
     ``scheduler`` is any :class:`~kvlab.core.scheduler_api.Scheduler` (it may also offer
     ``padding(output) -> [(num_tokens, start_pos)]`` for dummy work it makes the GPU do, as a
-    static batch does). ``until``: stop at that simulated time (unfinished requests stay
-    unfinished in the records). RuntimeError if the scheduler makes no progress while it still
-    has requests and no arrival is pending (a policy bug), or after ``max_steps``.
+    static batch does). The loop is :class:`~kvlab.core.engine_core.EngineCore`'s, with a
+    :class:`CostModelExecutor`. ``until``: stop at that simulated time (unfinished requests
+    stay unfinished in the records). RuntimeError if the scheduler makes no progress while it
+    still has requests and no arrival is pending (a policy bug), or after ``max_steps``.
     """
     specs = sorted(workload, key=lambda s: (s.arrival_time, s.request_id))
     records = {s.request_id: RequestRecord(s.request_id, s.arrival_time, s.prompt_len,
                                            s.output_len, s.deadline) for s in specs}
     clock = SimClock()
-    padding_fn = getattr(scheduler, "padding", None)
+    executor = CostModelExecutor(scheduler.get_request, token_fn, cost,
+                                 getattr(scheduler, "padding", None))
+    core = EngineCore(scheduler, executor)
     steps: list[StepRecord] = []
     i = step = 0
     idle_in_a_row = 0
-    while i < len(specs) or scheduler.has_unfinished_requests():
+    while i < len(specs) or core.has_unfinished_requests():
         if until is not None and clock.now >= until:
             break
         while i < len(specs) and specs[i].arrival_time <= clock.now:
-            scheduler.add_request(to_request(specs[i], shared_prefix=shared_prefix))
+            core.add_request(to_request(specs[i], shared_prefix=shared_prefix))
             i += 1
-        if not scheduler.has_unfinished_requests():
+        if not core.has_unfinished_requests():
             clock.jump_to(specs[i].arrival_time)
             continue
-        out = scheduler.schedule()
         step += 1
         if step > max_steps:
             raise RuntimeError(f"simulation not done after {max_steps} steps")
-        padding = list(padding_fn(out)) if padding_fn is not None else []
-        c = cost.step_cost(out.chunks, padding)
+        result = core.step()
+        out = result.output
         start = clock.now
         if out.is_empty:
             idle_in_a_row += 1
@@ -215,32 +251,29 @@ def simulate(
                                    "arrivals pending")
         else:
             idle_in_a_row = 0
-            clock.advance(c.seconds)
-        if out.copies:
-            scheduler.kv.complete_copies(out.copies)
-        sampled = {ch.request_id: token_fn(scheduler.get_request(ch.request_id))
-                   for ch in out.chunks if ch.sample}
-        ended = scheduler.update_from_output(out, sampled)
+            clock.advance(result.model.seconds)
         now = clock.now
-        for rid in sampled:
+        for rid in result.model.sampled:
             rec = records[rid]
             rec.output_tokens += 1
             if rec.first_token is None:
                 rec.first_token = now
-        for req in ended:
+        for req in result.ended:
             rec = records[req.request_id]
             rec.finish = now
             rec.status = req.status.value
             rec.finish_reason = req.finish_reason.value if req.finish_reason else None
+            rec.num_preemptions = req.num_preemptions
         if record_steps:
+            cost_of_step, padding_tokens = result.model.info
             steps.append(StepRecord(
                 step=out.step, start=start, duration=clock.now - start,
                 chunks=tuple((ch.request_id, ch.num_tokens, ch.is_prefill) for ch in out.chunks),
                 admitted=out.admitted, preempted=out.preempted,
-                finished=tuple(r.request_id for r in ended
+                finished=tuple(r.request_id for r in result.ended
                                if r.status == RequestStatus.FINISHED),
-                padding_tokens=sum(n for n, _ in padding), bound=c.bound))
-    for req in scheduler.requests():
+                padding_tokens=padding_tokens, bound=cost_of_step.bound))
+    for req in scheduler.requests():   # the ones still running or waiting
         rec = records.get(req.request_id)
         if rec is not None:
             rec.num_preemptions = req.num_preemptions

@@ -1,4 +1,4 @@
-"""A deterministic stand-in for a model, and a loop that drives a scheduler with it (no torch).
+"""A deterministic stand-in for a model, and a driver that runs a scheduler with it (no torch).
 
 :func:`hash_token` makes the next token a function of *all* previous tokens, like a greedy
 language model. So a request that is preempted and recomputed must produce exactly the tokens
@@ -12,7 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.core.engine_core import EngineCore
 from kvlab.core.scheduler_api import RuntimeRequest, SchedulerOutput
+
+from .executor import CostModelExecutor
 
 _MASK = (1 << 64) - 1
 
@@ -61,45 +64,36 @@ def drive(
     arrivals: dict[int, list[RuntimeRequest]] | None = None,
     aborts: dict[int, list[str]] | None = None,
     check: bool = False,
-    forks: dict[str, list[RuntimeRequest]] | None = None,
     on_step: Callable[[SchedulerOutput], None] | None = None,
 ) -> DriveResult:
-    """Run ``scheduler`` until nothing is left, playing the engine's part of each step.
+    """Run ``scheduler`` until nothing is left, on the engine's own loop
+    (:class:`~kvlab.core.engine_core.EngineCore` with a zero-cost
+    :class:`~kvlab.sim.executor.CostModelExecutor` producing ``token_fn``'s tokens).
 
     ``arrivals[s]`` / ``aborts[s]`` are added / aborted just before step ``s`` (1-based) is
-    scheduled. Copies are completed at once (a metadata-only executor). ``forks[parent]`` are
-    forked from ``parent`` (n > 1) at its first sampling chunk, as the engine does. ``check``
-    runs ``check_invariants`` after every step. RuntimeError if ``max_steps`` is exceeded.
+    scheduled. ``check`` runs ``check_invariants`` after every step. Ended requests stay in the
+    scheduler's registry for inspection. RuntimeError if ``max_steps`` is exceeded.
     """
-    forks = {k: list(v) for k, v in (forks or {}).items()}
     arrivals = dict(arrivals or {})
     aborts = dict(aborts or {})
+    core = EngineCore(scheduler, CostModelExecutor(scheduler.get_request, token_fn),
+                      forget_ended=False)
     result = DriveResult()
     last = max([0, *arrivals, *aborts])
     step = 0
-    while scheduler.has_unfinished_requests() or step < last:
+    while core.has_unfinished_requests() or step < last:
         step += 1
         if step > max_steps:
             raise RuntimeError(f"not done after {max_steps} steps")
         for request in arrivals.pop(step, []):
-            scheduler.add_request(request)
+            core.add_request(request)
         for rid in aborts.pop(step, []):
-            scheduler.abort_request(rid)
-        out = scheduler.schedule()
-        if out.copies:
-            scheduler.kv.complete_copies(out.copies)
-        sampled = {c.request_id: token_fn(scheduler.get_request(c.request_id))
-                   for c in out.chunks if c.sample}
-        for chunk in out.chunks:
-            if chunk.sample and chunk.request_id in forks:
-                for child in forks.pop(chunk.request_id):
-                    scheduler.fork(chunk.request_id, child)
-                    sampled[child.request_id] = token_fn(child)
-        ended = scheduler.update_from_output(out, sampled)
-        result.outputs.append(out)
-        result.ended.append([r.request_id for r in ended])
+            core.abort_request(rid)
+        done = core.step()
+        result.outputs.append(done.output)
+        result.ended.append([r.request_id for r in done.ended])
         if on_step is not None:
-            on_step(out)
+            on_step(done.output)
         if check:
             scheduler.check_invariants()
     return result

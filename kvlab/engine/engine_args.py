@@ -1,0 +1,176 @@
+"""The engine's constructor arguments, validated at the boundary, and the KV cache's size.
+
+Every check names the argument and the value, and runs before anything is allocated or
+loaded: a bad argument raises ``ValueError`` (or ``TypeError`` for a wrong kind of object) and
+nothing else happens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+#: Default KV budget on CPU when ``num_blocks`` is None (bytes). On CUDA the default is half of
+#: the device memory free after loading the weights.
+DEFAULT_KV_CACHE_MEMORY_CPU = 512 * 2**20
+
+#: Largest block size accepted (tokens). vLLM's kernels use 16–256; a block is a unit of
+#: allocation, and a huge one only wastes memory.
+MAX_BLOCK_SIZE = 4096
+
+#: Seeds are taken modulo 2**64 (torch.Generator's range); a seed argument must lie below it.
+SEED_MOD = 2**64
+
+#: Floating-point dtypes the model and its KV cache can run in.
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def is_int(value: object) -> bool:
+    """An int that is not a bool (``True`` is an int to Python, never a size or a seed)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_positive_int(name: str, value: object, *, optional: bool = False,
+                       upper: int | None = None) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int in ``1..upper`` (or None when
+    ``optional``)."""
+    if optional and value is None:
+        return
+    if not is_int(value) or value <= 0 or (upper is not None and value > upper):
+        bound = f" <= {upper}" if upper is not None else ""
+        kind = "a positive int" + bound + (" or None" if optional else "")
+        raise ValueError(f"LLMEngine: {name} must be {kind}, got {value!r}")
+
+
+def check_engine_args(*, model: object, block_size: object, max_num_seqs: object,
+                      max_num_batched_tokens: object, num_blocks: object,
+                      max_prefill_chunk: object, kv_cache_memory: object, max_model_len: object,
+                      seed: object, enable_prefix_caching: object, scheduler: object,
+                      security_domain: object) -> None:
+    """Check :class:`~kvlab.engine.llm_engine.LLMEngine`'s arguments (device and dtype are
+    resolved by :func:`resolve_device` / :func:`resolve_dtype`)."""
+    from .checkpoint import LoadedCheckpoint
+
+    if isinstance(model, str) and not model.strip():
+        raise ValueError("LLMEngine: model must name a shipped model or a directory, got ''")
+    if not isinstance(model, (str, Path, LoadedCheckpoint)):
+        raise TypeError(f"LLMEngine: model must be a str, a Path or a LoadedCheckpoint, "
+                        f"got {type(model).__name__}")
+    check_positive_int("block_size", block_size, upper=MAX_BLOCK_SIZE)
+    check_positive_int("max_num_seqs", max_num_seqs)
+    check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+    check_positive_int("num_blocks", num_blocks, optional=True)
+    check_positive_int("max_prefill_chunk", max_prefill_chunk, optional=True)
+    check_positive_int("kv_cache_memory", kv_cache_memory, optional=True)
+    check_positive_int("max_model_len", max_model_len, optional=True)
+    if not is_int(seed) or not 0 <= seed < SEED_MOD:
+        raise ValueError(f"LLMEngine: seed must be an int in [0, 2**64), got {seed!r}")
+    if not isinstance(enable_prefix_caching, bool):
+        raise ValueError(f"LLMEngine: enable_prefix_caching must be a bool, "
+                         f"got {enable_prefix_caching!r}")
+    if isinstance(scheduler, str) and scheduler not in ("baseline", "production"):
+        raise ValueError(f"unknown scheduler {scheduler!r}; expected 'baseline', "
+                         "'production' or a factory (kv, SchedulerConfig) -> Scheduler")
+    if not isinstance(scheduler, str) and not callable(scheduler):
+        raise TypeError(f"LLMEngine: scheduler must be a name or a factory, got {scheduler!r}")
+    if not isinstance(security_domain, str) or not security_domain:
+        raise ValueError(f"LLMEngine: security_domain must be a non-empty str, "
+                         f"got {security_domain!r}")
+
+
+def resolve_device(device: object) -> torch.device:
+    """``None`` -> CPU; ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a torch.device of those types."""
+    if device is None:
+        return torch.device("cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"LLMEngine: device must be a str or torch.device, got {device!r}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"LLMEngine: device {device!r} is not a device: {error}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"LLMEngine: device must be 'cpu' or 'cuda', got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("LLMEngine: device='cuda' requested but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"LLMEngine: device {device!r}: only {torch.cuda.device_count()} "
+                             "CUDA devices")
+    return dev
+
+
+def resolve_dtype(dtype: object, device: torch.device) -> torch.dtype:
+    """``None`` -> float32 on CPU, bfloat16 on CUDA; a name or a torch dtype of
+    :data:`SUPPORTED_DTYPES` otherwise."""
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, str):
+        named = getattr(torch, dtype, None)
+        if not isinstance(named, torch.dtype):
+            raise ValueError(f"LLMEngine: unknown dtype {dtype!r}")
+        dtype = named
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+        raise ValueError(f"LLMEngine: dtype must be one of {names}, got {dtype!r}")
+    return dtype  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class CacheSize:
+    """The paged KV cache's size: ``num_blocks`` blocks of ``block_bytes`` bytes each."""
+
+    num_blocks: int
+    block_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this machine, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def size_kv_cache(*, block_bytes: int, block_size: int, num_blocks: int | None,
+                  kv_cache_memory: int | None, max_num_seqs: int, max_model_len: int,
+                  device: torch.device) -> CacheSize:
+    """How many blocks to allocate.
+
+    ``num_blocks`` given: exactly that many. Otherwise ``floor(kv_cache_memory / block_bytes)``
+    (never more than asked; ValueError if not even one block fits), capped at what
+    ``max_num_seqs`` requests of ``max_model_len`` tokens can use. ``kv_cache_memory`` defaults
+    to :data:`DEFAULT_KV_CACHE_MEMORY_CPU` on CPU and half the free memory on CUDA. ValueError
+    when the cache would not fit the device's memory.
+    """
+    if num_blocks is None:
+        if kv_cache_memory is None:
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                kv_cache_memory = free // 2
+            else:
+                kv_cache_memory = DEFAULT_KV_CACHE_MEMORY_CPU
+        if kv_cache_memory < block_bytes:
+            raise ValueError(
+                f"LLMEngine: kv_cache_memory={kv_cache_memory} bytes holds no KV block "
+                f"(one block of {block_size} tokens takes {block_bytes} bytes)")
+        cap = math.ceil(max_num_seqs * max_model_len / block_size) + max_num_seqs
+        num_blocks = min(kv_cache_memory // block_bytes, cap)
+    total = num_blocks * block_bytes
+    if device.type == "cuda":
+        limit: int | None = torch.cuda.mem_get_info(device)[0]
+    else:
+        limit = host_memory_bytes()
+    if limit is not None and total > limit:
+        raise ValueError(
+            f"LLMEngine: a KV cache of {num_blocks} blocks x {block_bytes} bytes "
+            f"({total / 2**30:.1f} GiB) does not fit the {limit / 2**30:.1f} GiB of "
+            f"{device.type} memory; lower num_blocks, block_size or kv_cache_memory")
+    return CacheSize(num_blocks, block_bytes)
