@@ -7,14 +7,20 @@ error naming the file and the field.
 
 from __future__ import annotations
 
+import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
+from kvlab.engine.checkpoint import load_checkpoint
+from kvlab.engine.config import ConfigError, ModelConfig
 from kvlab.engine.llm import LLM
 from kvlab.engine.params import MAX_SEED, MIN_TEMPERATURE, SamplingParams, is_int, is_real
 from kvlab.engine.sampling import SamplerState, _filter, sample
+from kvlab.models import shipped_model_path
 
 VOCAB = 64
 
@@ -174,3 +180,169 @@ def test_largest_seed_with_n_samples(tiny_llm):
         alone = SamplingParams(max_tokens=6, temperature=1.0, seed=(base + c.index) % 2**64,
                                ignore_eos=True)
         assert c.token_ids == tiny_llm.generate([prompt], alone)[0].outputs[0].token_ids
+
+
+# ----------------------------------------------------------------------------- checkpoint files
+@pytest.fixture(scope="module")
+def shipped() -> Path:
+    return shipped_model_path("kvlab-tiny")
+
+
+def _corrupt(shipped: Path, tmp_path: Path, file: str, changes: dict) -> Path:
+    """A copy of ``shipped`` (weights linked, JSON copied) with ``changes`` applied to the
+    top-level object of ``file``; a value of ``...`` deletes the key."""
+    dst = tmp_path / "model"
+    dst.mkdir()
+    for f in shipped.iterdir():
+        if f.suffix == ".json":
+            (dst / f.name).write_text(f.read_text())
+        else:
+            (dst / f.name).symlink_to(f)
+    data = json.loads((dst / file).read_text())
+    for key, value in changes.items():
+        if value is ...:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    (dst / file).write_text(json.dumps(data))  # NaN / Infinity written as Python's json does
+    return dst
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 512}
+
+BAD_CONFIG = [  # (changes to config.json, the field the error must name)
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+    ({"tie_word_embeddings": 0}, "tie_word_embeddings"),
+    ({"attention_bias": "false"}, "attention_bias"),
+    ({"mlp_bias": 1}, "mlp_bias"),
+    ({"use_sliding_window": "false"}, "use_sliding_window"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"rms_norm_eps": math.inf}, "rms_norm_eps"),
+    ({"rms_norm_eps": math.nan}, "rms_norm_eps"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps"),
+    ({"rope_theta": math.nan}, "rope_theta"),
+    ({"rope_theta": math.inf}, "rope_theta"),
+    ({"rope_theta": -1.0}, "rope_theta"),
+    ({"rope_theta": True}, "rope_theta"),
+    ({"vocab_size": 0}, "vocab_size"),
+    ({"vocab_size": 1024.0}, "vocab_size"),
+    ({"vocab_size": "1024"}, "vocab_size"),
+    ({"hidden_size": True}, "hidden_size"),
+    ({"hidden_size": -192}, "hidden_size"),
+    ({"intermediate_size": 512.5}, "intermediate_size"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers"),
+    ({"num_hidden_layers": ...}, "num_hidden_layers"),
+    ({"max_position_embeddings": math.inf}, "max_position_embeddings"),
+    ({"num_attention_heads": 6.0}, "num_attention_heads"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads"),
+    ({"num_key_value_heads": 4}, "num_key_value_heads"),
+    ({"num_key_value_heads": True}, "num_key_value_heads"),
+    ({"head_dim": 0}, "head_dim"),
+    ({"head_dim": 31}, "head_dim"),
+    ({"head_dim": 32.0}, "head_dim"),
+    ({"head_dim": ..., "num_attention_heads": 5, "num_key_value_heads": 1}, "hidden_size"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"pretraining_tp": 2}, "pretraining_tp"),
+    ({"pretraining_tp": True}, "pretraining_tp"),
+    ({"architectures": 5}, "architectures"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
+    ({"architectures": ..., "model_type": "gpt2"}, "model_type"),
+    ({"eos_token_id": "abc"}, "eos_token_id"),
+    ({"eos_token_id": [1, -7]}, "eos_token_id"),
+    ({"eos_token_id": 1.5}, "eos_token_id"),
+    ({"eos_token_id": 1024}, "eos_token_id"),
+    ({"eos_token_id": True}, "eos_token_id"),
+    ({"bos_token_id": -1}, "bos_token_id"),
+    ({"bos_token_id": [0]}, "bos_token_id"),
+    ({"pad_token_id": 5000}, "pad_token_id"),
+    ({"pad_token_id": "0"}, "pad_token_id"),
+    ({"rope_scaling": "linear"}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling.factor"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0.5}}, "rope_scaling.factor"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": math.nan}}, "rope_scaling.factor"),
+    ({"rope_scaling": {"type": "linear", "factor": "2"}}, "rope_scaling.factor"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
+    ({"rope_scaling": {**LLAMA3, "high_freq_factor": 0.5}}, "rope_scaling.high_freq_factor"),
+    ({"rope_scaling": {**LLAMA3, "low_freq_factor": math.inf}}, "rope_scaling.low_freq_factor"),
+    ({"rope_scaling": {**LLAMA3, "original_max_position_embeddings": True}},
+     "rope_scaling.original_max_position_embeddings"),
+    ({"rope_scaling": {k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}},
+     "rope_scaling.low_freq_factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": math.nan}},
+     "rope_parameters.rope_theta"),
+    ({"rope_parameters": [10000.0]}, "rope_parameters"),
+]
+
+
+@pytest.mark.parametrize(("changes", "field"), BAD_CONFIG,
+                         ids=[f"{f}={next(iter(c.values()))!r}" for c, f in BAD_CONFIG])
+def test_bad_config_json_names_file_and_field(shipped, tmp_path, changes, field):
+    path = _corrupt(shipped, tmp_path, "config.json", changes)
+    with pytest.raises(ConfigError) as err:
+        load_checkpoint(path)
+    message = str(err.value)
+    assert str(path / "config.json") in message
+    assert f"'{field}'" in message, message
+
+
+@pytest.mark.parametrize("eos", ["abc", [1, -7], 1.5, [1, 1024], True, {"id": 1}, [[1]]])
+def test_bad_generation_config_eos_names_file_and_field(shipped, tmp_path, eos):
+    path = _corrupt(shipped, tmp_path, "generation_config.json", {"eos_token_id": eos})
+    with pytest.raises(ConfigError) as err:
+        load_checkpoint(path)
+    assert re.search(rf"{re.escape(str(path / 'generation_config.json'))}: field "
+                     r"'eos_token_id'", str(err.value)), str(err.value)
+
+
+def test_generation_config_must_be_an_object(shipped, tmp_path):
+    path = _corrupt(shipped, tmp_path, "generation_config.json", {})
+    (path / "generation_config.json").write_text("[1]")
+    with pytest.raises(ConfigError, match=r"generation_config\.json must hold a JSON object"):
+        load_checkpoint(path)
+
+
+def test_good_token_ids_and_flags_load(shipped, tmp_path):
+    path = _corrupt(shipped, tmp_path, "config.json",
+                    {"eos_token_id": [1, 1023], "pad_token_id": None, "rope_scaling": None,
+                     "tie_word_embeddings": True})
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+    ckpt = load_checkpoint(path)
+    assert ckpt.config.eos_token_ids == (1, 1023)
+    assert ckpt.generation_eos == (1, 2)
+
+
+MINIMAL = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+           "num_attention_heads": 2, "intermediate_size": 8, "num_hidden_layers": 1,
+           "max_position_embeddings": 8}
+
+
+def test_from_dict_defaults_and_default_source():
+    cfg = ModelConfig.from_dict({**MINIMAL, "num_key_value_heads": None, "head_dim": None})
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps) == (2, 4, 1e-6)
+    assert cfg.rope.theta == 10000.0 and not cfg.tie_word_embeddings
+    with pytest.raises(ConfigError, match=r"^config\.json: field 'rms_norm_eps'"):
+        ModelConfig.from_dict({**MINIMAL, "rms_norm_eps": math.inf})
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [("llama", {}),
+     ("llama", {"rope_scaling": dict(LLAMA3, original_max_position_embeddings=64),
+                "tie_word_embeddings": True}),
+     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+     ("qwen2", {"bos_token_id": 3, "eos_token_id": [4, 5]})],
+    ids=["llama", "llama3-rope-tied", "dynamic-rope", "qwen2-token-ids"],
+)
+def test_valid_random_hf_checkpoints_still_load(tmp_path, arch, overrides):
+    pytest.importorskip("transformers")
+    from kvlab.engine.hf_parity import save_random_hf_model
+
+    path = save_random_hf_model(tmp_path / arch, arch, seed=1, **overrides)
+    cfg = load_checkpoint(path).config
+    assert cfg.model_type == arch
+    assert cfg.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
+    if arch == "qwen2":
+        assert cfg.bos_token_id == 3 and cfg.eos_token_ids == (4, 5)
