@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlab.engine.checkpoint import load_checkpoint
+from kvlab.engine.checkpoint import load_checkpoint, resolve_model_path
 from kvlab.engine.config import ConfigError, ModelConfig
 from kvlab.engine.llm import LLM
 from kvlab.engine.params import MAX_SEED, MIN_TEMPERATURE, SamplingParams, is_int, is_real
 from kvlab.engine.sampling import SamplerState, _filter, sample
+from kvlab.engine.tokenizer import Tokenizer, load_tokenizer
 from kvlab.models import shipped_model_path
 
 VOCAB = 64
@@ -180,6 +181,26 @@ def test_largest_seed_with_n_samples(tiny_llm):
         alone = SamplingParams(max_tokens=6, temperature=1.0, seed=(base + c.index) % 2**64,
                                ignore_eos=True)
         assert c.token_ids == tiny_llm.generate([prompt], alone)[0].outputs[0].token_ids
+
+
+# ----------------------------------------------------------------------------- model names
+def test_blank_model_name_is_refused_not_read_as_cwd(tmp_path, monkeypatch):
+    shipped = shipped_model_path("kvlab-tiny")
+    monkeypatch.chdir(shipped)  # a valid model here: "" must still not mean "this directory"
+    for blank in ("", "   ", "\t\n"):
+        with pytest.raises(ValueError, match="model"):
+            LLM(blank)
+        with pytest.raises(ValueError, match="model"):
+            load_checkpoint(blank)
+        with pytest.raises(ValueError, match="path"):
+            Tokenizer(blank)
+        with pytest.raises(ValueError, match="model_dir"):
+            load_tokenizer(blank)
+    with pytest.raises(TypeError, match="model"):
+        resolve_model_path(None)
+    with pytest.raises(TypeError, match="model"):
+        resolve_model_path(5)
+    assert resolve_model_path(".") == Path(".")  # the current directory, when asked for
 
 
 # ----------------------------------------------------------------------------- checkpoint files

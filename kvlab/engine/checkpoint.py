@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +40,18 @@ class LoadedCheckpoint:
     generation_eos: tuple[int, ...]  # eos ids from generation_config.json (may be empty)
 
 
-def resolve_model_path(model: str | Path) -> Path:
-    """A local directory, or a shipped model name; FileNotFoundError names what was tried."""
+def resolve_model_path(model: str | os.PathLike[str]) -> Path:
+    """A local directory, or a shipped model name; FileNotFoundError names what was tried.
+
+    ``model`` must be a non-blank str or a path object: ``""`` would otherwise mean the current
+    directory (``Path("")`` is ``Path(".")``), so it raises ValueError instead (TypeError for
+    other types). Pass ``"."`` to mean the current directory.
+    """
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a str or a path, got {type(model).__name__}")
+    if isinstance(model, str) and not model.strip():
+        raise ValueError(f"model must be a shipped model name or a model directory, got "
+                         f"{model!r} (pass '.' for the current directory)")
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -135,7 +146,9 @@ def load_checkpoint(
 ) -> LoadedCheckpoint:
     """Load ``model`` (directory or shipped name) as a :class:`LlamaModel` in ``dtype`` on
     ``device``. Raises FileNotFoundError, :class:`ConfigError` (a bad ``config.json`` or
-    ``generation_config.json``, naming the file and the field) or :class:`CheckpointError`."""
+    ``generation_config.json``, naming the file and the field), :class:`CheckpointError`, or
+    ValueError / TypeError for a blank or non-path ``model`` (see :func:`resolve_model_path`).
+    """
     path = resolve_model_path(model)
     cfg = ModelConfig.from_dir(path)
     gen_eos = _generation_eos(path, cfg.vocab_size)
