@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig, parse_token_ids
 from .model import LlamaModel, rope_inv_freq
 
 __all__ = ["CheckpointError", "LoadedCheckpoint", "load_checkpoint", "resolve_model_path"]
@@ -39,8 +40,18 @@ class LoadedCheckpoint:
     generation_eos: tuple[int, ...]  # eos ids from generation_config.json (may be empty)
 
 
-def resolve_model_path(model: str | Path) -> Path:
-    """A local directory, or a shipped model name; FileNotFoundError names what was tried."""
+def resolve_model_path(model: str | os.PathLike[str]) -> Path:
+    """A local directory, or a shipped model name; FileNotFoundError names what was tried.
+
+    ``model`` must be a non-blank str or a path object: ``""`` would otherwise mean the current
+    directory (``Path("")`` is ``Path(".")``), so it raises ValueError instead (TypeError for
+    other types). Pass ``"."`` to mean the current directory.
+    """
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a str or a path, got {type(model).__name__}")
+    if isinstance(model, str) and not model.strip():
+        raise ValueError(f"model must be a shipped model name or a model directory, got "
+                         f"{model!r} (pass '.' for the current directory)")
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -116,13 +127,31 @@ def _hf_name_map(cfg: ModelConfig) -> dict[str, list[str]]:
     return m
 
 
+def _generation_eos(path: Path, vocab_size: int) -> tuple[int, ...]:
+    """End-of-sequence ids of ``path/generation_config.json`` (absent file or field: ``()``)."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return ()
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{file}: malformed JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return parse_token_ids(data, "eos_token_id", vocab_size, source=str(file))
+
+
 def load_checkpoint(
     model: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LoadedCheckpoint:
     """Load ``model`` (directory or shipped name) as a :class:`LlamaModel` in ``dtype`` on
-    ``device``. Raises FileNotFoundError, :class:`ConfigError` or :class:`CheckpointError`."""
+    ``device``. Raises FileNotFoundError, :class:`ConfigError` (a bad ``config.json`` or
+    ``generation_config.json``, naming the file and the field), :class:`CheckpointError`, or
+    ValueError / TypeError for a blank or non-path ``model`` (see :func:`resolve_model_path`).
+    """
     path = resolve_model_path(model)
     cfg = ModelConfig.from_dir(path)
+    gen_eos = _generation_eos(path, cfg.vocab_size)
     files = _weight_files(path)
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
@@ -160,14 +189,6 @@ def load_checkpoint(
     # RoPE frequencies stay float32 whatever the weights' dtype
     net.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
     net = net.to(device).eval()
-    gen_eos: tuple[int, ...] = ()
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        try:
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-        except (json.JSONDecodeError, AttributeError) as err:
-            raise ConfigError(f"{gen}: malformed JSON ({err})") from None
-        gen_eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     return LoadedCheckpoint(
         path=path, config=cfg, model=net,
         weights_hash=_hash_files([path / "config.json", *files]), generation_eos=gen_eos)

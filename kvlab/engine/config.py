@@ -3,19 +3,22 @@
 :class:`ModelConfig` is parsed from a Hugging Face ``config.json`` (``LlamaForCausalLM`` and
 ``Qwen2ForCausalLM``; both the ``rope_parameters`` spelling of transformers 5 and the older
 ``rope_theta`` + ``rope_scaling`` spelling). Parsing validates every field it uses and raises
-:class:`ConfigError` naming the field, so a bad checkpoint fails before any tensor is allocated.
+:class:`ConfigError` naming the file and the field, so a bad checkpoint fails before any tensor
+is allocated. JSON is not trusted: ``"false"`` is not a boolean, ``NaN`` and ``Infinity`` (which
+Python's json module accepts) are not sizes or epsilons, ``64.0`` is not an int.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ConfigError", "ModelConfig", "RopeConfig"]
+from .params import is_int, is_real
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "ConfigError", "ModelConfig", "RopeConfig", "parse_token_ids"]
 
 # architecture name -> (model_type, QKV projections carry a bias by construction)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -53,52 +56,109 @@ class RopeConfig:
         return tuple(asdict(self).items())
 
 
-def _req(d: Mapping[str, Any], key: str, kind: type | tuple, *, positive: bool = True) -> Any:
-    if key not in d or d[key] is None:
-        raise ConfigError(f"config.json: missing required field {key!r}")
-    value = d[key]
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ConfigError(f"config.json: field {key!r} must be {kind}, got {value!r}")
-    if positive and value <= 0:
-        raise ConfigError(f"config.json: field {key!r} must be > 0, got {value!r}")
-    return value
+_MISSING = object()
 
 
-def _parse_rope(d: Mapping[str, Any]) -> RopeConfig:
+class _Fields:
+    """Typed reads of one JSON object; every error names the file and the field.
+
+    A field that is absent or ``null`` takes its ``default``; without one it is required.
+    ``prefix`` names a nested object (``"rope_scaling."``).
+    """
+
+    def __init__(self, data: Mapping[str, Any], source: str, prefix: str = ""):
+        self.data, self.source, self.prefix = data, source, prefix
+
+    def error(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(f"{self.source}: field {self.prefix + key!r} {problem}")
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        value = self.data.get(key)
+        if value is None:
+            if default is _MISSING:
+                raise ConfigError(f"{self.source}: missing required field {self.prefix + key!r}")
+            return default
+        return value
+
+    def integer(self, key: str, default: Any = _MISSING, *, minimum: int = 1) -> int:
+        """An int (not a bool, not a float) >= ``minimum``."""
+        value = self.get(key, default)
+        if not (is_int(value) and value >= minimum):
+            raise self.error(key, f"must be an int >= {minimum}, got {value!r}")
+        return value
+
+    def number(self, key: str, default: Any = _MISSING) -> float:
+        """A finite number > 0 (JSON ``NaN`` and ``Infinity`` are refused)."""
+        value = self.get(key, default)
+        if not (is_real(value) and value > 0):
+            raise self.error(key, f"must be a finite number > 0, got {value!r}")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        """A JSON boolean (the string ``"false"`` is refused, not read as true)."""
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, got {value!r}")
+        return value
+
+    def token_id(self, key: str, vocab_size: int) -> int | None:
+        """One token id in ``0 .. vocab_size - 1``; absent: None."""
+        value = self.get(key, None)
+        if value is not None and not (is_int(value) and 0 <= value < vocab_size):
+            raise self.error(key, f"must be a token id in 0..{vocab_size - 1} "
+                                  f"(vocab_size {vocab_size}), got {value!r}")
+        return value
+
+    def token_ids(self, key: str, vocab_size: int) -> tuple[int, ...]:
+        """A token id or a list of them, each in ``0 .. vocab_size - 1``; absent: ``()``."""
+        value = self.get(key, None)
+        ids = () if value is None else tuple(value) if isinstance(value, list) else (value,)
+        if not all(is_int(t) and 0 <= t < vocab_size for t in ids):
+            raise self.error(key, f"must be a token id or a list of token ids in "
+                                  f"0..{vocab_size - 1} (vocab_size {vocab_size}), got {value!r}")
+        return ids
+
+
+def parse_token_ids(data: Mapping[str, Any], key: str, vocab_size: int,
+                    source: str) -> tuple[int, ...]:
+    """``data[key]`` as token ids (one id or a list; absent or null: ``()``), each an int in
+    ``0 .. vocab_size - 1``; :class:`ConfigError` names ``source`` and ``key`` otherwise."""
+    return _Fields(data, source).token_ids(key, vocab_size)
+
+
+def _parse_rope(d: Mapping[str, Any], source: str, head_dim: int) -> RopeConfig:
+    top = _Fields(d, source)
     params = d.get("rope_parameters")
-    if params is None:  # transformers 4 spelling
-        params = dict(d.get("rope_scaling") or {})
-        params.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+    where = "rope_parameters"
+    if params is None:  # transformers 4 spelling: rope_theta + rope_scaling
+        where = "rope_scaling"
+        params = d.get("rope_scaling")
+        if params is None:
+            params = {}
     if not isinstance(params, Mapping):
-        raise ConfigError(f"config.json: rope parameters must be an object, got {params!r}")
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        raise top.error(where, f"must be an object, got {params!r}")
+    f = _Fields(params, source, prefix=where + ".")
+    rope_type = params.get("rope_type", params.get("type")) or "default"
     if rope_type not in ROPE_TYPES:
-        raise ConfigError(
-            f"config.json: unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
-        )
-    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise ConfigError(f"config.json: rope_theta must be a positive number, got {theta!r}")
-    factor = float(params.get("factor", 1.0))
-    if rope_type != "default" and not (math.isfinite(factor) and factor >= 1.0):
-        raise ConfigError(f"config.json: rope factor must be >= 1, got {factor!r}")
-    low = float(params.get("low_freq_factor", 1.0))
-    high = float(params.get("high_freq_factor", 4.0))
-    orig = params.get("original_max_position_embeddings")
-    if rope_type == "llama3":
-        if orig is None or not isinstance(orig, int) or orig <= 0:
-            raise ConfigError("config.json: llama3 rope needs original_max_position_embeddings > 0")
-        if not high > low > 0:
-            raise ConfigError(
-                "config.json: llama3 rope needs high_freq_factor > low_freq_factor > 0")
-    return RopeConfig(
-        theta=float(theta),
-        rope_type=rope_type,
-        factor=factor if rope_type != "default" else 1.0,
-        low_freq_factor=low,
-        high_freq_factor=high,
-        original_max_position_embeddings=orig,
-    )
+        raise f.error("rope_type", f"names unsupported rope_type {rope_type!r}; supported: "
+                                   f"{', '.join(ROPE_TYPES)}")
+    theta = (f.number("rope_theta") if params.get("rope_theta") is not None
+             else top.number("rope_theta", 10000.0))
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    factor = f.number("factor")
+    if factor < 1:
+        raise f.error("factor", f"must be >= 1, got {factor!r}")
+    if rope_type == "dynamic" and head_dim <= 2:
+        raise top.error("head_dim", f"must be > 2 for dynamic RoPE, got {head_dim}")
+    if rope_type != "llama3":
+        return RopeConfig(theta=theta, rope_type=rope_type, factor=factor)
+    low, high = f.number("low_freq_factor"), f.number("high_freq_factor")
+    if not high > low:
+        raise f.error("high_freq_factor", f"must exceed low_freq_factor {low}, got {high}")
+    original = f.integer("original_max_position_embeddings")
+    return RopeConfig(theta=theta, rope_type=rope_type, factor=factor, low_freq_factor=low,
+                      high_freq_factor=high, original_max_position_embeddings=original)
 
 
 @dataclass(frozen=True)
@@ -142,71 +202,86 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
-        """Parse a Hugging Face config dict; :class:`ConfigError` names the bad field."""
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "config.json") -> ModelConfig:
+        """Parse a Hugging Face config dict; :class:`ConfigError` names ``source`` (the file)
+        and the bad field.
+
+        Rules: sizes are ints (not bools or floats) > 0; ``rms_norm_eps`` and the RoPE numbers
+        are finite and > 0; flags are JSON booleans; ``hidden_size`` is divisible by
+        ``num_attention_heads`` unless ``head_dim`` is given, ``head_dim`` is even and
+        ``num_key_value_heads`` divides ``num_attention_heads``; ``bos_token_id``,
+        ``eos_token_id`` (one id or a list) and ``pad_token_id`` lie in ``0 .. vocab_size - 1``.
+        """
         if not isinstance(d, Mapping):
-            raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
-        archs = d.get("architectures") or []
+            raise ConfigError(f"{source} must hold a JSON object, got {type(d).__name__}")
+        f = _Fields(d, source)
+        archs = f.get("architectures", [])
         if isinstance(archs, str):
             archs = [archs]
+        if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+            raise f.error("architectures", f"must be a list of names, got {archs!r}")
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        if arch is None and archs:
+            raise f.error("architectures", f"names unsupported architecture {archs!r}; "
+                                           f"supported: {supported}")
+        if arch is None:  # no architectures: fall back on model_type
             by_type = {t: a for a, (t, _) in SUPPORTED_ARCHITECTURES.items()}
-            arch = by_type.get(d.get("model_type")) if not archs else None
-        if arch is None:
-            raise ConfigError(
-                f"unsupported architecture {archs or d.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            model_type = f.get("model_type")
+            arch = by_type.get(model_type) if isinstance(model_type, str) else None
+            if arch is None:
+                raise f.error("model_type", f"names unsupported architecture {model_type!r}; "
+                                            f"supported: {supported}")
         model_type, qkv_bias = SUPPORTED_ARCHITECTURES[arch]
-        hidden = _req(d, "hidden_size", int)
-        heads = _req(d, "num_attention_heads", int)
-        kv_heads = d.get("num_key_value_heads") or heads
-        if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
-            raise ConfigError(
-                f"config.json: num_key_value_heads={kv_heads!r} must divide "
-                f"num_attention_heads={heads}"
-            )
-        head_dim = d.get("head_dim") or hidden // heads
-        if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
-            raise ConfigError(
-                f"config.json: head_dim must be a positive even int, got {head_dim!r}")
-        if d.get("head_dim") is None and hidden % heads:
-            raise ConfigError(f"config.json: hidden_size {hidden} not divisible by heads {heads}")
-        act = d.get("hidden_act", "silu")
+        vocab = f.integer("vocab_size")
+        hidden = f.integer("hidden_size")
+        heads = f.integer("num_attention_heads")
+        kv_heads = f.integer("num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise f.error("num_key_value_heads",
+                          f"must divide num_attention_heads={heads}, got {kv_heads}")
+        if d.get("head_dim") is not None:
+            head_dim = f.integer("head_dim")
+        elif hidden % heads:
+            raise f.error("hidden_size", f"must be divisible by num_attention_heads={heads} "
+                                         f"when head_dim is not given, got {hidden}")
+        else:
+            head_dim = hidden // heads
+        if head_dim % 2:
+            raise f.error("head_dim", f"must be even (RoPE rotates pairs), got {head_dim}")
+        act = f.get("hidden_act", "silu")
         if act != "silu":
-            raise ConfigError(f"config.json: unsupported hidden_act {act!r}; only 'silu'")
-        if d.get("use_sliding_window"):
-            raise ConfigError("config.json: sliding-window attention is not supported")
-        if d.get("pretraining_tp", 1) not in (1, None):
-            raise ConfigError("config.json: pretraining_tp != 1 is not supported")
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        if not all(isinstance(e, int) and e >= 0 for e in eos_ids):
-            raise ConfigError(f"config.json: bad eos_token_id {eos!r}")
-        eps = d.get("rms_norm_eps", 1e-6)
-        if not isinstance(eps, (int, float)) or not eps > 0:
-            raise ConfigError(f"config.json: rms_norm_eps must be > 0, got {eps!r}")
-        attention_bias = bool(d.get("attention_bias", False))
+            raise f.error("hidden_act", f"names unsupported activation {act!r}; only 'silu'")
+        if f.flag("use_sliding_window", False):
+            raise f.error("use_sliding_window", "is true: sliding-window attention is not "
+                                                "supported")
+        layer_types = f.get("layer_types", [])
+        if not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types):
+            raise f.error("layer_types", f"must list only 'full_attention' layers, got "
+                                         f"{layer_types!r}")
+        if f.integer("pretraining_tp", 1) != 1:
+            raise f.error("pretraining_tp", f"must be 1, got {d['pretraining_tp']!r}")
+        f.token_id("pad_token_id", vocab)  # unused by kvlab, but a wrong one means a bad file
+        attention_bias = f.flag("attention_bias", False)
         return cls(
             architecture=arch,
             model_type=model_type,
-            vocab_size=_req(d, "vocab_size", int),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=_req(d, "intermediate_size", int),
-            num_layers=_req(d, "num_hidden_layers", int),
+            intermediate_size=f.integer("intermediate_size"),
+            num_layers=f.integer("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(eps),
-            max_position_embeddings=_req(d, "max_position_embeddings", int),
-            rope=_parse_rope(d),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+            max_position_embeddings=f.integer("max_position_embeddings"),
+            rope=_parse_rope(d, source, head_dim),
+            tie_word_embeddings=f.flag("tie_word_embeddings", False),
             qkv_bias=qkv_bias or attention_bias,
             o_bias=attention_bias and not qkv_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            mlp_bias=f.flag("mlp_bias", False),
+            bos_token_id=f.token_id("bos_token_id", vocab),
+            eos_token_ids=f.token_ids("eos_token_id", vocab),
         )
 
     @classmethod
@@ -219,4 +294,4 @@ class ModelConfig:
             data = json.loads(file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ConfigError(f"{file}: malformed JSON ({err})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(data, source=str(file))

@@ -7,6 +7,10 @@ own logits and seed — never on what else shares the batch.
 
 Log-probabilities reported (``cumulative_logprob`` and ``logprobs=k``) are the model's raw
 ``log_softmax(logits)``, taken *before* temperature, top-k and top-p.
+
+Every :class:`SamplingParams` samples without error: temperatures below ``MIN_TEMPERATURE`` are
+greedy rows (never divided by), top-k is capped at the vocabulary, and top-p keeps the most likely
+token however small ``top_p`` is.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .params import SamplingParams
+from .params import MAX_SEED, SamplingParams, is_int
 
 __all__ = ["SampleResult", "SamplerState", "sample"]
 
@@ -31,10 +35,14 @@ class SamplerState:
     @classmethod
     def create(cls, params: SamplingParams, seed: int, device: torch.device | str = "cpu"
                ) -> SamplerState:
+        """The state of one sequence. ``seed`` may be any int: it is reduced modulo ``2**64``
+        (torch's seed range), so derived seeds such as ``params.seed + i`` never overflow."""
+        if not is_int(seed):
+            raise TypeError(f"SamplerState.create: seed must be an int, got {seed!r}")
         if params.greedy:
             return cls(params, None)
         gen = torch.Generator(device=device)
-        gen.manual_seed(seed)
+        gen.manual_seed(seed % (MAX_SEED + 1))
         return cls(params, gen)
 
 
@@ -48,7 +56,12 @@ class SampleResult:
 
 
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature-scaled logits with tokens outside each row's top-k / top-p set at -inf."""
+    """Temperature-scaled logits with tokens outside each row's top-k / top-p set at -inf.
+
+    Rows must not be greedy (their temperature would be a division by ~0). A row without top-k
+    or top-p gets the same values whatever other rows ask for.
+    """
+    assert not any(p.greedy for p in params), "greedy rows take the argmax, not _filter"
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
                          device=logits.device)
     scaled = logits / temps[:, None]
@@ -56,14 +69,20 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
         return scaled
     vocab = logits.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ks = torch.tensor([p.top_k if p.uses_top_k else vocab for p in params], device=logits.device)
+    # top-k: a k larger than the vocabulary keeps everything (and must not overflow a tensor)
+    ks = torch.tensor([min(p.top_k, vocab) if p.uses_top_k else vocab for p in params],
+                      device=logits.device)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     drop = ranks >= ks[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    ps = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+    # top-p: drop a token once the mass strictly before it reaches top_p. Rows without top-p
+    # compare against +inf (drop nothing, even where float cumsums round up to 1).
+    ps = torch.tensor([p.top_p if p.uses_top_p else float("inf") for p in params],
+                      dtype=logits.dtype, device=logits.device)
     probs = sorted_logits.softmax(-1)
-    before = probs.cumsum(-1) - probs  # mass strictly before each token
-    drop = before >= ps[:, None]        # keeps at least the first token
+    before = probs.cumsum(-1) - probs
+    drop = before >= ps[:, None]
+    drop[:, 0] = False  # the most likely token always survives (a tiny top_p rounds to 0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
 

@@ -8,13 +8,25 @@ from pathlib import Path
 __all__ = ["Tokenizer", "load_tokenizer"]
 
 
+def _nonblank_path(value: str | Path, name: str) -> Path:
+    """``value`` as a Path; ValueError naming ``name`` for a blank str (``Path("")`` would
+    silently mean the current directory)."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"{name} must name a file or a directory, got {value!r} "
+                         "(pass '.' for the current directory)")
+    return Path(value)
+
+
 class Tokenizer:
-    """Encode text to token ids and back; ``hash`` identifies it in prefix-cache scopes."""
+    """Encode text to token ids and back; ``hash`` identifies it in prefix-cache scopes.
+
+    ``path``: a ``tokenizer.json`` file or the directory holding it (a blank str: ValueError).
+    """
 
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as _HFTokenizer
 
-        file = Path(path)
+        file = _nonblank_path(path, "Tokenizer: path")
         if file.is_dir():
             file = file / "tokenizer.json"
         if not file.is_file():
@@ -48,5 +60,5 @@ class Tokenizer:
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     """The tokenizer of a model directory, or None when it ships no ``tokenizer.json``."""
-    path = Path(model_dir) / "tokenizer.json"
+    path = _nonblank_path(model_dir, "load_tokenizer: model_dir") / "tokenizer.json"
     return Tokenizer(path) if path.is_file() else None
