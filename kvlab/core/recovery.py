@@ -58,6 +58,8 @@ def replay(events: Iterable[Event]) -> dict[str, ReplayedRequest]:
     state: dict[str, ReplayedRequest] = {}
     for event in events:
         rid = event.request_id
+        if event.kind == "checkpoint":
+            continue   # log-level: says how many events compaction dropped
         if event.kind == "add":
             template: RuntimeRequest = event.data[0]
             from .lifecycle import request_template
