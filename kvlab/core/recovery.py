@@ -25,6 +25,9 @@ the manager call and the PREFILL transition after that, a crash in between leave
 request holding KV: an orphan, freed. Copies that were pending at the crash are completed (the
 executor must redo them: a copy from a fenced source is idempotent); resumed requests whose last
 sampled token already meets a stop condition are finished.
+
+:func:`~kvlab.core.replay.replay` checks the whole log before anything is changed and refuses
+a corrupt one with :class:`~kvlab.core.event_log.CorruptLog`.
 """
 
 from __future__ import annotations
@@ -33,76 +36,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .lifecycle import RUNNING_STATUSES, Event, EventLog
-from .scheduler_api import FinishReason, RequestStatus, RuntimeRequest, stop_reason
+from .event_log import CorruptLog, Event, EventLog
+from .lifecycle import RUNNING_STATUSES
+from .replay import ReplayedRequest, replay
+from .scheduler_api import RequestStatus, stop_reason
+
+__all__ = ["CorruptLog", "RecoveryReport", "ReplayedRequest", "recover", "replay"]
 
 S = RequestStatus
-
-
-@dataclass
-class ReplayedRequest:
-    """What the log says about one request.
-
-    ``kv`` is ``"none"`` (no table, or its release completed), ``"held"`` (acquisition
-    completed, no release started) or ``"maybe"`` (an acquisition or release was in progress).
-    ``admit_index`` is the log index of its latest admission (running order), -1 if none.
-    """
-
-    request: RuntimeRequest
-    kv: str = "none"
-    admit_index: int = -1
-
-
-def replay(events: Iterable[Event]) -> dict[str, ReplayedRequest]:
-    """Rebuild every request from the log, in arrival order. Pure: touches no KV manager."""
-    state: dict[str, ReplayedRequest] = {}
-    for event in events:
-        rid = event.request_id
-        if event.kind == "checkpoint":
-            continue   # log-level: says how many events compaction dropped
-        if event.kind == "add":
-            template: RuntimeRequest = event.data[0]
-            from .lifecycle import request_template
-
-            request = request_template(template)
-            request.arrival_step = event.step
-            state[rid] = ReplayedRequest(request)
-            continue
-        if rid not in state:
-            raise ValueError(f"event {event.index} ({event.kind}) for unknown request {rid!r}")
-        entry = state[rid]
-        request = entry.request
-        if event.kind == "transition":
-            _src, dst, reason = event.data
-            request.status = S(dst)
-            if request.status.is_terminal:
-                request.finish_reason = FinishReason(reason)
-                request.finished_step = event.step
-            if request.status == S.PREFILL:
-                entry.admit_index = event.index
-                if request.admitted_step is None:
-                    request.admitted_step = event.step
-            if request.status == S.PREEMPTED:
-                request.num_preemptions += 1
-                request.num_computed_tokens = 0
-        elif event.kind in ("acquire", "release"):
-            entry.kv = "maybe"
-        elif event.kind == "acquired":
-            kind, computed = event.data
-            entry.kv = "held"
-            request.num_computed_tokens = computed
-            if kind == "admit" and request.admitted_step is None:
-                request.num_cached_tokens = computed
-        elif event.kind in ("released", "acquire_failed"):
-            entry.kv = "none"   # released, or the manager refused the acquisition (unchanged)
-        elif event.kind == "progress":
-            computed, token = event.data
-            request.num_computed_tokens = computed
-            if token is not None:
-                request.output_token_ids.append(token)
-                if request.first_token_step is None:
-                    request.first_token_step = event.step
-    return state
 
 
 @dataclass(frozen=True)
