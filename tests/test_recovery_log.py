@@ -1,4 +1,4 @@
-"""Recovery refuses a log it cannot trust, before it changes anything.
+"""Recovery refuses a log it cannot trust, and never leaves the KV manager half-changed.
 
 Each corruption is applied to the durable log of a crashed run; ``recover`` must raise
 :class:`CorruptLog` naming the bad record and leave the manager and the log exactly as they were.
@@ -14,9 +14,9 @@ import pytest
 from kvlab.core.event_log import CorruptLog, Event, seal
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.lifecycle import EventLog, SimulatedCrash
-from kvlab.core.recovery import recover, replay
+from kvlab.core.recovery import plan_recovery, recover, replay
 from kvlab.core.scheduler import ProductionScheduler, SchedulerConfig
-from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest
+from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
 from kvlab.sim.tokens import drive
 
 S = RequestStatus
@@ -307,9 +307,31 @@ def test_compaction_gaps_are_accounted_for_by_the_checkpoint():
 # ------------------------------------------------------------------ never half-changed
 
 
+def test_a_scheduler_that_is_not_fresh_is_refused_before_any_change():
+    events, kv = busy_crash()
+    state = kv.state_tuple()
+    used = make(kv, EventLog())
+    used.add_request(RuntimeRequest("zz", (1, 2), max_tokens=1))
+    with pytest.raises(ValueError, match="new, empty scheduler"):
+        recover(events, kv, lambda kv, log: used)
+    with pytest.raises(ValueError, match="on that kv and log"):
+        recover(events, kv, lambda kv, log: make(kv, EventLog()))
+    assert kv.state_tuple() == state
+
+
+def test_plan_is_pure_and_matches_what_recover_does():
+    events, kv = busy_crash()
+    state = kv.state_tuple()
+    plan = plan_recovery(replay(events), {rid: kv.num_slots(rid) for rid in kv.requests()})
+    assert kv.state_tuple() == state
+    _, report = recover(events, kv, make)
+    assert (report.resumed, report.requeued, report.freed) == (plan.resume, plan.requeue,
+                                                                plan.free)
+
+
 def test_a_log_that_would_break_the_scheduler_is_refused_before_any_change():
-    """Recovery used to replay this log, free the orphans, and only then fail its final
-    ``check_invariants`` (more outputs than max_tokens), leaving the manager half-changed."""
+    """The old recovery replayed this log, freed the orphans, and only then failed its final
+    ``check_invariants`` (more outputs than max_tokens): the manager was left half-changed."""
     events, kv = busy_crash()
     rid, entry = next((rid, x) for rid, x in replay(events).items()
                       if x.request.status == S.DECODE)
@@ -320,3 +342,55 @@ def test_a_log_that_would_break_the_scheduler_is_refused_before_any_change():
     with pytest.raises(CorruptLog, match="past max_tokens"):
         recover(renumber(events + more), kv, make)
     assert kv.state_tuple() == state
+
+
+# ------------------------------------------------------------------ stop condition at recovery
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["length", "stop-token"])
+def test_running_request_without_table_that_met_its_stop_is_finished(stop):
+    """Crash right after the progress record of a request's last token, and the manager lost
+    its table: the request must be FINISHED with its outputs, not requeued to sample more."""
+    want_ref = reference()
+    victim = "b"
+    want = want_ref.get_request(victim).output_token_ids
+    stops = frozenset({want[2]}) if stop else frozenset()
+    ref = reference(stops)
+    target = ref.get_request(victim)
+    expected_reason = FinishReason.STOP if stop else FinishReason.LENGTH
+    assert target.finish_reason == expected_reason
+    last = max(e.index for e in ref.log if e.request_id == victim and e.kind == "progress")
+    events, kv = crashed(last + 1, stops)
+    assert events[-1].request_id == victim and events[-1].kind == "progress"
+    kv.free(victim)                                  # the table is gone: no resume possible
+    recovered, report = recover(events, kv, make)
+    assert victim in report.finished and victim not in report.requeued
+    request = recovered.get_request(victim)
+    assert request.status == S.FINISHED and request.finish_reason == expected_reason
+    assert request.output_token_ids == target.output_token_ids
+    drive(recovered, check=True)
+    assert recovered.get_request(victim).output_token_ids == target.output_token_ids
+    for r in recovered.requests():
+        assert r.output_token_ids == ref.get_request(r.request_id).output_token_ids
+
+
+# ------------------------------------------------------------------ crash during recovery's run
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.3, 0.5, 0.7])
+def test_recovered_log_survives_a_second_crash(fraction):
+    """Recovery's own records are valid log records: crash again later, recover again."""
+    ref = reference()
+    events, kv = crashed(int(fraction * len(ref.log)))
+    first, _ = recover(events, kv, make)
+    known = {r.request_id for r in first.requests()}
+    resubmit = [q for qs in arrivals().values() for q in qs if q.request_id not in known]
+    first.log.crash_at = first.log.next_index + 7
+    with pytest.raises(SimulatedCrash):
+        drive(first, arrivals={1: resubmit})
+    second, _ = recover(first.log.events, kv, make)
+    known = {r.request_id for r in second.requests()}
+    drive(second, arrivals={1: [q for q in resubmit if q.request_id not in known]}, check=True)
+    assert not kv.requests()
+    for r in second.requests():
+        assert r.output_token_ids == ref.get_request(r.request_id).output_token_ids
