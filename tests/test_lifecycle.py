@@ -6,6 +6,7 @@ import copy
 
 import pytest
 
+from kvlab.core.event_log import canonical
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.lifecycle import (
     TRANSITIONS,
@@ -168,3 +169,82 @@ def test_event_log_crash_at_stops_before_the_event():
     assert len(log) == 2 and [e.index for e in log] == [0, 1]
     with pytest.raises(ValueError, match="unknown event kind"):
         EventLog().append("bogus", "a")
+
+
+def test_records_carry_index_per_request_seq_and_checksum():
+    log = EventLog()
+    for rid in ("a", "b", "a", "a", "b"):
+        log.append("release", rid)
+    assert [e.index for e in log] == [0, 1, 2, 3, 4]
+    assert [(e.request_id, e.seq) for e in log] == [("a", 0), ("b", 0), ("a", 1), ("a", 2),
+                                                    ("b", 1)]
+    assert all(e.checksum == e.expected_checksum() for e in log)
+    assert log.events[0].checksum != log.events[1].checksum   # the request id is covered
+
+
+def test_canonical_encoding_tells_types_apart_and_sorts_sets():
+    assert len({canonical(v) for v in (1, True, "1", 1.0, None, (1,), [1])}) == 7
+    assert canonical(frozenset({3, 1, 2})) == canonical({2, 3, 1})
+    assert canonical(("a,b",)) != canonical(("a", "b"))
+    assert canonical(S.DECODE) == canonical(S.DECODE) != canonical("decode")
+    request = make()
+    assert canonical(request) == canonical(copy.deepcopy(request))
+    with pytest.raises(TypeError):
+        canonical(object())
+
+
+def test_append_refuses_what_the_log_cannot_hold():
+    log = EventLog()
+    with pytest.raises(ValueError, match="compact only"):
+        log.append("checkpoint", "a", (0,))
+    with pytest.raises(ValueError, match="non-empty str"):
+        log.append("release", "")
+    with pytest.raises(ValueError, match="plain values"):
+        log.append("progress", "a", (1, object()))
+    assert len(log) == 0 and log.next_index == 0
+
+
+def test_add_template_is_fresh_and_leaves_engine_state_out():
+    life = Lifecycle()
+    request = make()
+    request.engine_state = object()          # opaque: not a plain value, not in the log
+    life.add(request)
+    (event,) = life.log.events
+    assert event.data[0].engine_state is None and event.data[0].status == S.WAITING
+    assert request.engine_state is not None
+
+
+def test_compact_drops_whole_requests_and_keeps_only_the_latest_checkpoint():
+    log = EventLog()
+    for rid in ("a", "b", "c", "a", "b"):
+        log.append("release", rid, (), step=3)
+    assert log.compact({"a", "nobody"}) == 2
+    assert [(e.index, e.request_id) for e in log] == [(1, "b"), (2, "c"), (4, "b"), (5, "")]
+    checkpoint = log.events[-1]
+    assert (checkpoint.kind, checkpoint.data, checkpoint.seq, checkpoint.step) == (
+        "checkpoint", (2,), 0, 3)
+    log.append("release", "c")
+    assert log.compact({"b", ""}) == 2             # the old checkpoint goes too
+    assert [(e.index, e.kind, e.data) for e in log] == [
+        (2, "release", ()), (6, "release", ()), (7, "checkpoint", (5,))]
+    assert log.events[-1].seq == 1 and log.compact({"zzz"}) == 0 and len(log) == 3
+
+
+def test_a_crash_while_writing_the_checkpoint_leaves_the_log_as_it_was():
+    log = EventLog()
+    log.append("release", "a")
+    log.append("release", "b")
+    log.crash_at = 2
+    before = list(log.events)
+    with pytest.raises(SimulatedCrash):
+        log.compact({"a"})
+    assert log.events == before and log.next_index == 2
+    rebuilt = EventLog(events=list(before))          # recovery continues the numbering
+    assert rebuilt.append("release", "a").seq == 1 and rebuilt.next_index == 3
+
+
+def test_log_format_names_are_reexported_by_lifecycle():
+    from kvlab.core import event_log, lifecycle
+
+    for name in ("EventLog", "Event", "EVENT_KINDS", "SimulatedCrash", "CorruptLog"):
+        assert getattr(lifecycle, name) is getattr(event_log, name)

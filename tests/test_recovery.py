@@ -194,6 +194,20 @@ def test_orphan_after_finish_before_release_is_freed_once():
     recovered.check_invariants()
 
 
+class AddIndexLog(EventLog):
+    """An EventLog that also remembers the index of every ``add`` (compaction drops them)."""
+
+    def __init__(self, added_at: dict[str, int]):
+        super().__init__()
+        self.added_at = added_at
+
+    def append(self, kind, request_id, data=(), step=0):
+        event = super().append(kind, request_id, data, step)
+        if kind == "add":
+            self.added_at[request_id] = event.index
+        return event
+
+
 def test_log_compaction_keeps_recovery_exact():
     """A long run compacts its log (ended, released requests dropped); a crash after that is
     still recovered exactly, and the log stays proportional to the live requests."""
@@ -208,12 +222,15 @@ def test_log_compaction_keeps_recovery_exact():
 
     full = build_small(KVCacheManager(8, 4), EventLog(), compact_at=10**9)
     drive(full, arrivals=workload(), check=True)
-    added_at = {e.request_id: e.index for e in full.log if e.kind == "add"}
     want = {r.request_id: r.output_token_ids for r in full.requests()}
-    ref = build_small(KVCacheManager(8, 4), EventLog())
+    added_at: dict[str, int] = {}   # where each request was added in the compacting run
+    ref = build_small(KVCacheManager(8, 4), AddIndexLog(added_at))
     drive(ref, arrivals=workload(), check=True)
     total = ref.log.next_index
-    assert total == len(full.log), "compaction changed the run"
+    checkpoints = [e for e in ref.log if e.kind == "checkpoint"]
+    assert len(checkpoints) == 1, "compaction keeps only the latest checkpoint"
+    assert total - (checkpoints[0].seq + 1) == len(full.log), "compaction changed the run"
+    assert {r.request_id: r.output_token_ids for r in ref.requests()} == want
     assert len(ref.log) < total / 2, "the log was never compacted"
     for k in range(total // 2, total, 17):
         kv = KVCacheManager(8, 4)
@@ -221,6 +238,7 @@ def test_log_compaction_keeps_recovery_exact():
         with pytest.raises(SimulatedCrash):
             drive(build_small(kv, log), arrivals=workload())
         assert log.events[0].index > 0                 # compacted before the crash
+        assert any(e.kind == "checkpoint" for e in log)
         recovered, _ = recover(log.events, kv, build_small)
         known = {r.request_id for r in recovered.requests()}
         # never submitted before the crash: the client resubmits; compacted ones had ended

@@ -14,7 +14,9 @@ tokens. This module owns every status change of a runtime request:
   write-ahead order: the *intent* is logged before the KV manager is touched and the *outcome*
   after it (``acquire_failed`` when the manager refused, e.g. out of blocks). After a crash at
   any point, :mod:`kvlab.core.recovery` replays the durable prefix of the log to decide which
-  requests may still hold KV, and frees exactly the orphans.
+  requests may still hold KV, and frees exactly the orphans. The record format and its
+  integrity data (sequence numbers, checksums, checkpoints) are in :mod:`kvlab.core.event_log`;
+  the checks that refuse a corrupt log are in :mod:`kvlab.core.replay`.
 
 Which resources each status holds (checked by the schedulers' ``check_invariants``):
 
@@ -31,11 +33,25 @@ FAILED, REJECTED
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+from .event_log import (  # re-exported: the log's format lives in event_log
+    EVENT_KINDS,
+    LOG_ID,
+    CorruptLog,
+    Event,
+    EventLog,
+    SimulatedCrash,
+)
 from .scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+
+__all__ = [
+    "ALLOWED_REASONS", "EVENT_KINDS", "LOG_ID", "RUNNING_STATUSES", "TRANSITIONS",
+    "WAITING_STATUSES", "CorruptLog", "Event", "EventLog", "IllegalTransition", "Lifecycle",
+    "SimulatedCrash", "holds_kv", "request_template",
+]
 
 S = RequestStatus
 
@@ -60,7 +76,7 @@ _DEFAULT_REASON = {
     S.FAILED: FinishReason.ERROR,
     S.REJECTED: FinishReason.REJECTED,
 }
-_ALLOWED_REASONS = {
+ALLOWED_REASONS = {
     S.FINISHED: frozenset({FinishReason.STOP, FinishReason.LENGTH}),
     S.CANCELLED: frozenset({FinishReason.ABORT}),
     S.FAILED: frozenset({FinishReason.ERROR}),
@@ -75,85 +91,6 @@ def holds_kv(status: RequestStatus) -> bool:
 
 class IllegalTransition(ValueError):
     """A status change that :data:`TRANSITIONS` does not allow; nothing was changed."""
-
-
-class SimulatedCrash(RuntimeError):
-    """Raised by :class:`EventLog` when its ``crash_at`` index is reached (fault injection)."""
-
-
-@dataclass(frozen=True)
-class Event:
-    """One durable record. ``kind`` is one of :data:`EVENT_KINDS`; ``data`` is plain values."""
-
-    index: int
-    kind: str
-    request_id: str
-    data: tuple[Any, ...] = ()
-    step: int = 0             # the scheduler step in which it was written
-
-
-EVENT_KINDS = frozenset({
-    "add",        # data: (request template,)  a frozen copy of the request as submitted
-    "transition",  # data: (src status value, dst status value, finish reason value | None)
-    "acquire",    # data: (kind,)  intent: about to create/extend the KV table ("admit"/"fork")
-    "acquired",   # data: (kind, num_computed_tokens)  the manager holds the table; KV of that
-                  #       many leading tokens is already written (cached prefix, or the parent's)
-    "acquire_failed",  # data: (kind, exception type name)  the manager refused the acquisition
-                  #       (e.g. MemoryError) and is unchanged: the request holds no KV
-    "release",    # data: ()  intent: about to free the request's KV
-    "released",   # data: (freed: bool,)  the KV manager no longer holds the table
-    "progress",   # data: (num_computed_tokens, sampled token | None)  after a step's output
-})
-
-
-@dataclass
-class EventLog:
-    """Append-only write-ahead log of request events.
-
-    ``crash_at``: when set, appending the event with that index raises :class:`SimulatedCrash`
-    *instead of* writing it, so the durable log is ``events[:crash_at]`` and nothing the caller
-    meant to do after that append happens. Used to test recovery at every point of a run.
-    The schedulers :meth:`compact` the log now and then (ended, released requests), so it stays
-    proportional to the live requests, like a write-ahead log truncated at checkpoints.
-    """
-
-    events: list[Event] = field(default_factory=list)
-    crash_at: int | None = None
-    next_index: int = -1       # index of the next event (events may have been compacted)
-
-    def __post_init__(self) -> None:
-        if self.next_index < 0:
-            self.next_index = self.events[-1].index + 1 if self.events else 0
-
-    def append(self, kind: str, request_id: str, data: tuple[Any, ...] = (),
-               step: int = 0) -> Event:
-        if kind not in EVENT_KINDS:
-            raise ValueError(f"unknown event kind {kind!r}; expected one of {sorted(EVENT_KINDS)}")
-        index = self.next_index
-        if self.crash_at is not None and index >= self.crash_at:
-            raise SimulatedCrash(f"simulated crash before event {index} ({kind} {request_id})")
-        event = Event(index, kind, request_id, tuple(data), step)
-        self.events.append(event)
-        self.next_index += 1
-        return event
-
-    def compact(self, request_ids: set[str]) -> int:
-        """Drop every event of ``request_ids`` (a checkpoint: call it only for requests that
-        ended and whose KV release completed, which recovery would ignore anyway). Indices of
-        the remaining events are kept. Returns the number of events dropped."""
-        before = len(self.events)
-        self.events = [e for e in self.events if e.request_id not in request_ids]
-        return before - len(self.events)
-
-    def __len__(self) -> int:
-        return len(self.events)
-
-    def __iter__(self) -> Iterator[Event]:
-        return iter(self.events)
-
-    def durable(self) -> list[Event]:
-        """The events that survived (all of them: a crash stops appends, it loses nothing)."""
-        return list(self.events)
 
 
 Listener = Callable[[RuntimeRequest, RequestStatus, RequestStatus], None]
@@ -207,7 +144,7 @@ class Lifecycle:
             return False
         if target.is_terminal:
             reason = reason if reason is not None else _DEFAULT_REASON.get(target)
-            if reason not in _ALLOWED_REASONS[target]:
+            if reason not in ALLOWED_REASONS[target]:
                 raise ValueError(
                     f"request {request.request_id!r}: finish reason {reason!r} does not fit "
                     f"status {target.value}"
@@ -294,9 +231,11 @@ class Lifecycle:
 
 
 def request_template(request: RuntimeRequest) -> RuntimeRequest:
-    """A fresh copy of ``request`` as it was submitted: no outputs, no progress, WAITING."""
-    from dataclasses import replace
+    """A fresh copy of ``request`` as it was submitted: no outputs, no progress, WAITING.
 
+    ``engine_state`` is left out (None): it is the engine's opaque object, not a plain value
+    the log can checksum, and a restarted engine rebuilds its own per-sequence state.
+    """
     return replace(
         request,
         output_token_ids=[],
@@ -309,4 +248,5 @@ def request_template(request: RuntimeRequest) -> RuntimeRequest:
         admitted_step=None,
         first_token_step=None,
         finished_step=None,
+        engine_state=None,
     )

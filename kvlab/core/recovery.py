@@ -7,11 +7,25 @@ scheduler process dies between two log appends; its queues are lost, the KV mana
 block pool owned by a separate process, or device memory that a restarted scheduler re-attaches
 to) keeps whatever it held at that instant.
 
-:func:`recover` replays the durable log and decides, request by request:
+:func:`recover` works in three phases, and changes nothing before the third:
+
+1. **Check.** :func:`~kvlab.core.replay.replay` checks the whole log and rebuilds every request
+   from it; a log it cannot trust is refused with :class:`~kvlab.core.event_log.CorruptLog`.
+   The KV manager's own invariants must hold, and ``make_scheduler`` must give an empty
+   scheduler on this manager and log.
+2. **Plan.** :func:`plan_recovery` decides request by request (table below) from the replayed
+   log and what the manager holds, and the plan is checked against everything the recovered
+   scheduler's ``check_invariants`` will demand.
+3. **Apply.** Pending copies are completed, the planned transitions and releases are logged
+   and applied, tables the log does not account for are freed, and the requests are installed
+   with the scheduler's public ``restore``. Each of these moves was proven legal in phase 2, so
+   the final ``check_invariants`` cannot fail short of a bug in the manager or the scheduler.
 
 ==============================  ==================  ==============================================
 status in the log               manager holds KV?   action
 ==============================  ==================  ==============================================
+PREFILL / DECODE, and its last  either              finish it (STOP or LENGTH), free its table
+sampled token met a stop rule
 PREFILL / DECODE (running)      yes                 resume: same table, same computed tokens
 PREFILL / DECODE (running)      no                  requeue as PREEMPTED (recompute its tokens)
 anything else                   yes                 orphan: free it (exactly once)
@@ -22,85 +36,26 @@ Because a status change is logged *before* the release it implies, a request who
 "finished" or "preempted" may or may not still hold KV; the manager answers, and ``free`` is
 idempotent, so nothing leaks and nothing is freed twice. Because ``acquired`` is logged *after*
 the manager call and the PREFILL transition after that, a crash in between leaves a waiting
-request holding KV: an orphan, freed. Copies that were pending at the crash are completed (the
-executor must redo them: a copy from a fenced source is idempotent); resumed requests whose last
-sampled token already meets a stop condition are finished.
+request holding KV: an orphan, freed. A table the log cannot explain (an id it never mentions,
+or one whose KV it says was never acquired or was released) is freed without a log record.
+Recovery's own records are stamped with the step of the last durable event.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .lifecycle import RUNNING_STATUSES, Event, EventLog
-from .scheduler_api import FinishReason, RequestStatus, RuntimeRequest, stop_reason
+from .event_log import CorruptLog, Event, EventLog
+from .lifecycle import RUNNING_STATUSES, Lifecycle
+from .replay import ReplayedRequest, met_stop, replay
+from .scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+
+__all__ = ["CorruptLog", "RecoveryPlan", "RecoveryReport", "ReplayedRequest", "plan_recovery",
+           "recover", "replay"]
 
 S = RequestStatus
-
-
-@dataclass
-class ReplayedRequest:
-    """What the log says about one request.
-
-    ``kv`` is ``"none"`` (no table, or its release completed), ``"held"`` (acquisition
-    completed, no release started) or ``"maybe"`` (an acquisition or release was in progress).
-    ``admit_index`` is the log index of its latest admission (running order), -1 if none.
-    """
-
-    request: RuntimeRequest
-    kv: str = "none"
-    admit_index: int = -1
-
-
-def replay(events: Iterable[Event]) -> dict[str, ReplayedRequest]:
-    """Rebuild every request from the log, in arrival order. Pure: touches no KV manager."""
-    state: dict[str, ReplayedRequest] = {}
-    for event in events:
-        rid = event.request_id
-        if event.kind == "add":
-            template: RuntimeRequest = event.data[0]
-            from .lifecycle import request_template
-
-            request = request_template(template)
-            request.arrival_step = event.step
-            state[rid] = ReplayedRequest(request)
-            continue
-        if rid not in state:
-            raise ValueError(f"event {event.index} ({event.kind}) for unknown request {rid!r}")
-        entry = state[rid]
-        request = entry.request
-        if event.kind == "transition":
-            _src, dst, reason = event.data
-            request.status = S(dst)
-            if request.status.is_terminal:
-                request.finish_reason = FinishReason(reason)
-                request.finished_step = event.step
-            if request.status == S.PREFILL:
-                entry.admit_index = event.index
-                if request.admitted_step is None:
-                    request.admitted_step = event.step
-            if request.status == S.PREEMPTED:
-                request.num_preemptions += 1
-                request.num_computed_tokens = 0
-        elif event.kind in ("acquire", "release"):
-            entry.kv = "maybe"
-        elif event.kind == "acquired":
-            kind, computed = event.data
-            entry.kv = "held"
-            request.num_computed_tokens = computed
-            if kind == "admit" and request.admitted_step is None:
-                request.num_cached_tokens = computed
-        elif event.kind in ("released", "acquire_failed"):
-            entry.kv = "none"   # released, or the manager refused the acquisition (unchanged)
-        elif event.kind == "progress":
-            computed, token = event.data
-            request.num_computed_tokens = computed
-            if token is not None:
-                request.output_token_ids.append(token)
-                if request.first_token_step is None:
-                    request.first_token_step = event.step
-    return state
 
 
 @dataclass(frozen=True)
@@ -108,10 +63,10 @@ class RecoveryReport:
     """What :func:`recover` did. Every id appears in at most one of the first five fields."""
 
     resumed: tuple[str, ...] = ()     # running; table kept, continues where it stopped
-    requeued: tuple[str, ...] = ()    # running per log but no table: back to waiting, recompute
+    requeued: tuple[str, ...] = ()    # running per log but no usable table: recompute
     freed: tuple[str, ...] = ()       # orphans: held KV the log says they may not hold
-    finished: tuple[str, ...] = ()    # resumed, but their last token already met a stop rule
-    unknown_freed: tuple[str, ...] = ()  # tables of ids the log never mentions
+    finished: tuple[str, ...] = ()    # running, but their last token already met a stop rule
+    unknown_freed: tuple[str, ...] = ()  # tables the log does not account for
     redone_copies: tuple[tuple[int, int], ...] = field(default=())
 
     def summary(self) -> str:
@@ -120,13 +75,102 @@ class RecoveryReport:
                 f"finished {len(self.finished)}, copies redone {len(self.redone_copies)}")
 
 
-def _table_owners(kv: Any) -> list[str]:
-    """Request ids that own a block table in ``kv`` (from its snapshot), sorted."""
-    snapshot = kv.snapshot()
-    tables = getattr(snapshot, "tables", None)
-    if tables is None:
-        return []
-    return sorted(str(owner) for owner in tables)
+@dataclass(frozen=True)
+class RecoveryPlan:
+    """Every decision of a recovery, made before anything changes (see :func:`plan_recovery`).
+
+    ``resume`` is in running order (latest admission last); ``to_decode`` are resumed PREFILL
+    requests whose last sampled token was applied (one token behind: they decode next).
+    """
+
+    resume: tuple[str, ...] = ()
+    to_decode: tuple[str, ...] = ()
+    requeue: tuple[str, ...] = ()
+    finish: tuple[tuple[str, FinishReason], ...] = ()
+    free: tuple[str, ...] = ()
+    unaccounted: tuple[str, ...] = ()
+
+
+def plan_recovery(state: Mapping[str, ReplayedRequest], tables: Mapping[str, int]) -> RecoveryPlan:
+    """Decide what recovery does with each request. Pure.
+
+    ``state`` is :func:`replay`'s result; ``tables`` maps every request id the KV manager holds
+    a table for to the number of token slots of that table.
+    """
+    resume, requeue, finish, free = [], [], [], []
+    for rid, entry in state.items():
+        request, slots = entry.request, tables.get(rid)
+        if request.status in RUNNING_STATUSES:
+            reason = met_stop(request)
+            if reason is not None:
+                finish.append((rid, reason))
+            # A child forked in the step that crashed has its prompt computed but lost its
+            # first token: nothing to resume from, so it recomputes like a preempted request.
+            # A table too small for the logged progress cannot hold that KV: recompute too.
+            elif (slots is not None and request.num_uncomputed_tokens > 0
+                  and slots >= request.num_computed_tokens):
+                resume.append(rid)
+            else:
+                requeue.append(rid)
+        elif slots is not None and entry.kv != "none":
+            free.append(rid)
+    accounted = set(resume) | set(requeue) | {rid for rid, _ in finish} | set(free)
+    resume.sort(key=lambda rid: state[rid].admit_index)
+    return RecoveryPlan(
+        resume=tuple(resume),
+        to_decode=tuple(rid for rid in resume if _one_token_behind(state[rid].request)),
+        requeue=tuple(requeue),
+        finish=tuple(finish),
+        free=tuple(free),
+        unaccounted=tuple(sorted(rid for rid in tables if rid not in accounted)),
+    )
+
+
+def _one_token_behind(request: RuntimeRequest) -> bool:
+    """A PREFILL request whose sampled token was applied before the crash: it decodes next."""
+    return (request.status == S.PREFILL and bool(request.output_token_ids)
+            and request.num_uncomputed_tokens == 1)
+
+
+def _final_statuses(state: Mapping[str, ReplayedRequest],
+                    plan: RecoveryPlan) -> dict[str, RequestStatus]:
+    """Every request's status once ``plan`` is applied."""
+    final = {rid: entry.request.status for rid, entry in state.items()}
+    final.update({rid: S.PREEMPTED for rid in plan.requeue})
+    final.update({rid: S.FINISHED for rid, _ in plan.finish})
+    final.update({rid: S.DECODE for rid in plan.to_decode})
+    return final
+
+
+def _check_plan(state: Mapping[str, ReplayedRequest], tables: Mapping[str, int],
+                plan: RecoveryPlan) -> None:
+    """What the recovered scheduler's ``check_invariants`` demands, checked on the plan.
+
+    The replay's checks and :func:`plan_recovery` guarantee all of it; an AssertionError here
+    is a bug, caught while nothing has changed yet.
+    """
+    resume = set(plan.resume)
+    released = set(plan.requeue) | {rid for rid, _ in plan.finish} | set(plan.free) \
+        | set(plan.unaccounted)
+    assert resume <= set(tables), "a resumed request has no table"
+    assert set(tables) - resume <= released, "a table outside the running queue survives"
+    for rid, status in _final_statuses(state, plan).items():
+        request = state[rid].request
+        assert (status in RUNNING_STATUSES) == (rid in resume), f"{rid}: queue mismatch"
+        if status == S.DECODE:
+            assert request.num_uncomputed_tokens == 1, f"{rid}: decodes but is not 1 behind"
+        if status.is_terminal and status != S.FINISHED:   # FINISHED gets its reason in apply
+            assert request.finish_reason is not None, f"{rid}: ended without a reason"
+        assert 0 <= request.num_computed_tokens <= request.num_tokens, f"{rid}: computed"
+        assert len(request.output_token_ids) <= request.max_tokens, f"{rid}: outputs"
+
+
+def _require_fresh(scheduler: Any, kv: Any, log: EventLog) -> None:
+    if scheduler.requests() or scheduler.has_unfinished_requests() \
+            or getattr(scheduler, "step_count", 0):
+        raise ValueError("make_scheduler must return a new, empty scheduler")
+    if scheduler.kv is not kv or scheduler.log is not log:
+        raise ValueError("make_scheduler(kv, log) must build a scheduler on that kv and log")
 
 
 def recover(
@@ -138,65 +182,59 @@ def recover(
 
     ``make_scheduler(kv, log)`` builds an empty scheduler (same class and config as before the
     crash) that appends to ``log``; the recovered log starts with the durable events, and the
-    recovery's own releases are logged after them. Returns the scheduler (its
+    recovery's own records are appended after them. Returns the scheduler (its
     ``check_invariants`` holds) and a :class:`RecoveryReport`.
+
+    Raises, with the KV manager and ``events`` unchanged: :class:`CorruptLog` for a log that
+    fails :func:`replay`'s checks; AssertionError when the manager's invariants are already
+    broken; ValueError when ``make_scheduler`` does not give a fresh scheduler on ``kv`` and
+    the new log.
     """
     durable = list(events)
-    state = replay(durable)
+    state = replay(durable)                                    # phase 1: check
+    kv.check_invariants()
     log = EventLog(events=list(durable))
     scheduler = make_scheduler(kv, log)
-    lifecycle = scheduler.lifecycle
-
+    _require_fresh(scheduler, kv, log)
+    tables = {rid: kv.num_slots(rid) for rid in kv.requests()}
+    plan = plan_recovery(state, tables)                        # phase 2: plan
+    _check_plan(state, tables, plan)
+    last_step = durable[-1].step if durable else 0
     pending = tuple(kv.pool.pending_copies()) if hasattr(kv, "pool") else ()
-    if pending:
-        kv.complete_copies(pending)
 
-    resumed, requeued, freed, finished = [], [], [], []
+    if pending:                                                # phase 3: apply
+        kv.complete_copies(pending)
+    lifecycle = Lifecycle(log, step=lambda: last_step)
+    finish = dict(plan.finish)
+    requeue, to_decode, resume, free = (set(plan.requeue), set(plan.to_decode),
+                                        set(plan.resume), set(plan.free))
     for rid, entry in state.items():
         request = entry.request
-        held = kv.has(rid)
-        if request.status in RUNNING_STATUSES:
-            # A child forked in the step that crashed has its prompt computed but lost its
-            # first token: nothing to resume from, so it recomputes like a preempted request.
-            if held and request.num_uncomputed_tokens > 0:
-                resumed.append(rid)
-            else:
-                lifecycle.transition(request, S.PREEMPTED)
-                lifecycle.release(request, kv)
-                request.num_computed_tokens = 0
-                requeued.append(rid)
-        else:
-            request.num_computed_tokens = 0   # a waiting or ended request has no KV written
-            if held:
-                lifecycle.release(request, kv)
-                freed.append(rid)
-    known = set(state)
-    unknown = [owner for owner in _table_owners(kv) if owner not in known]
-    for owner in unknown:
-        kv.free(owner)
-
-    running_order = sorted(resumed, key=lambda rid: state[rid].admit_index)
-    last_step = max((event.step for event in durable), default=0)
-    scheduler.restore([entry.request for entry in state.values()], running_order, last_step)
-    for rid in running_order:
-        request = state[rid].request
-        if request.status == S.PREFILL and request.output_token_ids \
-                and request.num_uncomputed_tokens == 1:
-            lifecycle.transition(request, S.DECODE)
-        reason = stop_reason(request)
-        if reason is not None:
-            lifecycle.finish(request, reason)
-            scheduler.running.remove(rid)
+        if rid in finish:
+            if _one_token_behind(request):
+                lifecycle.transition(request, S.DECODE)
+            lifecycle.finish(request, finish[rid])
             lifecycle.release(request, kv)
-            finished.append(rid)
-    resumed = [rid for rid in running_order if rid not in finished]
+        elif rid in requeue:
+            lifecycle.transition(request, S.PREEMPTED)
+            lifecycle.release(request, kv)
+            request.num_computed_tokens = 0
+        elif rid in to_decode:
+            lifecycle.transition(request, S.DECODE)
+        elif rid not in resume:
+            request.num_computed_tokens = 0   # a waiting or ended request has no KV written
+            if rid in free:
+                lifecycle.release(request, kv)
+    for rid in plan.unaccounted:
+        kv.free(rid)
+    scheduler.restore([entry.request for entry in state.values()], plan.resume, last_step)
+    scheduler.check_invariants()
     report = RecoveryReport(
-        resumed=tuple(resumed),
-        requeued=tuple(requeued),
-        freed=tuple(freed),
-        finished=tuple(finished),
-        unknown_freed=tuple(unknown),
+        resumed=plan.resume,
+        requeued=plan.requeue,
+        freed=plan.free,
+        finished=tuple(rid for rid, _ in plan.finish),
+        unknown_freed=plan.unaccounted,
         redone_copies=pending,
     )
-    scheduler.check_invariants()
     return scheduler, report
