@@ -7,6 +7,7 @@ import copy
 import pytest
 
 from kvlab.core.event_log import canonical
+from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.lifecycle import (
     TRANSITIONS,
@@ -152,10 +153,10 @@ def test_failed_acquisition_logs_the_compensating_outcome():
     request = make()
     life.add(request)
     state = kv.state_tuple()
-    with pytest.raises(MemoryError):
+    with pytest.raises(OutOfBlocks):
         life.acquire(request, "admit", lambda: kv.admit("r", (), tuple(range(9)), 9))
     assert [e.kind for e in life.log] == ["add", "acquire", "acquire_failed"]
-    assert life.log.events[-1].data == ("admit", "MemoryError")
+    assert life.log.events[-1].data == ("admit", "OutOfBlocks")
     assert not kv.has("r") and kv.state_tuple() == state
     assert replay(life.log.events)["r"].kv == "none"
 

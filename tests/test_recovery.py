@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.lifecycle import RUNNING_STATUSES, EventLog, SimulatedCrash
 from kvlab.core.recovery import recover, replay
@@ -18,23 +19,23 @@ CFG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, prefill_chunk=6,
 
 
 def script():
-    """Arrivals over steps (shared prefixes), an abort, a fork; small KV forces preemptions."""
+    """Arrivals over steps (shared prefixes), an abort, an n=2 request fanned out as the engine
+    does ("e" and "e#1"); small KV forces preemptions."""
     def r(rid, tail, n, **kw):
         return RuntimeRequest(rid, SHARED + tail, max_tokens=n, **kw)
 
     arrivals = {
         1: [r("a", (1, 2, 3), 6), r("b", (4, 5), 7)],
         2: [r("c", (6,), 5, priority=1)],
-        4: [r("d", (7, 8, 9, 10), 6), r("e", (11,), 3)],
+        4: [r("d", (7, 8, 9, 10), 6), r("e", (11,), 3), r("e#1", (11,), 3)],
         6: [r("f", (12, 13), 4)],
     }
-    forks = {"e": [RuntimeRequest("e#1", (*SHARED, 11), max_tokens=3)]}
     aborts = {7: ["d"]}
-    return arrivals, aborts, forks
+    return arrivals, aborts
 
 
 class RefusingKV(KVCacheManager):
-    """Refuses the first admission of "c" with MemoryError (unchanged, as the contract says),
+    """Refuses the first admission of "c" with OutOfBlocks (unchanged, as the contract says),
     although the scheduler's capacity check passed: a failed acquisition in the log."""
 
     def __init__(self, *args, **kwargs):
@@ -44,7 +45,7 @@ class RefusingKV(KVCacheManager):
     def admit(self, request_id, scope, token_ids, num_tokens):
         if request_id == "c" and not self.refused:
             self.refused = True
-            raise MemoryError("refused once (test)")
+            raise OutOfBlocks("refused once (test)", 1, 0)
         return super().admit(request_id, scope, token_ids, num_tokens)
 
 
@@ -53,17 +54,12 @@ def build(cls, log, kv_cls=KVCacheManager):
     return cls(kv, CFG, log=log)
 
 
-def finish_run(sched, arrivals, aborts, forks, start_step):
+def finish_run(sched, arrivals, aborts, start_step):
     """Continue a (recovered) scheduler: resubmit what it never saw, abort what is due."""
     known = {r.request_id for r in sched.requests()}
     pending = [q for step in sorted(arrivals) for q in arrivals[step] if q.request_id not in known]
     later_aborts = {1: [rid for step, ids in aborts.items() if step > start_step for rid in ids]}
-    todo_forks = {p: [c for c in cs if c.request_id not in known]
-                  for p, cs in forks.items()
-                  if p in known and not sched.get_request(p).output_token_ids}
-    todo_forks.update({p: cs for p, cs in forks.items() if p not in known})
     return drive(sched, arrivals={1: [copy_request(q) for q in pending]}, aborts=later_aborts,
-                 forks={p: [copy_request(c) for c in cs] for p, cs in todo_forks.items() if cs},
                  check=True)
 
 
@@ -76,9 +72,9 @@ def fresh(d):
 
 
 def reference(cls, kv_cls=KVCacheManager):
-    arrivals, aborts, forks = script()
+    arrivals, aborts = script()
     sched = build(cls, EventLog(), kv_cls)
-    result = drive(sched, arrivals=fresh(arrivals), aborts=aborts, forks=fresh(forks), check=True)
+    result = drive(sched, arrivals=fresh(arrivals), aborts=aborts, check=True)
     return sched, result
 
 
@@ -89,7 +85,7 @@ def test_reference_run_exercises_every_path(cls):
     assert kinds == {"add", "transition", "acquire", "acquired", "release", "released", "progress"}
     assert sum(len(o.preempted) for o in result.outputs) > 0
     assert sched.get_request("d").status == S.CANCELLED
-    assert sched.get_request("e#1").parent_id == "e"
+    assert sched.get_request("e#1").output_token_ids == sched.get_request("e").output_token_ids
     # replaying the whole log reproduces every request
     replayed = replay(sched.log.events)
     for r in sched.requests():
@@ -107,7 +103,7 @@ def test_refused_admission_is_logged_with_its_outcome(cls):
     kinds = [e.kind for e in events]
     i = kinds.index("acquire_failed")
     assert kinds[i - 1] == "acquire" and kinds[i + 1:].count("acquire_failed") == 0
-    assert events[i].data == ("admit", "MemoryError")
+    assert events[i].data == ("admit", "OutOfBlocks")
     assert kinds[i + 1] == "acquire" and kinds[i + 2] == "acquired"
     assert sched.get_request("c").status == S.FINISHED
 
@@ -119,14 +115,14 @@ def test_crash_at_every_event_then_recover(cls, kv_cls):
     n_events = len(ref_sched.log)
     want = {r.request_id: r.output_token_ids for r in ref_sched.requests()
             if r.status == S.FINISHED}
-    arrivals, aborts, forks = script()
+    arrivals, aborts = script()
     outcomes = {"freed": 0, "requeued": 0, "resumed": 0}
     for k in range(n_events):
         log = EventLog(crash_at=k)
         sched = build(cls, log, kv_cls)
         kv = sched.kv
         with pytest.raises(SimulatedCrash):
-            drive(sched, arrivals=fresh(arrivals), aborts=aborts, forks=fresh(forks))
+            drive(sched, arrivals=fresh(arrivals), aborts=aborts)
         crash_step = sched.step_count
         # Oracle from the dead scheduler's memory (statuses change only after being logged).
         orphans = sorted(r.request_id for r in sched.requests()
@@ -151,7 +147,7 @@ def test_crash_at_every_event_then_recover(cls, kv_cls):
         outcomes["freed"] += len(report.freed)
         outcomes["requeued"] += len(report.requeued)
         outcomes["resumed"] += len(report.resumed)
-        finish_run(recovered, arrivals, aborts, forks, crash_step)
+        finish_run(recovered, arrivals, aborts, crash_step)
         recovered.check_invariants()
         assert not kv.requests(), f"crash at {k}: KV leaked"
         assert kv.num_allocatable_blocks() == kv.num_blocks
@@ -161,7 +157,38 @@ def test_crash_at_every_event_then_recover(cls, kv_cls):
                 assert r.finish_reason == FinishReason.LENGTH
                 if r.request_id in want:
                     assert r.output_token_ids == want[r.request_id], (k, r.request_id)
-    assert all(outcomes.values()), outcomes   # every kind of decision was exercised
+    # every decision a crash of the scheduler alone can need (requeue needs a lost table: below)
+    assert outcomes["freed"] and outcomes["resumed"], outcomes
+
+
+@pytest.mark.parametrize("cls", [BaselineScheduler, ProductionScheduler])
+def test_lost_kv_tables_requeue_running_requests(cls):
+    """The KV manager restarted too (every table lost): every request the log says is running
+    is requeued to recompute, and the run still ends with the uninterrupted outputs."""
+    ref_sched, _ = reference(cls)
+    want = {r.request_id: r.output_token_ids for r in ref_sched.requests()
+            if r.status == S.FINISHED}
+    arrivals, aborts = script()
+    n_events = len(ref_sched.log)
+    requeued = 0
+    for k in range(n_events // 3, n_events, 7):
+        log = EventLog(crash_at=k)
+        sched = build(cls, log)
+        with pytest.raises(SimulatedCrash):
+            drive(sched, arrivals=fresh(arrivals), aborts=aborts)
+        running = sorted(r.request_id for r in sched.requests()
+                         if r.status in RUNNING_STATUSES)
+        empty = KVCacheManager(8, 4)
+        recovered, report = recover(log.events, empty, lambda kv, log: cls(kv, CFG, log=log))
+        assert sorted(report.requeued + report.finished) == running, k
+        assert not report.resumed and not report.freed
+        requeued += len(report.requeued)
+        finish_run(recovered, arrivals, aborts, sched.step_count)
+        assert not empty.requests(), f"crash at {k}: KV leaked"
+        for r in recovered.requests():
+            if r.status == S.FINISHED and r.request_id in want:
+                assert r.output_token_ids == want[r.request_id], (k, r.request_id)
+    assert requeued
 
 
 def test_recover_with_no_crash_changes_nothing():
