@@ -37,7 +37,7 @@ notebooks: venv
 
 # One chapter: make notebook NB=notebooks/03-refcounts-cow.md
 notebook: venv
-	$(VENV)/bin/jupytext --to ipynb --execute $(NB)
+	$(PY) tools/execute_notebook.py --timeout $(NB_TIMEOUT) $(NB)
 
 book: venv
 	$(VENV)/bin/jupyter-book build . --config book.yml --toc toc.yml -W -n --keep-going

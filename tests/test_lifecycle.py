@@ -6,8 +6,8 @@ import copy
 
 import pytest
 
-from kvlab.core.event_log import canonical
 from kvlab.core.block_pool import OutOfBlocks
+from kvlab.core.event_log import canonical
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.lifecycle import (
     TRANSITIONS,
