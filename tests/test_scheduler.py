@@ -343,11 +343,14 @@ def test_abort_waiting_running_inflight_and_idempotent(cls):
     assert sched.abort_request("nope") is None
     out = sched.schedule()                            # a, b running; c waiting
     assert sched.abort_request("c").status == S.CANCELLED
-    aborted = sched.abort_request("a")                # in flight: KV freed after the step
-    assert aborted.finish_reason == FinishReason.ABORT and kv.has("a")
-    sched.check_invariants()
-    sched.update_from_output(out, {"a": 1, "b": 2})   # a's token is ignored
-    assert not kv.has("a") and sched.get_request("a").output_token_ids == []
+    before = _sched_state(sched)
+    with pytest.raises(RuntimeError, match="during the step"):   # in flight: the engine core
+        sched.abort_request("a")                                  # holds it to the step's end
+    assert _sched_state(sched) == before
+    sched.update_from_output(out, {"a": 1, "b": 2})
+    aborted = sched.abort_request("a")
+    assert aborted.finish_reason == FinishReason.ABORT and not kv.has("a")
+    assert sched.get_request("a").output_token_ids == [1]
     assert sched.abort_request("a") is aborted and aborted.status == S.CANCELLED
     sched.check_invariants()
     drive(sched, check=True)
@@ -460,19 +463,19 @@ def test_forget_drops_only_ended_and_reported_requests(cls):
 @pytest.mark.parametrize("cls", SCHEDULERS)
 def test_fail_step_fails_the_step_and_releases_its_kv_once(cls):
     """The executor could not run a step: its requests fail with reason ERROR, their KV is
-    released exactly once, requests aborted in flight are released, and the scheduler goes on."""
+    released exactly once, a request outside the step is untouched, and the scheduler goes on."""
     from kvlab.core.recovery import replay
 
     kv = KVCacheManager(32, 4)
-    sched = cls(kv, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16))
-    for rid, n in (("p", 6), ("q", 5), ("w", 4)):
+    sched = cls(kv, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=11))
+    for rid, n in (("p", 6), ("q", 5), ("w", 9)):
         sched.add_request(req(rid, n, 4))
-    out = sched.schedule()
+    out = sched.schedule()                                   # p and q fill the step
+    assert [c.request_id for c in out.chunks] == ["p", "q"]
     before = _sched_state(sched)
     with pytest.raises(ValueError, match="not the step in flight"):
         sched.fail_step(SchedulerOutput(step=99, chunks=()), "x")
     assert _sched_state(sched) == before
-    sched.abort_request("w")                                 # aborted in flight
     frees = []
     real_free = kv.free
     kv.free = lambda rid: frees.append(rid) or real_free(rid)
@@ -482,11 +485,12 @@ def test_fail_step_fails_the_step_and_releases_its_kv_once(cls):
     for r in failed:
         assert (r.status, r.finish_reason, r.status_message) == (
             S.FAILED, FinishReason.ERROR, "device lost")
-    assert sorted(frees) == ["p", "q", "w"]                  # each exactly once
-    assert not kv.requests() and not kv.pool.pending_copies()
+    assert sorted(frees) == ["p", "q"]                       # each exactly once
+    assert not kv.requests() and not kv.pending_copies()
+    assert sched.get_request("w").status == S.WAITING        # not in the step
     sched.check_invariants()
     replayed = replay(sched.log.events)
-    assert all(replayed[r].kv == "none" for r in ("p", "q", "w"))
+    assert all(replayed[r].kv == "none" for r in ("p", "q"))
     # the failed requests are reported by the next update, and new work runs
     sched.add_request(req("n", 3, 2))
     out = sched.schedule()

@@ -145,7 +145,12 @@ class EngineCore:
         with self.lock:
             try:
                 t1 = time.perf_counter()
-                ended = self.scheduler.update_from_output(output, result.sampled)
+                try:
+                    ended = self.scheduler.update_from_output(output, result.sampled)
+                except ValueError as error:   # the executor's result broke the protocol
+                    self.scheduler.fail_step(output, f"step {output.step}: bad executor "
+                                                     f"output: {error}")
+                    raise
                 update_s = time.perf_counter() - t1
                 self._forget(ended)
             finally:

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field, fields, is_dataclass, replace
 from enum import Enum
 from typing import Any
 
+from .checks import is_int
+
 LOG_ID = ""
 """The ``request_id`` of log-level records (checkpoints); no request may use it."""
 
@@ -173,7 +175,7 @@ class EventLog:
         return self._write(kind, request_id, tuple(data), step)
 
     def _write(self, kind: str, request_id: str, data: tuple[Any, ...], step: int) -> Event:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        if not is_int(step) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         index = self.next_index
         seq = self._next_seq.get(request_id, 0)

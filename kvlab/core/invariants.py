@@ -260,3 +260,40 @@ def check_radix(cache: RadixCache) -> None:
 
 def check_kv_manager(mgr) -> None:
     KV_MANAGER_INVARIANTS.check(mgr)
+
+
+def check_scheduler(scheduler: Any) -> None:
+    """A scheduler's invariants (spec rules 5 and 11): every non-terminal request is in exactly
+    one queue (waiting: WAITING or PREEMPTED, no KV; running: PREFILL or DECODE, holding a
+    table), an ended request has a reason and no KV, token counters stay in range, a decoding
+    request is one token behind; then the KV manager's own invariants. AssertionError naming
+    the first broken one."""
+    from .lifecycle import RUNNING_STATUSES, WAITING_STATUSES
+    from .scheduler_api import RequestStatus
+
+    inflight = scheduler.inflight_ids
+    waiting, running = set(scheduler.waiting), set(scheduler.running)
+    assert len(waiting) == len(scheduler.waiting), "a request is twice in the waiting queue"
+    assert len(running) == len(scheduler.running), "a request is twice in the running queue"
+    assert not waiting & running, f"in both queues: {sorted(waiting & running)}"
+    for rid, request in ((r.request_id, r) for r in scheduler.requests()):
+        status = request.status
+        if status in WAITING_STATUSES:
+            assert rid in waiting, f"{rid} is {status.value} but not in the waiting queue"
+        elif status in RUNNING_STATUSES:
+            assert rid in running, f"{rid} is {status.value} but not in the running queue"
+        else:
+            assert rid not in waiting and rid not in running, f"{rid} ended but is queued"
+            assert request.finish_reason is not None, f"{rid} ended without a reason"
+        holds = scheduler.kv.has(rid)
+        if status in RUNNING_STATUSES:
+            assert holds, f"running request {rid} holds no KV"
+        else:
+            assert not holds, f"{rid} is {status.value} but still holds KV"
+        assert 0 <= request.num_computed_tokens <= request.num_tokens, \
+            f"{rid}: num_computed_tokens out of range"
+        assert len(request.output_token_ids) <= request.max_tokens, \
+            f"{rid}: more outputs than max_tokens"
+        if status == RequestStatus.DECODE and rid not in inflight:
+            assert request.num_uncomputed_tokens == 1, f"{rid}: decoding but not 1 token behind"
+    scheduler.kv.check_invariants()

@@ -41,14 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .block_pool import CACHE_OWNER, BlockPool, OutOfBlocks
+from .checks import is_int
 from .paging import token_slots
 from .radix import PrefixMatch, RadixCache, _Node
 from .scope import CacheScope, scope_key
-
-
-def _is_int(value: object) -> bool:
-    """An int that is not a bool (``True`` is an int to Python, never a size or position)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -115,9 +111,9 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
-        if not _is_int(num_blocks) or num_blocks <= 0:
+        if not is_int(num_blocks) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if not _is_int(block_size) or block_size <= 0:
+        if not is_int(block_size) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -142,7 +138,7 @@ class KVCacheManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         """``ceil(num_tokens / block_size)``."""
-        if not _is_int(num_tokens) or num_tokens < 0:
+        if not is_int(num_tokens) or num_tokens < 0:
             raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         return -(-num_tokens // self.block_size)
 
@@ -184,7 +180,7 @@ class KVCacheManager:
     def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
         """Physical slots of positions ``[start, end)``; ValueError outside the table."""
         table = self._table(request_id)
-        if not (_is_int(start) and _is_int(end) and
+        if not (is_int(start) and is_int(end) and
                 0 <= start <= end <= len(table) * self.block_size):
             raise ValueError(
                 f"positions [{start}, {end}) outside the table of {request_id!r} "
@@ -210,7 +206,7 @@ class KVCacheManager:
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} is already admitted")
         key = scope_key(scope)
-        if not _is_int(num_tokens) or num_tokens < 1:
+        if not is_int(num_tokens) or num_tokens < 1:
             raise ValueError(f"a request needs at least one token slot, got {num_tokens!r}")
         plan = self._plan_admit(key, token_ids, num_tokens)
         if num_tokens <= plan.cached:
@@ -249,7 +245,7 @@ class KVCacheManager:
         blocks.
         """
         table = self._table(request_id)
-        if not (_is_int(write_from) and _is_int(num_tokens)
+        if not (is_int(write_from) and is_int(num_tokens)
                 and 0 <= write_from <= num_tokens):
             raise ValueError(f"need 0 <= write_from <= num_tokens, got {write_from}, {num_tokens}")
         if self._grow_is_noop(table, num_tokens, write_from):   # most decode steps

@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .checks import is_int
 from .event_log import EVENT_KINDS, LOG_ID, CorruptLog, Event
 from .lifecycle import (
     ALLOWED_REASONS,
@@ -90,8 +91,7 @@ def met_stop(request: RuntimeRequest) -> FinishReason | None:
 
 def _is_int(value: object, low: int | None = 0) -> bool:
     """An int (not a bool) that is at least ``low`` (no bound when ``low`` is None)."""
-    return (isinstance(value, int) and not isinstance(value, bool)
-            and (low is None or value >= low))
+    return is_int(value) and (low is None or value >= low)
 
 
 def _fail(event: Any, problem: str) -> CorruptLog:

@@ -31,8 +31,9 @@ Common rules (the base class):
 
 from __future__ import annotations
 
-from .scheduler_base import SchedulerBase, SchedulerConfig
+from .scheduler_base import SchedulerBase
 from .scheduler_baseline import BaselineScheduler
+from .scheduler_config import SchedulerConfig
 from .scheduler_production import (
     OrderKey,
     ProductionScheduler,

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
+from .checks import is_int
+from .scope import scope_key
+
 
 class RequestStatus(Enum):
     """Where a runtime request is. Exactly one at any moment (spec rule 5)."""
@@ -93,6 +96,70 @@ class RuntimeRequest:
     admitted_step: int | None = None        # step that first gave it KV (kept across preemption)
     first_token_step: int | None = None     # step whose output carried its first sampled token
     finished_step: int | None = None        # step in which it reached a terminal status
+
+    def check_new(self) -> None:
+        """ValueError naming the field unless this is a well-formed request as submitted:
+        non-empty str id, prompt a non-empty tuple of ints >= 0, ``max_tokens >= 1``, optional
+        ``max_model_len >= 1``, stop/EOS ids ints >= 0, bool ``ignore_eos``, int ``priority``,
+        a number or None ``deadline``, a hashable scope, and fresh state (WAITING, no outputs,
+        nothing computed). Schedulers call it at their boundary, ``add_request``.
+        """
+        rid = self.request_id
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id must be a non-empty str, got {rid!r}")
+        prompt = self.prompt_token_ids
+        if not isinstance(prompt, tuple):
+            raise ValueError(f"request {rid!r}: prompt_token_ids must be a tuple of ints, got "
+                             f"{type(prompt).__name__}")
+        if not prompt:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        for i, token in enumerate(prompt):
+            if not is_int(token) or token < 0:
+                raise ValueError(f"request {rid!r}: prompt_token_ids[{i}] must be an int >= 0, "
+                                 f"got {token!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_tokens must be an int >= 1, "
+                             f"got {self.max_tokens!r}")
+        if self.max_model_len is not None and (
+                not is_int(self.max_model_len) or self.max_model_len < 1):
+            raise ValueError(f"request {rid!r}: max_model_len must be None or an int >= 1, "
+                             f"got {self.max_model_len!r}")
+        stops = self.stop_token_ids
+        if not isinstance(stops, (set, frozenset)) or not all(
+                is_int(t) and t >= 0 for t in stops):
+            raise ValueError(f"request {rid!r}: stop_token_ids must be a frozenset of ints >= 0, "
+                             f"got {stops!r}")
+        eos = self.eos_token_id
+        if eos is not None and (not is_int(eos) or eos < 0):
+            raise ValueError(f"request {rid!r}: eos_token_id must be None or an int >= 0, "
+                             f"got {eos!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"request {rid!r}: ignore_eos must be a bool, "
+                             f"got {self.ignore_eos!r}")
+        if not is_int(self.priority):
+            raise ValueError(f"request {rid!r}: priority must be an int, "
+                             f"got {self.priority!r}")
+        deadline = self.deadline
+        if deadline is not None and (not isinstance(deadline, (int, float))
+                                     or isinstance(deadline, bool) or deadline != deadline):
+            raise ValueError(f"request {rid!r}: deadline must be None or a number, "
+                             f"got {deadline!r}")
+        try:
+            scope_key(self.scope)
+        except TypeError as error:
+            raise ValueError(f"request {rid!r}: bad scope: {error}") from None
+        if (self.status != RequestStatus.WAITING or self.output_token_ids
+                or self.num_computed_tokens or self.finish_reason is not None):
+            raise ValueError(
+                f"request {rid!r} must be fresh (WAITING, no outputs, nothing computed)")
+
+    @property
+    def max_kv_slots(self) -> int:
+        """KV slots the request can ever occupy: every token but the last one sampled."""
+        final = self.num_prompt_tokens + self.max_tokens
+        if self.max_model_len is not None:
+            final = min(final, self.max_model_len)
+        return final - 1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,19 +1,20 @@
-"""Shared machinery of kvlab's schedulers: configuration, request registry and queues, KV
-bookkeeping, output handling, invariants. The policies live in :mod:`.scheduler_baseline` and
-:mod:`.scheduler_production`; :mod:`.scheduler` re-exports everything (see its docstring for
-the rules common to both).
+"""What kvlab's schedulers share: the request registry and queues, one step's protocol
+(``schedule`` / ``update_from_output`` / ``fail_step``), KV bookkeeping, and recovery's entry
+point. The policies live in :mod:`.scheduler_baseline` and :mod:`.scheduler_production`; the
+budgets in :mod:`.scheduler_config`; a step's accumulator in :mod:`.step_plan`; request
+validation on :meth:`RuntimeRequest.check_new`; the invariants in
+:func:`kvlab.core.invariants.check_scheduler`. :mod:`.scheduler` re-exports the public names.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from .block_pool import OutOfBlocks
+from .checks import is_int
 from .lifecycle import (
-    RUNNING_STATUSES,
     WAITING_STATUSES,
     EventLog,
     Lifecycle,
@@ -25,70 +26,10 @@ from .scheduler_api import (
     SchedulerOutput,
     stop_reason,
 )
-from .scope import scope_key
+from .scheduler_config import SchedulerConfig
+from .step_plan import StepPlan
 
 S = RequestStatus
-
-
-def _is_int(value: object) -> bool:
-    """An int that is not a bool (``True`` is an int to Python, never a token id or count)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Budgets and policy knobs. Token counts are tokens; steps are scheduler steps.
-
-    Attributes:
-        max_num_seqs: requests in one step's batch (and, for the production scheduler, running).
-        max_num_batched_tokens: the token budget of one step, decodes and prefill chunks together.
-        prefill_chunk: the longest prefill chunk one request gets in a step.
-        admission: production only. ``"reserve"`` admits a request only if KV for its whole
-            prompt + max_tokens fits beside what running requests may still need (no preemption
-            is ever needed without forks); ``"watermark"`` admits when the first chunk fits and
-            ``watermark`` of the pool stays free, preempting when KV runs out (more concurrency,
-            recompute risk).
-        watermark: fraction of the pool kept free by ``"watermark"`` admission.
-        max_waiting: production only. Overload policy: a request arriving when this many wait is
-            rejected with reason "queue full". ``None`` = unbounded queue.
-        max_wait_steps: production only. Ageing: a request waiting this many steps since its
-            arrival outranks every class, deadline and cache hit, FIFO among the aged, and blocks
-            admissions behind it while it does not fit. ``None`` disables ageing (then
-            starvation is possible, see chapter 6).
-        cache_affinity: production only. Order equal-class, equal-deadline candidates by longest
-            prefix-cache hit first (within ``affinity_window`` candidates, to bound lookup cost).
-        affinity_window: how many leading candidates get a prefix lookup per step.
-        admission_scan_limit: production only. At most this many waiting candidates are tried
-            per step (in order); the rest wait for a later step. Bounds the per-step cost when a
-            long queue does not fit. ``None``: try them all.
-    """
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    prefill_chunk: int = 256
-    admission: str = "reserve"
-    watermark: float = 0.0
-    max_waiting: int | None = None
-    max_wait_steps: int | None = 64
-    cache_affinity: bool = True
-    affinity_window: int = 256
-    admission_scan_limit: int | None = 128
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk",
-                     "affinity_window"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
-        if self.admission not in ("reserve", "watermark"):
-            raise ValueError("SchedulerConfig.admission must be 'reserve' or 'watermark', "
-                             f"got {self.admission!r}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"SchedulerConfig.watermark must be in [0, 1), got {self.watermark!r}")
-        for name, low in (("max_waiting", 0), ("max_wait_steps", 0), ("admission_scan_limit", 1)):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < low):
-                raise ValueError(f"SchedulerConfig.{name} must be None or an int >= {low}")
 
 
 class SchedulerBase:
@@ -116,7 +57,6 @@ class SchedulerBase:
         self._step = 0
         self._inflight: SchedulerOutput | None = None
         self._inflight_ids: set[str] = set()
-        self._deferred_release: list[str] = []  # aborted while in flight: free after the step
         self._ended: list[RuntimeRequest] = []  # rejected/failed, reported by update_from_output
         self._rejected_pending: list[str] = []  # rejected since the last schedule()
         self._compact_at = self.compact_min_events  # log size that triggers the next compaction
@@ -163,8 +103,7 @@ class SchedulerBase:
         request = self._requests.get(request_id)
         return (request is not None and request.status.is_terminal
                 and not any(r is request for r in self._ended)
-                and request_id not in self._inflight_ids
-                and request_id not in self._deferred_release)
+                and request_id not in self._inflight_ids)
 
     def _next_seq(self) -> int:
         """The next value of the counter that orders arrivals and admissions."""
@@ -182,7 +121,11 @@ class SchedulerBase:
 
     def add_request(self, request: RuntimeRequest) -> None:
         """Queue ``request``; reject it (REJECTED + reason) if it can never fit or on overload."""
-        self._validate_new(request)
+        if not isinstance(request, RuntimeRequest):
+            raise TypeError(f"expected a RuntimeRequest, got {type(request).__name__}")
+        request.check_new()
+        if request.request_id in self._requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
         self.lifecycle.add(request)
         rid = request.request_id
         self._requests[rid] = request
@@ -197,19 +140,21 @@ class SchedulerBase:
         self.waiting.append(rid)
 
     def abort_request(self, request_id: str) -> RuntimeRequest | None:
-        """Cancel a request (client abort). Idempotent: an ended request is returned unchanged,
-        an unknown id returns None. A request in the step now executing is cancelled at once but
-        its KV is freed after ``update_from_output`` (the executor may still be using it)."""
+        """Cancel a request (client abort) and free its KV. Idempotent: an ended request is
+        returned unchanged, an unknown id returns None. RuntimeError (nothing changed) for a
+        request in the step in flight: the executor may still be reading its KV, so an abort
+        that arrives then waits for the step's end (:class:`~kvlab.core.engine_core.EngineCore`
+        holds it until then)."""
         request = self._requests.get(request_id)
         if request is None or request.status.is_terminal:
             return request
+        if request_id in self._inflight_ids:
+            raise RuntimeError(f"abort_request({request_id!r}) during the step that runs it: "
+                               "abort after update_from_output() or fail_step()")
         in_queue = self.waiting if request.status in WAITING_STATUSES else self.running
         self.lifecycle.cancel(request)
         in_queue.remove(request_id)
-        if request_id in self._inflight_ids:
-            self._deferred_release.append(request_id)
-        else:
-            self.lifecycle.release(request, self.kv)
+        self.lifecycle.release(request, self.kv)
         return request
 
     # -- protocol: one step -------------------------------------------------------------------
@@ -222,7 +167,7 @@ class SchedulerBase:
                     f"schedule() called before update_from_output() of step {self._inflight.step}")
             self._inflight = None
         self._step += 1
-        plan = _StepPlan(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        plan = StepPlan(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self._schedule_into(plan)
         chunks = tuple(plan.chunks)
         output = SchedulerOutput(
@@ -245,8 +190,7 @@ class SchedulerBase:
         """Apply a step's results; returns requests that ended (finished, rejected, failed).
 
         ``sampled`` maps every request whose chunk had ``sample=True`` to its new token.
-        Validated before anything changes. Tokens of requests aborted during the step are
-        ignored.
+        Validated before anything changes (ValueError: the step stays in flight).
         """
         inflight = self._inflight
         if inflight is None or output is not inflight:
@@ -254,23 +198,21 @@ class SchedulerBase:
                 ended, self._ended = self._ended, []
                 return ended
             raise ValueError(f"output of step {output.step} is not the step in flight")
-        live = [c for c in output.chunks if not self._requests[c.request_id].status.is_terminal]
-        expected = {c.request_id for c in live if c.sample}
-        aborted = {c.request_id for c in output.chunks}
+        expected = {c.request_id for c in output.chunks if c.sample}
         missing = expected - set(sampled)
-        extra = set(sampled) - expected - aborted
+        extra = set(sampled) - expected
         if missing:
             raise ValueError(f"no sampled token for {sorted(missing)}")
         if extra:
             raise ValueError(f"sampled tokens for requests that did not sample: {sorted(extra)}")
         for rid in expected:
             token = sampled[rid]
-            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            if not is_int(token) or token < 0:
                 raise ValueError(f"sampled token for {rid!r} must be an int >= 0, got {token!r}")
 
         ended: list[RuntimeRequest] = []
         touched: list[RuntimeRequest] = []
-        for chunk in live:
+        for chunk in output.chunks:
             request = self._requests[chunk.request_id]
             request.num_computed_tokens = chunk.start_pos + chunk.num_tokens
             token = sampled[chunk.request_id] if chunk.sample else None
@@ -293,10 +235,7 @@ class SchedulerBase:
         return early + ended
 
     def _close_step(self) -> None:
-        """End the step in flight: release the requests aborted during it."""
-        for rid in self._deferred_release:
-            self.lifecycle.release(self._requests[rid], self.kv)
-        self._deferred_release = []
+        """End the step in flight."""
         self._inflight = None
         self._inflight_ids = set()
 
@@ -304,8 +243,8 @@ class SchedulerBase:
         """The step in flight could not run (the executor or the sampler raised): end it.
 
         Every live request of the step becomes FAILED (finish reason ERROR, ``message`` in
-        ``status_message``), leaves the running queue and releases its KV exactly once;
-        requests aborted while it was in flight release theirs too. The step's copy-on-write
+        ``status_message``), leaves the running queue and releases its KV exactly once. The
+        step's copy-on-write
         copies still pending are completed first: their destination blocks belong only to
         requests of this step, which fail, so no KV that survives depends on them. Then the
         step is cleared: the next ``schedule()`` runs, and the next ``update_from_output()``
@@ -324,8 +263,6 @@ class SchedulerBase:
         failed: list[RuntimeRequest] = []
         for rid in [c.request_id for c in output.chunks]:
             request = self._requests[rid]
-            if request.status.is_terminal:
-                continue   # aborted while in flight: released with the deferred ones below
             self.lifecycle.fail(request, message)
             self.running.remove(rid)
             self.lifecycle.release(request, self.kv)
@@ -366,105 +303,27 @@ class SchedulerBase:
     # -- invariants ---------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """AssertionError naming the first broken invariant (queues, KV ownership, counters)."""
-        waiting, running = set(self.waiting), set(self.running)
-        assert len(waiting) == len(self.waiting), "a request is twice in the waiting queue"
-        assert len(running) == len(self.running), "a request is twice in the running queue"
-        assert not waiting & running, f"in both queues: {sorted(waiting & running)}"
-        deferred = set(self._deferred_release)
-        for rid, request in self._requests.items():
-            status = request.status
-            if status in WAITING_STATUSES:
-                assert rid in waiting, f"{rid} is {status.value} but not in the waiting queue"
-            elif status in RUNNING_STATUSES:
-                assert rid in running, f"{rid} is {status.value} but not in the running queue"
-            else:
-                assert rid not in waiting and rid not in running, f"{rid} ended but is queued"
-                assert request.finish_reason is not None, f"{rid} ended without a reason"
-            holds = self.kv.has(rid)
-            if status in RUNNING_STATUSES:
-                assert holds, f"running request {rid} holds no KV"
-            elif rid not in deferred:
-                assert not holds, f"{rid} is {status.value} but still holds KV"
-            assert 0 <= request.num_computed_tokens <= request.num_tokens, \
-                f"{rid}: num_computed_tokens out of range"
-            assert len(request.output_token_ids) <= request.max_tokens, \
-                f"{rid}: more outputs than max_tokens"
-            if status == S.DECODE and rid not in self._inflight_ids:
-                assert request.num_uncomputed_tokens == 1, f"{rid}: decoding but not 1 token behind"
-        self.kv.check_invariants()
+        """AssertionError naming the first broken invariant (see
+        :func:`kvlab.core.invariants.check_scheduler`)."""
+        from .invariants import check_scheduler
+
+        check_scheduler(self)
+
+    @property
+    def inflight_ids(self) -> frozenset[str]:
+        """Ids of the requests whose chunks are in the step in flight."""
+        return frozenset(self._inflight_ids)
 
     # -- helpers for policies -----------------------------------------------------------------
 
-    def _schedule_into(self, plan: _StepPlan) -> None:  # pragma: no cover - abstract
+    def _schedule_into(self, plan: StepPlan) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
-
-    def max_slots(self, request: RuntimeRequest) -> int:
-        """KV slots the request can ever occupy: every token but the last one sampled."""
-        final = request.num_prompt_tokens + request.max_tokens
-        if request.max_model_len is not None:
-            final = min(final, request.max_model_len)
-        return final - 1
-
-    def _validate_new(self, request: RuntimeRequest) -> None:
-        if not isinstance(request, RuntimeRequest):
-            raise TypeError(f"expected a RuntimeRequest, got {type(request).__name__}")
-        rid = request.request_id
-        if not isinstance(rid, str) or not rid:
-            raise ValueError(f"request_id must be a non-empty str, got {rid!r}")
-        if rid in self._requests:
-            raise ValueError(f"duplicate request id {rid!r}")
-        prompt = request.prompt_token_ids
-        if not isinstance(prompt, tuple):
-            raise ValueError(f"request {rid!r}: prompt_token_ids must be a tuple of ints, got "
-                             f"{type(prompt).__name__}")
-        if not prompt:
-            raise ValueError(f"request {rid!r} has an empty prompt")
-        for i, token in enumerate(prompt):
-            if not _is_int(token) or token < 0:
-                raise ValueError(f"request {rid!r}: prompt_token_ids[{i}] must be an int >= 0, "
-                                 f"got {token!r}")
-        if not _is_int(request.max_tokens) or request.max_tokens < 1:
-            raise ValueError(f"request {rid!r}: max_tokens must be an int >= 1, "
-                             f"got {request.max_tokens!r}")
-        if request.max_model_len is not None and (
-                not _is_int(request.max_model_len) or request.max_model_len < 1):
-            raise ValueError(f"request {rid!r}: max_model_len must be None or an int >= 1, "
-                             f"got {request.max_model_len!r}")
-        stops = request.stop_token_ids
-        if not isinstance(stops, (set, frozenset)) or not all(
-                _is_int(t) and t >= 0 for t in stops):
-            raise ValueError(f"request {rid!r}: stop_token_ids must be a frozenset of ints >= 0, "
-                             f"got {stops!r}")
-        eos = request.eos_token_id
-        if eos is not None and (not _is_int(eos) or eos < 0):
-            raise ValueError(f"request {rid!r}: eos_token_id must be None or an int >= 0, "
-                             f"got {eos!r}")
-        if not isinstance(request.ignore_eos, bool):
-            raise ValueError(f"request {rid!r}: ignore_eos must be a bool, "
-                             f"got {request.ignore_eos!r}")
-        if not _is_int(request.priority):
-            raise ValueError(f"request {rid!r}: priority must be an int, "
-                             f"got {request.priority!r}")
-        deadline = request.deadline
-        if deadline is not None and (not isinstance(deadline, (int, float))
-                                     or isinstance(deadline, bool) or deadline != deadline):
-            raise ValueError(f"request {rid!r}: deadline must be None or a number, "
-                             f"got {deadline!r}")
-        try:
-            scope_key(request.scope)
-        except TypeError as error:
-            raise ValueError(f"request {rid!r}: bad scope: {error}") from None
-        if (request.status != S.WAITING or request.output_token_ids
-                or request.num_computed_tokens or request.finish_reason is not None):
-            raise ValueError(
-                f"request {rid!r} must be fresh (WAITING, no outputs, nothing computed)")
 
     def _never_fits(self, request: RuntimeRequest) -> str | None:
         n = request.num_prompt_tokens
         if request.max_model_len is not None and n >= request.max_model_len:
             return f"prompt of {n} tokens leaves no room in max_model_len={request.max_model_len}"
-        need = self.kv.blocks_for(self.max_slots(request))
+        need = self.kv.blocks_for(request.max_kv_slots)
         if need > self.kv.num_blocks:
             return (f"prompt + max_tokens needs {need} KV blocks; the pool has "
                     f"{self.kv.num_blocks}: it can never fit")
@@ -484,7 +343,7 @@ class SchedulerBase:
         if token is not None and request.status == S.PREFILL:
             self.lifecycle.transition(request, S.DECODE)
 
-    def _admit(self, plan: _StepPlan, request: RuntimeRequest, cached: int, n: int) -> None:
+    def _admit(self, plan: StepPlan, request: RuntimeRequest, cached: int, n: int) -> None:
         """Give a waiting request its table (reusing ``cached`` prefix tokens) and a chunk."""
         rid = request.request_id
         tokens = request.all_token_ids
@@ -500,12 +359,9 @@ class SchedulerBase:
             request.admitted_step = self._step
         self.waiting.remove(rid)
         request.admit_seq = self._next_seq()
-        self._place_running(rid)
+        self.running.append(rid)
         plan.admitted.append(rid)
         plan.add_chunk(self._chunk(request, cached, n))
-
-    def _place_running(self, rid: str) -> None:
-        self.running.append(rid)
 
     def _grow(self, request: RuntimeRequest, n: int) -> list[tuple[int, int]]:
         """Extend a running request's table for ``n`` more tokens (OutOfBlocks: unchanged)."""
@@ -523,7 +379,7 @@ class SchedulerBase:
             is_prefill=request.status == S.PREFILL,
         )
 
-    def _preempt(self, plan: _StepPlan, request: RuntimeRequest) -> None:
+    def _preempt(self, plan: StepPlan, request: RuntimeRequest) -> None:
         """Recompute preemption: free the KV, back to waiting with its tokens kept."""
         rid = request.request_id
         self.lifecycle.transition(request, S.PREEMPTED)
@@ -542,7 +398,7 @@ class SchedulerBase:
             return 0
         return self.kv.lookup(request.scope, request.all_token_ids)
 
-    def _ensure_kv(self, plan: _StepPlan, request: RuntimeRequest, n: int,
+    def _ensure_kv(self, plan: StepPlan, request: RuntimeRequest, n: int,
                    victims: Callable[[], list[RuntimeRequest]]) -> bool:
         """Grow ``request`` by ``n`` tokens, preempting from ``victims()`` (best victim first)
         while KV is short. False if ``request`` itself had to be preempted or failed."""
@@ -558,38 +414,6 @@ class SchedulerBase:
                 # Nobody else to preempt (the rest is scheduled already, or it runs alone: then
                 # its table holds private duplicates of blocks another request cached first).
                 # Recomputing it later reuses the cache; a lone request always fits then,
-                # because add_request rejected any request whose max_slots exceed the pool.
+                # because add_request rejected any request whose max_kv_slots exceed the pool.
                 self._preempt(plan, request)
                 return False
-
-
-class _StepPlan:
-    """Mutable accumulator of one step's decisions (budgets are enforced by ``add_chunk``)."""
-
-    def __init__(self, token_budget: int, max_seqs: int) -> None:
-        self.token_budget = token_budget
-        self.max_seqs = max_seqs
-        self.chunks: list[ScheduledChunk] = []
-        self.copies: list[tuple[int, int]] = []
-        self.preempted: list[str] = []
-        self.admitted: list[str] = []
-        self.used = 0
-        self.scheduled: set[str] = set()
-
-    @property
-    def tokens_left(self) -> int:
-        return self.token_budget - self.used
-
-    @property
-    def seqs_left(self) -> int:
-        return self.max_seqs - len(self.chunks)
-
-    def add_chunk(self, chunk: ScheduledChunk) -> None:
-        if chunk.request_id in self.scheduled:
-            raise AssertionError(f"{chunk.request_id} scheduled twice in one step")
-        n = chunk.num_tokens
-        if n <= 0 or n > self.tokens_left or self.seqs_left <= 0:
-            raise AssertionError("a chunk would break the step's budgets")
-        self.chunks.append(chunk)
-        self.used += n
-        self.scheduled.add(chunk.request_id)

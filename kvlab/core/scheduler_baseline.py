@@ -7,7 +7,8 @@ from .lifecycle import RUNNING_STATUSES
 from .request import Phase
 from .request import Request as ReferenceRequest
 from .scheduler_api import RequestStatus, RuntimeRequest
-from .scheduler_base import SchedulerBase, _StepPlan
+from .scheduler_base import SchedulerBase
+from .step_plan import StepPlan
 
 S = RequestStatus
 
@@ -24,7 +25,7 @@ class BaselineScheduler(SchedulerBase):
     reservation, no priorities, no deadlines, no overload limit.
     """
 
-    def _schedule_into(self, plan: _StepPlan) -> None:
+    def _schedule_into(self, plan: StepPlan) -> None:
         chunk_cap = self.config.prefill_chunk
         running = [self._requests[rid] for rid in self.running]
         decodes = [r for r in running if r.status == S.DECODE]

@@ -9,7 +9,9 @@ from typing import Any
 from .block_pool import OutOfBlocks
 from .lifecycle import RUNNING_STATUSES, EventLog
 from .scheduler_api import RequestStatus, RuntimeRequest
-from .scheduler_base import SchedulerBase, SchedulerConfig, _StepPlan
+from .scheduler_base import SchedulerBase
+from .scheduler_config import SchedulerConfig
+from .step_plan import StepPlan
 
 S = RequestStatus
 
@@ -89,7 +91,7 @@ class ProductionScheduler(SchedulerBase):
         return sum(self._still_needs(self._requests[rid]) for rid in self.running)
 
     def _still_needs(self, request: RuntimeRequest) -> int:
-        end = max(self.max_slots(request), request.num_computed_tokens)
+        end = max(request.max_kv_slots, request.num_computed_tokens)
         return self.kv.blocks_needed(request.request_id, end,
                                      write_from=request.num_computed_tokens)
 
@@ -110,7 +112,7 @@ class ProductionScheduler(SchedulerBase):
         tail = [(r, -1) for r in rest[window:]]
         return [(r, -1) for r in aged] + head + tail
 
-    def _schedule_into(self, plan: _StepPlan) -> None:
+    def _schedule_into(self, plan: StepPlan) -> None:
         cfg = self.config
         ordered = self._running_order()
 
@@ -163,7 +165,7 @@ class ProductionScheduler(SchedulerBase):
             # blocks_needed(None, ...) counts fresh blocks plus the evictable cached blocks that
             # admission locks: "need <= available" is exactly when admit() succeeds.
             if cfg.admission == "reserve":
-                need = self.kv.blocks_needed(None, self.max_slots(request), scope, tokens)
+                need = self.kv.blocks_needed(None, request.max_kv_slots, scope, tokens)
                 fits = need <= available - reserved
             else:
                 need = self.kv.blocks_needed(None, cached + n, scope, tokens)
@@ -180,9 +182,6 @@ class ProductionScheduler(SchedulerBase):
                 continue
             if cfg.admission == "reserve":
                 reserved += self._still_needs(request)
-
-    def _place_running(self, rid: str) -> None:
-        self.running.append(rid)
 
     def _requeue_preempted(self, rid: str) -> None:
         self.waiting.append(rid)   # order comes from waiting_order(), not from the list

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from kvlab.core.checks import is_int
+
 #: Default KV budget on CPU when ``num_blocks`` is None (bytes). On CUDA the default is half of
 #: the device memory free after loading the weights.
 DEFAULT_KV_CACHE_MEMORY_CPU = 512 * 2**20
@@ -27,11 +29,6 @@ SEED_MOD = 2**64
 
 #: Floating-point dtypes the model and its KV cache can run in.
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def is_int(value: object) -> bool:
-    """An int that is not a bool (``True`` is an int to Python, never a size or a seed)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_positive_int(name: str, value: object, *, optional: bool = False,

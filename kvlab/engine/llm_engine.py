@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from kvlab.core.checks import is_int
 from kvlab.core.engine_core import EngineCore, StepResult
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
@@ -228,7 +229,7 @@ class LLMEngine:
             ids = tuple(self.tokenizer.encode(prompt))
             text: str | None = prompt
         elif isinstance(prompt, (list, tuple)):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not all(is_int(t) for t in prompt):
                 raise TypeError("prompt token ids must be ints")
             ids = tuple(prompt)
             text = None

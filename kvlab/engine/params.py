@@ -11,6 +11,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from kvlab.core.checks import is_int
+
 __all__ = ["MAX_SEED", "MIN_TEMPERATURE", "SamplingParams", "is_int", "is_real"]
 
 #: Temperatures below this sample greedily (vLLM's convention). Dividing logits by a tinier
@@ -19,11 +21,6 @@ MIN_TEMPERATURE = 1e-5
 
 #: Largest accepted ``seed``: torch generators take a 64-bit unsigned seed.
 MAX_SEED = 2**64 - 1
-
-
-def is_int(value: object) -> bool:
-    """True for an ``int`` that is not a ``bool``."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_real(value: object) -> bool:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvlab.core.scheduler_api import RequestStatus, SchedulerOutput
-from kvlab.core.scheduler_base import SchedulerBase, _StepPlan
+from kvlab.core.scheduler_base import SchedulerBase
+from kvlab.core.step_plan import StepPlan
 
 S = RequestStatus
 
@@ -37,7 +38,7 @@ class StaticBatchScheduler(SchedulerBase):
         """Dummy work of this step: idle slots of finished members, prompt padding."""
         return self._padding
 
-    def _schedule_into(self, plan: _StepPlan) -> None:
+    def _schedule_into(self, plan: StepPlan) -> None:
         self._padding = []
         if not self.running:
             self._form_batch(plan)
@@ -59,22 +60,22 @@ class StaticBatchScheduler(SchedulerBase):
             self._padding += [(prompt_pad - r.num_prompt_tokens, r.num_prompt_tokens)
                               for r in live if r.num_prompt_tokens < prompt_pad]
 
-    def _form_batch(self, plan: _StepPlan) -> None:
+    def _form_batch(self, plan: StepPlan) -> None:
         self._batch = []
         reserved = 0
         for rid in list(self.waiting):
             if plan.seqs_left == 0 or plan.tokens_left == 0:
                 break
             request = self._requests[rid]
-            need = self.kv.blocks_needed(None, self.max_slots(request), request.scope,
+            need = self.kv.blocks_needed(None, request.max_kv_slots, request.scope,
                                          request.all_token_ids)
             if need > self.kv.num_allocatable_blocks() - reserved:
                 break                                   # FIFO: the batch is full of KV
             cached = self._uncomputed_prefix_hit(request)
             n = min(request.num_tokens - cached, plan.tokens_left)
             self._admit(plan, request, cached, n)
-            reserved += self.kv.blocks_needed(rid, self.max_slots(request))
-            self._batch.append((rid, self.max_slots(request)))
+            reserved += self.kv.blocks_needed(rid, request.max_kv_slots)
+            self._batch.append((rid, request.max_kv_slots))
         if self._batch:
             longest = max(self._requests[rid].num_prompt_tokens for rid, _ in self._batch)
             self._padding = [(longest - self._requests[rid].num_prompt_tokens,
