@@ -287,6 +287,7 @@ def test_chapter3_exercise_checks():
 def test_commit_never_caches_a_block_whose_copy_is_pending():
     kv = KVCacheManager(8, 2, enable_prefix_caching=True)
     kv.admit("p", S, [1, 2, 3], 3)  # blocks 0 (full) and 1 (partial)
+    kv.commit("p", [1, 2, 3])       # block 0 is cached before the fork
     kv.fork("p", "c")
     copies = kv.grow("c", 4, 3)  # c copies the partial block before writing position 3
     assert copies == [(1, 2)]
@@ -308,10 +309,11 @@ def test_core_memory_modules_do_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_fork_before_commit_keeps_the_childs_shared_blocks_locked():
-    """A child forked before the parent cached its full blocks shares them; when the parent
-    caches them and finishes, the child's lock must cover them (else they are evictable while
-    in use, and eviction would hit a block the child still reads)."""
+def test_fork_before_commit_caches_shared_blocks_only_once_unshared():
+    """A child forked before the parent cached its full blocks shares them uncached. The cache
+    indexes a block only once its committer holds it alone, so nothing shared is cached (and
+    nothing a live request uses can be evicted); when the parent is gone, the child's next
+    commit caches them under its own lock."""
     kv = KVCacheManager(25, 2)
     tokens = list(range(100, 120))
     kv.admit("r0", (), tokens[:10], 10)
@@ -319,24 +321,17 @@ def test_fork_before_commit_keeps_the_childs_shared_blocks_locked():
     kv.grow("r0", 11, 10)
     kv.commit("r0", tokens[:11])
     kv.check_invariants()
+    assert kv.snapshot().cached_blocks == 0 and kv.locked_node("r0") is None
     kv.free("r0")
     kv.check_invariants()
     shared = kv.block_table("r1")
+    kv.commit("r1", tokens[:10])
+    kv.check_invariants()
     assert kv.locked_node("r1").depth == 5
     assert all(not kv.prefix_cache.is_evictable(b) for b in shared)
-    # memory pressure evicts only the parent's unshared cached block, never the child's
-    kv.admit("x", ("other",), list(range(38)), 38)
+    kv.admit("x", ("other",), list(range(38)), 38)   # memory pressure evicts nothing in use
     kv.check_invariants()
     assert kv.block_table("r1") == shared
-    assert all(kv.prefix_cache.node_of(b) is not None for b in shared)
-    # the child then commits and finishes like any request: its blocks stay cached, evictable
-    kv.free("x")
-    kv.grow("r1", 11, 10)
-    kv.commit("r1", [*tokens[:10], 7])
-    kv.check_invariants()
-    kv.free("r1")
-    kv.check_invariants()
-    assert kv.snapshot().free_blocks + kv.snapshot().evictable_blocks == 25
 
 
 def _fork_before_commit(bs: int, prompt_len: int, children: int, commit_order: list[int],
@@ -384,8 +379,10 @@ def test_fork_before_commit_any_order(bs, prompt_len, data):
 
 
 def test_fork_before_commit_check_is_not_vacuous(monkeypatch):
-    """Without extending the sharers' locks at commit the scenario breaks an invariant."""
-    monkeypatch.setattr(KVCacheManager, "_lock_for_sharers", lambda self, rid, blocks: None)
+    """A commit that also caches blocks other requests share breaks an invariant: the sharers'
+    locks do not cover them, so they sit on an evictable path while in use."""
+    monkeypatch.setattr(KVCacheManager, "_cacheable",
+                        lambda self, block: not self.pool.is_fenced(block))
     with pytest.raises(AssertionError, match=r"cached on an unlocked \(evictable\) node"):
         _fork_before_commit(2, 10, 1, [0], [0, 1])
 

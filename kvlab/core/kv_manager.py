@@ -1,88 +1,35 @@
 """KVCacheManager: per-request block tables over a refcounted pool and a radix prefix cache.
 
-This is the object the scheduler allocates from. It ties
-together :class:`~kvlab.core.block_pool.BlockPool` (who holds which physical block) and
-:class:`~kvlab.core.radix.RadixCache` (which blocks hold which cached prefix).
+The object the scheduler allocates from: :class:`~kvlab.core.block_pool.BlockPool` says who holds
+which physical block, :class:`~kvlab.core.radix.RadixCache` which blocks hold which cached
+prefix (chapters 3 and 4 explain the design). The rules:
 
-Who holds references
---------------------
-**The prefix cache is an owner like any other.** A block indexed by the radix tree carries the
-reference of :data:`~kvlab.core.block_pool.CACHE_OWNER` in addition to those of the requests
-whose tables list it. Consequences, all deliberate:
-
-* ``refcount == number of live owners`` counts the cache, so a cached block that one request
-  uses has refcount 2 and is *shared*: copy-on-write protects cached KV from being overwritten
-  in place, with no special case.
-* When the last request releases a cached block, the cache's reference keeps it: its state is
-  *cached* (evictable). Eviction is the cache dropping its reference, which frees the block.
-* Which cached blocks may be evicted is decided by the tree, not by the pool: a request locks its
-  whole path (root to deepest node) from admission until :meth:`KVCacheManager.free`, and only
-  unlocked leaves are evicted, least recently used first. The pool asks the tree for victims only
-  when it has no truly free block left.
-
-Block tables and positions
---------------------------
-A request's table lists physical blocks in logical order; position ``t`` lives at slot
-``block_size * table[t // block_size] + t % block_size`` (spec rule 2). Full blocks are inserted
-into the cache by :meth:`commit`. When another request already cached the same tokens, the
-existing cached blocks stay canonical (first writer wins) and the request keeps its private
-duplicate until it finishes; its later blocks are still cached under the canonical path.
-
-Every mutation validates its input and checks capacity before changing anything: on
-:class:`~kvlab.core.block_pool.OutOfBlocks` / ValueError / KeyError the manager is unchanged.
-How many blocks an admission or a growth needs is computed in one place (``_plan_admit`` /
-``_plan_grow``), used both by :meth:`KVCacheManager.blocks_needed` and by the mutation itself.
+* The prefix cache is an owner like any other (:data:`~kvlab.core.block_pool.CACHE_OWNER`):
+  ``refcount == live owners`` counts it, copy-on-write protects cached KV with no special case,
+  and a cached block no request uses stays alive until the tree evicts it.
+* A request locks its whole cached path from admission until :meth:`KVCacheManager.free`; only
+  unlocked leaves are evicted, least recently used first.
+* Position ``t`` lives at slot ``block_size * table[t // block_size] + t % block_size`` (spec
+  rule 2). Full blocks are cached by :meth:`KVCacheManager.commit`; when another request cached
+  the same tokens first, its blocks stay canonical and the duplicate stays private.
+* Every mutation validates its input and checks capacity before changing anything: on
+  :class:`~kvlab.core.block_pool.OutOfBlocks`, ValueError or KeyError nothing changed. What an
+  admission or a growth needs is computed once (``_plan_admit`` / ``_plan_grow``), for
+  :meth:`KVCacheManager.blocks_needed` and for the mutation alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .block_pool import CACHE_OWNER, BlockPool, OutOfBlocks
 from .checks import is_int
+from .kv_snapshot import KVSnapshot
 from .paging import token_slots
 from .radix import PrefixMatch, RadixCache, _Node
 from .scope import CacheScope, scope_key
-
-
-@dataclass(frozen=True)
-class KVSnapshot:
-    """A plain-data picture of the manager (drawn by kvlab.viz.blocks.pool_figure).
-
-    ``block_states[b]`` is one of ``free, exclusive, shared, cached, pending_copy``;
-    ``refcounts[b]`` counts live owners including the prefix cache; ``block_owners[b]`` names them
-    (the cache as ``"<prefix-cache>"``). ``tables`` maps request id to its block table.
-    Counters: ``hit_tokens`` / ``query_tokens`` over admissions (prompt tokens served from the
-    cache / prompt tokens admitted), ``hit_requests`` / ``miss_requests`` (admissions with / without
-    a cached block).
-    """
-
-    num_blocks: int
-    block_size: int
-    block_states: tuple[str, ...]
-    refcounts: tuple[int, ...]
-    block_owners: tuple[tuple[str, ...], ...]
-    tables: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    pending_copies: tuple[tuple[int, int], ...] = ()
-    cached_blocks: int = 0
-    cached_tokens: int = 0
-    evictable_blocks: int = 0
-    protected_blocks: int = 0
-    free_blocks: int = 0
-    hit_tokens: int = 0
-    query_tokens: int = 0
-    hit_requests: int = 0
-    miss_requests: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of admitted prompt tokens served by the prefix cache."""
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-    def count(self, state: str) -> int:
-        return sum(1 for s in self.block_states if s == state)
 
 
 @dataclass(frozen=True)
@@ -274,8 +221,11 @@ class KVCacheManager:
 
         ``token_ids`` is a prefix of prompt + outputs whose KV is in the table. Each full block not
         offered before is inserted under the request's scope, and the request's lock moves to the
-        deepest cached node. No-op when caching is off. KeyError unknown id; ValueError if
-        ``token_ids`` is longer than the table.
+        deepest cached node. Caching stops at the first block that is fenced by a pending copy
+        or that another request also holds (shared by :meth:`fork`): the cache indexes a block
+        only once its committer holds it alone, so every cached block a request uses lies on
+        that request's own locked path. A later commit picks the rest up. No-op when caching is
+        off. KeyError unknown id; ValueError if ``token_ids`` is longer than the table.
         """
         table = self._table(request_id)
         if len(token_ids) > len(table) * self.block_size:
@@ -290,8 +240,7 @@ class KVCacheManager:
         done = self._committed[request_id]
         if full <= done:
             return
-        # a block that is still the target (or source) of a pending copy is not cached yet
-        full = next((i for i in range(done, full) if self.pool.is_fenced(table[i])), full)
+        full = next((i for i in range(done, full) if not self._cacheable(table[i])), full)
         if full <= done:
             return
         result = self._insert(request_id, token_ids, table, done, full)
@@ -303,40 +252,6 @@ class KVCacheManager:
             cache.unlock(old)
         self._locks[request_id] = result.node
         self._committed[request_id] = full
-        self._lock_for_sharers(request_id, result.new_blocks)
-
-    def _lock_for_sharers(self, request_id: str, new_blocks: Sequence[int]) -> None:
-        """Extend the lock of every other request that holds one of ``new_blocks``.
-
-        A block is in two tables before the cache indexes it only through :meth:`fork` (a
-        parent forked before it cached its full blocks): parent and child then hold the same
-        leading blocks at the same positions, with the same tokens. When one of them commits
-        those blocks, the others' locks must move down to them too, or the blocks would become
-        evictable as soon as the committer frees them while the sharers still use them. Each
-        sharer's lock moves to the node of the deepest new block it holds (``new_blocks`` are
-        in path order) and its committed count follows, exactly as if it had committed them.
-        """
-        cache = self.prefix_cache
-        if cache is None or not new_blocks:
-            return
-        deepest: dict[str, _Node] = {}
-        for block in new_blocks:
-            owners = self.pool.owners(block)
-            if len(owners) <= 2:  # the committer and the cache
-                continue
-            node = cache.node_of(block)
-            for owner in sorted(str(o) for o in owners if o != CACHE_OWNER):
-                if owner != request_id:   # sorted: lock order must not depend on hashing
-                    deepest[owner] = node  # type: ignore[assignment]
-        for owner, node in deepest.items():
-            old = self._locks[owner]
-            if old is not None and old.depth >= node.depth:
-                continue
-            cache.lock(node)
-            if old is not None:
-                cache.unlock(old)
-            self._locks[owner] = node
-            self._committed[owner] = max(self._committed[owner], node.depth)
 
     def needs_commit(self, request_id: str, num_tokens: int) -> bool:
         """Whether :meth:`commit` of the request's first ``num_tokens`` tokens may cache anything.
@@ -468,6 +383,11 @@ class KVCacheManager:
             return cache.insert(scope, token_ids[done * bs:full * bs], table[done:full],
                                 below=start)
         return cache.insert(scope, token_ids, table[:full])
+
+    def _cacheable(self, block: int) -> bool:
+        """Whether :meth:`commit` may index ``block`` now: no pending copy touches it and its
+        committer is its only holder."""
+        return not self.pool.is_fenced(block) and self.pool.refcount(block) == 1
 
     def _plan_grow(self, table: list[int], num_tokens: int,
                    write_from: int) -> tuple[int, list[int]]:

@@ -1,0 +1,43 @@
+"""KVSnapshot: a plain-data picture of a KV cache manager, for figures and checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """A plain-data picture of the manager (drawn by kvlab.viz.blocks.pool_figure).
+
+    ``block_states[b]`` is one of ``free, exclusive, shared, cached, pending_copy``;
+    ``refcounts[b]`` counts live owners including the prefix cache; ``block_owners[b]`` names them
+    (the cache as ``"<prefix-cache>"``). ``tables`` maps request id to its block table.
+    Counters: ``hit_tokens`` / ``query_tokens`` over admissions (prompt tokens served from the
+    cache / prompt tokens admitted), ``hit_requests`` / ``miss_requests`` (admissions with / without
+    a cached block).
+    """
+
+    num_blocks: int
+    block_size: int
+    block_states: tuple[str, ...]
+    refcounts: tuple[int, ...]
+    block_owners: tuple[tuple[str, ...], ...]
+    tables: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    pending_copies: tuple[tuple[int, int], ...] = ()
+    cached_blocks: int = 0
+    cached_tokens: int = 0
+    evictable_blocks: int = 0
+    protected_blocks: int = 0
+    free_blocks: int = 0
+    hit_tokens: int = 0
+    query_tokens: int = 0
+    hit_requests: int = 0
+    miss_requests: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of admitted prompt tokens served by the prefix cache."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def count(self, state: str) -> int:
+        return sum(1 for s in self.block_states if s == state)
