@@ -21,8 +21,8 @@ import time
 
 from _results import write_results
 
-from kvlab.core.prefix import PrefixCache
 from kvlab.core.radix import RadixCache
+from kvlab.reference import PrefixCache
 
 SIZES = (1_000, 10_000, 100_000)
 LINEAR_LOOKUPS = {1_000: 400, 10_000: 60, 100_000: 8}

@@ -250,7 +250,6 @@ def test_fork_scenario_and_pool_figure():
 
 
 def test_chapter3_exercise_checks():
-    from kvlab.core.blocks import BlockAllocator
     from kvlab.exercises._common import NotYetAnswered
     from kvlab.exercises.ch03 import (
         SAMPLING,
@@ -259,6 +258,7 @@ def test_chapter3_exercise_checks():
         check_sampling_blocks,
         sampling_blocks,
     )
+    from kvlab.reference import BlockAllocator
 
     assert "Correct" in check_cow(BlockAllocator.cow)
 

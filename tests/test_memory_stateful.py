@@ -33,8 +33,8 @@ from hypothesis.stateful import (
 from kvlab.core.block_pool import BlockPool, OutOfBlocks
 from kvlab.core.invariants import check_kv_manager, check_pool, check_radix
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.prefix import PrefixCache
 from kvlab.core.radix import RadixCache
+from kvlab.reference import PrefixCache
 
 SETTINGS = settings(max_examples=40, stateful_step_count=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.core.invariants import check_radix
-from kvlab.core.prefix import PrefixCache
 from kvlab.core.radix import RadixCache
 from kvlab.core.scope import SCOPE_FIELDS, CacheScope, scope_key
+from kvlab.reference import PrefixCache
 
 # ---------------------------------------------------------------------------- reference face
 tokens = st.lists(st.integers(0, 3), max_size=8)

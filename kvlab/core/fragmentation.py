@@ -15,7 +15,7 @@ come, first served, and write their whole prompt (prefill). A request that has s
 * ``"pow2"``: reserve ``prompt + next_pow2(output)`` (knows the output within 2×),
 * ``"oracle"``: reserve exactly ``prompt + output`` (knows the output length),
 * ``"paged"``: :class:`~kvlab.core.paging.BlockTable` over the reference
-  :class:`~kvlab.core.blocks.BlockAllocator`, one block at a time; when a decode finds no free
+  :class:`~kvlab.reference.BlockAllocator`, one block at a time; when a decode finds no free
   block, the most recently admitted request is preempted (blocks freed, recomputed later).
 
 Contiguous reservations come from a :class:`BuddyArena` (power-of-two chunks, as the
@@ -56,7 +56,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .blocks import BlockAllocator
+from kvlab.reference import BlockAllocator
+
 from .paging import BlockTable
 
 CATEGORIES = ("used", "reserved", "over_reserved", "internal", "external", "free")

@@ -1,6 +1,6 @@
 """The production prefix cache: radix trees per compatibility scope (spec rule 4).
 
-:class:`RadixCache` keeps the reference :class:`~kvlab.core.prefix.PrefixCache` contract and adds
+:class:`RadixCache` keeps the reference :class:`~kvlab.reference.PrefixCache` contract and adds
 what an engine needs. It has two faces.
 
 **The reference face** — ``put(scope, token_ids, block_table)`` / ``longest(scope, token_ids)`` —
