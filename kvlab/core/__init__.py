@@ -56,6 +56,7 @@ from .scheduler_api import (
     SchedulerOutput,
 )
 from .scope import SCOPE_FIELDS, CacheScope, scope_key
+from .token_trie import TokenTrie
 
 __all__ = [
     "ALLOWED",
@@ -93,6 +94,7 @@ __all__ = [
     "ScheduledChunk",
     "SchedulerConfig",
     "SchedulerOutput",
+    "TokenTrie",
     "WasteReport",
     "WorkloadRequest",
     "block_table_array",
