@@ -1,4 +1,5 @@
-"""KVCacheManager: the contract of CONTRACTS.md §1, scenario by scenario."""
+"""KVCacheManager: its contract (the docstring of kvlab/core/kv_manager.py and of each method),
+scenario by scenario."""
 
 from __future__ import annotations
 
