@@ -25,8 +25,8 @@ from collections import deque
 from _results import write_results
 
 from kvlab.core.block_pool import BlockPool
-from kvlab.core.blocks import BlockAllocator
 from kvlab.core.kv_manager import KVCacheManager
+from kvlab.reference import BlockAllocator
 
 NUM_REQUESTS = 1_500
 NUM_BLOCKS = 2_048

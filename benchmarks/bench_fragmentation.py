@@ -21,7 +21,8 @@ import numpy as np
 from _results import write_results
 
 from kvlab.core.fragmentation import compare_policies, sharegpt_like_workload
-from kvlab.core.paging import physical_slot, slot_mapping
+from kvlab.core.paging import slot_mapping
+from kvlab.reference import physical_slot
 
 ARENA_TOKENS = 16384
 NUM_REQUESTS = 1000

@@ -8,7 +8,8 @@ identical answers. The reference scans every entry per lookup (O(entries x lengt
 tree walks only the matched path (O(length of the match)), so its cost stays flat as the cache
 grows. The 100k linear scan is slow, so it times fewer lookups and reports cost per lookup.
 
-Also timed: the engine face (block-granular ``match``, block size 16) on the same prefixes.
+The radix tree is :class:`~kvlab.core.token_trie.TokenTrie`, the production twin of the reference.
+Also timed: the engine's block tree (``RadixCache.match``, block size 16) on the same prefixes.
 
 Run: ``python benchmarks/bench_prefix_cache.py``. Writes ``benchmarks/results/prefix_cache.json``.
 """
@@ -21,8 +22,9 @@ import time
 
 from _results import write_results
 
-from kvlab.core.prefix import PrefixCache
 from kvlab.core.radix import RadixCache
+from kvlab.core.token_trie import TokenTrie
+from kvlab.reference import PrefixCache
 
 SIZES = (1_000, 10_000, 100_000)
 LINEAR_LOOKUPS = {1_000: 400, 10_000: 60, 100_000: 8}
@@ -59,7 +61,7 @@ def per_lookup_us(fn, queries) -> float:
 
 def run_size(n: int) -> dict:
     entries, queries = make_workload(n)
-    ref, radix = PrefixCache(), RadixCache(BLOCK_SIZE)
+    ref, radix = PrefixCache(), TokenTrie()
     t0 = time.perf_counter()
     for scope, tokens, table in entries:
         ref.put(scope, tokens, table)
@@ -68,7 +70,8 @@ def run_size(n: int) -> dict:
     for scope, tokens, table in entries:
         radix.put(scope, tokens, table)
     t_radix_put = time.perf_counter() - t0
-    # engine face: index every entry's full blocks (first writer wins on shared system prompts)
+    # the engine's block tree: index every entry's full blocks (first writer wins on shared
+    # system prompts)
     engine = RadixCache(BLOCK_SIZE)
     next_block = 0
     for scope, tokens, _ in entries:

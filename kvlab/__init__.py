@@ -1,7 +1,8 @@
 """kvlab: an interactive textbook on KV memory and scheduling in LLM inference, and its engine.
 
-Torch-free names come from :mod:`kvlab.core` at once; torch-dependent names (quantisation,
-speculative decoding, the engine) load on first use, so ``import kvlab`` stays fast::
+The specification's reference names come from :mod:`kvlab.reference` (the torch-free ones at
+once, ``speculative_step`` on first use); the engine's names load on first use, so
+``import kvlab`` stays fast and never imports torch by itself::
 
     from kvlab import LLM, SamplingParams
     llm = LLM("kvlab-tiny")
@@ -11,7 +12,7 @@ speculative decoding, the engine) load on first use, so ``import kvlab`` stays f
 from __future__ import annotations
 
 from kvlab._lazy import lazy_exports
-from kvlab.core import (
+from kvlab.reference import (
     ALLOWED,
     REQUIRED_KV_FIELDS,
     BlockAllocator,
@@ -19,10 +20,12 @@ from kvlab.core import (
     PrefixCache,
     Request,
     build_batch,
+    dequantize_groups,
     effective_bits,
     goodput,
     kv_bytes,
     physical_slot,
+    quantize_groups,
     validate_kv_descriptor,
 )
 
@@ -30,9 +33,7 @@ __version__ = "0.1.0"
 
 # name -> module that defines it; imported on first attribute access (PEP 562).
 _LAZY = {
-    "quantize_groups": "kvlab.engine.quant",
-    "dequantize_groups": "kvlab.engine.quant",
-    "speculative_step": "kvlab.engine.spec",
+    "speculative_step": "kvlab.reference.rule08_speculative",
     "LLM": "kvlab.engine.llm",
     "LLMEngine": "kvlab.engine.llm_engine",
     "SamplingParams": "kvlab.engine.params",
@@ -51,10 +52,12 @@ __all__ = [
     "PrefixCache",
     "Request",
     "build_batch",
+    "dequantize_groups",
     "effective_bits",
     "goodput",
     "kv_bytes",
     "physical_slot",
+    "quantize_groups",
     "validate_kv_descriptor",
     *_LAZY,
 ]

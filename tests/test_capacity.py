@@ -12,7 +12,6 @@ import pytest
 from kvlab.core.capacity import (
     DTYPE_BYTES,
     CapacityPlan,
-    kv_bytes,
     kv_element_bytes,
     kv_heads_per_rank,
     plan_capacity,
@@ -27,6 +26,7 @@ from kvlab.core.catalog import (
     get_gpu,
     get_model,
 )
+from kvlab.reference import kv_bytes
 
 LLAMA8 = get_model("Llama-3-8B")
 LLAMA70 = get_model("Llama-3-70B")

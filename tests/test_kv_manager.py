@@ -1,4 +1,5 @@
-"""KVCacheManager: the contract of CONTRACTS.md §1, scenario by scenario."""
+"""KVCacheManager: its contract (the docstring of kvlab/core/kv_manager.py and of each method),
+scenario by scenario."""
 
 from __future__ import annotations
 
@@ -250,7 +251,6 @@ def test_fork_scenario_and_pool_figure():
 
 
 def test_chapter3_exercise_checks():
-    from kvlab.core.blocks import BlockAllocator
     from kvlab.exercises._common import NotYetAnswered
     from kvlab.exercises.ch03 import (
         SAMPLING,
@@ -259,6 +259,7 @@ def test_chapter3_exercise_checks():
         check_sampling_blocks,
         sampling_blocks,
     )
+    from kvlab.reference import BlockAllocator
 
     assert "Correct" in check_cow(BlockAllocator.cow)
 

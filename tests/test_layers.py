@@ -1,5 +1,5 @@
-"""The layering rules of DESIGN.md: kvlab.core (and kvlab.sim) never import torch, and
-``import kvlab`` loads torch only when a torch-dependent name is first used."""
+"""The layering rules of DESIGN.md: kvlab.reference, kvlab.core (and kvlab.sim) never import
+torch, and ``import kvlab`` loads torch only when a torch-dependent name is first used."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ def _modules_after(statement: str) -> set[str]:
 
 
 @pytest.mark.parametrize("statement", [
+    "import kvlab.reference",
+    "import kvlab, kvlab.reference as r; r.quantize_groups, kvlab.dequantize_groups",
+    "import kvlab.reference, pkgutil, importlib, kvlab.reference as r; "
+    "[importlib.import_module('kvlab.reference.' + m.name) "
+    "for m in pkgutil.iter_modules(r.__path__) if m.name != 'rule08_speculative']",
     "import kvlab.core",
     "import kvlab",
     "import kvlab.sim",
@@ -31,8 +36,20 @@ def test_metadata_layer_never_imports_torch(statement):
 
 
 def test_torch_names_load_lazily_on_first_use():
-    modules = _modules_after("import kvlab; kvlab.quantize_groups")
-    assert "torch" in modules and "kvlab.engine.quant" in modules
+    for statement in ("import kvlab; kvlab.speculative_step",
+                      "import kvlab.reference; kvlab.reference.speculative_step"):
+        modules = _modules_after(statement)
+        assert "torch" in modules and "kvlab.reference.rule08_speculative" in modules
+
+
+def test_reference_is_the_bottom_layer():
+    """kvlab.reference imports nothing else of kvlab but the lazy-export helper."""
+    modules = _modules_after(
+        "import kvlab.reference, pkgutil, importlib, kvlab.reference as r; "
+        "[importlib.import_module('kvlab.reference.' + m.name) "
+        "for m in pkgutil.iter_modules(r.__path__)]")
+    kvlab_modules = {m for m in modules if m.startswith("kvlab.")}
+    assert {m for m in kvlab_modules if not m.startswith("kvlab.reference")} == {"kvlab._lazy"}
 
 
 def test_engine_api_is_reachable_from_the_top_level():

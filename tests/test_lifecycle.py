@@ -17,8 +17,8 @@ from kvlab.core.lifecycle import (
     SimulatedCrash,
     holds_kv,
 )
-from kvlab.core.request import ALLOWED, Phase, Request
 from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+from kvlab.reference import ALLOWED, Phase, Request
 
 S = RequestStatus
 

@@ -2,8 +2,8 @@
 
 * ``PoolMachine`` drives BlockPool (allocate, share, fork, cow, complete, release) against a
   model of owners.
-* ``RadixMachine`` drives RadixCache (put/longest against the reference PrefixCache; insert,
-  match, lock, unlock, evict against a brute-force model of cached paths).
+* ``RadixMachine`` drives TokenTrie (put/longest against the reference PrefixCache) and
+  RadixCache (insert, match, lock, unlock, evict against a brute-force model of cached paths).
 * ``ManagerMachine`` drives KVCacheManager like an engine would (admit, chunked prefill and
   decode via grow, delayed copies, commit, fork, free, preemption + re-admission) while
   simulating the KV payload itself: every slot records the token whose KV it holds. After every
@@ -33,8 +33,9 @@ from hypothesis.stateful import (
 from kvlab.core.block_pool import BlockPool, OutOfBlocks
 from kvlab.core.invariants import check_kv_manager, check_pool, check_radix
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.prefix import PrefixCache
 from kvlab.core.radix import RadixCache
+from kvlab.core.token_trie import TokenTrie
+from kvlab.reference import PrefixCache
 
 SETTINGS = settings(max_examples=40, stateful_step_count=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -156,6 +157,7 @@ class RadixMachine(RuleBasedStateMachine):
         super().__init__()
         self.bs = 2
         self.cache = RadixCache(self.bs)
+        self.trie = TokenTrie()
         self.ref = PrefixCache()
         self.paths: dict[tuple, dict[tuple, int]] = {}  # scope -> {block-aligned prefix: block}
         self.next_block = 0
@@ -164,11 +166,11 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(scope=SCOPE, toks=TOK, table=st.lists(st.integers(0, 9), max_size=3))
     def put(self, scope, toks, table):
         self.ref.put(scope, toks, table)
-        self.cache.put(scope, toks, table)
+        self.trie.put(scope, toks, table)
 
     @rule(scope=SCOPE, toks=TOK)
     def longest(self, scope, toks):
-        assert self.cache.longest(scope, toks) == self.ref.longest(scope, toks)
+        assert self.trie.longest(scope, toks) == self.ref.longest(scope, toks)
 
     @rule(scope=SCOPE, toks=TOK)
     def insert(self, scope, toks):

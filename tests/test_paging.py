@@ -7,14 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.core.blocks import BlockAllocator
 from kvlab.core.paging import (
     BlockTable,
     block_table_array,
-    physical_slot,
     slot_mapping,
     slots_for,
 )
+from kvlab.reference import BlockAllocator, physical_slot
 
 
 def test_reference_asserts_hold():

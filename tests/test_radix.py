@@ -1,4 +1,5 @@
-"""RadixCache: differential test against the reference PrefixCache, engine face, scope isolation."""
+"""TokenTrie: differential test against the reference PrefixCache. RadixCache: the block tree,
+scope isolation."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.core.invariants import check_radix
-from kvlab.core.prefix import PrefixCache
 from kvlab.core.radix import RadixCache
 from kvlab.core.scope import SCOPE_FIELDS, CacheScope, scope_key
+from kvlab.core.token_trie import TokenTrie
+from kvlab.reference import PrefixCache
 
-# ---------------------------------------------------------------------------- reference face
+# ---------------------------------------------------------------------------- TokenTrie
 tokens = st.lists(st.integers(0, 3), max_size=8)
 scopes = st.sampled_from([(), ("m", 1), ("m", 2)])
 tables = st.lists(st.integers(0, 50), max_size=4)
@@ -29,20 +31,22 @@ ops = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(ops)
 def test_differential_against_reference(operations):
-    ref, radix = PrefixCache(), RadixCache(block_size=4)
+    ref, trie = PrefixCache(), TokenTrie()
     for op in operations:
         if op[0] == "put":
             _, scope, toks, table = op
             ref.put(scope, toks, table)
-            radix.put(scope, toks, table)
-            assert radix.num_entries == len(ref.entries)
+            trie.put(scope, toks, table)
+            assert trie.num_entries == len(ref.entries)
+            assert trie.state_tuple() == tuple(sorted(
+                (repr(tuple(s)), k, v) for (s, k), v in ref.entries.items()))
         else:
             _, scope, toks = op
-            assert radix.longest(scope, toks) == ref.longest(scope, toks)
+            assert trie.longest(scope, toks) == ref.longest(scope, toks)
 
 
 def test_reference_semantics_spelled_out():
-    cache = RadixCache()
+    cache = TokenTrie()
     cache.put(("s",), [], (9,))
     assert cache.longest(("s",), [1]) == (0, ())  # an empty key never matches
     cache.put(("s",), [1, 2, 3], (1,))
@@ -68,14 +72,14 @@ BASE = CacheScope(
 def test_no_hit_across_any_differing_scope_field(name):
     other = dataclasses.replace(BASE, **{name: getattr(BASE, name) + "-other"})
     assert other.key() != BASE.key()
-    cache = RadixCache(block_size=2)
+    cache, trie = RadixCache(block_size=2), TokenTrie()
     prompt = list(range(9))
     cache.insert(BASE, prompt, [10, 11, 12, 13])
-    cache.put(BASE, prompt, (10, 11, 12, 13))
+    trie.put(BASE, prompt, (10, 11, 12, 13))
     assert cache.match(BASE, prompt).num_tokens == 8
-    assert cache.longest(BASE, prompt) == (9, (10, 11, 12, 13))
+    assert trie.longest(BASE, prompt) == (9, (10, 11, 12, 13))
     assert cache.match(other, prompt).num_tokens == 0
-    assert cache.longest(other, prompt) == (0, ())
+    assert trie.longest(other, prompt) == (0, ())
     ref = PrefixCache()
     ref.put(scope_key(BASE), prompt, (1,))
     assert ref.longest(scope_key(other), prompt) == (0, ())
@@ -95,7 +99,7 @@ def test_scope_fields_are_required_and_checked():
     assert hash(BASE) == hash(dataclasses.replace(BASE))
 
 
-# ---------------------------------------------------------------------------- engine face
+# ---------------------------------------------------------------------------- RadixCache
 def test_match_is_block_granular_and_leaves_the_last_token():
     cache = RadixCache(block_size=4)
     prompt = list(range(12))
@@ -174,7 +178,9 @@ def test_bad_arguments():
         RadixCache(0)
     cache = RadixCache()
     with pytest.raises(TypeError):
-        cache.put([[1]], [1], [1])  # unhashable scope
+        TokenTrie().put([[1]], [1], [1])  # unhashable scope
+    with pytest.raises(TypeError):
+        cache.match([[1]], [1])  # unhashable scope
     with pytest.raises(ValueError):
         cache.evict(-1)
     with pytest.raises(TypeError):

@@ -8,8 +8,6 @@ import random
 import pytest
 
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.request import Phase, Request
-from kvlab.core.sched import build_batch
 from kvlab.core.scheduler import (
     BaselineScheduler,
     ProductionScheduler,
@@ -17,6 +15,7 @@ from kvlab.core.scheduler import (
     starvation_bound,
 )
 from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest, SchedulerOutput
+from kvlab.reference import Phase, Request, build_batch
 from kvlab.sim.tokens import drive, greedy_tokens, hash_token
 
 S = RequestStatus

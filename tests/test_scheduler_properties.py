@@ -182,7 +182,7 @@ def test_production_starvation_bound(workload, max_wait):
 @given(workloads(), st.booleans())
 def test_baseline_equals_reference_where_kv_is_ample(workload, caching):
     """Differential: with KV never short, every baseline batch is build_batch's batch."""
-    from kvlab.core.sched import build_batch
+    from kvlab.reference import build_batch
     from kvlab.sim.tokens import greedy_tokens
 
     reqs, aborts, cfg, _ = workload

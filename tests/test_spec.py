@@ -11,6 +11,8 @@ import torch
 
 import kvlab
 import kvlab.core
+import kvlab.engine
+import kvlab.reference
 from kvlab import (
     ALLOWED,
     REQUIRED_KV_FIELDS,
@@ -516,28 +518,39 @@ def test_goodput_rejects_non_positive_window(window):
 # ---- public surface ---------------------------------------------------------------------------
 
 
-# public name -> the reference listing (spec module) that defines it
-_TORCH_FREE_REFERENCE = {
-    "kv_bytes": "capacity", "physical_slot": "paging", "BlockAllocator": "blocks",
-    "PrefixCache": "prefix", "Phase": "request", "ALLOWED": "request", "Request": "request",
-    "build_batch": "sched", "effective_bits": "quantization", "REQUIRED_KV_FIELDS": "disagg",
-    "validate_kv_descriptor": "disagg", "goodput": "metrics",
+# public name -> the module of kvlab.reference that holds its listing
+_REFERENCE = {
+    "kv_bytes": "rule01_capacity", "physical_slot": "rule02_paging",
+    "BlockAllocator": "rule03_refcount", "PrefixCache": "rule04_prefix",
+    "Phase": "rule05_request", "ALLOWED": "rule05_request", "Request": "rule05_request",
+    "build_batch": "rule06_batching", "quantize_groups": "rule07_quantization",
+    "dequantize_groups": "rule07_quantization", "effective_bits": "rule07_quantization",
+    "speculative_step": "rule08_speculative", "REQUIRED_KV_FIELDS": "rule09_disagg",
+    "validate_kv_descriptor": "rule09_disagg", "goodput": "rule10_goodput",
 }
-_TORCH_REFERENCE = {
-    "quantize_groups": "quant", "dequantize_groups": "quant", "speculative_step": "spec",
-}
+_TORCH = {"quantize_groups", "dequantize_groups", "speculative_step"}
 
 
 def test_reference_names_are_public():
-    """``kvlab.X`` is the very object of the spec's listing, not a copy or a wrapper: torch-free
-    names re-exported through ``kvlab.core``, torch ones loaded lazily from ``kvlab.engine``."""
-    for name, module in _TORCH_FREE_REFERENCE.items():
-        listing = importlib.import_module(f"kvlab.core.{module}")
-        assert getattr(kvlab, name) is getattr(kvlab.core, name) is getattr(listing, name), name
-        assert name in kvlab.__all__ and name in kvlab.core.__all__
-    for name, module in _TORCH_REFERENCE.items():
-        listing = importlib.import_module(f"kvlab.engine.{module}")
-        assert getattr(kvlab, name) is getattr(listing, name), name
-        assert name in kvlab.__all__
+    """``kvlab.X`` is the very object of the spec's listing in ``kvlab.reference``, not a copy or
+    a wrapper: torch-free names also through ``kvlab.core``, torch ones through ``kvlab.engine``."""
+    assert set(_REFERENCE) == set(kvlab.reference.__all__)
+    for name, module in _REFERENCE.items():
+        listing = getattr(importlib.import_module(f"kvlab.reference.{module}"), name)
+        assert getattr(kvlab, name) is getattr(kvlab.reference, name) is listing, name
+        assert name in kvlab.__all__, name
+        other = kvlab.engine if name in _TORCH else kvlab.core
+        assert getattr(other, name) is listing, name
+        assert name in other.__all__, name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         kvlab.nope  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        kvlab.reference.nope  # noqa: B018
+
+
+def test_reference_modules_name_their_rule():
+    """One module per spec rule, its docstring opening with that rule's number."""
+    for module in set(_REFERENCE.values()):
+        rule = int(module[4:6])
+        doc = importlib.import_module(f"kvlab.reference.{module}").__doc__
+        assert doc.startswith(f"Spec rule {rule} — "), module

@@ -3,26 +3,36 @@
 It decides *what* runs: capacities, page tables, block ownership, prefix reuse, request
 states, batches, P/D descriptors and metrics. Tensors live in :mod:`kvlab.engine`.
 
-The first group of names are the specification's reference listings; the rest are the
-production versions the engine uses, tested against them.
+The torch-free reference listings of the specification live in :mod:`kvlab.reference` and are
+re-exported here (the very same objects); every other name is a production version the engine
+uses, tested against them.
 """
 
-# Reference listings of the specification: BlockAllocator, kv_bytes, REQUIRED_KV_FIELDS,
-# validate_kv_descriptor, goodput, physical_slot, PrefixCache, effective_bits, ALLOWED, Phase,
-# Request, build_batch. Everything else is a production version tested against them.
+from kvlab.reference import (
+    ALLOWED,
+    REQUIRED_KV_FIELDS,
+    BlockAllocator,
+    Phase,
+    PrefixCache,
+    Request,
+    build_batch,
+    effective_bits,
+    goodput,
+    kv_bytes,
+    physical_slot,
+    validate_kv_descriptor,
+)
+
 from .block_pool import CACHE_OWNER, BlockPool
-from .blocks import BlockAllocator
 from .capacity import (
     DTYPE_BYTES,
     CapacityPlan,
     dtype_bytes,
-    kv_bytes,
     kv_element_bytes,
     kv_heads_per_rank,
     plan_capacity,
 )
 from .catalog import GPUS, MODELS, GPUSpec, ModelShape, dense_param_count, get_gpu, get_model
-from .disagg import REQUIRED_KV_FIELDS, validate_kv_descriptor
 from .fragmentation import (
     WasteReport,
     WorkloadRequest,
@@ -34,14 +44,9 @@ from .fragmentation import (
 from .invariants import KV_MANAGER_INVARIANTS, InvariantSet, check_kv_manager
 from .kv_manager import KVCacheManager, KVSnapshot
 from .lifecycle import TRANSITIONS, EventLog, Lifecycle
-from .metrics import goodput
-from .paging import BlockTable, block_table_array, physical_slot, slot_mapping, slots_for
-from .prefix import PrefixCache
-from .quantization import effective_bits
+from .paging import BlockTable, block_table_array, slot_mapping, slots_for
 from .radix import PrefixMatch, RadixCache, RadixSnapshot
 from .recovery import recover
-from .request import ALLOWED, Phase, Request
-from .sched import build_batch
 from .scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
 from .scheduler_api import (
     FinishReason,
@@ -51,6 +56,7 @@ from .scheduler_api import (
     SchedulerOutput,
 )
 from .scope import SCOPE_FIELDS, CacheScope, scope_key
+from .token_trie import TokenTrie
 
 __all__ = [
     "ALLOWED",
@@ -88,6 +94,7 @@ __all__ = [
     "ScheduledChunk",
     "SchedulerConfig",
     "SchedulerOutput",
+    "TokenTrie",
     "WasteReport",
     "WorkloadRequest",
     "block_table_array",

@@ -1,6 +1,6 @@
 """The production block pool: refcounted KV blocks with named owners, copy-on-write and fences.
 
-This is the reference :class:`~kvlab.core.blocks.BlockAllocator` (spec rule 3) grown into what an
+This is the reference :class:`~kvlab.reference.BlockAllocator` (spec rule 3) grown into what an
 engine needs:
 
 * **Owners, not just counts.** Every block records *who* holds it (request ids, or

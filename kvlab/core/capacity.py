@@ -1,7 +1,9 @@
-"""KV cache capacity (spec rule 1): how many bytes the keys and values of a batch occupy.
+"""KV cache capacity planning (production side of spec rule 1): what fits on one GPU.
 
-``M_KV = 2 · L · B · T · A_kv · D · s`` — the 2 counts K and V; L layers, B sequences,
-T tokens each, A_kv KV heads, D head dimension, s bytes per element.
+Built on the reference :func:`~kvlab.reference.rule01_capacity.kv_bytes`
+(``M_KV = 2 · L · B · T · A_kv · D · s``): how many KV blocks, tokens and requests one
+tensor-parallel rank holds after weights and reserve, with quantisation-scale overhead and
+TP sharding of KV heads.
 """
 
 from __future__ import annotations
@@ -10,20 +12,9 @@ import math
 from dataclasses import dataclass
 from numbers import Real
 
+from kvlab.reference.rule01_capacity import kv_bytes
+
 from .catalog import GPUSpec, ModelShape
-
-
-def kv_bytes(layers, batch, tokens, kv_heads, head_dim, element_bytes):
-    """Bytes of K and V for ``batch`` sequences of ``tokens`` tokens (reference listing).
-
-    Every dimension must be positive; ``element_bytes`` may be fractional (0.5 for int4).
-    Divide by the tensor-parallel size only when the cache really is sharded by TP rank.
-    """
-    values = (layers, batch, tokens, kv_heads, head_dim, element_bytes)
-    if any(v <= 0 for v in values):
-        raise ValueError("KV dimensions must be positive")
-    return 2 * layers * batch * tokens * kv_heads * head_dim * element_bytes
-
 
 # ---------------------------------------------------------------------------------------------
 # Capacity planner (production): how many KV blocks, tokens and requests one GPU can hold.

@@ -1,6 +1,6 @@
 """Runtime request lifecycle: the allowed-transition table, idempotent ends, and an event log.
 
-The reference :class:`kvlab.core.request.Request` has six phases and no resources. A runtime
+The reference :class:`kvlab.reference.Request` has six phases and no resources. A runtime
 request (:class:`~kvlab.core.scheduler_api.RuntimeRequest`) also holds a KV block table, and it
 can be *preempted*: its KV is taken back and it waits to recompute, keeping its generated
 tokens. This module owns every status change of a runtime request:

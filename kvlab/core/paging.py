@@ -1,8 +1,9 @@
-"""Page tables (spec rule 2): logical token positions mapped to scattered physical slots.
+"""Page tables (production side of spec rule 2): growing per-request tables, vectorised slots.
 
-Position ``t`` lives in logical block ``t // q`` at physical slot ``q · table[t // q] + t % q``.
-A page table keeps a sequence logically contiguous while its blocks are scattered; by itself
-it provides neither prefix sharing nor eviction.
+Position ``t`` lives in logical block ``t // q`` at physical slot ``q · table[t // q] + t % q``,
+as the reference :func:`~kvlab.reference.rule02_paging.physical_slot` states one position at a
+time. A page table keeps a sequence logically contiguous while its blocks are scattered; by
+itself it provides neither prefix sharing nor eviction.
 """
 
 from __future__ import annotations
@@ -11,20 +12,6 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
-
-
-def physical_slot(block_table: Sequence[int], block_size: int, token_pos: int) -> int:
-    """block_table:[logical blocks] -> one physical token slot (reference listing)."""
-    if block_size <= 0 or token_pos < 0:
-        raise ValueError("invalid block size or token position")
-    logical, offset = divmod(token_pos, block_size)
-    if logical >= len(block_table):
-        raise IndexError("logical block is not allocated")
-    physical = block_table[logical]
-    if physical < 0:
-        raise ValueError("physical block id must be non-negative")
-    return physical * block_size + offset
-
 
 # ---------------------------------------------------------------------------------------------
 # Production page tables: a growing per-request table and vectorised slot mappings.
@@ -139,7 +126,7 @@ class BlockTable:
     owned by this table until :meth:`release`.
 
     ``allocator`` is anything with ``allocate() -> int`` (raising ``MemoryError`` when empty)
-    and ``release(table)``, e.g. :class:`kvlab.core.blocks.BlockAllocator`.
+    and ``release(table)``, e.g. :class:`kvlab.reference.BlockAllocator`.
     """
 
     def __init__(self, block_size: int, allocator: Allocator):

@@ -1,20 +1,14 @@
-"""The production prefix cache: radix trees per compatibility scope (spec rule 4).
+"""The engine's prefix cache: block-granular radix trees per compatibility scope (spec rule 4).
 
-:class:`RadixCache` keeps the reference :class:`~kvlab.core.prefix.PrefixCache` contract and adds
-what an engine needs. It has two faces.
+:class:`RadixCache` indexes physical KV blocks by the exact token prefix they hold, so a new
+request can reuse them. It keeps the reference :class:`~kvlab.reference.PrefixCache`'s scope
+contract (a hit only within an identical scope) but works in whole blocks and adds what an
+engine needs: locking and eviction. (The token-granular twin of ``PrefixCache``, with its
+``put``/``longest`` API, is :class:`kvlab.core.token_trie.TokenTrie`.)
 
-**The reference face** — ``put(scope, token_ids, block_table)`` / ``longest(scope, token_ids)`` —
-returns exactly what ``PrefixCache`` returns on any sequence of calls (a differential test proves
-it): an entry is keyed by ``(scope, full token tuple)``, a second ``put`` of the same key
-overwrites, and ``longest`` returns the table stored under the longest stored key that is a
-prefix of the query (``(0, ())`` when none; an empty key never matches). Instead of scanning
-every entry it walks a path-compressed radix tree over tokens, one tree per scope, so a lookup
-costs O(length of the match), not O(number of entries × length).
-
-**The engine face** manages physical KV blocks. Its tree is block-granular: each node is one
-full block of ``block_size`` tokens (the node's *chunk*) and the physical block holding their KV;
-a node's path from the scope's root spells the whole prefix, so the KV in the block is valid
-only for that exact path, in that scope.
+**The tree** is block-granular: each node is one full block of ``block_size`` tokens (the
+node's *chunk*) and the physical block holding their KV; a node's path from the scope's root
+spells the whole prefix, so the KV in the block is valid only for that exact path, in that scope.
 
 * :meth:`match` — the longest cached path, whole blocks only, capped at ``len(tokens) - 1``
   tokens so the last prompt token is always computed (its logits produce the first output).
@@ -40,31 +34,7 @@ from dataclasses import dataclass
 
 from .scope import CacheScope, scope_key
 
-_MISSING = object()
 
-
-# ---------------------------------------------------------------------- reference face
-class _RefNode:
-    """A node of the path-compressed token tree behind ``put``/``longest``."""
-
-    __slots__ = ("children", "edge", "value")
-
-    def __init__(self, edge: tuple):
-        self.edge = edge
-        self.children: dict = {}
-        self.value = _MISSING
-
-
-def _common_prefix_len(a: tuple, b: tuple, start: int) -> int:
-    """Length of the common prefix of ``a`` and ``b[start:]``."""
-    n = min(len(a), len(b) - start)
-    i = 0
-    while i < n and a[i] == b[start + i]:
-        i += 1
-    return i
-
-
-# ---------------------------------------------------------------------- engine face
 class _Node:
     """One cached block: ``chunk`` (its tokens) under ``parent``, KV in physical ``block``."""
 
@@ -123,7 +93,7 @@ class InsertResult:
 
 @dataclass(frozen=True)
 class RadixNodeView:
-    """Plain-data view of one engine-face node (for figures)."""
+    """Plain-data view of one tree node (for figures)."""
 
     node_id: int
     parent_id: int | None
@@ -136,7 +106,7 @@ class RadixNodeView:
 
 @dataclass(frozen=True)
 class RadixSnapshot:
-    """Plain-data view of the engine-face tree of one scope; ``nodes`` in depth-first order."""
+    """Plain-data view of the tree of one scope; ``nodes`` in depth-first order."""
 
     block_size: int
     scope: tuple
@@ -144,16 +114,12 @@ class RadixSnapshot:
 
 
 class RadixCache:
-    """Prefix cache as radix trees, one per scope. See the module docstring for the contract."""
+    """Block-granular prefix cache, one radix tree per scope (contract: the module docstring)."""
 
     def __init__(self, block_size: int = 16):
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
-        # reference face
-        self._ref_roots: dict[tuple, _RefNode] = {}
-        self._num_entries = 0
-        # engine face
         self._roots: dict[tuple, _Node] = {}
         self._block_node: dict[int, _Node] = {}
         self._num_locked = 0
@@ -162,61 +128,7 @@ class RadixCache:
         self._leaves: set[_Node] = set()  # unlocked non-root nodes without children
         self._heap: list[tuple[int, int, _Node]] = []  # lazy LRU heap over self._leaves
 
-    # ================================================================== reference face
-    def put(self, scope: CacheScope | tuple, token_ids: Sequence[int], block_table) -> None:
-        """Store ``block_table`` under ``(scope, tuple(token_ids))`` (overwrites, like the ref)."""
-        key = scope_key(scope)
-        tokens = tuple(token_ids)
-        table = tuple(block_table)
-        root = self._ref_roots.get(key)
-        if root is None:
-            root = self._ref_roots[key] = _RefNode(())
-        node, i = root, 0
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
-                leaf = _RefNode(tokens[i:])
-                node.children[tokens[i]] = leaf
-                node, i = leaf, len(tokens)
-                break
-            common = _common_prefix_len(child.edge, tokens, i)
-            if common < len(child.edge):  # split the edge where the new key leaves it
-                mid = _RefNode(child.edge[:common])
-                child.edge = child.edge[common:]
-                mid.children[child.edge[0]] = child
-                node.children[tokens[i]] = mid
-                child = mid
-            node, i = child, i + common
-        if node.value is _MISSING:
-            self._num_entries += 1
-        node.value = table
-
-    def longest(self, scope: CacheScope | tuple, token_ids: Sequence[int]) -> tuple[int, tuple]:
-        """``(matched_tokens, block_table)`` of the longest stored prefix, or ``(0, ())``."""
-        root = self._ref_roots.get(scope_key(scope))
-        best: tuple[int, tuple] = (0, ())
-        if root is None:
-            return best
-        tokens = tuple(token_ids)
-        node, i = root, 0
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
-                break
-            edge = child.edge
-            if tokens[i:i + len(edge)] != edge:
-                break  # keys end only at nodes, so nothing deeper can match
-            node, i = child, i + len(edge)
-            if node.value is not _MISSING:
-                best = (i, node.value)
-        return best
-
-    @property
-    def num_entries(self) -> int:
-        """Number of distinct keys stored through :meth:`put`."""
-        return self._num_entries
-
-    # ================================================================== engine face: queries
+    # ================================================================== queries
     def match(self, scope: CacheScope | tuple, token_ids: Sequence[int], *,
               leave_last: bool = True) -> PrefixMatch:
         """Longest cached path for ``token_ids`` in ``scope``, whole blocks only. No side effects.
@@ -243,7 +155,7 @@ class RadixCache:
                            node if blocks else None, unlocked)
 
     def num_cached_blocks(self) -> int:
-        """Blocks indexed by the engine face (each holds ``block_size`` cached tokens)."""
+        """Blocks indexed by the tree (each holds ``block_size`` cached tokens)."""
         return len(self._block_node)
 
     def cached_tokens(self) -> int:
@@ -276,10 +188,10 @@ class RadixCache:
         return self._block_node.get(node.block) is node
 
     def scopes(self) -> list[tuple]:
-        """Scopes with at least one cached block (engine face)."""
+        """Scopes with at least one cached block."""
         return list(self._roots)
 
-    # ================================================================== engine face: mutations
+    # ================================================================== mutations
     def insert(self, scope: CacheScope | tuple, token_ids: Sequence[int],
                blocks: Sequence[int], *, below: _Node | None = None) -> InsertResult:
         """Index ``blocks[i]`` as the KV of ``token_ids[i*bs:(i+1)*bs]`` under the preceding path.
@@ -390,7 +302,7 @@ class RadixCache:
 
     # ================================================================== views
     def tree_snapshot(self, scope: CacheScope | tuple) -> RadixSnapshot:
-        """Plain-data engine-face tree of ``scope`` (depth-first, children in chunk order)."""
+        """Plain-data tree of ``scope`` (depth-first, children in chunk order)."""
         key = scope_key(scope)
         root = self._roots.get(key)
         views: list[RadixNodeView] = []
@@ -419,19 +331,10 @@ class RadixCache:
                     engine.append((repr(key), cpath, child.block, child.lock_ref,
                                    child.last_access))
                     stack.append((child, cpath))
-        ref = []
-        for key, root in self._ref_roots.items():
-            stack = [(root, ())]
-            while stack:
-                node, path = stack.pop()
-                full = path + node.edge
-                if node.value is not _MISSING:
-                    ref.append((repr(key), full, node.value))
-                stack.extend((child, full) for child in node.children.values())
-        return (tuple(sorted(engine)), tuple(sorted(ref)), self._clock, self._num_locked)
+        return (tuple(sorted(engine)), self._clock, self._num_locked)
 
     def iter_nodes(self):
-        """Every engine-face non-root node (any order); for invariant checks."""
+        """Every non-root node (any order); for invariant checks."""
         for root in self._roots.values():
             stack = list(root.children.values())
             while stack:

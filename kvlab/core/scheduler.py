@@ -2,7 +2,7 @@
 
 Two schedulers implement the :class:`~kvlab.core.scheduler_api.Scheduler` protocol:
 
-* :class:`BaselineScheduler` is the spec's reference :func:`kvlab.core.sched.build_batch`
+* :class:`BaselineScheduler` is the spec's reference :func:`kvlab.reference.build_batch`
   (decode first, then FIFO prefill chunks into what is left of the token budget) wrapped to own
   real requests and real KV. Where KV is ample its batch *is* ``build_batch``'s (tested). When KV
   runs short it does what early engines did: it admits a waiting request only if its first

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from kvlab.reference import Phase
+from kvlab.reference import Request as ReferenceRequest
+
 from .block_pool import OutOfBlocks
 from .lifecycle import RUNNING_STATUSES
-from .request import Phase
-from .request import Request as ReferenceRequest
 from .scheduler_api import RequestStatus, RuntimeRequest
 from .scheduler_base import SchedulerBase
 from .step_plan import StepPlan

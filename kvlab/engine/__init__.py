@@ -1,17 +1,17 @@
-"""kvlab.engine: the torch layer — model, paged attention, sampling, quantisation, speculation.
+"""kvlab.engine: the torch layer — model, paged attention, sampling, executor, LLM / LLMEngine.
 
 The offline engine is shaped like vLLM's: :class:`LLM` (``generate``), :class:`LLMEngine`
 (``add_request`` / ``step`` / ``abort_request`` / ``snapshot``), :class:`SamplingParams` and
-:class:`RequestOutput`. Those names load on first use (PEP 562), so importing this package
-stays cheap.
+:class:`RequestOutput`. Those names load on first use (PEP 562). The torch listings of the
+specification (``quantize_groups``, ``dequantize_groups``, ``effective_bits``,
+``speculative_step``) live in :mod:`kvlab.reference` and are re-exported here.
 """
 
 from __future__ import annotations
 
 from kvlab._lazy import lazy_exports
-
-from .quant import dequantize_groups, effective_bits, quantize_groups
-from .spec import speculative_step
+from kvlab.reference.rule07_quantization import dequantize_groups, effective_bits, quantize_groups
+from kvlab.reference.rule08_speculative import speculative_step
 
 # name -> module defining it, imported on first attribute access
 _LAZY = {

@@ -6,8 +6,9 @@ exercise states, and raises ``AssertionError`` with a hint when the answer diffe
 
 from __future__ import annotations
 
-from kvlab.core.capacity import GiB, kv_bytes, plan_capacity
+from kvlab.core.capacity import GiB, plan_capacity
 from kvlab.core.catalog import get_gpu, get_model
+from kvlab.reference import kv_bytes
 
 from ._common import require_answer
 

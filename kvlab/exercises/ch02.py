@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import itertools
 
-from kvlab.core.paging import physical_slot, slot_mapping
+from kvlab.core.paging import slot_mapping
+from kvlab.reference import physical_slot
 
 from ._common import require_answer
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import random
 
-from kvlab.core.blocks import BlockAllocator
 from kvlab.core.kv_manager import KVCacheManager
+from kvlab.reference import BlockAllocator
 
 from ._common import require_answer
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.request import Phase, Request
-from kvlab.core.sched import build_batch
 from kvlab.core.scheduler import (
     BaselineScheduler,
     ProductionScheduler,
@@ -19,6 +17,7 @@ from kvlab.core.scheduler import (
     starvation_bound,
 )
 from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest
+from kvlab.reference import Phase, Request, build_batch
 from kvlab.sim.tokens import drive
 
 from ._common import require_answer

@@ -260,14 +260,14 @@ def waste_timeline_figure(report: WasteReport, *, steps: int | None = None):
 class BlockTableView:
     """Interactive page tables over a real allocator: add requests, append tokens, finish.
 
-    Holds a :class:`kvlab.core.blocks.BlockAllocator` of ``num_blocks`` blocks and one
+    Holds a :class:`kvlab.reference.BlockAllocator` of ``num_blocks`` blocks and one
     :class:`kvlab.core.paging.BlockTable` per request; each button press calls the real
     methods and redraws :func:`block_table_figure` from a snapshot. Out-of-memory shows the
     allocator's error and changes nothing (``append_tokens`` is all-or-nothing).
     """
 
     def __init__(self, num_blocks: int = 16, block_size: int = 4):
-        from kvlab.core.blocks import BlockAllocator
+        from kvlab.reference import BlockAllocator
 
         self.num_blocks, self.block_size = num_blocks, block_size
         self.allocator = BlockAllocator(num_blocks)

@@ -1,14 +1,16 @@
-"""Continuous batching (spec rule 6): the reference decode-first ``build_batch``.
+"""Spec rule 6 — continuous batching: the reference decode-first ``build_batch``.
 
 Each decoding request needs one token per step; prefills may be chunked. The baseline serves
 every decode first and fills what is left of the token budget with prefill chunks, in order.
-It can starve a long prefill; the production scheduler adds admission, ageing, priorities,
-KV budgets, cache affinity and an overload policy.
+It can starve a long prefill; the production scheduler (:mod:`kvlab.core.scheduler`) adds
+admission, ageing, priorities, KV budgets, cache affinity and an overload policy.
 """
 
 from __future__ import annotations
 
-from .request import Phase
+from .rule05_request import Phase
+
+__all__ = ["build_batch"]
 
 
 def build_batch(requests, token_budget, max_sequences, prefill_chunk):

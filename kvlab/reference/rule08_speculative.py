@@ -1,8 +1,9 @@
-"""Exact speculative decoding (spec rule 8): the reference single-token ``speculative_step``.
+"""Spec rule 8 — exact speculative decoding: the reference single-token ``speculative_step``.
 
 The draft distribution ``q`` proposed token ``x``; accept it with probability
 ``min(1, p(x)/q(x))``, otherwise sample from the normalised positive residual ``[p - q]+``.
-The token that results is distributed exactly as ``p``.
+The token that results is distributed exactly as ``p``. This module imports torch; the package
+:mod:`kvlab.reference` loads it only when ``speculative_step`` is first used.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""Goodput (spec rule 10): requests per second that met every SLO, not raw throughput."""
+"""Spec rule 10 — goodput: requests per second that met every SLO, not raw throughput."""
 
 from __future__ import annotations
+
+__all__ = ["goodput"]
 
 
 def goodput(records, window_seconds, slo):

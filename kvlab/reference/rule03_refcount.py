@@ -1,12 +1,15 @@
-"""Refcounted KV blocks with copy-on-write (spec rule 3): the reference ``BlockAllocator``.
+"""Spec rule 3 — refcounts and copy-on-write: the reference ``BlockAllocator``.
 
 A physical block is free (refcount 0), exclusive (1) or shared (>1). A shared block is copied
 before any partial write; the ``(old, new)`` pair that :meth:`BlockAllocator.cow` returns is the
 payload copy the executor must perform. Every method validates its whole input before it
 mutates anything, so a call that raises leaves the allocator unchanged.
+The production block pool is :mod:`kvlab.core.block_pool`.
 """
 
 from __future__ import annotations
+
+__all__ = ["BlockAllocator"]
 
 
 class BlockAllocator:

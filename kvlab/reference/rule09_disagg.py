@@ -1,10 +1,12 @@
-"""Prefill/decode disaggregation (spec rule 9): the immutable KV layout descriptor check.
+"""Spec rule 9 — prefill/decode disaggregation: the immutable KV layout descriptor check.
 
 Before a decode worker installs KV computed elsewhere it checks that the descriptor carries every
 field of ``REQUIRED_KV_FIELDS`` and agrees with what the worker expects on each expected field.
 """
 
 from __future__ import annotations
+
+__all__ = ["REQUIRED_KV_FIELDS", "validate_kv_descriptor"]
 
 REQUIRED_KV_FIELDS = {
     "request_id", "model_version", "token_ids_hash", "layers",

@@ -1,13 +1,17 @@
-"""The request state machine (spec rule 5): reference ``Phase``, ``ALLOWED`` and ``Request``.
+"""Spec rule 5 — the request state machine: reference ``Phase``, ``ALLOWED`` and ``Request``.
 
 A request is in exactly one phase. ``finish`` (-> FINISHED) and ``cancel`` (-> CANCELLED) are
 idempotent: repeating them is a no-op, every other illegal move raises and changes nothing.
+The engine's runtime request and its lifecycle are in :mod:`kvlab.core.scheduler_api` and
+:mod:`kvlab.core.lifecycle`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+
+__all__ = ["ALLOWED", "Phase", "Request"]
 
 
 class Phase(Enum):

@@ -1,11 +1,15 @@
-"""Prefix reuse (spec rule 4): the reference ``PrefixCache``, a deliberate linear scan.
+"""Spec rule 4 — prefix reuse: the reference ``PrefixCache``, a deliberate linear scan.
 
 A key binds an immutable compatibility ``scope`` (model/weights version, tokenizer/template,
 adapter, RoPE, dtype/layout/quantisation schema, security domain, ...) to the exact token ids.
 A hit requires the scope to match exactly; the production radix tree keeps that contract.
+Its production twin is :class:`kvlab.core.token_trie.TokenTrie`; the engine's block-granular
+prefix cache is :class:`kvlab.core.radix.RadixCache`.
 """
 
 from __future__ import annotations
+
+__all__ = ["PrefixCache"]
 
 
 class PrefixCache:
