@@ -32,7 +32,7 @@ def engine(model_dir):
 
 
 def _state(eng):
-    return (eng.kv.state_tuple(), sorted(eng._groups), sorted(eng._seq_owner),
+    return (eng.kv.state_tuple(), sorted(eng.outputs.requests), sorted(eng.outputs.samples),
             [(r.request_id, r.status, len(r.output_token_ids)) for r in eng.scheduler.requests()])
 
 

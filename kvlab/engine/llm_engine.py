@@ -27,18 +27,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kvlab.core.checks import is_int
-from kvlab.core.engine_core import EngineCore, StepResult
+from kvlab.core.engine_core import EngineCore
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
 from kvlab.core.scheduler_api import (
-    FinishReason,
-    RequestStatus,
     RuntimeRequest,
     Scheduler,
 )
@@ -56,7 +53,8 @@ from .engine_args import (
 from .executor import StepInfo, TorchExecutor
 from .kv_cache import PagedKVCache
 from .model import rope_inv_freq
-from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StepTrace
+from .output_processor import OutputProcessor, RequestState, SampleState
+from .outputs import EngineStats, RequestMetrics, RequestOutput, StepTrace
 from .params import SamplingParams
 from .sampling import SamplerState
 from .tokenizer import Tokenizer, load_tokenizer
@@ -66,31 +64,6 @@ __all__ = ["DEFAULT_KV_CACHE_MEMORY_CPU", "EngineStats", "LLMEngine", "Prompt", 
 Prompt = str | Sequence[int]
 
 _SAMPLE_SEP = "#"  # sample i > 0 of request "r" runs as request "r#i"
-
-
-@dataclass
-class _Sequence:
-    """Engine-side state of one sample (one RuntimeRequest)."""
-
-    seq_id: str
-    index: int
-    logprobs: list[dict[int, float]] | None
-    cumulative_logprob: float = 0.0
-    ended: RuntimeRequest | None = None     # the scheduler's request once it was reported
-
-
-@dataclass
-class _Group:
-    """A client request: its prompt, parameters and its ``n`` sequences."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    metrics: RequestMetrics
-    seqs: list[_Sequence] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    admitted: bool = False
 
 
 def _make_scheduler(kind: str | Callable[..., Scheduler], kv: KVCacheManager,
@@ -192,12 +165,12 @@ class LLMEngine:
         self.seed = seed
         self.security_domain = security_domain
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + ckpt.generation_eos))
-        self._groups: dict[str, _Group] = {}
-        self._seq_owner: dict[str, tuple[_Group, _Sequence]] = {}
-        self._undelivered: dict[str, RequestOutput] = {}
         self._arrivals = 0
         self.last_trace: StepTrace | None = None
         self.stats = EngineStats()
+        self.outputs = OutputProcessor(
+            self.scheduler.get_request,
+            self.tokenizer.decode if self.tokenizer is not None else None, self.stats)
         self.clock: Callable[[], float] = time.monotonic
 
     # ------------------------------------------------------------------ scope and prompts
@@ -248,23 +221,23 @@ class LLMEngine:
     def _seq_id(self, request_id: str, i: int) -> str:
         return request_id if i == 0 else f"{request_id}{_SAMPLE_SEP}{i}"
 
-    def _runtime_request(self, group: _Group, seq: _Sequence, scope: tuple,
+    def _runtime_request(self, state: RequestState, sample: SampleState, scope: tuple,
                          seed: int) -> RuntimeRequest:
-        p = group.params
+        p = state.params
         stops = set(p.stop_token_ids)
         if not p.ignore_eos:
             stops.update(self.eos_token_ids[1:])  # extra eos ids act as stop tokens
         return RuntimeRequest(
-            request_id=seq.seq_id,
-            prompt_token_ids=group.prompt_token_ids,
+            request_id=sample.seq_id,
+            prompt_token_ids=state.prompt_token_ids,
             max_tokens=p.max_tokens,
             scope=scope,
             stop_token_ids=frozenset(stops),
             eos_token_id=self.config.eos_token_id,
             ignore_eos=p.ignore_eos,
-            arrival_time=group.metrics.arrival_time,
+            arrival_time=state.metrics.arrival_time,
             max_model_len=self.max_model_len,
-            engine_state=SamplerState.create(p, (seed + seq.index) % SEED_MOD, self.device),
+            engine_state=SamplerState.create(p, (seed + sample.index) % SEED_MOD, self.device),
         )
 
     def validate_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -282,7 +255,7 @@ class LLMEngine:
             if _SAMPLE_SEP in request_id:
                 raise ValueError(f"request_id {request_id!r} may not contain {_SAMPLE_SEP!r} "
                                  "(reserved for the samples of n > 1 requests)")
-            if request_id in self._groups:
+            if request_id in self.outputs.requests:
                 raise ValueError(f"duplicate request_id {request_id!r}: already in the engine")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -312,7 +285,7 @@ class LLMEngine:
             raise ValueError(f"security_domain must be a non-empty str, got {security_domain!r}")
         scope = self.cache_scope(security_domain)
         with self.core.lock:
-            if request_id in self._groups:
+            if request_id in self.outputs.requests:
                 raise ValueError(f"duplicate request_id {request_id!r}: already in the engine")
             for i in range(params.n):
                 sid = self._seq_id(request_id, i)
@@ -322,16 +295,14 @@ class LLMEngine:
             seed = params.seed
             if seed is None:  # reproducible per engine: engine seed and arrival order
                 seed = (self.seed * 1_000_003 + self._arrivals) % (2**63)
-            group = _Group(request_id, text, ids, params, RequestMetrics(self.clock()))
-            group.seqs = [_Sequence(self._seq_id(request_id, i), i,
-                                    [] if params.logprobs is not None else None)
-                          for i in range(params.n)]
-            requests = [self._runtime_request(group, s, scope, seed) for s in group.seqs]
+            state = RequestState(request_id, text, ids, params, RequestMetrics(self.clock()))
+            state.samples = [SampleState(self._seq_id(request_id, i), i,
+                                         [] if params.logprobs is not None else None)
+                             for i in range(params.n)]
+            requests = [self._runtime_request(state, s, scope, seed) for s in state.samples]
             for request in requests:   # validated above: these cannot raise
                 self.core.add_request(request)
-            self._groups[request_id] = group
-            for seq in group.seqs:
-                self._seq_owner[seq.seq_id] = (group, seq)
+            self.outputs.add(state)
             self._arrivals += 1
 
     def abort_request(self, request_id: str) -> RequestOutput:
@@ -339,41 +310,35 @@ class LLMEngine:
         if any). KeyError for an unknown id. Returns its final output (``finish_reason="abort"``
         on unfinished samples)."""
         with self.core.lock:
-            group = self._groups.get(request_id)
-            if group is None:
+            state = self.outputs.requests.get(request_id)
+            if state is None:
                 raise KeyError(f"abort_request: unknown request_id {request_id!r}")
-            for seq in group.seqs:
-                if seq.ended is None:
-                    seq.ended = self.core.abort_request(seq.seq_id)
-            group.metrics.finished_time = self.clock()
-            out = self._make_output(group, force_finished=True)
-            self._drop(group)
+            for sample in state.samples:
+                if sample.ended is None:
+                    sample.ended = self.core.abort_request(sample.seq_id)
+            state.metrics.finished_time = self.clock()
+            out = self.outputs.make_output(state, force_finished=True)
+            self.outputs.drop(state)
             return out
 
-    def _drop(self, group: _Group) -> None:
-        for seq in group.seqs:
-            self._seq_owner.pop(seq.seq_id, None)
-        self._groups.pop(group.request_id, None)
-        self._undelivered.pop(group.request_id, None)
-
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups) or bool(self._undelivered)
+        return bool(self.outputs.requests) or bool(self.outputs.undelivered)
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is in use: unfinished here, or its samples still ending."""
         with self.core.lock:
-            return (request_id in self._groups
+            return (request_id in self.outputs.requests
                     or self.scheduler.find_request(request_id) is not None)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._groups)
+        return len(self.outputs.requests)
 
     def defer_outputs(self, outputs: Sequence[RequestOutput]) -> None:
         """Hand ``outputs`` back: the next :meth:`step` returns them (the latest per request)
         besides its own. :meth:`LLM.generate` uses it for requests it did not add."""
         with self.core.lock:
             for out in outputs:
-                self._undelivered[out.request_id] = out
+                self.outputs.defer(out)
 
     # ------------------------------------------------------------------ the step
     def step(self, *, only_finished: bool = False) -> list[RequestOutput]:
@@ -382,9 +347,12 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.core.step()
         with self.core.lock:
-            outputs = self._process(result, only_finished)
+            outputs = self.outputs.process(result, self.clock(), only_finished)
+            info: StepInfo = result.model.info
+            self.last_trace = StepTrace(result.output, info.metadata, info.request_ids,
+                                        info.logits_shape, dict(result.model.sampled),
+                                        [r.request_id for r in result.ended])
         st = self.stats
-        info: StepInfo = result.model.info
         st.steps += 1
         st.computed_tokens += result.output.num_batched_tokens
         st.generated_tokens += len(result.model.sampled)
@@ -395,93 +363,18 @@ class LLMEngine:
         st.step_time_s += time.perf_counter() - t0
         return outputs
 
-    def _process(self, result: StepResult, only_finished: bool) -> list[RequestOutput]:
-        """Fold one core step into the groups and build the outputs it produced."""
-        out, info = result.output, result.model.info
-        now = self.clock()
-        touched: dict[str, _Group] = {}
-        for c in out.chunks:
-            entry = self._seq_owner.get(c.request_id)
-            if entry is not None and entry[0].metrics.first_scheduled_time is None:
-                entry[0].metrics.first_scheduled_time = now
-        for rid in out.admitted:
-            entry = self._seq_owner.get(rid)
-            if entry is None or entry[0].admitted:
-                continue  # other samples and re-admissions after preemption are not counted
-            group = entry[0]
-            group.admitted = True
-            req = self.scheduler.get_request(rid)
-            group.num_cached_tokens = req.num_cached_tokens
-            self.stats.prompt_tokens += req.num_prompt_tokens
-            self.stats.cached_prompt_tokens += min(req.num_cached_tokens, req.num_prompt_tokens)
-        for rid in result.model.sampled:
-            entry = self._seq_owner.get(rid)
-            if entry is None:
-                continue          # aborted during the step
-            group, seq = entry
-            seq.cumulative_logprob += info.logprobs[rid]
-            if seq.logprobs is not None:
-                seq.logprobs.append(info.top_logprobs[rid])
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = now
-            touched[group.request_id] = group
-        for req in result.ended:
-            entry = self._seq_owner.get(req.request_id)
-            if entry is not None:
-                entry[1].ended = req
-                touched[entry[0].request_id] = entry[0]
-        self.last_trace = StepTrace(out, info.metadata, info.request_ids, info.logits_shape,
-                                    dict(result.model.sampled),
-                                    [r.request_id for r in result.ended])
-        outputs = list(self._undelivered.values())
-        self._undelivered = {}
-        for group in touched.values():
-            done = all(s.ended is not None for s in group.seqs)
-            if only_finished and not done:
-                continue
-            o = self._make_output(group)
-            if o.finished:
-                group.metrics.finished_time = now
-                o.metrics = group.metrics
-                self.stats.finished_requests += 1
-                self._drop(group)
-            outputs.append(o)
-        return outputs
-
-    # ------------------------------------------------------------------ outputs
-    def _make_output(self, group: _Group, force_finished: bool = False) -> RequestOutput:
-        decode = self.tokenizer.decode if self.tokenizer is not None else None
-        completions = []
-        all_done = True
-        for seq in group.seqs:
-            req = seq.ended or self.scheduler.get_request(seq.seq_id)
-            reason = req.finish_reason.value if req.finish_reason is not None else None
-            if req.status is RequestStatus.CANCELLED or (force_finished and reason is None):
-                reason = FinishReason.ABORT.value
-            if reason is None:
-                all_done = False
-            completions.append(CompletionOutput(
-                index=seq.index, token_ids=list(req.output_token_ids), finish_reason=reason,
-                logprobs=None if seq.logprobs is None else list(seq.logprobs),
-                cumulative_logprob=seq.cumulative_logprob, _decode=decode))
-            if seq.index == 0:
-                group.metrics.num_preemptions = req.num_preemptions
-        finished = force_finished or all_done
-        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
-                             completions, finished, group.metrics, group.num_cached_tokens)
-
     # ------------------------------------------------------------------ inspection
     def check_invariants(self) -> None:
         """The scheduler's and KV manager's invariants, plus engine bookkeeping agreement."""
         with self.core.lock:
             self.scheduler.check_invariants()
             self.kv.check_invariants()
-            for rid, (group, seq) in self._seq_owner.items():
-                assert self._groups.get(group.request_id) is group, f"orphan sequence {rid}"
-                assert seq.ended is not None or self.scheduler.find_request(rid) is not None, \
+            for rid, (state, sample) in self.outputs.samples.items():
+                assert self.outputs.requests.get(state.request_id) is state, f"orphan {rid}"
+                assert sample.ended is not None or self.scheduler.find_request(rid) is not None, \
                     f"the scheduler lost {rid}"
-            for group in self._groups.values():
-                assert group.seqs, f"request {group.request_id} has no sequence"
+            for state in self.outputs.requests.values():
+                assert state.samples, f"request {state.request_id} has no sample"
 
     def snapshot(self):
         """Plain-data view of the engine (see :mod:`kvlab.engine.snapshot`)."""
