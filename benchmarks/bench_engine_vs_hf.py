@@ -131,9 +131,9 @@ def run_kvlab(model: str | Path, workload, *, max_num_seqs: int = 64) -> dict:
     flops = 0.0
     t0, c0 = time.perf_counter(), time.process_time()
     while eng.has_unfinished_requests():
-        for out in eng._step(finished_only=True):
+        for out in eng.step(only_finished=True):
             outputs[out.request_id] = out.outputs[0].token_ids
-        flops += chunk_flops(llm, eng._last_output.chunks)
+        flops += chunk_flops(llm, eng.last_trace.scheduler_output.chunks)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     st = eng.stats
     eng.check_invariants()
@@ -167,8 +167,8 @@ def run_kvlab_steady(model: str | Path, *, requests: int = 64, prompt: int = 128
     steps = 0
     while eng.has_unfinished_requests():
         before = {f: getattr(eng.stats, f) for f in fields}
-        eng._step(finished_only=True)
-        chunks = eng._last_output.chunks
+        eng.step(only_finished=True)
+        chunks = eng.last_trace.scheduler_output.chunks
         if len(chunks) == requests and all(c.num_tokens == 1 for c in chunks):
             steps += 1
             for f in fields:

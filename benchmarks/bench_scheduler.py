@@ -1,8 +1,9 @@
 """Scheduler overhead per step vs queue sizes: BaselineScheduler beside ProductionScheduler.
 
-For N in 100 .. 10,000 it measures the wall time of one scheduler step (``schedule()`` +
+For N in 100 .. 10,000 it measures the wall time of one step of the engine core
+(:class:`~kvlab.core.engine_core.EngineCore`) with a model-free executor: ``schedule()`` +
 ``update_from_output()``, the scheduler's whole share of an engine step, KV bookkeeping and
-prefix-cache commits included) in two situations:
+prefix-cache commits included, plus the core's own bookkeeping, in three situations:
 
 * ``running``: N requests decoding (one token each per step);
 * ``waiting``: 8 requests decoding and N waiting, no sequence slot free (the batch is full):
@@ -26,11 +27,12 @@ import time
 
 from _results import write_results
 
+from kvlab.core.engine_core import EngineCore
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
 from kvlab.core.scheduler_api import RuntimeRequest
 from kvlab.sim.costmodel import RooflineCostModel
-from kvlab.sim.executor import sim_token
+from kvlab.sim.executor import CostModelExecutor, sim_token
 
 SIZES = (100, 1000, 10_000)
 PROMPT = 15
@@ -46,14 +48,9 @@ def make_requests(n: int, seed: int, prompt: int, prefix: str) -> list[RuntimeRe
                            max_tokens=MAX_TOKENS, ignore_eos=True) for i in range(n)]
 
 
-def one_step(sched) -> float:
+def one_step(core: EngineCore) -> float:
     t0 = time.perf_counter()
-    out = sched.schedule()
-    if out.copies:
-        sched.kv.complete_copies(out.copies)
-    sampled = {c.request_id: sim_token(sched.get_request(c.request_id))
-               for c in out.chunks if c.sample}
-    sched.update_from_output(out, sampled)
+    core.step()
     return time.perf_counter() - t0
 
 
@@ -72,25 +69,26 @@ def setup(cls, scenario: str, n: int):
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=max(seqs, running * chunk),
                           prefill_chunk=chunk, max_wait_steps=10_000)
     sched = cls(kv, cfg)
+    core = EngineCore(sched, CostModelExecutor(sched.get_request, sim_token))
     for r in make_requests(running, seed=n, prompt=PROMPT, prefix="run"):
-        sched.add_request(r)
-    one_step(sched)                # prefill: every admitted request is decoding afterwards
+        core.add_request(r)
+    one_step(core)                 # prefill: every admitted request is decoding afterwards
     while scenario == "running" and sched.waiting:
-        one_step(sched)            # the production scheduler admits <= admission_scan_limit/step
+        one_step(core)             # the production scheduler admits <= admission_scan_limit/step
     assert len(sched.running) == running, "setup did not reach the intended running set"
     if scenario != "running":
         for r in make_requests(n, seed=n + 1, prompt=waiting_prompt, prefix="wait"):
-            sched.add_request(r)
-        one_step(sched)
-    return sched
+            core.add_request(r)
+        one_step(core)
+    return core
 
 
 def measure(cls, scenario: str, n: int) -> float:
     """Median of per-step times (robust to other processes sharing the CPUs)."""
-    sched = setup(cls, scenario, n)
+    core = setup(cls, scenario, n)
     steps = max(7, min(40, 40_000 // n))
-    times = sorted(one_step(sched) for _ in range(steps))
-    sched.check_invariants()
+    times = sorted(one_step(core) for _ in range(steps))
+    core.scheduler.check_invariants()
     return times[len(times) // 2]
 
 

@@ -26,7 +26,7 @@ def execute(source: Path, timeout: int) -> Path:
     nb = jupytext.read(source)
     if target.exists():
         nb = jupytext.combine.combine_inputs_with_outputs(nb, nbformat.read(target, 4))
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                             resources={"metadata": {"path": str(source.parent)}})
     start = time.perf_counter()
     client.execute()
