@@ -91,13 +91,15 @@ class OutputProcessor:
             entry = self.samples.get(c.request_id)
             if entry is not None and entry[0].metrics.first_scheduled_time is None:
                 entry[0].metrics.first_scheduled_time = now
+        ended = {r.request_id: r for r in result.ended}
         for rid in out.admitted:
             entry = self.samples.get(rid)
             if entry is None or entry[0].admitted:
                 continue  # other samples and re-admissions after preemption are not counted
             state = entry[0]
             state.admitted = True
-            req = self.lookup(rid)
+            # admitted and ended in this very step: the core has forgotten it already
+            req = ended[rid] if rid in ended else self.lookup(rid)
             state.num_cached_tokens = req.num_cached_tokens
             self.stats.prompt_tokens += req.num_prompt_tokens
             self.stats.cached_prompt_tokens += min(req.num_cached_tokens, req.num_prompt_tokens)
@@ -112,7 +114,7 @@ class OutputProcessor:
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             touched[state.request_id] = state
-        for req in result.ended:
+        for req in ended.values():
             entry = self.samples.get(req.request_id)
             if entry is not None:
                 entry[1].ended = req
