@@ -170,7 +170,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.outputs = OutputProcessor(
             self.scheduler.get_request,
-            self.tokenizer.decode if self.tokenizer is not None else None, self.stats)
+            self.tokenizer.decode if self.tokenizer is not None else None)
         self.clock: Callable[[], float] = time.monotonic
 
     # ------------------------------------------------------------------ scope and prompts
@@ -347,7 +347,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.core.step()
         with self.core.lock:
-            outputs = self.outputs.process(result, self.clock(), only_finished)
+            outputs = self.outputs.process(result, self.clock(), self.stats, only_finished)
             info: StepInfo = result.model.info
             self.last_trace = StepTrace(result.output, info.metadata, info.request_ids,
                                         info.logits_shape, dict(result.model.sampled),

@@ -54,14 +54,13 @@ class OutputProcessor:
     """Per-request state and output building (see the module docstring).
 
     ``lookup(seq_id)`` returns the scheduler's live request; ``decode`` turns token ids into
-    text (None: no tokenizer); ``stats`` receives the prompt, cache and finish counters.
+    text (None: no tokenizer).
     """
 
     def __init__(self, lookup: Callable[[str], RuntimeRequest],
-                 decode: Callable[[list[int]], str] | None, stats: EngineStats) -> None:
+                 decode: Callable[[list[int]], str] | None) -> None:
         self.lookup = lookup
         self.decode = decode
-        self.stats = stats
         self.requests: dict[str, RequestState] = {}
         self.samples: dict[str, tuple[RequestState, SampleState]] = {}
         self.undelivered: dict[str, RequestOutput] = {}
@@ -81,10 +80,11 @@ class OutputProcessor:
         """Return ``output`` with the next :meth:`process` (it replaces an older one)."""
         self.undelivered[output.request_id] = output
 
-    def process(self, result: StepResult, now: float,
+    def process(self, result: StepResult, now: float, stats: EngineStats,
                 only_finished: bool = False) -> list[RequestOutput]:
         """Fold one core step in; the outputs of requests that got a token or ended (finished
-        ones are dropped from the processor), after any deferred outputs."""
+        ones are dropped from the processor), after any deferred outputs. Prompt, prefix-cache
+        and finish counters are added to ``stats``."""
         out, info = result.output, result.model.info
         touched: dict[str, RequestState] = {}
         for c in out.chunks:
@@ -101,8 +101,8 @@ class OutputProcessor:
             # admitted and ended in this very step: the core has forgotten it already
             req = ended[rid] if rid in ended else self.lookup(rid)
             state.num_cached_tokens = req.num_cached_tokens
-            self.stats.prompt_tokens += req.num_prompt_tokens
-            self.stats.cached_prompt_tokens += min(req.num_cached_tokens, req.num_prompt_tokens)
+            stats.prompt_tokens += req.num_prompt_tokens
+            stats.cached_prompt_tokens += min(req.num_cached_tokens, req.num_prompt_tokens)
         for rid in result.model.sampled:
             entry = self.samples.get(rid)
             if entry is None:
@@ -128,7 +128,7 @@ class OutputProcessor:
             if o.finished:
                 state.metrics.finished_time = now
                 o.metrics = state.metrics
-                self.stats.finished_requests += 1
+                stats.finished_requests += 1
                 self.drop(state)
             outputs.append(o)
         return outputs
