@@ -120,10 +120,16 @@ def record_checksum(index: int, seq: int, kind: str, request_id: str, step: int,
     """The CRC-32 of one record's canonical encoding (see the module docstring)."""
     if not (is_int(index) and is_int(seq) and is_int(step)
             and isinstance(kind, str) and isinstance(request_id, str)):
-        text = canonical((index, seq, kind, request_id, step, data))
-    else:   # the same text, spelled out for the fields whose types are known (the hot path)
-        text = (f"(i{index},i{seq},s{len(kind)}:{kind},s{len(request_id)}:{request_id},"
-                f"i{step},{canonical(data)})")
+        return zlib.crc32(canonical((index, seq, kind, request_id, step, data)).encode("utf-8"))
+    return _typed_checksum(index, seq, kind, request_id, step, data)
+
+
+def _typed_checksum(index: int, seq: int, kind: str, request_id: str, step: int,
+                    data: tuple[Any, ...]) -> int:
+    """:func:`record_checksum` for fields already known to be ints and strs: the same text,
+    spelled out (the log's hot path)."""
+    text = (f"(i{index},i{seq},s{len(kind)}:{kind},s{len(request_id)}:{request_id},"
+            f"i{step},{canonical(data)})")
     return zlib.crc32(text.encode("utf-8"))
 
 
@@ -198,7 +204,7 @@ class EventLog:
         index = self.next_index
         seq = self._next_seq.get(request_id, 0)
         try:
-            checksum = record_checksum(index, seq, kind, request_id, step, data)
+            checksum = _typed_checksum(index, seq, kind, request_id, step, data)
         except TypeError as error:
             raise ValueError(f"event data must be plain values: {error}") from None
         if self.crash_at is not None and index >= self.crash_at:
