@@ -12,9 +12,10 @@ chapters' drivers (:func:`kvlab.sim.tokens.drive`). One :meth:`EngineCore.step`:
 3. ``ended = scheduler.update_from_output(output, result.sampled)``: tokens appended, stop
    conditions applied, KV of ended requests released.
 
-If ``execute`` raises, ``scheduler.fail_step`` fails that step's requests (FAILED / ERROR, KV
-released exactly once) and the exception propagates; the core keeps serving, and the failed
-requests are reported by the next step.
+If ``execute`` raises, or ``update_from_output`` refuses its result (ValueError: a token
+missing, extra or malformed; nothing was changed), ``scheduler.fail_step`` fails that step's
+requests (FAILED / ERROR, KV released exactly once) and the exception propagates; the core
+keeps serving, and the failed requests are reported by the next step.
 
 Threading model: one thread calls :meth:`step`; any thread may call :meth:`add_request` and
 :meth:`abort_request`. Each holds :attr:`lock` briefly. The executor runs *outside* the lock,
