@@ -137,6 +137,20 @@ class BlockPool:
             return "cached"
         return "exclusive" if len(owners) == 1 else "shared"
 
+    def fence_count(self, block: int) -> int:
+        """How many pending copies touch ``block`` (0: not fenced)."""
+        self._check_block(block)
+        return self._fence[block]
+
+    def free_blocks(self) -> frozenset[int]:
+        """The blocks :meth:`allocate` hands out first (ownerless and unfenced)."""
+        return frozenset(self._free)
+
+    def check_free_index(self) -> None:
+        """AssertionError unless the allocation heap and the free set hold the same blocks."""
+        assert set(self._free_heap) == self._free and len(self._free_heap) == len(self._free), \
+            "free heap and free set disagree"
+
     def num_free(self) -> int:
         """Blocks that :meth:`allocate` can hand out without evicting anything."""
         return len(self._free)

@@ -78,29 +78,29 @@ def _require(condition: bool, message: str) -> None:
 # ---------------------------------------------------------------------------- pool
 def _pool_refcounts(pool: BlockPool) -> None:
     for b in range(pool.num_blocks):
-        _require(pool._refcount[b] == len(pool._owners[b]),
-                 f"block {b}: refcount {pool._refcount[b]} != {len(pool._owners[b])} owners")
+        _require(pool.refcount(b) == len(pool.owners(b)),
+                 f"block {b}: refcount {pool.refcount(b)} != {len(pool.owners(b))} owners")
 
 
 def _pool_free_set(pool: BlockPool) -> None:
-    expected = {b for b in range(pool.num_blocks) if not pool._owners[b] and pool._fence[b] == 0}
-    _require(pool._free == expected,
-             f"free set {sorted(pool._free)} != ownerless unfenced blocks {sorted(expected)}")
-    _require(set(pool._free_heap) == pool._free and len(pool._free_heap) == len(pool._free),
-             "free heap and free set disagree")
+    expected = {b for b in range(pool.num_blocks)
+                if not pool.owners(b) and pool.fence_count(b) == 0}
+    free = pool.free_blocks()
+    _require(free == expected,
+             f"free set {sorted(free)} != ownerless unfenced blocks {sorted(expected)}")
+    pool.check_free_index()
 
 
 def _pool_fences(pool: BlockPool) -> None:
     touching: Counter[int] = Counter()
-    for (src, dst), count in pool._pending.items():
-        _require(count > 0, f"pending copy {(src, dst)} with count {count}")
+    for (src, dst), count in Counter(pool.pending_copies()).items():
         touching[src] += count
         touching[dst] += count
-    fences = {b: c for b, c in pool._fence.items() if c}
+    fences = {b: c for b in range(pool.num_blocks) if (c := pool.fence_count(b))}
     _require(fences == dict(touching),
              f"fences {fences} != pending copies per block {dict(touching)}")
     for b in fences:
-        _require(b not in pool._free, f"block {b} is fenced by a pending copy but free")
+        _require(not pool.is_free(b), f"block {b} is fenced by a pending copy but free")
 
 
 POOL_INVARIANTS = InvariantSet()
@@ -112,7 +112,7 @@ POOL_INVARIANTS.add("pending copies fenced", _pool_fences)
 # ---------------------------------------------------------------------------- radix
 def _radix_structure(cache: RadixCache) -> None:
     seen_blocks: dict[int, Any] = {}
-    for key, root in cache._roots.items():
+    for key, root in cache.roots():
         _require(root.parent is None and root.scope == key, f"root of scope {key!r} malformed")
         _require(bool(root.children), f"empty tree kept for scope {key!r}")
     for node in cache.iter_nodes():
@@ -124,15 +124,16 @@ def _radix_structure(cache: RadixCache) -> None:
         _require(node.depth == parent.depth + 1, f"node {node.node_id} depth wrong")
         _require(node.block not in seen_blocks, f"block {node.block} indexed twice")
         seen_blocks[node.block] = node
-        _require(cache._block_node.get(node.block) is node,
+        _require(cache.node_of(node.block) is node,
                  f"block index does not point to node {node.node_id}")
         children_locks = sum(c.lock_ref for c in node.children.values())
         _require(node.lock_ref >= children_locks,
                  f"node {node.node_id} lock {node.lock_ref} < children's {children_locks}")
-    _require(len(seen_blocks) == len(cache._block_node),
-             f"block index has {len(cache._block_node)} entries, tree {len(seen_blocks)} nodes")
+    indexed = cache.indexed_blocks()
+    _require(len(seen_blocks) == len(indexed),
+             f"block index has {len(indexed)} entries, tree {len(seen_blocks)} nodes")
     leaves = {n for n in cache.iter_nodes() if n.lock_ref == 0 and not n.children}
-    _require(leaves == cache._leaves, "evictable-leaf set is stale")
+    _require(leaves == cache.evictable_leaves(), "evictable-leaf set is stale")
 
 
 def _radix_accounting(cache: RadixCache) -> None:
@@ -165,43 +166,48 @@ def _mgr_owners(mgr) -> None:
     pool: BlockPool = mgr.pool
     cache = mgr.prefix_cache
     expected: list[set] = [set() for _ in range(pool.num_blocks)]
-    for rid, table in mgr._tables.items():
+    for rid in mgr.requests():
+        table = mgr.block_table(rid)
         _require(len(set(table)) == len(table), f"table of {rid!r} repeats a block")
         for b in table:
             expected[b].add(rid)
     if cache is not None:
-        for b in cache._block_node:
+        for b in cache.indexed_blocks():
             expected[b].add(CACHE_OWNER)
     for b in range(pool.num_blocks):
-        _require(pool._owners[b] == expected[b],
-                 f"block {b}: owners {pool._owners[b]} != table holders/cache {expected[b]}")
+        owners = set(pool.owners(b))
+        _require(owners == expected[b],
+                 f"block {b}: owners {owners} != table holders/cache {expected[b]}")
 
 
 def _mgr_one_state(mgr) -> None:
     pool: BlockPool = mgr.pool
     free = owned = cached = 0
+    free_set = pool.free_blocks()
     for b in range(pool.num_blocks):
-        owners = pool._owners[b]
-        kinds = [b in pool._free, bool(owners - {CACHE_OWNER}), owners == {CACHE_OWNER}]
+        owners = pool.owners(b)
+        kinds = [b in free_set, bool(owners - {CACHE_OWNER}), owners == {CACHE_OWNER}]
         _require(sum(kinds) <= 1, f"block {b} is in more than one of free/owned/cached")
-        _require(sum(kinds) == 1 or pool._fence[b] > 0,
+        _require(sum(kinds) == 1 or pool.fence_count(b) > 0,
                  f"block {b} is in none of free/owned/cached and not fenced")
         free += kinds[0]
         owned += kinds[1]
         cached += kinds[2]
     parked = pool.num_blocks - free - owned - cached
-    _require(all(pool._fence[b] > 0 for b in range(pool.num_blocks)
-                 if not pool._owners[b] and b not in pool._free),
+    _require(all(pool.fence_count(b) > 0 for b in range(pool.num_blocks)
+                 if not pool.owners(b) and b not in free_set),
              f"{parked} ownerless blocks neither free nor fenced")
 
 
 def _mgr_locks(mgr) -> None:
     cache = mgr.prefix_cache
     if cache is None:
-        _require(all(n is None for n in mgr._locks.values()), "lock held without a cache")
+        _require(all(mgr.locked_node(r) is None for r in mgr.requests()),
+                 "lock held without a cache")
         return
     expected: Counter = Counter()
-    for rid, node in mgr._locks.items():
+    for rid in mgr.requests():
+        node = mgr.locked_node(rid)
         _require(cache.is_alive(node), f"{rid!r} locks a node that was evicted")
         if node is not None:
             for n in node.path():
@@ -210,8 +216,8 @@ def _mgr_locks(mgr) -> None:
         _require(node.lock_ref == expected[node.node_id],
                  f"node {node.node_id} (block {node.block}) lock {node.lock_ref} "
                  f"!= {expected[node.node_id]} requests on its path")
-    for rid, table in mgr._tables.items():
-        for b in table:
+    for rid in mgr.requests():
+        for b in mgr.block_table(rid):
             node = cache.node_of(b)
             _require(node is None or node.lock_ref > 0,
                      f"block {b} of {rid!r} is cached on an unlocked (evictable) node")
@@ -221,13 +227,14 @@ def _mgr_accounting(mgr) -> None:
     cache = mgr.prefix_cache
     pool: BlockPool = mgr.pool
     fenced_evictable = sum(1 for b in range(pool.num_blocks)
-                           if pool._fence[b] > 0 and cache is not None and cache.is_evictable(b))
+                           if pool.fence_count(b) > 0 and cache is not None
+                           and cache.is_evictable(b))
     evictable = cache.evictable_blocks() if cache is not None else 0
     _require(pool.num_evictable() == evictable - fenced_evictable,
              f"pool evictable {pool.num_evictable()} != {evictable - fenced_evictable}")
     if cache is not None:
         only_cache = sum(1 for b in range(pool.num_blocks)
-                         if pool._owners[b] == {CACHE_OWNER} and cache.is_evictable(b))
+                         if pool.owners(b) == {CACHE_OWNER} and cache.is_evictable(b))
         _require(only_cache == evictable,
                  f"{evictable} evictable nodes but {only_cache} blocks held only by the cache "
                  "on unlocked nodes")

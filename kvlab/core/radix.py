@@ -154,6 +154,18 @@ class RadixCache:
         return PrefixMatch(len(blocks) * bs, tuple(blocks),
                            node if blocks else None, unlocked)
 
+    def roots(self) -> list[tuple[tuple, _Node]]:
+        """``(scope key, root node)`` of every scope that has a tree."""
+        return list(self._roots.items())
+
+    def indexed_blocks(self) -> list[int]:
+        """Every block the tree indexes (one node each)."""
+        return list(self._block_node)
+
+    def evictable_leaves(self) -> frozenset[_Node]:
+        """The unlocked leaves eviction chooses from (kept incrementally)."""
+        return frozenset(self._leaves)
+
     def num_cached_blocks(self) -> int:
         """Blocks indexed by the tree (each holds ``block_size`` cached tokens)."""
         return len(self._block_node)
