@@ -613,6 +613,36 @@ def test_id_aborted_mid_step_is_reusable_after_the_step(model_dir):
     _assert_kv_clean(eng)
 
 
+def test_id_in_use_while_a_later_sample_is_still_ending(model_dir):
+    """n=2 request whose sample 0 already finished (and was forgotten) and whose sample 1 is
+    aborted mid-step: ``has_request`` stays True (and re-adding is refused) until the step ends,
+    then the id is free again — the engine remembers which samples of an aborted id may still
+    be ending, not only the first one."""
+    eng = LLMEngine(model_dir, block_size=4, num_blocks=64, max_num_seqs=4,
+                    max_num_batched_tokens=8)
+    eng.add_request("z", _prompt(61, 6), _greedy(3, n=2))
+    eng.step()                       # z: whole prompt + 1st token; z#1: 2 of its 6 tokens
+    eng.step()
+    eng.step()                       # z finishes (3 tokens); z#1 is one token behind
+    seen = {}
+
+    def abort_and_probe(output):
+        assert [c.request_id for c in output.chunks] == ["z#1"]
+        eng.abort_request("z")
+        seen["in_use"] = eng.has_request("z")
+        with pytest.raises(ValueError, match="still ending"):
+            eng.add_request("z", _prompt(62, 3), _greedy(2, n=2))
+
+    _Hook(eng, abort_and_probe)
+    eng.step()
+    assert seen == {"in_use": True}
+    assert not eng.has_request("z")
+    eng.add_request("z", _prompt(62, 3), _greedy(2, n=2))
+    done = _run(eng)
+    assert [c.token_ids for c in done["z"].outputs] == [_alone(model_dir, _prompt(62, 3), 2)] * 2
+    _assert_kv_clean(eng)
+
+
 def test_core_reuses_a_forgotten_id():
     """At the EngineCore level too: once a request ended and was reported, its id is free."""
     core, sched = _sim_core()

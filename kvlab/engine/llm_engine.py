@@ -166,6 +166,7 @@ class LLMEngine:
         self.security_domain = security_domain
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + ckpt.generation_eos))
         self._arrivals = 0
+        self._ending: dict[str, tuple[str, ...]] = {}   # aborted request id -> its sample ids
         self.last_trace: StepTrace | None = None
         self.stats = EngineStats()
         self.outputs = OutputProcessor(
@@ -287,11 +288,9 @@ class LLMEngine:
         with self.core.lock:
             if request_id in self.outputs.requests:
                 raise ValueError(f"duplicate request_id {request_id!r}: already in the engine")
-            for i in range(params.n):
-                sid = self._seq_id(request_id, i)
-                if self.scheduler.find_request(sid) is not None:
-                    raise ValueError(f"request_id {request_id!r}: its sample {sid!r} is still "
-                                     "ending in the scheduler; reuse the id after this step")
+            if self._samples_ending(request_id):
+                raise ValueError(f"request_id {request_id!r}: a sample of the aborted request "
+                                 "is still ending in the scheduler; reuse the id after this step")
             seed = params.seed
             if seed is None:  # reproducible per engine: engine seed and arrival order
                 seed = (self.seed * 1_000_003 + self._arrivals) % (2**63)
@@ -316,6 +315,9 @@ class LLMEngine:
             for sample in state.samples:
                 if sample.ended is None:
                     sample.ended = self.core.abort_request(sample.seq_id)
+            ids = tuple(s.seq_id for s in state.samples)
+            if any(self.scheduler.find_request(sid) is not None for sid in ids):
+                self._ending[request_id] = ids     # aborted mid-step: gone when it ends
             state.metrics.finished_time = self.clock()
             out = self.outputs.make_output(state, force_finished=True)
             self.outputs.drop(state)
@@ -327,8 +329,16 @@ class LLMEngine:
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is in use: unfinished here, or its samples still ending."""
         with self.core.lock:
-            return (request_id in self.outputs.requests
-                    or self.scheduler.find_request(request_id) is not None)
+            return request_id in self.outputs.requests or self._samples_ending(request_id)
+
+    def _samples_ending(self, request_id: str) -> bool:
+        """Whether a sample of an aborted ``request_id`` is still in the scheduler (an abort
+        during a step ends it at the step's end); forgets the abort once none is."""
+        ids = self._ending.get(request_id, (request_id,))
+        if any(self.scheduler.find_request(sid) is not None for sid in ids):
+            return True
+        self._ending.pop(request_id, None)
+        return False
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.outputs.requests)
@@ -348,6 +358,8 @@ class LLMEngine:
         result = self.core.step()
         with self.core.lock:
             outputs = self.outputs.process(result, self.clock(), self.stats, only_finished)
+            for request_id in list(self._ending):
+                self._samples_ending(request_id)     # forgets the aborts that have ended
             info: StepInfo = result.model.info
             self.last_trace = StepTrace(result.output, info.metadata, info.request_ids,
                                         info.logits_shape, dict(result.model.sampled),
