@@ -83,18 +83,13 @@ class SchedulerBase:
         return list(self._requests.values())
 
     def forget(self, request_id: str) -> RuntimeRequest:
-        """Drop an ended request from the registry (a long-running engine calls this once it
-        has reported the request, so memory stays proportional to live requests).
-
-        KeyError for an unknown id; ValueError (nothing changed) if the request has not ended,
-        still owes a report (``update_from_output`` has not returned it yet) or is part of the
-        step in flight.
-        """
+        """Drop an ended, reported request from the registry (the engine core does, so memory
+        follows the live requests). KeyError unknown id; ValueError (nothing changed) unless
+        :meth:`can_forget`."""
         request = self.get_request(request_id)
-        if not request.status.is_terminal:
-            raise ValueError(f"request {request_id!r} is {request.status.value}: not ended")
         if not self.can_forget(request_id):
-            raise ValueError(f"request {request_id!r} is still being reported or executed")
+            raise ValueError(f"request {request_id!r} is {request.status.value}: not ended, "
+                             "or still being reported or executed")
         del self._requests[request_id]
         return request
 
@@ -240,17 +235,13 @@ class SchedulerBase:
         self._inflight_ids = set()
 
     def fail_step(self, output: SchedulerOutput, message: str) -> list[RuntimeRequest]:
-        """The step in flight could not run (the executor or the sampler raised): end it.
+        """The step in flight could not run (the executor raised, or its result was refused).
 
-        Every live request of the step becomes FAILED (finish reason ERROR, ``message`` in
-        ``status_message``), leaves the running queue and releases its KV exactly once. The
-        step's copy-on-write
-        copies still pending are completed first: their destination blocks belong only to
-        requests of this step, which fail, so no KV that survives depends on them. Then the
-        step is cleared: the next ``schedule()`` runs, and the next ``update_from_output()``
-        reports the failed requests (like rejections). Requests outside the step are
-        untouched. Returns the failed requests. ValueError (nothing changed) if ``output`` is
-        not the step in flight.
+        Every request of the step becomes FAILED (ERROR, ``message`` in ``status_message``) and
+        releases its KV once; the step's pending copies are completed first (their targets
+        belong only to these requests). The step is cleared, and the next
+        ``update_from_output()`` reports the failed requests. Others are untouched. Returns
+        the failed requests; ValueError (nothing changed) if ``output`` is not in flight.
         """
         if self._inflight is None or output is not self._inflight:
             raise ValueError(f"fail_step: output of step {output.step} is not the step in flight")
@@ -394,8 +385,6 @@ class SchedulerBase:
 
     def _uncomputed_prefix_hit(self, request: RuntimeRequest) -> int:
         """Tokens of the request served by the prefix cache now (0 without a cache)."""
-        if self.kv.prefix_cache is None:
-            return 0
         return self.kv.lookup(request.scope, request.all_token_ids)
 
     def _ensure_kv(self, plan: StepPlan, request: RuntimeRequest, n: int,
