@@ -209,7 +209,7 @@ def test_orphan_after_finish_before_release_is_freed_once():
     sched.add_request(RuntimeRequest("x", (1, 2, 3), max_tokens=1))
     out = sched.schedule()
     # crash right after the FINISHED transition is logged, before the release intent
-    finished_at = len(log) + 2   # progress, transition(DECODE), then transition(FINISHED)
+    finished_at = len(log) + 1   # progress, then transition(FINISHED)
     log.crash_at = finished_at + 1
     with pytest.raises(SimulatedCrash):
         sched.update_from_output(out, {"x": greedy_tokens(sched.get_request("x"))})

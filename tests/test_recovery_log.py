@@ -180,15 +180,16 @@ def _resealed(events, i, **changes):
 
 MALFORMED = {
     # name: (kind of the record to change, which one, changes, expected problem); the
-    # transitions picked are the first admission (waiting -> prefill) and a later one
+    # transitions picked are the first admission (waiting -> running) and a later one
     "token not an int": ("progress", 1, lambda e: {"data": (e.data[0], "7")}, "progress data"),
     "token a bool": ("progress", 1, lambda e: {"data": (e.data[0], True)}, "progress data"),
     "negative computed": ("progress", 1, lambda e: {"data": (-1, e.data[1])}, "progress data"),
     "progress arity": ("progress", 1, lambda e: {"data": e.data[:1]}, "progress data"),
     "transition source": ("transition", -1, lambda e: {"data": ("waiting", *e.data[1:])},
                           "is not the replayed status"),
-    "transition forbidden": ("transition", 0, lambda e: {"data": ("waiting", "decode", None)},
-                             "TRANSITIONS forbids waiting -> decode"),
+    "transition forbidden": ("transition", 0, lambda e: {"data": ("waiting", "finished",
+                                                                  "length")},
+                             "TRANSITIONS forbids waiting -> finished"),
     "bad finish reason": ("transition", 0, lambda e: {"data": ("waiting", "cancelled", "stop")},
                           "does not fit"),
     "unknown status": ("transition", 0, lambda e: {"data": ("waiting", "sleeping", None)},
@@ -334,7 +335,7 @@ def test_a_log_that_would_break_the_scheduler_is_refused_before_any_change():
     ``check_invariants`` (more outputs than max_tokens): the manager was left half-changed."""
     events, kv = busy_crash()
     rid, entry = next((rid, x) for rid, x in replay(events).items()
-                      if x.request.status == S.DECODE)
+                      if x.request.is_decoding)
     n = entry.request.num_tokens
     step = events[-1].step
     more = [Event(0, "progress", rid, (n + j, 1), step) for j in range(entry.request.max_tokens)]

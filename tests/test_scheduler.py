@@ -110,7 +110,7 @@ def test_bad_requests_raise_and_change_nothing(cls):
         req("", 3),                                    # empty id
         RuntimeRequest("b", (), max_tokens=3),         # empty prompt
         req("c", 3, max_tokens=0),                     # no output allowed
-        req("d", 3, status=S.DECODE),                  # not fresh
+        req("d", 3, status=S.RUNNING),                 # not fresh
         req("e", 3, output_token_ids=[5]),             # not fresh
     ]
     for r in bad:

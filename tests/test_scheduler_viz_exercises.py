@@ -132,16 +132,16 @@ def test_recovery_figure_and_explorer():
     def make(kv, log):
         return ProductionScheduler(kv, ch05.CONFIG, log=log)
 
-    explorer = RecoveryExplorer(ch05.crash_scenario, make, 52, start=41)
+    explorer = RecoveryExplorer(ch05.crash_scenario, make, 49, start=37)
     snap = explorer.snapshot()
     rows = {r.request_id: r for r in snap.rows}
     assert rows["q3"].decision == "free orphan" and rows["q3"].held_kv
     assert rows["q3"].logged_status == "finished"
-    assert snap.tail[-1].endswith("transition decode -> finished (length)")
+    assert snap.tail[-1].endswith("transition running -> finished (length)")
     assert snap.rows == (
-        RecoveryRow("q0", "decode", True, "resume"),
+        RecoveryRow("q0", "running", True, "resume"),
         RecoveryRow("q1", "cancelled", False, "nothing"),
-        RecoveryRow("q2", "decode", True, "resume"),
+        RecoveryRow("q2", "running", True, "resume"),
         RecoveryRow("q3", "finished", True, "free orphan"),
     )
     fig = recovery_figure(snap)
@@ -154,14 +154,14 @@ def test_recovery_figure_and_explorer():
             cells.setdefault(round(y, 6), []).append(t.get_text())
     header = round(len(snap.rows) - 0.1, 6)
     assert cells == {
-        3: ["q0", "decode", "table", "resume"],
+        3: ["q0", "running", "table", "resume"],
         2: ["q1", "cancelled", "none", "nothing"],
-        1: ["q2", "decode", "table", "resume"],
+        1: ["q2", "running", "table", "resume"],
         0: ["q3", "finished", "table", "free orphan"],
         header: ["status in the log", "KV at the crash", "recovery"],
     }
     log = [t.get_text() for t in ax.texts if t.get_position()[0] > 6]
-    assert log == ["durable log, crash before event 41:", *snap.tail]
+    assert log == ["durable log, crash before event 37:", *snap.tail]
     # the status box is filled (may hold KV) exactly for running statuses
     status_boxes = sorted((p for p in ax.patches if p.get_x() == 1.0), key=lambda p: -p.get_y())
     assert [to_rgba(p.get_facecolor()) == to_rgba(BLOCK_STATE_COLORS["exclusive"])

@@ -24,7 +24,8 @@ Which resources each status holds (checked by the schedulers' ``check_invariants
 status                  holds KV  queue
 ======================  ========  =========================================================
 WAITING                 no        waiting
-PREFILL, DECODE         yes       running
+RUNNING                 yes       running (prefilling or decoding: derived from its
+                                  token counts, ``RuntimeRequest.is_decoding``)
 PREEMPTED               no        waiting (keeps its output tokens; recomputes them)
 FINISHED, CANCELLED,    no        none (terminal; the KV was released exactly once)
 FAILED, REJECTED
@@ -56,10 +57,9 @@ __all__ = [
 S = RequestStatus
 
 TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
-    S.WAITING: frozenset({S.PREFILL, S.CANCELLED, S.FAILED, S.REJECTED}),
-    S.PREFILL: frozenset({S.DECODE, S.FINISHED, S.PREEMPTED, S.CANCELLED, S.FAILED}),
-    S.DECODE: frozenset({S.FINISHED, S.PREEMPTED, S.CANCELLED, S.FAILED}),
-    S.PREEMPTED: frozenset({S.PREFILL, S.CANCELLED, S.FAILED}),
+    S.WAITING: frozenset({S.RUNNING, S.CANCELLED, S.FAILED, S.REJECTED}),
+    S.RUNNING: frozenset({S.FINISHED, S.PREEMPTED, S.CANCELLED, S.FAILED}),
+    S.PREEMPTED: frozenset({S.RUNNING, S.CANCELLED, S.FAILED}),
     S.FINISHED: frozenset(),
     S.CANCELLED: frozenset(),
     S.FAILED: frozenset(),
@@ -67,7 +67,7 @@ TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
 }
 """Allowed moves of a runtime request. A terminal status has no way out."""
 
-RUNNING_STATUSES = frozenset({S.PREFILL, S.DECODE})
+RUNNING_STATUSES = frozenset({S.RUNNING})
 WAITING_STATUSES = frozenset({S.WAITING, S.PREEMPTED})
 
 # The finish reason each terminal status carries, when the caller does not name one.

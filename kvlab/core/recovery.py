@@ -24,10 +24,10 @@ to) keeps whatever it held at that instant.
 ==============================  ==================  ==============================================
 status in the log               manager holds KV?   action
 ==============================  ==================  ==============================================
-PREFILL / DECODE, and its last  either              finish it (STOP or LENGTH), free its table
-sampled token met a stop rule
-PREFILL / DECODE (running)      yes                 resume: same table, same computed tokens
-PREFILL / DECODE (running)      no                  requeue as PREEMPTED (recompute its tokens)
+RUNNING, and its last sampled   either              finish it (STOP or LENGTH), free its table
+token met a stop rule
+RUNNING                         yes                 resume: same table, same computed tokens
+RUNNING                         no                  requeue as PREEMPTED (recompute its tokens)
 anything else                   yes                 orphan: free it (exactly once)
 anything else                   no                  nothing to do (already released, or never had)
 ==============================  ==================  ==============================================
@@ -35,7 +35,7 @@ anything else                   no                  nothing to do (already relea
 Because a status change is logged *before* the release it implies, a request whose log says
 "finished" or "preempted" may or may not still hold KV; the manager answers, and ``free`` is
 idempotent, so nothing leaks and nothing is freed twice. Because ``acquired`` is logged *after*
-the manager call and the PREFILL transition after that, a crash in between leaves a waiting
+the manager call and the RUNNING transition after that, a crash in between leaves a waiting
 request holding KV: an orphan, freed. A table the log cannot explain (an id it never mentions,
 or one whose KV it says was never acquired or was released) is freed without a log record.
 Recovery's own records are stamped with the step of the last durable event.
@@ -50,7 +50,7 @@ from typing import Any
 from .event_log import CorruptLog, Event, EventLog
 from .lifecycle import RUNNING_STATUSES, Lifecycle
 from .replay import ReplayedRequest, met_stop, replay
-from .scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+from .scheduler_api import FinishReason, RequestStatus
 
 __all__ = ["CorruptLog", "RecoveryPlan", "RecoveryReport", "ReplayedRequest", "plan_recovery",
            "recover", "replay"]
@@ -79,12 +79,10 @@ class RecoveryReport:
 class RecoveryPlan:
     """Every decision of a recovery, made before anything changes (see :func:`plan_recovery`).
 
-    ``resume`` is in running order (latest admission last); ``to_decode`` are resumed PREFILL
-    requests whose last sampled token was applied (one token behind: they decode next).
+    ``resume`` is in running order (latest admission last).
     """
 
     resume: tuple[str, ...] = ()
-    to_decode: tuple[str, ...] = ()
     requeue: tuple[str, ...] = ()
     finish: tuple[tuple[str, FinishReason], ...] = ()
     free: tuple[str, ...] = ()
@@ -104,9 +102,7 @@ def plan_recovery(state: Mapping[str, ReplayedRequest], tables: Mapping[str, int
             reason = met_stop(request)
             if reason is not None:
                 finish.append((rid, reason))
-            # A child forked in the step that crashed has its prompt computed but lost its
-            # first token: nothing to resume from, so it recomputes like a preempted request.
-            # A table too small for the logged progress cannot hold that KV: recompute too.
+            # A table too small for the logged progress cannot hold that KV: recompute.
             elif (slots is not None and request.num_uncomputed_tokens > 0
                   and slots >= request.num_computed_tokens):
                 resume.append(rid)
@@ -118,18 +114,11 @@ def plan_recovery(state: Mapping[str, ReplayedRequest], tables: Mapping[str, int
     resume.sort(key=lambda rid: state[rid].admit_index)
     return RecoveryPlan(
         resume=tuple(resume),
-        to_decode=tuple(rid for rid in resume if _one_token_behind(state[rid].request)),
         requeue=tuple(requeue),
         finish=tuple(finish),
         free=tuple(free),
         unaccounted=tuple(sorted(rid for rid in tables if rid not in accounted)),
     )
-
-
-def _one_token_behind(request: RuntimeRequest) -> bool:
-    """A PREFILL request whose sampled token was applied before the crash: it decodes next."""
-    return (request.status == S.PREFILL and bool(request.output_token_ids)
-            and request.num_uncomputed_tokens == 1)
 
 
 def _final_statuses(state: Mapping[str, ReplayedRequest],
@@ -138,7 +127,6 @@ def _final_statuses(state: Mapping[str, ReplayedRequest],
     final = {rid: entry.request.status for rid, entry in state.items()}
     final.update({rid: S.PREEMPTED for rid in plan.requeue})
     final.update({rid: S.FINISHED for rid, _ in plan.finish})
-    final.update({rid: S.DECODE for rid in plan.to_decode})
     return final
 
 
@@ -157,8 +145,6 @@ def _check_plan(state: Mapping[str, ReplayedRequest], tables: Mapping[str, int],
     for rid, status in _final_statuses(state, plan).items():
         request = state[rid].request
         assert (status in RUNNING_STATUSES) == (rid in resume), f"{rid}: queue mismatch"
-        if status == S.DECODE:
-            assert request.num_uncomputed_tokens == 1, f"{rid}: decodes but is not 1 behind"
         if status.is_terminal and status != S.FINISHED:   # FINISHED gets its reason in apply
             assert request.finish_reason is not None, f"{rid}: ended without a reason"
         assert 0 <= request.num_computed_tokens <= request.num_tokens, f"{rid}: computed"
@@ -200,27 +186,22 @@ def recover(
     plan = plan_recovery(state, tables)                        # phase 2: plan
     _check_plan(state, tables, plan)
     last_step = durable[-1].step if durable else 0
-    pending = tuple(kv.pool.pending_copies()) if hasattr(kv, "pool") else ()
+    pending = tuple(kv.pending_copies())
 
     if pending:                                                # phase 3: apply
         kv.complete_copies(pending)
     lifecycle = Lifecycle(log, step=lambda: last_step)
     finish = dict(plan.finish)
-    requeue, to_decode, resume, free = (set(plan.requeue), set(plan.to_decode),
-                                        set(plan.resume), set(plan.free))
+    requeue, resume, free = set(plan.requeue), set(plan.resume), set(plan.free)
     for rid, entry in state.items():
         request = entry.request
         if rid in finish:
-            if _one_token_behind(request):
-                lifecycle.transition(request, S.DECODE)
             lifecycle.finish(request, finish[rid])
             lifecycle.release(request, kv)
         elif rid in requeue:
             lifecycle.transition(request, S.PREEMPTED)
             lifecycle.release(request, kv)
             request.num_computed_tokens = 0
-        elif rid in to_decode:
-            lifecycle.transition(request, S.DECODE)
         elif rid not in resume:
             request.num_computed_tokens = 0   # a waiting or ended request has no KV written
             if rid in free:

@@ -18,7 +18,7 @@ The checks, in the order they are made:
    the request as replayed so far: a transition starts from the replayed status and is allowed
    by :data:`~kvlab.core.lifecycle.TRANSITIONS` (finish reason included); an outcome
    (``acquired``, ``acquire_failed``, ``released``) answers an open intent; the move to
-   PREFILL follows a completed acquisition; FINISHED comes with the stop condition the
+   RUNNING follows a completed acquisition; FINISHED comes with the stop condition the
    replayed outputs meet (:func:`met_stop`); ``progress`` comes while running with KV, never
    lowers the computed count within one admission, never passes the request's tokens, carries
    a token exactly when the computed count reaches the request's end, and adds no token past
@@ -86,7 +86,7 @@ def met_stop(request: RuntimeRequest) -> FinishReason | None:
     """
     if not request.output_token_ids:
         return None
-    return stop_reason(replace(request, status=S.DECODE))
+    return stop_reason(replace(request, status=S.RUNNING))
 
 
 def _is_int(value: object, low: int | None = 0) -> bool:
@@ -219,11 +219,8 @@ class _Replayer:
             raise _fail(event, f"finish reason {data[2]!r} does not fit status {dst.value}")
         if not dst.is_terminal and reason is not None:
             raise _fail(event, f"a move to {dst.value} takes no finish reason")
-        if dst == S.PREFILL and entry.kv != "held":
-            raise _fail(event, "admitted (-> prefill) without a completed KV acquisition")
-        if dst == S.DECODE and not (request.output_token_ids
-                                    and request.num_uncomputed_tokens == 1):
-            raise _fail(event, "-> decode needs a sampled token with KV for all the others")
+        if dst == S.RUNNING and entry.kv != "held":
+            raise _fail(event, "admitted (-> running) without a completed KV acquisition")
         if dst == S.FINISHED and met_stop(request) != reason:
             raise _fail(event, f"finished ({data[2]}), but the replayed request meets stop "
                                f"condition {met_stop(request)}")
@@ -231,7 +228,7 @@ class _Replayer:
         if dst.is_terminal:
             request.finish_reason = reason
             request.finished_step = event.step
-        if dst == S.PREFILL:
+        if dst == S.RUNNING:
             entry.admit_index = event.index
             if request.admitted_step is None:
                 request.admitted_step = event.step

@@ -26,7 +26,7 @@ Common rules (the base class):
 * ``num_computed_tokens`` advances in ``update_from_output`` (KV is written when the step ran),
   so ``schedule()`` may not be called again before the previous output was consumed.
 * Every non-terminal request is in exactly one queue: ``waiting`` (WAITING or PREEMPTED, holds
-  no KV) or ``running`` (PREFILL or DECODE, holds a block table). ``check_invariants`` checks it.
+  no KV) or ``running`` (RUNNING, holds a block table). ``check_invariants`` checks it.
 """
 
 from __future__ import annotations

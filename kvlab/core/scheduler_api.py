@@ -29,8 +29,8 @@ class RequestStatus(Enum):
     """Where a runtime request is. Exactly one at any moment (spec rule 5)."""
 
     WAITING = "waiting"        # queued, holds no KV
-    PREFILL = "prefill"        # running, prompt (or recomputed prefix) not fully computed yet
-    DECODE = "decode"          # running, one new token per step
+    RUNNING = "running"        # holds a block table; prefilling or decoding (derived, see
+                               # RuntimeRequest.is_decoding)
     PREEMPTED = "preempted"    # KV taken back; waits to recompute, keeps its generated tokens
     FINISHED = "finished"      # terminal: stop token or length
     CANCELLED = "cancelled"    # terminal: aborted by the client
@@ -154,6 +154,21 @@ class RuntimeRequest:
                 f"request {rid!r} must be fresh (WAITING, no outputs, nothing computed)")
 
     @property
+    def is_decoding(self) -> bool:
+        """Running and one token behind: only its last sampled token lacks KV. Otherwise a
+        running request is prefilling (its prompt, or prompt + outputs after a preemption).
+        Derived from the token counts, so nothing has to keep it in step."""
+        return (self.status is RequestStatus.RUNNING and bool(self.output_token_ids)
+                and self.num_computed_tokens == self.num_tokens - 1)
+
+    @property
+    def phase(self) -> str:
+        """``"prefill"`` or ``"decode"`` while running, else the status value."""
+        if self.status is not RequestStatus.RUNNING:
+            return self.status.value
+        return "decode" if self.is_decoding else "prefill"
+
+    @property
     def max_kv_slots(self) -> int:
         """KV slots the request can ever occupy: every token but the last one sampled."""
         final = self.num_prompt_tokens + self.max_tokens
@@ -192,12 +207,12 @@ class RuntimeRequest:
 
 
 def stop_reason(request: RuntimeRequest) -> FinishReason | None:
-    """Why a decoding request must stop after its latest sampled token, or None to go on.
+    """Why a running request must stop after its latest sampled token, or None to go on.
 
     A stop token (or EOS unless ``ignore_eos``) stops with STOP; reaching ``max_tokens`` or
-    ``max_model_len`` with LENGTH. Only a DECODE request with outputs can stop.
+    ``max_model_len`` with LENGTH. Only a RUNNING request with outputs can stop.
     """
-    if request.status != RequestStatus.DECODE or not request.output_token_ids:
+    if request.status != RequestStatus.RUNNING or not request.output_token_ids:
         return None
     token = request.output_token_ids[-1]
     if token in request.stop_token_ids or (

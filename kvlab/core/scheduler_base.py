@@ -324,15 +324,11 @@ class SchedulerBase:
         return None
 
     def _apply_token(self, request: RuntimeRequest, token: int | None) -> None:
-        # Log the progress before the status change: a crash in between leaves a PREFILL
-        # request one token behind, which recovery (and the next step) handle as a decode.
         if token is not None:
             request.output_token_ids.append(token)
             if request.first_token_step is None:
                 request.first_token_step = self._step
         self.lifecycle.progress(request, token)
-        if token is not None and request.status == S.PREFILL:
-            self.lifecycle.transition(request, S.DECODE)
 
     def _admit(self, plan: StepPlan, request: RuntimeRequest, cached: int, n: int) -> None:
         """Give a waiting request its table (reusing ``cached`` prefix tokens) and a chunk."""
@@ -343,7 +339,7 @@ class SchedulerBase:
         if got != cached:  # the manager's lookup() and admit() disagree: a bug, not a policy
             raise AssertionError(f"{rid}: admit reused {got} tokens, lookup said {cached}")
         first = request.admitted_step is None
-        self.lifecycle.transition(request, S.PREFILL)
+        self.lifecycle.transition(request, S.RUNNING)
         request.num_computed_tokens = cached
         if first:
             request.num_cached_tokens = cached
@@ -367,7 +363,7 @@ class SchedulerBase:
             start_pos=start,
             block_table=tuple(self.kv.block_table(request.request_id)),
             sample=end == request.num_tokens,
-            is_prefill=request.status == S.PREFILL,
+            is_prefill=not request.is_decoding,
         )
 
     def _preempt(self, plan: StepPlan, request: RuntimeRequest) -> None:

@@ -29,8 +29,8 @@ class BaselineScheduler(SchedulerBase):
     def _schedule_into(self, plan: StepPlan) -> None:
         chunk_cap = self.config.prefill_chunk
         running = [self._requests[rid] for rid in self.running]
-        decodes = [r for r in running if r.status == S.DECODE]
-        prefills = [r for r in running if r.status == S.PREFILL]
+        decodes = [r for r in running if r.is_decoding]
+        prefills = [r for r in running if not r.is_decoding]
 
         def victims() -> list[RuntimeRequest]:
             pool = [self._requests[rid] for rid in self.running if rid not in plan.scheduled]
@@ -41,7 +41,7 @@ class BaselineScheduler(SchedulerBase):
                 return
             if request.status not in RUNNING_STATUSES:   # preempted earlier in this step
                 continue
-            n = 1 if request.status == S.DECODE else min(
+            n = 1 if request.is_decoding else min(
                 request.num_uncomputed_tokens, chunk_cap, plan.tokens_left)
             start = request.num_computed_tokens
             if self._ensure_kv(plan, request, n, victims):
@@ -66,7 +66,8 @@ class BaselineScheduler(SchedulerBase):
         view = []
         for rid in self.running + self.waiting:
             r = self._requests[rid]
-            phase = {S.DECODE: Phase.DECODE, S.PREFILL: Phase.PREFILL}.get(r.status, Phase.WAITING)
+            phase = (Phase.WAITING if r.status is not S.RUNNING
+                     else Phase.DECODE if r.is_decoding else Phase.PREFILL)
             left = r.num_uncomputed_tokens if phase != Phase.WAITING else (
                 r.num_tokens - self._uncomputed_prefix_hit(r))
             view.append(ReferenceRequest(rid, left, len(r.output_token_ids), phase))

@@ -128,7 +128,7 @@ class ProductionScheduler(SchedulerBase):
         left = budget - len(sizes)
         for request in ordered:
             rid = request.request_id
-            if rid in sizes and request.status == S.PREFILL and left > 0:
+            if rid in sizes and not request.is_decoding and left > 0:
                 extra = min(request.num_uncomputed_tokens, cfg.prefill_chunk) - 1
                 extra = max(0, min(extra, left))
                 sizes[rid] += extra

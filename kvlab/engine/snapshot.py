@@ -19,7 +19,7 @@ class RequestView:
     """One sequence as the scheduler sees it."""
 
     request_id: str
-    status: str              # RequestStatus value: waiting, prefill, decode, preempted, finished...
+    status: str              # RequestStatus value: waiting, running, preempted, finished...
     phase: str               # "prefill" | "decode" | "idle" (waiting/preempted/ended)
     num_prompt_tokens: int
     num_output_tokens: int
@@ -70,7 +70,7 @@ def take_snapshot(engine: Any, *, include_finished: bool = False) -> EngineSnaps
         status = req.status.value
         if req.status.is_terminal and not include_finished:
             continue
-        phase = status if status in ("prefill", "decode") else "idle"
+        phase = req.phase if status == "running" else "idle"
         table = tuple(kv.block_table(req.request_id)) if kv.has(req.request_id) else ()
         views.append(RequestView(
             request_id=req.request_id, status=status, phase=phase,

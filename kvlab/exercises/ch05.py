@@ -19,10 +19,10 @@ S = RequestStatus
 
 #: The moves of :func:`check_legal_moves`, as (from, to) status names.
 MOVES = (
-    ("waiting", "prefill"), ("waiting", "decode"), ("prefill", "finished"),
-    ("decode", "preempted"), ("preempted", "decode"), ("preempted", "prefill"),
+    ("waiting", "running"), ("waiting", "finished"), ("running", "finished"),
+    ("running", "preempted"), ("preempted", "finished"), ("preempted", "running"),
     ("finished", "cancelled"), ("rejected", "waiting"), ("waiting", "rejected"),
-    ("decode", "waiting"),
+    ("running", "waiting"),
 )
 
 
@@ -35,7 +35,7 @@ def check_legal_moves(answer) -> str:
     for (src, dst), got in zip(MOVES, answer, strict=True):
         want = S(dst) in TRANSITIONS[S(src)]
         if bool(got) != want:
-            hint = ("a preempted request recomputes: it goes through prefill again"
+            hint = ("a preempted request recomputes: it must run again before it can finish"
                     if src == "preempted" else "look at TRANSITIONS[RequestStatus(...)]")
             raise AssertionError(f"{src} -> {dst} is {'allowed' if want else 'illegal'} ({hint})")
     return f"Correct: {sum(answer)} of the {len(MOVES)} moves are legal."
@@ -43,22 +43,22 @@ def check_legal_moves(answer) -> str:
 
 def check_holds_kv(answer) -> str:
     """``answer``: dict status name -> bool: does a request in that status own KV blocks?"""
-    require_answer(answer, "a dict {status name: True/False} for all eight statuses")
+    require_answer(answer, "a dict {status name: True/False} for all seven statuses")
     want = {s.value: holds_kv(s) for s in S}
     if set(answer) != set(want):
         raise AssertionError(f"give exactly these keys: {sorted(want)}")
     wrong = sorted(k for k in want if bool(answer[k]) != want[k])
     if wrong:
-        raise AssertionError(f"wrong for {wrong}: only running requests (prefill, decode) hold "
-                             "a block table; preempted ones gave theirs back")
-    return "Correct: only PREFILL and DECODE hold KV."
+        raise AssertionError(f"wrong for {wrong}: only running requests (prefilling or "
+                             "decoding) hold a block table; preempted ones gave theirs back")
+    return "Correct: only RUNNING holds KV."
 
 
 CONFIG = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=8, prefill_chunk=4,
                          admission="watermark")
 
 
-def crash_scenario(crash_at: int = 41):
+def crash_scenario(crash_at: int = 37):
     """A scripted run crashed before event ``crash_at``: returns ``(events, kv)``, the durable
     log and the surviving KV manager (a fresh copy on every call)."""
     kv = KVCacheManager(8, 4)
@@ -76,7 +76,7 @@ def crash_scenario(crash_at: int = 41):
     return list(log.events), kv
 
 
-def check_orphans(answer, crash_at: int = 41) -> str:
+def check_orphans(answer, crash_at: int = 37) -> str:
     """``answer``: the set of request ids whose KV recovery must free in ``crash_scenario``."""
     require_answer(answer, "a set of request ids")
     events, kv = crash_scenario(crash_at)
@@ -87,5 +87,5 @@ def check_orphans(answer, crash_at: int = 41) -> str:
         raise AssertionError(
             f"expected {sorted(want) or 'no orphans'}, got {sorted(got) or 'none'}: an orphan is "
             "a request the manager still holds KV for while its last logged status is not "
-            "prefill/decode")
+            "running")
     return f"Correct: {sorted(want) or 'nothing'} to free; {report.summary()}."

@@ -48,7 +48,7 @@ class StaticBatchScheduler(SchedulerBase):
         for request in live:
             if plan.tokens_left == 0:
                 break
-            n = (1 if request.status == S.DECODE
+            n = (1 if request.is_decoding
                  else min(request.num_uncomputed_tokens, plan.tokens_left))
             start = request.num_computed_tokens
             plan.copies.extend(self._grow(request, n))   # reserved at admission: cannot fail
@@ -56,7 +56,7 @@ class StaticBatchScheduler(SchedulerBase):
         # members already done still occupy a slot: one dummy token at their final length
         running = set(self.running)
         self._padding = [(1, end) for rid, end in self._batch if rid not in running]
-        if any(r.status == S.PREFILL for r in live):
+        if any(not r.is_decoding for r in live):
             self._padding += [(prompt_pad - r.num_prompt_tokens, r.num_prompt_tokens)
                               for r in live if r.num_prompt_tokens < prompt_pad]
 

@@ -184,7 +184,7 @@ class BatchTimeline:
 
 # Layout of the request state diagram (x, y) for chapter 5.
 _STATE_POS = {
-    "waiting": (0.0, 1.0), "prefill": (1.4, 1.0), "decode": (2.8, 1.0),
+    "waiting": (0.0, 1.0), "running": (2.1, 1.0),
     "preempted": (2.1, 2.1), "finished": (4.2, 1.0), "cancelled": (2.8, -0.2),
     "failed": (1.4, -0.2), "rejected": (0.0, -0.2),
 }
@@ -207,7 +207,8 @@ def state_diagram_figure(transitions: dict, holds_kv: dict[str, bool],
     for src, targets in transitions.items():
         for dst in targets:
             (x0, y0), (x1, y1) = _STATE_POS[src], _STATE_POS[dst]
-            rad = 0.25 if (src, dst) in {("preempted", "prefill"), ("prefill", "finished")} else 0.0
+            curved = {("preempted", "running"), ("running", "preempted")}
+            rad = 0.25 if (src, dst) in curved else 0.0
             ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
                         arrowprops=dict(arrowstyle="-|>", color=MUTED, lw=1.0,
                                         shrinkA=24, shrinkB=24,
@@ -315,7 +316,7 @@ def recovery_figure(snapshot: RecoverySnapshot) -> Figure:
     fig, ax = plt.subplots(figsize=(9.0, 1.2 + 0.42 * max(len(rows), 1)))
     for i, row in enumerate(rows):
         y = len(rows) - 1 - i
-        running = row.logged_status in ("prefill", "decode")
+        running = row.logged_status == "running"
         face = BLOCK_STATE_COLORS["exclusive" if running else "free"]
         ax.add_patch(plt.Rectangle((1.0, y - 0.35), 1.6, 0.7, edgecolor=INK, facecolor=face))
         ax.text(1.8, y, row.logged_status, ha="center", va="center", fontsize=9,
