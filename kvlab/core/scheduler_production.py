@@ -39,8 +39,8 @@ class ProductionScheduler(SchedulerBase):
     2. **KV shortage -> recompute preemption.** If a running request cannot grow, the victim is
        the not-yet-scheduled running request with the largest (priority value, admission order):
        the least important class, newest first. It is freed and re-queued with its tokens
-       (prefix-cache hits make recomputation cheaper). With ``admission="reserve"`` and no forks
-       this does not happen, with one exception: when two running requests compute the same new
+       (prefix-cache hits make recomputation cheaper). With ``admission="reserve"`` this does
+       not happen, with one exception: when two running requests compute the same new
        prefix at once, the second keeps private duplicates of the blocks the first cached
        (KVCacheManager: first writer wins) and its lock pins the first one's copies too, which
        the reservation did not count.
@@ -55,8 +55,8 @@ class ProductionScheduler(SchedulerBase):
     4. **Overload.** With ``max_waiting`` set, a request arriving to a full queue is rejected
        ("queue full"); a request that can never fit is always rejected at arrival.
 
-    **Starvation bound** (ageing on, and no preemption: ``admission="reserve"``, no forks, see
-    the exception in 2.): let ``T`` be the largest
+    **Starvation bound** (ageing on, and no preemption: ``admission="reserve"``, see the
+    exception in 2.): let ``T`` be the largest
     ``prompt + max_tokens`` of any request and ``k`` the number of requests that arrived
     before request ``R`` and still wait when ``R`` ages. Then ``R`` is admitted at most
     ``max_wait_steps + (k + 1) * T`` steps after its arrival. Proof sketch: once aged, only
@@ -87,7 +87,7 @@ class ProductionScheduler(SchedulerBase):
 
     def reserved_blocks(self) -> int:
         """Blocks that running requests may still claim to reach prompt + max_tokens
-        (missing blocks, plus copy-on-write of shared blocks they will write, e.g. after a fork)."""
+        (missing blocks, plus copy-on-write of shared blocks they will write)."""
         return sum(self._still_needs(self._requests[rid]) for rid in self.running)
 
     def _still_needs(self, request: RuntimeRequest) -> int:
