@@ -127,6 +127,36 @@ class _Hook:
         return self.orig(output)
 
 
+def _step_beside_thread(eng: LLMEngine, act, observe) -> tuple[list, dict]:
+    """One ``eng.step()`` while a second thread runs ``act()`` inside that step's execute (the
+    step waits until ``act`` returned, then records ``observe(output)``). Returns the step's
+    outputs and ``{"act": act's result, **observe's dict}``; fails on an error in either."""
+    inside, acted = threading.Event(), threading.Event()
+    result: dict = {}
+
+    def block(output):
+        inside.set()
+        assert acted.wait(WAIT), "the other thread never returned"
+        result.update(observe(output))
+
+    def other():
+        try:
+            assert inside.wait(WAIT)
+            result["act"] = act()
+        except BaseException as error:   # pragma: no cover - reported below
+            result["error"] = error
+        finally:
+            acted.set()
+
+    _Hook(eng, block)
+    thread = threading.Thread(target=other)
+    thread.start()
+    outs = eng.step()
+    thread.join(WAIT)
+    assert not thread.is_alive() and "error" not in result
+    return outs, result
+
+
 # ------------------------------------------------------------------ 1. aborts during a step
 @pytest.mark.parametrize("when", ["decoding", "last_token", "waiting"])
 def test_abort_inside_execute_takes_effect_at_step_end(model_dir, when):
@@ -186,31 +216,10 @@ def test_abort_from_a_real_thread_while_execute_blocks(model_dir):
     eng.add_request("a", _prompt(3, 6), _greedy(8))
     eng.add_request("b", _prompt(4, 5), _greedy(6))
     eng.step()
-    inside, aborted = threading.Event(), threading.Event()
-    result: dict = {}
-
-    def block(output):
-        inside.set()
-        assert aborted.wait(WAIT), "the aborting thread never returned"
-        result["kv_after_abort"] = eng.kv.has("a")
-
-    def aborter():
-        try:
-            assert inside.wait(WAIT)
-            result["out"] = eng.abort_request("a")
-        except BaseException as error:   # pragma: no cover - reported below
-            result["error"] = error
-        finally:
-            aborted.set()
-
-    _Hook(eng, block)
-    thread = threading.Thread(target=aborter)
-    thread.start()
-    outs = eng.step()
-    thread.join(WAIT)
-    assert not thread.is_alive() and "error" not in result
+    outs, result = _step_beside_thread(eng, lambda: eng.abort_request("a"),
+                                       lambda output: {"kv_after_abort": eng.kv.has("a")})
     assert result["kv_after_abort"] is True         # not released while execute ran
-    out = result["out"]
+    out = result["act"]
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert out.outputs[0].token_ids == _alone(model_dir, _prompt(3, 6), 8)[:1]
     assert "a" not in {o.request_id for o in outs}
@@ -309,30 +318,13 @@ def test_add_request_from_another_thread_during_execute(model_dir):
     the step in flight, waiting afterwards, then served with the tokens they get alone."""
     eng = _engine(model_dir)
     eng.add_request("a", _prompt(8, 6), _greedy(5))
-    inside, added = threading.Event(), threading.Event()
-    result: dict = {}
 
-    def block(output):
-        inside.set()
-        assert added.wait(WAIT)
-        result["in_flight"] = {c.request_id for c in output.chunks}
+    def add_five():
+        for i in range(5):
+            eng.add_request(f"late{i}", _prompt(10 + i, 4 + i), _greedy(3 + i))
 
-    def adder():
-        try:
-            assert inside.wait(WAIT)
-            for i in range(5):
-                eng.add_request(f"late{i}", _prompt(10 + i, 4 + i), _greedy(3 + i))
-        except BaseException as error:   # pragma: no cover - reported below
-            result["error"] = error
-        finally:
-            added.set()
-
-    _Hook(eng, block)
-    thread = threading.Thread(target=adder)
-    thread.start()
-    outs = eng.step()
-    thread.join(WAIT)
-    assert not thread.is_alive() and "error" not in result
+    outs, result = _step_beside_thread(
+        eng, add_five, lambda output: {"in_flight": {c.request_id for c in output.chunks}})
     assert result["in_flight"] == {"a"}
     assert {o.request_id for o in outs} == {"a"}
     for i in range(5):

@@ -14,39 +14,23 @@ prefix (chapters 3 and 4 explain the design). The rules:
   the same tokens first, its blocks stay canonical and the duplicate stays private.
 * Every mutation validates its input and checks capacity before changing anything: on
   :class:`~kvlab.core.block_pool.OutOfBlocks`, ValueError or KeyError nothing changed. What an
-  admission or a growth needs is computed once (``_plan_admit`` / ``_plan_grow``), for
+  admission or a growth needs is computed once (:func:`~kvlab.core.kv_plan.plan_admission`,
+  ``_plan_grow``), for
   :meth:`KVCacheManager.blocks_needed` and for the mutation alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from .block_pool import CACHE_OWNER, BlockPool, OutOfBlocks
 from .checks import is_int
+from .kv_plan import plan_admission
 from .kv_snapshot import KVSnapshot
 from .paging import token_slots
-from .radix import PrefixMatch, RadixCache, _Node
+from .radix import RadixCache, _Node
 from .scope import CacheScope, scope_key
-
-
-@dataclass(frozen=True)
-class _AdmitPlan:
-    """What :meth:`KVCacheManager.admit` would do: reuse ``hit_blocks`` (``cached`` tokens),
-    allocate ``fresh`` blocks, and lock ``lock_cost`` cached blocks that are evictable now."""
-
-    match: PrefixMatch | None
-    cached: int
-    hit_blocks: tuple[int, ...]
-    fresh: int
-    lock_cost: int
-
-    @property
-    def needed(self) -> int:
-        """Allocatable blocks the admission consumes (fresh ones + evictable ones it locks)."""
-        return self.fresh + self.lock_cost
 
 
 class KVCacheManager:
@@ -107,7 +91,8 @@ class KVCacheManager:
         whether the mutation succeeds: ``blocks_needed(...) <= num_allocatable_blocks()``.
         """
         if request_id is None:
-            return self._plan_admit(scope_key(scope), token_ids, num_tokens).needed
+            return plan_admission(self.pool, self.prefix_cache, self.blocks_for(num_tokens),
+                                  scope_key(scope), token_ids).needed
         table = self._table(request_id)
         frm = num_tokens if write_from is None else write_from
         extra, targets = self._plan_grow(table, num_tokens, frm)
@@ -155,7 +140,8 @@ class KVCacheManager:
         key = scope_key(scope)
         if not is_int(num_tokens) or num_tokens < 1:
             raise ValueError(f"a request needs at least one token slot, got {num_tokens!r}")
-        plan = self._plan_admit(key, token_ids, num_tokens)
+        plan = plan_admission(self.pool, self.prefix_cache, self.blocks_for(num_tokens), key,
+                              token_ids)
         if num_tokens <= plan.cached:
             raise ValueError(f"num_tokens={num_tokens} must exceed the {plan.cached} cached tokens")
         available = self.pool.num_allocatable()
@@ -399,20 +385,3 @@ class KVCacheManager:
         first = write_from // self.block_size
         last = min(len(table), self.blocks_for(num_tokens))
         return extra, [i for i in range(first, last) if self.pool.refcount(table[i]) > 1]
-
-    def _plan_admit(self, key: tuple, token_ids: Sequence[int], num_tokens: int) -> _AdmitPlan:
-        """The cached prefix :meth:`admit` reuses and the blocks it needs (see _AdmitPlan)."""
-        total = self.blocks_for(num_tokens)
-        if self.prefix_cache is None:
-            return _AdmitPlan(None, 0, (), total, 0)
-        match = self.prefix_cache.match(key, token_ids)
-        hit = tuple(match.blocks)
-        return _AdmitPlan(match, match.num_tokens, hit, max(0, total - len(hit)),
-                          self._evictable_unfenced(hit))
-
-    def _evictable_unfenced(self, blocks: Sequence[int]) -> int:
-        """How many of ``blocks`` count towards ``pool.num_evictable()`` right now."""
-        cache = self.prefix_cache
-        if cache is None:
-            return 0
-        return sum(1 for b in blocks if cache.is_evictable(b) and not self.pool.is_fenced(b))

@@ -49,11 +49,10 @@ def check_engine_args(*, model: object, block_size: object, max_num_seqs: object
                       seed: object, enable_prefix_caching: object, scheduler: object,
                       security_domain: object) -> None:
     """Check :class:`~kvlab.engine.llm_engine.LLMEngine`'s arguments (device and dtype are
-    resolved by :func:`resolve_device` / :func:`resolve_dtype`)."""
+    resolved by :func:`resolve_device` / :func:`resolve_dtype`; a blank model name is refused
+    where names are resolved, :func:`~kvlab.engine.checkpoint.resolve_model_path`)."""
     from .checkpoint import LoadedCheckpoint
 
-    if isinstance(model, str) and not model.strip():
-        raise ValueError("LLMEngine: model must name a shipped model or a directory, got ''")
     if not isinstance(model, (str, Path, LoadedCheckpoint)):
         raise TypeError(f"LLMEngine: model must be a str, a Path or a LoadedCheckpoint, "
                         f"got {type(model).__name__}")
