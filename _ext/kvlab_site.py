@@ -8,6 +8,7 @@ Loaded through ``book.yml`` (``sphinx.local_extensions``). On every HTML page it
   kernel-free twin instead, so the state would only add page weight);
 * keeps one copy of each script: Sphinx's MathJax support and myst-nb both add ``tex-svg.js``
   (once with ``defer``, once without), and sphinx-thebe declares ``THEBE_JS_URL`` twice;
+* defines the theme's colour mode (pydata-sphinx-theme logs a console error without it);
 * hides the nbval markers (``# NBVAL_IGNORE_OUTPUT`` and friends) from rendered code cells: they
   steer the notebook tests and mean nothing to a reader.
 """
@@ -66,6 +67,9 @@ def clean_scripts(scripts: list) -> list:
 
 
 def _page_context(app, pagename, templatename, context, doctree) -> None:
+    # pydata-sphinx-theme reads the colour mode from this template variable; left undefined,
+    # every first visit logs "Got invalid theme mode" as a console error.
+    context.setdefault("default_mode", "auto")
     if "script_files" in context:
         context["script_files"] = clean_scripts(context["script_files"])
 

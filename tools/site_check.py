@@ -100,9 +100,11 @@ def pages(root: Path) -> list[str]:
 # Waits for MathJax (when the page loads it) and returns what the DOM shows.
 _INSPECT = """
 const done = arguments[arguments.length - 1];
+const clip = arguments[0];
 const ready = (window.MathJax && MathJax.startup && MathJax.startup.promise)
   ? MathJax.startup.promise : Promise.resolve();
-ready.catch(() => null).then(() => {
+const timeout = new Promise(resolve => setTimeout(resolve, 20000));
+Promise.race([ready, timeout]).catch(() => null).then(() => { try {
   const out = {math: [], mathErrors: 0, images: [], clipped: [], nbval: false, widgets: 0,
                icon: !!document.querySelector('link[rel~="icon"]'), shown: {}};
   document.querySelectorAll('.math, span.math, div.math').forEach(el => {
@@ -116,7 +118,7 @@ ready.catch(() => null).then(() => {
       out.shown[key] = (out.shown[key] || 0) + 1;
     }
   });
-  document.querySelectorAll(arguments[0]).forEach(el => {
+  document.querySelectorAll(clip).forEach(el => {
     if (el.scrollWidth > el.clientWidth + 1 && el.clientWidth > 0)
       out.clipped.push(el.tagName + ' ' + el.scrollWidth + '>' + el.clientWidth + ': '
                        + (el.textContent || el.src || '').trim().slice(0, 50));
@@ -124,7 +126,7 @@ ready.catch(() => null).then(() => {
   out.nbval = /# ?NBVAL_[A-Z_]+/.test(document.body.innerText);
   out.widgets = document.querySelectorAll('.kvlab-kf').length;
   done(out);
-});
+  } catch (err) { done({error: String(err)}); } });
 """
 
 # For kernel-free widget number arguments[0]: move each control, report whether the visible
@@ -183,10 +185,14 @@ def _network_problems(entries: list[dict], base: str, page: str) -> list[Problem
 
 def check_page(driver, base: str, page: str) -> list[Problem]:
     """Load ``base + page`` and return everything wrong with it."""
+    if driver.current_url.startswith(base):  # each page as a first visit: no stored theme mode
+        driver.execute_script("localStorage.clear(); sessionStorage.clear();")
     driver.get_log("browser")
     driver.get_log("performance")
     driver.get(base + page)
     seen = driver.execute_async_script(_INSPECT, CLIPPABLE)
+    if "error" in seen:
+        return [Problem(page, "checker", f"page inspection failed: {seen['error']}")]
     problems = [Problem(page, "math", f"unrendered: {text!r}") for text in seen["math"]]
     if seen["mathErrors"]:
         problems.append(Problem(page, "math", f"{seen['mathErrors']} MathJax errors"))
