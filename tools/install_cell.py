@@ -35,8 +35,8 @@ if importlib.util.find_spec("kvlab") is None:
 
 BLOCK = f"```{{code-cell}} ipython3\n:tags: [{TAG}]\n\n{CELL}\n```\n\n"
 _FRONT = re.compile(r"\A---\n.*?\n---\n\n", re.S)
-_OLD = re.compile(r"```\{code-cell\} ipython3\n:tags: \[remove-cell\]\n\n# Colab or a bare kernel.*?\n```\n\n",
-                  re.S)
+_OLD = re.compile(r"```\{code-cell\} ipython3\n:tags: \[remove-cell\]\n\n"
+                  r"# Colab or a bare kernel.*?\n```\n\n", re.S)
 
 
 def with_cell(text: str) -> str:

@@ -42,7 +42,6 @@ def check(chapter: str = "notebooks/04-prefix-reuse.md", timeout: float = 120) -
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
-
     from site_check import start_browser
 
     port = free_port()

@@ -50,7 +50,7 @@ class Problem:
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 - the base class's name
+    def log_message(self, format, *args):
         pass
 
 
@@ -94,7 +94,7 @@ def pages(root: Path) -> list[str]:
     """Every HTML page of the build, relative to ``root`` (Sphinx's own folders excluded)."""
     skip = ("_static", "_sources", "_images", "_panels_static")
     return sorted(str(p.relative_to(root)) for p in root.rglob("*.html")
-                  if not p.relative_to(root).parts[0] in skip)
+                  if p.relative_to(root).parts[0] not in skip)
 
 
 # Waits for MathJax (when the page loads it) and returns what the DOM shows.

@@ -90,7 +90,8 @@ def spread(n: int, k: int, include: Iterable[int] = ()) -> list[int]:
     ``include`` — to subsample a long slider into a modest number of frames."""
     if n < 1 or k < 1:
         raise ValueError(f"spread needs n >= 1 and k >= 1, got n={n}, k={k}")
-    picked = {round(i * (n - 1) / max(1, k - 1)) for i in range(min(n, k))}
+    m = min(n, k)
+    picked = {round(i * (n - 1) / max(1, m - 1)) for i in range(m)}
     picked |= {0, n - 1} | {i for i in include if 0 <= i < n}
     return sorted(picked)
 
