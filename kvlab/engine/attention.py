@@ -30,6 +30,8 @@ import torch.nn.functional as F
 
 from kvlab.core.paging import token_slots
 
+from . import triton_kernels
+
 __all__ = [
     "AttentionMetadata",
     "ChunkSpec",
@@ -240,7 +242,11 @@ def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store new ``k, v: [N, kv_heads, D]`` at flat slots ``slot_mapping: [N]`` (in place)."""
+    """Store new ``k, v: [N, kv_heads, D]`` at flat slots ``slot_mapping: [N]`` (in place).
+    On CUDA with Triton installed this is :func:`kvlab.engine.triton_kernels.store_kv`."""
+    if k_cache.is_cuda and triton_kernels.available():
+        triton_kernels.store_kv(k_cache, v_cache, k, v, slot_mapping)
+        return
     kv_heads, dim = k_cache.shape[-2:]
     k_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, v)
@@ -315,16 +321,24 @@ def paged_attention(
     """Attention of the flat batch; ``q: [N, H, D]``, new ``k, v: [N, KV, D]`` -> ``[N, H, D]``.
 
     The new K/V must already be written to the cache (:func:`write_kv`): single-token chunks and
-    chunks with a cached prefix read their whole context from the cache.
+    chunks with a cached prefix read their whole context from the cache. On CUDA with Triton
+    installed the decode buckets run :func:`kvlab.engine.triton_kernels.decode_attention` on the
+    same metadata (tables from ``block_index``, lengths from ``positions``).
     """
     _, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     gqa = heads != kv_heads
     out = torch.empty_like(q)
     ws = meta.workspace or Workspace(q.device, q.dtype)
+    fused = q.is_cuda and triton_kernels.available()
     for b in meta.buckets:
         rows = slice(b.row0, b.row0 + b.size)
-        out[rows] = _decode_bucket(q[rows], k_cache, v_cache, b, scale, ws)
+        if fused:
+            triton_kernels.decode_attention(
+                q[rows], k_cache, v_cache, b.block_index.view(b.size, b.max_blocks),
+                meta.positions[rows], scale, out=out[rows])
+        else:
+            out[rows] = _decode_bucket(q[rows], k_cache, v_cache, b, scale, ws)
     flat_k = k_cache.view(-1, kv_heads, dim)
     flat_v = v_cache.view(-1, kv_heads, dim)
     for c in meta.prefills:
