@@ -5,7 +5,9 @@ It is the :class:`~kvlab.core.engine_core.Executor` of the real engine, and the 
 
 1. performs the copy-on-write ``copies`` on the cache (before any write of this step),
 2. lays the chunks out as one flat batch (:func:`~kvlab.engine.attention.build_metadata`:
-   positions and slot mappings from the chunks' block tables),
+   positions and slot mappings from the chunks' block tables; a persistent
+   :class:`~kvlab.engine.input_batch.InputBatch` keeps the tables across steps and applies
+   per-step diffs),
 3. runs the forward pass (which writes the new K/V through the slot mapping), and
 4. samples one token from the logits of the last token of every chunk with ``sample=True``,
    with the :class:`~kvlab.engine.sampling.SamplerState` that the engine stored in the
@@ -25,7 +27,8 @@ import torch
 from kvlab.core.engine_core import ModelOutput
 from kvlab.core.scheduler_api import RuntimeRequest, ScheduledChunk, SchedulerOutput
 
-from .attention import AttentionMetadata, ChunkSpec, Workspace, build_metadata
+from .attention import AttentionMetadata, ChunkSpec, Workspace
+from .input_batch import InputBatch
 from .kv_cache import PagedKVCache
 from .model import LlamaModel
 from .sampling import SamplerState, sample
@@ -78,6 +81,7 @@ class TorchExecutor:
         self.device = model.device
         self.block_size = cache.block_size
         self.workspace = Workspace(self.device, cache.data.dtype)
+        self.input_batch = InputBatch(self.block_size, self.device)
         self.requests = requests
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:
@@ -109,9 +113,10 @@ class TorchExecutor:
         """Copies, then the forward pass over ``chunks``; the logits of the sampling rows.
         ValueError (cache untouched) when a chunk's table does not cover it."""
         t0 = time.perf_counter()
-        meta = build_metadata(
+        meta = self.input_batch.build(
+            [c.request_id for c in chunks],
             [ChunkSpec(c.token_ids, c.start_pos, c.block_table) for c in chunks],
-            self.block_size, self.device, self.workspace) if chunks else None
+            self.workspace) if chunks else None
         sample_idx = [i for i, c in enumerate(chunks) if c.sample]
         t1 = time.perf_counter()
         self.cache.copy_blocks(copies)
