@@ -384,3 +384,40 @@ def test_batched_mask_touches_only_grammar_rows(llm):
     assert unpack_bitmask(mask, 1024)[0].nonzero()[:, 0].tolist() == states[1].allowed_token_ids()
     with pytest.raises(ValueError, match="rows"):
         apply_token_bitmask(logits, [0], states)
+
+
+def test_random_accept_rollback_sequences_match_replay(llm):
+    """Property: after any sequence of accepts (allowed or not) and rollbacks, the state equals
+    a fresh state that replayed the surviving tokens (same allowed set, same termination)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    compiler = llm.engine.structured_outputs.compiler
+    spec = StructuredOutputsParams(regex=WORDS)
+    ops = st.lists(st.one_of(st.tuples(st.just("allowed"), st.integers(0, 10**6)),
+                             st.tuples(st.just("any"), st.integers(0, 1023)),
+                             st.tuples(st.just("rollback"), st.integers(0, 6))), max_size=30)
+
+    @settings(max_examples=40, deadline=None, database=None)
+    @given(ops)
+    def run(script):
+        state, kept = compiler.new_state(spec), []
+        for op, arg in script:
+            if op == "rollback":
+                k = min(arg, len(kept))
+                state.rollback(k)
+                del kept[len(kept) - k:]
+            else:
+                allowed = state.allowed_token_ids()
+                token = allowed[arg % len(allowed)] if op == "allowed" and allowed else arg
+                if state.accept_token(token):
+                    kept.append(token)
+                else:
+                    assert token not in allowed
+            replay = compiler.new_state(spec)
+            replay.rebuild(kept)
+            assert state.accepted_token_ids == tuple(kept)
+            assert state.allowed_token_ids() == replay.allowed_token_ids()
+            assert state.is_terminated() == replay.is_terminated()
+
+    run()
