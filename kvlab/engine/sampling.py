@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,6 +42,8 @@ class SamplerState:
 
     params: SamplingParams
     generator: torch.Generator | None  # None for greedy sequences; may be shared between rows
+    # structured outputs: the sequence's GrammarState (kvlab.engine.structured_outputs), or None
+    grammar: Any = None
 
     @classmethod
     def create(cls, params: SamplingParams, seed: int, device: torch.device | str = "cpu"
