@@ -2,14 +2,14 @@
 
 A :class:`FaultSchedule` is a tuple of :class:`Fault` records ``(kind, point, step)``: *which*
 fault, *where* in the protocol it strikes, and at the *step*-th event of that point (0-based:
-the ``step``-th entry sent, the ``step``-th batch delivered, the ``step``-th record of the
+the ``step``-th entry sent, the ``step``-th entry delivered, the ``step``-th record of the
 install journal). It serialises to a list of dicts (:meth:`FaultSchedule.to_data`), so a test, a
 notebook or a later general fault injector can read and write it. The points:
 
 ``send``      the producer, after encoding an entry and before the transport writes it
               (frame faults; a crash leaves a partial write behind);
-``deliver``   the consumer, after the transport read entries and before the scheduler sees
-              them (duplicate, out-of-order);
+``deliver``   the consumer, after the transport read an entry and before the scheduler sees
+              it (duplicate, out-of-order, drop);
 ``consumer``  the consumer's client: the request is aborted before its entry arrives;
 ``install``   the consumer's install journal: the process dies before that record is written.
 
@@ -127,7 +127,7 @@ class FaultInjector:
     def __post_init__(self) -> None:
         self.rng = random.Random(self.schedule.seed)
         self.sent = 0                   # entries seen at the send point
-        self.delivered = 0              # delivery batches seen at the deliver point
+        self.delivered = 0              # deliveries seen at the deliver point
         self._held: list[bytes] = []     # out-of-order frames waiting for the next send
         self._held_deliveries: list[Delivery] = []
         self.applied: list[tuple[str, int, str]] = []
@@ -172,25 +172,26 @@ class FaultInjector:
         return SendPlan(out, plan.partial)
 
     def on_deliver(self, deliveries: Iterable[Delivery]) -> list[Delivery]:
-        """The deliveries the consumer gets from one read (faults of point ``deliver``)."""
-        batch = list(deliveries)
-        if not batch:
-            return self._release_held()
-        i, self.delivered = self.delivered, self.delivered + 1
-        for fault in self.schedule.at("deliver", i):
-            self.applied.append(("deliver", i, fault.kind))
-            if fault.kind == "duplicate":
-                batch = [d for d in batch for _ in (0, 1)]
-            elif fault.kind == "drop":
-                batch = []
-            else:   # out_of_order: these arrive after the next batch
-                self._held_deliveries += batch
-                batch = []
-        return batch + self._release_held() if batch else batch
-
-    def _release_held(self) -> list[Delivery]:
-        held, self._held_deliveries = self._held_deliveries, []
-        return held
+        """What the consumer gets from one read (faults of point ``deliver``; ``step`` counts
+        deliveries). A held-back (``out_of_order``) delivery arrives after the next one, or at
+        the next read."""
+        out, held, self._held_deliveries = [], self._held_deliveries, []
+        for d in deliveries:
+            i, self.delivered = self.delivered, self.delivered + 1
+            copies = [d]
+            for fault in self.schedule.at("deliver", i):
+                self.applied.append(("deliver", i, fault.kind))
+                if fault.kind == "duplicate":
+                    copies = copies * 2
+                elif fault.kind == "drop":
+                    copies = []
+                else:
+                    self._held_deliveries += copies
+                    copies = []
+            out += copies
+            if copies and held:
+                out, held = out + held, []
+        return out + held
 
     def abort_before_delivery(self, entry: int) -> bool:
         """Whether the schedule aborts the request of the ``entry``-th entry first."""

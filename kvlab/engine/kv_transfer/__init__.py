@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvlab.core.kv_transfer import Delivery, encode_frame, make_descriptor, make_header
-from kvlab.core.remote_kv import RemoteKVPolicy, RemoteKVScheduler, scope_domain
-from kvlab.core.scheduler_api import RuntimeRequest
+from kvlab.core.kv_channel import EntryExporter
+from kvlab.core.kv_transfer import Delivery
+from kvlab.core.remote_kv import RemoteKVPolicy, RemoteKVScheduler
 from kvlab.core.transfer_faults import FaultInjector
 
 from .config import KV_CONNECTORS, KV_ROLES, KVTransferConfig
@@ -49,25 +49,12 @@ class KVTransfer:
         self.model_fields = model_fields
         self.injector = FaultInjector(config.faults)
         self.connector = make_connector(config)
+        self.exporter = EntryExporter(codec.export, model_fields, self.connector, self.injector)
         self.scheduler: RemoteKVScheduler | None = None
-        self.exported_bytes = 0
-
-    # the producer's KVExporter
-    def export(self, request: RuntimeRequest, blocks: Sequence[int], num_tokens: int) -> None:
-        payload = self.codec.export(blocks, num_tokens)
-        desc = make_descriptor(request.request_id, request.prompt_token_ids,
-                               scope_domain(request.scope), self.model_fields)
-        header = make_header(desc, num_tokens, payload)
-        self.exported_bytes += len(payload)
-        self.connector.send(header["key"], self.injector.on_send(encode_frame(header, payload)))
 
     def flush(self) -> None:
         """Send the frames an ``out_of_order`` fault still holds back."""
-        from kvlab.core.transfer_faults import SendPlan
-
-        held = self.injector.flush()
-        if held:
-            self.connector.send("", SendPlan(held))
+        self.exporter.flush()
 
     # the consumer's KVSource (with the deliver-point faults)
     def fetch(self, keys: Sequence[str]) -> list[Delivery]:
@@ -83,7 +70,7 @@ class KVTransfer:
         self.scheduler = RemoteKVScheduler(
             scheduler, policy, source=self if cfg.consume else None,
             writer=self.codec if cfg.consume else None,
-            exporter=self if cfg.produce else None)
+            exporter=self.exporter if cfg.produce else None)
         return self.scheduler
 
     @property

@@ -33,60 +33,13 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvlab.core.kv_channel import Inbox, InProcessChannel
 from kvlab.core.kv_transfer import Delivery, decode_frame, parse_entry
 from kvlab.core.transfer_faults import SendPlan
 
 __all__ = ["InProcessChannel", "Inbox", "SharedStorageConnector", "TcpConnector"]
 
 HEADER_FILE, PAYLOAD_FILE = "descriptor.json", "kv.safetensors"
-
-
-class Inbox:
-    """Frames received by a stream consumer, parsed and kept by entry key (thread-safe)."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.cond = threading.Condition()
-        self._by_key: dict[str, list[Delivery]] = {}
-        self._garbage: list[Delivery] = []
-        self.frames = 0
-
-    def put(self, frame: bytes) -> None:
-        d = decode_frame(frame, self.source)
-        with self.cond:
-            self.frames += 1
-            if d.key is None:
-                self._garbage.append(d)
-            else:
-                self._by_key.setdefault(d.key, []).append(d)
-            self.cond.notify_all()
-
-    def fetch(self, keys: Sequence[str]) -> list[Delivery]:
-        with self.cond:
-            out, self._garbage = self._garbage, []
-            for key in keys:
-                out += self._by_key.pop(key, [])
-            return out
-
-    def wait(self, timeout: float) -> None:
-        with self.cond:
-            self.cond.wait(timeout)
-
-
-class InProcessChannel(Inbox):
-    """An in-memory stream between a producer and a consumer in one process."""
-
-    def __init__(self) -> None:
-        super().__init__("inprocess")
-
-    def send(self, key: str, plan: SendPlan) -> None:
-        for frame in plan.frames:
-            self.put(frame)
-        if plan.partial is not None:
-            self.put(plan.partial)     # the stream ends mid-frame: the reader sees it short
-
-    def close(self) -> None:
-        pass
 
 
 class SharedStorageConnector:
