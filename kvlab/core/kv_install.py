@@ -11,6 +11,8 @@ record          meaning
 ``allocated``   the KV manager holds the table (data: block ids, cached tokens reused)
 ``written``     every payload byte is in those blocks
 ``committed``   the blocks are in the prefix cache: the install is complete and visible
+                (a crash between the commit and this record leaves ``written`` last: recovery
+                then asks the manager whether the operation's blocks were committed)
 ``released``    the operation's own hold on the blocks is gone (the request holds them now,
                 or recovery freed them)
 ==============  =============================================================================
@@ -107,7 +109,7 @@ class OpRecovery:
 
     op_id: str
     last_record: str
-    installed: bool          # committed: the KV is in the prefix cache and complete
+    installed: bool          # the KV is complete and in the prefix cache
     freed: bool              # recovery freed a table the operation still held
 
 
@@ -123,12 +125,14 @@ def recover_installs(journal: InstallJournal, kv: Any) -> dict[str, OpRecovery]:
     report = {}
     for op in journal.ops():
         last = journal.state(op) or "begin"
-        freed = False
-        if kv.has(op):
-            kv.free(op)
-            freed = True
-        if last != "released" and (freed or last in ("begin", "allocated", "written",
-                                                     "committed")):
-            journal.append("released", op, ("recovery",))
-        report[op] = OpRecovery(op, last, journal.installed(op), freed)
+        installed = journal.installed(op)
+        if last == "written" and kv.has(op):
+            # died between the prefix-cache commit and its record: the manager answers
+            tokens = next(r.data[1] for r in journal.records
+                          if r.op_id == op and r.kind == "begin")
+            installed = not kv.needs_commit(op, tokens)
+        freed = bool(kv.has(op) and kv.free(op))
+        if last != "released":
+            journal.append("released", op, ("recovery", installed))
+        report[op] = OpRecovery(op, last, installed, freed)
     return report

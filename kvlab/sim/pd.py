@@ -130,6 +130,7 @@ class PairResult:
     leaked_blocks: int                    # blocks still held by anyone after the run
     crashed: bool = False
     recovery: dict[str, Any] = field(default_factory=dict)
+    recovery_cached: dict[str, int] = field(default_factory=dict)   # op -> cached prompt tokens
     decisions: list[Any] = field(default_factory=list)
     applied: list[tuple[str, int, str]] = field(default_factory=list)
 
@@ -191,7 +192,8 @@ def run_pair(prompts: Sequence[Sequence[int]], schedule: FaultSchedule | None = 
             consumer.abort_request(r)
     _drain(producer)
     holder["exporter"].flush()
-    crashed, recovery = False, {}
+    crashed, recovery, cached = False, {}, {}
+    carried: list[RuntimeRequest] = []      # requests that ended before a consumer crash
     try:
         _drain(consumer)
     except SimulatedCrash:
@@ -202,7 +204,12 @@ def run_pair(prompts: Sequence[Sequence[int]], schedule: FaultSchedule | None = 
         crashed = True
         injector.applied.append(("install", len(csched.journal), "consumer_crash"))
         recovery = recover_installs(csched.journal, csched.kv)
-        done = {r.request_id for r in csched.requests() if r.status.is_terminal}
+        # what the surviving prefix cache holds of each operation's prompt, right after
+        for op in recovery:
+            rid = op.split("@")[0]
+            cached[op] = csched.kv.lookup((), prompts[int(rid[1:])])
+        carried = [r for r in csched.requests() if r.status.is_terminal]
+        done = {r.request_id for r in carried}
         violations = list(consumer.executor.violations)
         for rid in csched.kv.requests():
             csched.kv.free(rid)
@@ -216,13 +223,14 @@ def run_pair(prompts: Sequence[Sequence[int]], schedule: FaultSchedule | None = 
                 consumer.add_request(r)
         _drain(consumer)
     violations = list(consumer.executor.violations)
-    status = {r.request_id: r.status.value for r in csched.requests()}
-    tokens = {r.request_id: list(r.output_token_ids) for r in csched.requests()
+    everyone = carried + list(csched.requests())
+    status = {r.request_id: r.status.value for r in everyone}
+    tokens = {r.request_id: list(r.output_token_ids) for r in everyone
               if r.status is RequestStatus.FINISHED}
     csched.check_invariants()
     leaked = sum(len(csched.kv.block_table(rid)) for rid in csched.kv.requests())
     return PairResult(tokens, truth, status, dict(csched.stats), violations, leaked, crashed,
-                      recovery, list(csched.decisions), list(injector.applied))
+                      recovery, cached, list(csched.decisions), list(injector.applied))
 
 
 class _FaultySource:
