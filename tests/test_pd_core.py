@@ -272,3 +272,19 @@ def test_remote_scheduler_boundary_errors_and_parked_abort():
     assert not kv.has("a") and sched.parked == ()
     assert sched.abort_request("a").status is S.CANCELLED   # idempotent
     sched.check_invariants()
+
+
+def test_book_transfer_arithmetic():
+    from kvlab.core.catalog import get_model
+    from kvlab.core.transfer_cost import LINKS, kv_transfer_bytes, transfer_seconds, transfer_table
+
+    m = get_model("Llama-3-8B")
+    assert kv_transfer_bytes(m, 1024) == 2 * 32 * 1024 * 8 * 128 * 2 == 134_217_728
+    nv = LINKS["NVLink 4 (H100)"]
+    assert transfer_seconds(134_217_728, nv) == pytest.approx(5e-6 + 134_217_728 / 450e9)
+    assert transfer_seconds(1e9, nv, 0.5) == pytest.approx(5e-6 + 2e9 / 450e9)
+    with pytest.raises(ValueError, match="efficiency"):
+        transfer_seconds(1, nv, 0)
+    row = transfer_table([m], 8192)[0]
+    assert row["bytes_per_token"] == 131_072                  # 128 KiB per token, bf16
+    assert row["seconds"]["PCIe Gen5 x16"] < row["seconds"]["InfiniBand NDR 400G"]
