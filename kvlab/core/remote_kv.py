@@ -224,7 +224,7 @@ class RemoteKVScheduler:
             return self._decide(rid, "duplicate", "discard", entry_id=d.entry_id)
         kind = check_delivery(d, p.expected)
         if kind is not None:
-            return self._refuse(p, kind, f"entry {d.entry_id}: {kind}")
+            return self._refuse(p, kind, f"entry {d.entry_id}: {kind}", d.entry_id)
         bs, prompt, scope = self.kv.block_size, request.prompt_token_ids, request.scope
         tokens = min(d.num_tokens, p.target) // bs * bs
         cached = self.kv.lookup(scope, prompt)
@@ -235,7 +235,7 @@ class RemoteKVScheduler:
         try:
             decoded = self.writer.decode(d, tokens)  # type: ignore[union-attr]
         except ValueError as error:
-            return self._refuse(p, "corrupt_payload", f"entry {d.entry_id}: {error}")
+            return self._refuse(p, "corrupt_payload", f"entry {d.entry_id}: {error}", d.entry_id)
         rest = self.kv.blocks_for(request.max_kv_slots) - tokens // bs
         need = self.kv.blocks_needed(None, tokens, scope, prompt) + max(0, rest)
         if need > self.kv.num_allocatable_blocks():
@@ -262,14 +262,15 @@ class RemoteKVScheduler:
                      detail=f"{tokens - got} tokens written, {got} already cached")
         self._unpark(p)
 
-    def _refuse(self, p: _Parked, kind: str, detail: str) -> None:
+    def _refuse(self, p: _Parked, kind: str, detail: str, entry_id: str = "") -> None:
         request = p.request
         if self.policy.on_failure == "fail":
             del self._parked[request.request_id]
             self.lifecycle.fail(request, f"remote KV refused: {detail}")
             self._ended.append(request)
-            return self._decide(request.request_id, kind, "fail", detail=detail)
-        self._decide(request.request_id, kind, "recompute", detail=detail)
+            return self._decide(request.request_id, kind, "fail", entry_id=entry_id,
+                                detail=detail)
+        self._decide(request.request_id, kind, "recompute", entry_id=entry_id, detail=detail)
         self.stats["recomputed"] += 1
         self._unpark(p)
 
