@@ -133,9 +133,11 @@ class RemoteKVScheduler:
         bs = self.kv.block_size
         target = (request.num_prompt_tokens - 1) // bs * bs
         prompt = request.prompt_token_ids
-        if (target == 0 or self.kv.blocks_for(request.max_kv_slots) > self.kv.num_blocks
-                or self.kv.lookup(request.scope, prompt) >= target):
+        if target == 0 or self.kv.blocks_for(request.max_kv_slots) > self.kv.num_blocks:
             return self.inner.add_request(request)   # nothing worth fetching, or never fits
+        if self.kv.lookup(request.scope, prompt) >= target:
+            self._decide(rid, "local_hit", "recompute", detail="prefix cache covers it")
+            return self.inner.add_request(request)
         domain = scope_domain(request.scope)
         expected = make_descriptor(rid, prompt, domain, self.policy.model_fields)
         expected.pop("request_id")                   # entries are found by content, not id

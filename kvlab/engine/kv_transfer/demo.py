@@ -117,15 +117,16 @@ class PDDemo:
 
 
 def run_two_processes(prompts: list[list[int]], schedule: FaultSchedule, *,
-                      block_size: int = 8, timeout_s: float = 120.0) -> dict[str, Any]:
+                      block_size: int = 8, wait_s: float = 5.0,
+                      timeout_s: float = 120.0) -> dict[str, Any]:
     """A consumer here, a producer in a child process, over loopback TCP.
 
     Returns ``{"producer": <the child's report>, "consumer_pid", "outputs", "decisions",
-    "stats"}``; the consumer waits up to 5 s for a missing entry.
+    "stats"}``; the consumer waits up to ``wait_s`` seconds for a missing entry.
     """
     consumer = LLM("kvlab-tiny", block_size=block_size, num_blocks=256, kv_transfer_config={
         "kv_connector": "tcp", "kv_role": "kv_consumer",
-        "kv_connector_extra_config": {"port": 0, "timeout_s": 5.0,
+        "kv_connector_extra_config": {"port": 0, "timeout_s": wait_s,
                                       "fault_schedule": schedule.to_data()}})
     kt = consumer.engine.kv_transfer
     root = Path(__file__).resolve().parents[3]
