@@ -97,6 +97,7 @@ class RemoteKVScheduler:
         self._held: dict[str, str] = {}                 # op id -> request id (op holds blocks)
         self._done_ops: set[str] = set()
         self._aborted_keys: dict[str, str] = {}         # key -> request id, oldest first
+        self._aborted_at: dict[str, float] = {}         # key -> when (watched for timeout_s)
         self._installed_keys: dict[str, str] = {}
         self._exported: dict[str, None] = {}
 
@@ -154,6 +155,7 @@ class RemoteKVScheduler:
         if parked is not None:
             self.lifecycle.cancel(parked.request)
             self._remember(self._aborted_keys, parked.key, request_id)
+            self._aborted_at[parked.key] = self.clock()
             return parked.request
         if request_id in self._own:
             return self._own[request_id]
@@ -198,6 +200,11 @@ class RemoteKVScheduler:
         for d in deliveries:
             self._offer(d)
         now = self.clock()
+        for key in [k for k in self._aborted_keys   # stop watching for late deliveries
+                    if now - self._aborted_at.get(k, now) > self.policy.timeout_s]:
+            del self._aborted_keys[key]
+        self._aborted_at = {k: self._aborted_at[k] for k in self._aborted_keys
+                            if k in self._aborted_at}
         for p in list(self._parked.values()):
             if not p.pending and now - p.since >= self.policy.timeout_s:
                 self._refuse(p, "missing", f"no KV entry within {self.policy.timeout_s} s")
