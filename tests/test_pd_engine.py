@@ -242,3 +242,48 @@ def test_two_processes_over_loopback_tcp(ckpt, single):
     assert stats["corrupt_payload"] == 1 and stats["recomputed"] == 1
     assert stats["installed"] == 2 and stats["duplicate"] == 1
     assert cons.engine.kv.requests() == []
+
+
+# ----------------------------------------------------------------------------- crash, kv_both
+@pytest.mark.parametrize("crash_at,installed", [(1, False), (2, False), (3, True)])
+def test_consumer_crash_mid_install_on_the_real_engine(ckpt, tmp_path, crash_at, installed):
+    """The consumer dies before install-journal record ``crash_at`` (1: allocated, 2: written,
+    3: committed — after the prefix-cache commit). Recovery says whether the blocks were
+    installed; installed blocks hold exactly the producer's bytes, and no table survives."""
+    from kvlab.core.kv_install import SimulatedCrash, recover_installs
+
+    extra = {"shared_storage_path": str(tmp_path)}
+    _produce(ckpt, "shared_storage", **extra)
+    cons = _llm(ckpt, "shared_storage", "kv_consumer", **extra)
+    eng = cons.engine
+    sched = eng.kv_transfer.scheduler
+    sched.journal.crash_at = crash_at
+    eng.add_request("a", PROMPTS[0], GREEDY)
+    assert eng.snapshot().requests[0].status == "waiting_for_remote_kv"
+    with pytest.raises(SimulatedCrash):
+        eng.step()
+    report = recover_installs(sched.journal, eng.kv)
+    (op, rec), = report.items()
+    assert rec.installed is installed and rec.freed    # admit ran before record 1 each time
+    assert eng.kv.requests() == []                       # nothing leaked
+    target = (len(PROMPTS[0]) - 1) // 8 * 8
+    cached = eng.kv.lookup(eng.cache_scope(), PROMPTS[0])
+    assert (cached >= target) is installed
+    if installed:
+        table = next(r.data[0] for r in sched.journal.records if r.kind == "allocated")
+        codec = eng.kv_transfer.codec
+        payloads = {d.entry_id: d for d in eng.kv_transfer.connector.fetch(
+            [p.name for p in tmp_path.iterdir()])}
+        mine = payloads[op.split("@")[1]]
+        assert torch.equal(codec.gather(table, target), codec.decode(mine, target))
+
+
+def test_kv_both_engines_share_a_store(ckpt, single, tmp_path):
+    extra = {"shared_storage_path": str(tmp_path)}
+    first = _llm(ckpt, "shared_storage", "kv_both", **extra)
+    _same(single, first.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert first.engine.kv_transfer.stats == {"exported": 3, "missing": 3, "recomputed": 3}
+    second = _llm(ckpt, "shared_storage", "kv_both", **extra)
+    _same(single, second.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert second.engine.kv_transfer.stats["installed"] == 3
+    assert second.engine.kv.requests() == []
