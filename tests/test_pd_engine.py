@@ -250,7 +250,8 @@ def test_consumer_crash_mid_install_on_the_real_engine(ckpt, tmp_path, crash_at,
     """The consumer dies before install-journal record ``crash_at`` (1: allocated, 2: written,
     3: committed — after the prefix-cache commit). Recovery says whether the blocks were
     installed; installed blocks hold exactly the producer's bytes, and no table survives."""
-    from kvlab.core.kv_install import SimulatedCrash, recover_installs
+    from kvlab.core.event_log import SimulatedCrash
+    from kvlab.core.kv_install import recover_installs
 
     extra = {"shared_storage_path": str(tmp_path)}
     _produce(ckpt, "shared_storage", **extra)

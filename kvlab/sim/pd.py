@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.core.engine_core import EngineCore, ModelOutput
+from kvlab.core.event_log import SimulatedCrash
 from kvlab.core.kv_channel import EntryExporter, InProcessChannel
-from kvlab.core.kv_install import SimulatedCrash, recover_installs
+from kvlab.core.kv_install import recover_installs
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.kv_transfer import LAYOUT, Delivery
 from kvlab.core.remote_kv import RemoteKVPolicy, RemoteKVScheduler
