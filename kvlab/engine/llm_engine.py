@@ -109,6 +109,7 @@ class LLMEngine:
         kv_cache_memory: int | None = None,
         security_domain: str = "default",
         tokenizer: Tokenizer | None = None,
+        kv_transfer_config: dict | None = None,
     ):
         check_engine_args(model=model, block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
@@ -116,6 +117,12 @@ class LLMEngine:
                           max_model_len=max_model_len, seed=seed,
                           enable_prefix_caching=enable_prefix_caching, scheduler=scheduler,
                           security_domain=security_domain)
+        if kv_transfer_config is not None:   # prefill/decode disaggregation (chapter 10)
+            from .kv_transfer import KVTransferConfig
+            kv_transfer_config = KVTransferConfig.parse(kv_transfer_config)
+            if kv_transfer_config.consume and not enable_prefix_caching:
+                raise ValueError("a kv_consumer installs remote KV through the prefix cache: "
+                                 "it needs enable_prefix_caching=True")
         dev = resolve_device(device)
         dtype = resolve_dtype(dtype, dev)
         if isinstance(model, LoadedCheckpoint):
@@ -158,6 +165,12 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             prefill_chunk=max_prefill_chunk or max_num_batched_tokens)
         self.scheduler = _make_scheduler(scheduler, self.kv, self.scheduler_config)
+        self.kv_transfer = None
+        if kv_transfer_config is not None:
+            from .kv_transfer import KVPayloadCodec, KVTransfer, engine_model_fields
+            self.kv_transfer = KVTransfer(kv_transfer_config, KVPayloadCodec(self.cache),
+                                          engine_model_fields(ckpt.weights_hash, cfg, dtype))
+            self.scheduler = self.kv_transfer.wrap(self.scheduler)
         self.executor = TorchExecutor(self.model, self.cache, self.scheduler.get_request)
         self.core = EngineCore(self.scheduler, self.executor)
         self.enable_prefix_caching = enable_prefix_caching
