@@ -91,8 +91,9 @@ def format_summary(rep: GoodputReport, duration: float, prompt_tokens: int) -> s
             lines.append(f"{label + ' ' + key.upper() + ' (ms):':<40}{_ms(lat[q]):<10}")
     slo = rep.slo
     lines.append("{s:{c}^50}".format(s=" Goodput ", c="-"))
-    lines.append(f"{'SLO (ms):':<40}ttft={_ms(slo.ttft) if slo.ttft else '-'} "
-                 f"tpot={_ms(slo.tpot) if slo.tpot else '-'} e2e={_ms(slo.e2e) if slo.e2e else '-'}")
+    bounds = " ".join(f"{k}={'-' if v is None else _ms(v)}"
+                      for k, v in (("ttft", slo.ttft), ("tpot", slo.tpot), ("e2e", slo.e2e)))
+    lines.append(f"{'SLO (ms):':<40}{bounds}")
     lines.append(f"{'Request goodput (req/s):':<40}{rep.goodput:<10.2f}")
     lines.append(f"{'SLO attainment:':<40}{rep.attainment:<10.1%}")
     lines.append(f"{'Failed quality check:':<40}{rep.quality_failed:<10}")
