@@ -21,9 +21,9 @@ scale by ``tp``, and each layer adds two all-reduces of the step's activations
 link bandwidth (ring all-reduce; NVLink 4 by default) plus a fixed latency.
 
 Activations, other communication and kernel inefficiencies other than the two efficiency
-factors are ignored; the fixed overhead stands for kernel launches, sampling and the scheduler itself. It is
-a first-order model: good for comparing schedules (which batch shapes cost what), not for
-predicting a real engine's latency to a few percent.
+factors are ignored; the fixed overhead stands for kernel launches, sampling and the scheduler
+itself. It is a first-order model: good for comparing schedules (which batch shapes cost
+what), not for predicting a real engine's latency to a few percent.
 """
 
 from __future__ import annotations
