@@ -29,6 +29,7 @@ from kvlab.sim.null_log import NullEventLog
 from kvlab.sim.serving import records_from_sim
 
 N = 10_000
+CPU = [0.0]   # CPU seconds of the last run (the machine may be shared: wall time inflates)
 CONFIG = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048, prefill_chunk=2048)
 SETUPS = (("Llama-3-8B", 1, 24.0), ("Llama-3-70B", 8, 28.0))   # model, tp, requests/s
 
@@ -42,8 +43,9 @@ def run(model: str, tp: int, specs, log) -> tuple[float, object]:
     cost = RooflineCostModel.named(model, "H100-80GB SXM", tp=tp)
     sched = BaselineScheduler(KVCacheManager(cost.kv_blocks(16), 16,
                                              enable_prefix_caching=False), CONFIG, log=log)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = simulate(sched, specs, cost, record_steps=False)
+    CPU[0] = time.process_time() - c0
     return time.perf_counter() - t0, res
 
 
@@ -57,14 +59,15 @@ def main() -> None:
         rep = evaluate_slo(records_from_sim(res), SLO(ttft=1.0, tpot=0.05))
         s = res.summary()
         row = {"model": model, "gpu": "H100-80GB SXM", "tp": tp, "rate_req_s": rate,
-               "wall_s": round(wall, 2), "steps": res.num_steps,
+               "wall_s": round(wall, 2), "cpu_s": round(CPU[0], 2), "steps": res.num_steps,
                "simulated_s": round(res.makespan, 1),
                "requests_per_wall_s": round(N / wall, 1),
                "throughput_tok_s": round(s["throughput_tok_s"], 1),
                "ttft_p99_s": round(s["ttft_p99_s"], 4), "tpot_p50_s": round(s["tpot_p50_s"], 5),
                "attainment_ttft1s_tpot50ms": round(rep.attainment, 4)}
         out["setups"].append(row)
-        print(f"{model} tp={tp}: {N} requests at {rate}/s in {wall:.1f} s wall "
+        print(f"{model} tp={tp}: {N} requests at {rate}/s in {wall:.1f} s wall, "
+              f"{CPU[0]:.1f} s CPU "
               f"({row['steps']} steps, {row['simulated_s']} s simulated, "
               f"{row['requests_per_wall_s']} requests per wall second)")
     specs = workload(N, SETUPS[0][2])[:2000]
