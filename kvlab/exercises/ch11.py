@@ -73,7 +73,7 @@ def check_goodput_by_hand(goodput, attainment) -> str:
 
 RATE_SLO = SLO(ttft=0.3, tpot=0.02)
 RATE_GRID = (5, 10, 15, 20, 25, 30)
-RATE_REQUESTS = 150
+RATE_REQUESTS = 120
 RATE_TOLERANCE = 0.15
 
 
@@ -108,9 +108,9 @@ def check_max_rate(rate) -> str:
 
 # ------------------------------------------------------------------- 3. chunk for a TPOT budget
 
-TPOT_BUDGET_S = 0.011
+TPOT_BUDGET_S = 0.010
 CHUNK_RATE = 12.0
-CHUNK_REQUESTS = 120
+CHUNK_REQUESTS = 100
 CHUNK_CHOICES = (128, 256, 512, 1024, 2048, 4096)
 
 
