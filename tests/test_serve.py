@@ -302,3 +302,45 @@ def test_plan_is_open_loop_and_seeded() -> None:
         plan_requests(0, 1.0, fixed(1), fixed(1))
     with pytest.raises(ValueError):
         bench.length_dist("poisson:3")
+
+
+def test_non_streaming_client_gone_aborts_and_frees_kv(server, monkeypatch) -> None:
+    executor = server.engine.core.executor
+    real = executor.execute
+
+    def slow(output):              # 20 ms a step: 240 tokens take ~5 s
+        time.sleep(0.02)
+        return real(output)
+
+    monkeypatch.setattr(executor, "execute", slow)
+    before = httpx.get(server.url + "/metrics").text
+    body = {"model": MODEL, "prompt": "The river", "max_tokens": 240, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    wait_until(lambda: idle(server.engine))
+    server.engine.check_invariants()
+    after = httpx.get(server.url + "/metrics").text
+    assert metric(after, "vllm:request_success_total", finished_reason="abort") \
+        - metric(before, "vllm:request_success_total", finished_reason="abort") == 1
+
+
+def test_engine_step_failure_is_a_500_and_the_server_keeps_serving(server, monkeypatch) -> None:
+    executor = server.engine.core.executor
+    real = executor.execute
+    calls = {"n": 0}
+
+    def flaky(output):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real(output)
+
+    monkeypatch.setattr(executor, "execute", flaky)
+    resp = httpx.post(server.url + "/v1/completions",
+                      json={"model": MODEL, "prompt": "The town", "max_tokens": 4}, timeout=30)
+    assert resp.status_code == 500 and resp.json()["error"]["code"] == "engine_error"
+    ok = httpx.post(server.url + "/v1/completions",
+                    json={"model": MODEL, "prompt": "The town", "max_tokens": 4}, timeout=30)
+    assert ok.status_code == 200
+    wait_until(lambda: idle(server.engine))
+    server.engine.check_invariants()

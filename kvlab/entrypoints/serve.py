@@ -48,21 +48,26 @@ def _choice(chat: bool, index: int, text: str, finish: str | None, stream: bool)
     return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
 
 
-async def _next_or_gone(gen: AsyncIterator, request: Request):
-    """The generator's next output, or None if the client disconnected first (the request is
-    then aborted by the generator's cleanup)."""
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the ASGI server sends ``http.disconnect``; the body
+    has been read already, so nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _next_or_gone(gen: AsyncIterator, gone: asyncio.Task):
+    """The generator's next output, or None if the client disconnected first (the generator
+    is then closed, which aborts the request)."""
     task = asyncio.ensure_future(gen.__anext__())
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.2)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            with contextlib.suppress(BaseException):
-                await gen.aclose()
-            return None
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    with contextlib.suppress(BaseException):
+        await gen.aclose()
+    return None
 
 
 def build_app(aeng: AsyncEngine, served_model: str) -> Starlette:
@@ -93,33 +98,42 @@ def build_app(aeng: AsyncEngine, served_model: str) -> Starlette:
                 raise APIError(400, str(err), param=param, code="invalid_value") from None
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             gen = aeng.generate(rid, parsed.prompt, parsed.params)
-            first = await _next_or_gone(gen, request)
-            if first is None:
-                return Response(status_code=499)
-            reason = first.outputs[0].finish_reason if first.finished else None
-            if reason == "rejected":
-                raise APIError(503, "the server is overloaded: request refused at admission",
-                               code="overloaded")
-            if reason == "error":
-                raise APIError(500, "the engine failed while running the request",
-                               code="engine_error")
-            created = int(time.time())
-            if parsed.stream:
-                return StreamingResponse(_sse(first, gen, rid, parsed, created),
-                                         media_type="text/event-stream")
-            out = first
-            while not out.finished:
-                out = await _next_or_gone(gen, request)
-                if out is None:
-                    return Response(status_code=499)
-            return JSONResponse({
-                "id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": created, "model": served_model,
-                "choices": [_choice(chat, c.index, c.text, c.finish_reason, False)
-                            for c in out.outputs],
-                "usage": _usage(out)})
+            gone = asyncio.ensure_future(_client_gone(request))
+            try:
+                return await answer(parsed, gen, gone, rid)
+            finally:
+                gone.cancel()
         except APIError as err:
             return fail(err)
+
+    async def answer(parsed: ParsedRequest, gen: AsyncIterator, gone: asyncio.Task,
+                     rid: str) -> Response:
+        chat = parsed.chat
+        first = await _next_or_gone(gen, gone)
+        if first is None:
+            return Response(status_code=499)
+        reason = first.outputs[0].finish_reason if first.finished else None
+        if reason == "rejected":
+            raise APIError(503, "the server is overloaded: request refused at admission",
+                           code="overloaded")
+        if reason == "error":
+            raise APIError(500, "the engine failed while running the request",
+                           code="engine_error")
+        created = int(time.time())
+        if parsed.stream:
+            return StreamingResponse(_sse(first, gen, rid, parsed, created),
+                                     media_type="text/event-stream")
+        out = first
+        while not out.finished:
+            out = await _next_or_gone(gen, gone)
+            if out is None:
+                return Response(status_code=499)
+        return JSONResponse({
+            "id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": served_model,
+            "choices": [_choice(chat, c.index, c.text, c.finish_reason, False)
+                        for c in out.outputs],
+            "usage": _usage(out)})
 
     async def _sse(first, gen: AsyncIterator, rid: str, parsed: ParsedRequest,
                    created: int) -> AsyncIterator[str]:
