@@ -106,9 +106,70 @@ def test_ch05_checks():
                if kv.has(rid) and e.request.status not in RUNNING_STATUSES}
     assert orphans == {"q3"}
     assert "Correct" in ch05.check_orphans(orphans)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="missed 1 orphan") as err:
         ch05.check_orphans(set())
+    assert "q3" not in str(err.value)
+    with pytest.raises(AssertionError, match="'q0' is not an orphan") as err:
+        ch05.check_orphans({"q0", "q3"})
+    assert "missed" not in str(err.value)
     assert "Not answered" in try_check(ch05.check_orphans, ...)
+
+
+def test_ch05_status_path_check():
+    from kvlab.core.lifecycle import EventLog
+
+    log = EventLog()
+    sched = ch05.tight_scheduler(log=log)
+    drive(sched, arrivals=ch05.tight_arrivals(), aborts={ch05.ABORT_STEP: ["q2"]})
+    truth = ["waiting"] + [e.data[1] for e in log.events
+                           if e.request_id == "q2" and e.kind == "transition"]
+    assert truth == ["waiting", "running", "preempted", "cancelled"]
+    assert "Correct" in ch05.check_status_path(truth, "abort")
+    with pytest.raises(AssertionError, match="entry 3") as err:
+        ch05.check_status_path(["waiting", "running", "preempted", "running"], "abort")
+    assert "cancelled" not in str(err.value)
+    with pytest.raises(AssertionError, match="stops too early"):
+        ch05.check_status_path(truth[:3], "abort")
+    with pytest.raises(AssertionError, match="not the finish reason") as err:
+        ch05.check_status_path(truth, "length")
+    assert "'abort'" not in str(err.value).split("the reasons are")[0]
+
+
+def test_ch05_no_preemption_blocks_check():
+    assert [ch05.preemptions_with(b) > 0 for b in (11, 12)] == [True, False]
+    assert "Correct" in ch05.check_no_preemption_blocks(12)
+    with pytest.raises(AssertionError, match="too low") as err:
+        ch05.check_no_preemption_blocks(9)
+    assert "12" not in str(err.value)
+    with pytest.raises(AssertionError, match="too high") as err:
+        ch05.check_no_preemption_blocks(16)
+    assert "12" not in str(err.value)
+
+
+def test_ch05_crash_design_check():
+    from kvlab.core.lifecycle import EventLog
+    from kvlab.core.recovery import recover
+
+    full = EventLog()
+    drive(ch05.tight_scheduler(log=full), arrivals=ch05.tight_arrivals())
+    good = []
+    for k in range(len(full.events)):           # the truth, computed independently
+        log = EventLog(crash_at=k)
+        sched = ch05.tight_scheduler(log=log)
+        try:
+            drive(sched, arrivals=ch05.tight_arrivals())
+        except Exception:
+            pass
+        _, report = recover(log.events, sched.kv,
+                            lambda kv, lg: ch05.ProductionScheduler(kv, ch05.TIGHT_CONFIG, log=lg))
+        if report.freed and report.resumed:
+            good.append(k)
+    assert good
+    assert "Correct" in ch05.check_crash_design(good[0])
+    with pytest.raises(AssertionError, match="no orphan"):
+        ch05.check_crash_design(0)
+    with pytest.raises(AssertionError, match="event index"):
+        ch05.check_crash_design(len(full.events))
 
 
 def test_ch06_checks():
