@@ -174,16 +174,45 @@ def test_ch05_crash_design_check():
 
 def test_ch06_checks():
     assert "Correct" in ch06.check_batch([("d0", 1), ("d1", 1), ("p0", 4), ("w0", 2)])
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="entry 0") as err:
         ch06.check_batch([("p0", 4), ("d0", 1)])
+    assert "d1" not in str(err.value) and "w0" not in str(err.value)
+    with pytest.raises(AssertionError, match="wrong token count for p0") as err:
+        ch06.check_batch([("d0", 1), ("d1", 1), ("p0", 6)])
+    assert "'w0'" not in str(err.value)
+    with pytest.raises(AssertionError, match="more requests fit"):
+        ch06.check_batch([("d0", 1), ("d1", 1), ("p0", 4)])
     assert "Correct" in ch06.check_deadline_policy(ch06.edf_then_priority)
     with pytest.raises(AssertionError, match="first token at step"):
         ch06.check_deadline_policy(default_order_key)
     with pytest.raises(AssertionError):
         ch06.check_deadline_policy(42)
     assert "Correct" in ch06.check_starvation_bound(16 + 4 * 2560)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="too low") as err:
         ch06.check_starvation_bound(2560)
+    assert "10,256" not in str(err.value) and "10256" not in str(err.value)
+    with pytest.raises(AssertionError, match="too high"):
+        ch06.check_starvation_bound(16 + 5 * 2560)
+
+
+def test_ch06_chunk_design_check():
+    from kvlab.sim.itl import inter_token_latencies, percentile
+
+    slo = ch06.CHUNK_SWEEP["itl_p99_slo_s"]
+    p99 = {c: percentile(inter_token_latencies(ch06.run_chunk(c)), 99)
+           for c in ch06.CHUNK_SWEEP["chunks"]}
+    assert all(a < b for a, b in zip(list(p99.values()), list(p99.values())[1:], strict=False))
+    truth = max(c for c, v in p99.items() if v <= slo)
+    assert truth == 1024
+    assert "Correct" in ch06.check_chunk_design(truth)
+    with pytest.raises(AssertionError, match="too large") as err:
+        ch06.check_chunk_design(2048)
+    assert "1024" not in str(err.value)
+    with pytest.raises(AssertionError, match="too small") as err:
+        ch06.check_chunk_design(512)
+    assert "1024" not in str(err.value)
+    with pytest.raises(AssertionError, match="choose one of"):
+        ch06.check_chunk_design(300)
 
 
 def test_recovery_figure_and_explorer():
