@@ -132,7 +132,7 @@ def check_starvation_bound(answer) -> str:
 # ------------------------------------------------------------------- chunked prefill and ITL
 
 #: The chunk-size sweep of the chapter and of :func:`check_chunk_design`.
-CHUNK_SWEEP = {"model": "Llama-3-8B", "gpu": "H100-80GB SXM", "requests": 120, "rate": 12.0,
+CHUNK_SWEEP = {"model": "Llama-3-8B", "gpu": "H100-80GB SXM", "requests": 80, "rate": 12.0,
                "prompt": (1024, 4096), "output": (64, 256), "seed": 0, "max_num_seqs": 64,
                "chunks": (256, 512, 1024, 2048, 4096), "itl_p99_slo_s": 0.020}
 
