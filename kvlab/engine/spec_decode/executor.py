@@ -121,21 +121,32 @@ class SpecExecutor:
         return ModelOutput(sampled, t4 - t0, info)
 
     def _verify(self, step, chunks, sampling, rows, proposals, logits):
+        """Rejection-sample every sampling request of the step (probabilities and
+        log-probabilities computed for all rows at once, then per request)."""
+        props = [proposals.get(chunks[i].request_id, Proposal((), None)) for i in sampling]
+        ctxs = [rows[chunks[i].request_id] for i in sampling]
+        row_params = [ctx.params for ctx, prop in zip(ctxs, props, strict=True)
+                      for _ in range(len(prop.tokens) + 1)]
+        masks = [self._target_masks(ctx, prop.tokens) for ctx, prop in zip(ctxs, props,
+                                                                           strict=True)]
+        allowed = None
+        if any(m is not None for m in masks):
+            allowed = torch.cat([m if m is not None else torch.ones(
+                len(prop.tokens) + 1, logits.shape[-1], dtype=torch.bool)
+                for m, prop in zip(masks, props, strict=True)])
+        probs = processed_probs(logits, row_params, allowed)
+        lp_all = torch.log_softmax(logits, dim=-1)
         sampled: dict[str, int | tuple[int, ...]] = {}
         logprobs: dict[str, object] = {}
         tops: dict[str, object] = {}
         spec: dict[str, tuple[int, int]] = {}
         row = 0
-        for i in sampling:
+        for i, ctx, prop in zip(sampling, ctxs, props, strict=True):
             c = chunks[i]
             rid = c.request_id
-            ctx = rows[rid]
-            prop = proposals.get(rid, Proposal((), None))
             k = len(prop.tokens)
-            block = logits[row:row + k + 1]
+            p, lp = probs[row:row + k + 1], lp_all[row:row + k + 1]
             row += k + 1
-            allowed = self._target_masks(ctx, prop.tokens)
-            p = processed_probs(block, ctx.params, allowed)
             first = c.start_pos + c.num_tokens    # position of the first token decided here
 
             def gens(j: int, seed=ctx.seed, first=first) -> torch.Generator | None:
@@ -149,16 +160,15 @@ class SpecExecutor:
             if c.num_lookahead:
                 self.metrics.record(step, rid, k, verdict.num_accepted, verdict.rejected)
                 spec[rid] = (k, verdict.num_accepted)
-            lp = torch.log_softmax(block[:len(tokens)], dim=-1)
-            chosen = [float(lp[j, t]) for j, t in enumerate(tokens)]
-            want = ctx.params.logprobs
+            chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
             top = None
+            want = ctx.params.logprobs
             if want is not None:
+                values, ids = lp[:len(tokens)].topk(min(max(want, 1), lp.shape[-1]), dim=-1)
                 top = []
                 for j, t in enumerate(tokens):
-                    values, ids = lp[j].topk(min(max(want, 1), lp.shape[-1]))
-                    d = {int(a): float(b) for a, b in zip(ids[:want].tolist(),
-                                                          values[:want].tolist(), strict=True)}
+                    d = {int(a): float(b) for a, b in zip(ids[j, :want].tolist(),
+                                                          values[j, :want].tolist(), strict=True)}
                     d[t] = chosen[j]
                     top.append(d)
             if c.num_lookahead:

@@ -114,16 +114,24 @@ class DraftModelProposer:
                               device=self.model.device)
         return self.model.logits(self.model(meta, self.cache.layers, rows=picked))
 
-    def _draw(self, logits: torch.Tensor, ctx: RowContext, position: int
-              ) -> tuple[int, torch.Tensor]:
+    def _draw(self, logits: torch.Tensor, ctxs: list[RowContext], positions: list[int]
+              ) -> list[tuple[int, torch.Tensor]]:
+        """Sample one draft per row (the rows' processed distributions, per-position draft
+        streams; argmax for greedy rows)."""
         allowed = None
-        if ctx.constraint is not None:
-            allowed = ctx.constraint.allowed()[None, :]
-        q = processed_probs(logits[None, :], ctx.params, allowed)[0]
-        if ctx.seed is None:
-            return int(q.argmax()), q
-        gen = position_generator(ctx.seed, position, DRAFT, "cpu")
-        return int(torch.multinomial(q.cpu(), 1, generator=gen)), q
+        if any(c.constraint is not None for c in ctxs):
+            allowed = torch.stack([c.constraint.allowed() if c.constraint is not None else
+                                   torch.ones(logits.shape[-1], dtype=torch.bool)
+                                   for c in ctxs]).to(logits.device)
+        q = processed_probs(logits, [c.params for c in ctxs], allowed).cpu()
+        out = []
+        for row, (ctx, pos) in enumerate(zip(ctxs, positions, strict=True)):
+            if ctx.seed is None:
+                out.append((int(q[row].argmax()), q[row]))
+            else:
+                gen = position_generator(ctx.seed, pos, DRAFT, "cpu")
+                out.append((int(torch.multinomial(q[row], 1, generator=gen)), q[row]))
+        return out
 
     @torch.inference_mode()
     def propose(self, chunks: Sequence[ScheduledChunk], rows: dict[str, RowContext]
@@ -136,17 +144,16 @@ class DraftModelProposer:
         drafts: dict[str, list[int]] = {chunks[i].request_id: [] for i in spec}
         qs: dict[str, list[torch.Tensor]] = {chunks[i].request_id: [] for i in spec}
 
-        def draw(j: int, row: torch.Tensor, i: int) -> None:
-            c = chunks[i]
-            ctx = rows[c.request_id]
-            token, q = self._draw(row, ctx, c.start_pos + 1 + j)
-            if ctx.constraint is not None:
-                ctx.constraint.accept(token)
-            drafts[c.request_id].append(token)
-            qs[c.request_id].append(q)
+        def draw(j: int, logits: torch.Tensor, which: list[int]) -> None:
+            ctxs = [rows[chunks[i].request_id] for i in which]
+            got = self._draw(logits, ctxs, [chunks[i].start_pos + 1 + j for i in which])
+            for i, ctx, (token, q) in zip(which, ctxs, got, strict=True):
+                if ctx.constraint is not None:
+                    ctx.constraint.accept(token)
+                drafts[chunks[i].request_id].append(token)
+                qs[chunks[i].request_id].append(q)
 
-        for r, i in enumerate(spec):
-            draw(0, logits[r], i)
+        draw(0, logits, spec)
         for j in range(1, max((chunks[i].num_lookahead for i in spec), default=0) + 1):
             # step j feeds draft j (position start + j); the last step only writes its KV
             active = [i for i in spec if chunks[i].num_lookahead >= j]
@@ -154,8 +161,8 @@ class DraftModelProposer:
             specs = [ChunkSpec((drafts[chunks[i].request_id][-1],), chunks[i].start_pos + j,
                                chunks[i].block_table) for i in active]
             logits = self._run(specs, want)
-            for row, r in enumerate(want):
-                draw(j, logits[row], active[r])
+            if want:
+                draw(j, logits, [active[r] for r in want])
         out = {}
         for i in spec:
             rid = chunks[i].request_id

@@ -28,16 +28,26 @@ from kvlab.engine.sampling import filter_logits
 __all__ = ["Verdict", "processed_probs", "verify"]
 
 
-def processed_probs(logits: torch.Tensor, params: SamplingParams,
+def processed_probs(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams],
                     allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``[R, V]`` of float64 probabilities after the grammar mask (``allowed``: bool
-    ``[R, V]``), temperature, top-k and top-p; greedy requests get the argmax one-hot."""
+    ``[R, V]``), temperature, top-k and top-p of each row's ``params`` (one for all rows, or
+    one per row); greedy rows get the argmax one-hot. One batched call for the whole step."""
+    rows = logits.shape[0]
+    per_row = [params] * rows if isinstance(params, SamplingParams) else list(params)
+    assert len(per_row) == rows, "one SamplingParams per row"
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
-    if params.greedy:
-        out = torch.zeros(logits.shape, dtype=torch.float64, device=logits.device)
-        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return filter_logits(logits, [params] * logits.shape[0]).double().softmax(-1)
+    out = torch.zeros(logits.shape, dtype=torch.float64, device=logits.device)
+    greedy = [i for i, p in enumerate(per_row) if p.greedy]
+    if greedy:
+        g = torch.tensor(greedy, device=logits.device)
+        out[g] = out[g].scatter_(-1, logits[g].argmax(-1, keepdim=True), 1.0)
+    rand = [i for i, p in enumerate(per_row) if not p.greedy]
+    if rand:
+        r = torch.tensor(rand, device=logits.device)
+        out[r] = filter_logits(logits[r], [per_row[i] for i in rand]).double().softmax(-1)
+    return out
 
 
 @dataclass(frozen=True)
