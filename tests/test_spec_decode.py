@@ -298,3 +298,79 @@ def test_tokens_2_3_are_distributed_exactly_as_without_speculation(params, monke
     bad = _sample_joint_23(_llm(DRAFT, 2, max_num_seqs=256, num_blocks=2048,
                                 max_num_batched_tokens=4096), prompt, params, N_SAMPLES)
     assert chi_square_test(bad, exact)[2] < ALPHA
+
+
+# --------------------------------------------------------------------------- rollback
+def _kv_view(engine, rid):
+    kv = engine.kv
+    snap = kv.snapshot()
+    request = engine.scheduler.find_request(rid)
+    table = len(kv.block_table(rid)) if request is not None and kv.has(rid) else None
+    computed = request.num_computed_tokens if request is not None else None
+    return (table, computed, snap.cached_blocks, snap.cached_tokens, snap.free_blocks,
+            snap.evictable_blocks, tuple(sorted(snap.refcounts)))
+
+
+@pytest.mark.parametrize("spec", [DRAFT, NGRAM], ids=["draft", "ngram"])
+def test_rollback_matches_a_plain_engine_after_every_step(spec):
+    """Stateful: after every speculative step, the block table length, computed tokens,
+    prefix-cache contents, free/evictable blocks and refcounts equal those of a plain engine
+    that generated the same tokens (greedy, so the tokens agree). Requests run one after
+    the other on the same two engines, so the cache carries earlier requests' blocks."""
+    kw = dict(num_blocks=64, block_size=4, max_num_seqs=4)
+    fast, slow = _llm(spec, 5, **kw).engine, _llm(**kw).engine
+    sp = SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)
+    steps = 0
+    for i, prompt in enumerate(PROMPTS[:5]):
+        rid = f"r{i}"
+        fast.add_request(rid, prompt, sp)
+        slow.add_request(rid, prompt, sp)
+        done_fast = done_slow = False
+        while not done_fast:
+            for out in fast.step():
+                done_fast = out.finished
+            request = fast.scheduler.find_request(rid)
+            n_fast = len(request.output_token_ids) if request is not None else sp.max_tokens
+            n_slow = -1
+            while n_slow < n_fast and not done_slow:
+                for out in slow.step():
+                    done_slow = out.finished
+                r2 = slow.scheduler.find_request(rid)
+                n_slow = len(r2.output_token_ids) if r2 is not None else sp.max_tokens
+            assert n_slow == n_fast
+            assert _kv_view(fast, rid) == _kv_view(slow, rid), (i, n_fast)
+            fast.check_invariants()
+            steps += 1
+        assert done_slow
+    assert steps < 5 * sp.max_tokens     # speculation did save steps
+    if spec is DRAFT:
+        assert fast.speculator.metrics.num_accepted_tokens > 0
+
+
+def test_lookahead_is_skipped_not_preempting_when_blocks_are_short():
+    """With a pool that fits the batch but not the lookahead, nobody is preempted for it."""
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    kw = dict(num_blocks=12, block_size=4, max_num_seqs=4, scheduler="production")
+    base = _llm(**kw).generate(PROMPTS[:4], sp, use_tqdm=False)
+    llm = _llm(DRAFT, 8, **kw)
+    outs = llm.generate(PROMPTS[:4], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+    assert sum(o.metrics.num_preemptions for o in outs) == sum(
+        o.metrics.num_preemptions for o in base)
+
+
+def test_abort_mid_run_releases_lookahead_blocks():
+    llm = _llm(DRAFT, 4, num_blocks=64, block_size=4)
+    eng = llm.engine
+    eng.add_request("a", PROMPTS[0], SamplingParams(max_tokens=30, temperature=0))
+    eng.add_request("b", PROMPTS[1], SamplingParams(max_tokens=30, temperature=0.8, seed=1))
+    for _ in range(4):
+        eng.step()
+    eng.abort_request("a")
+    eng.abort_request("b")
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.check_invariants()
+    snap = eng.kv.snapshot()
+    assert snap.free_blocks + snap.evictable_blocks == eng.num_blocks
+    assert not snap.tables
