@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -159,7 +160,7 @@ def test_greedy_identity_for_every_k(spec, greedy_reference):
         assert m["spec_decode_num_draft_tokens"] >= m["spec_decode_num_accepted_tokens"]
         assert len(m["spec_decode_num_accepted_tokens_per_pos"]) == k
         per_pos = m["spec_decode_num_accepted_tokens_per_pos"]
-        assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
+        assert all(a >= b for a, b in itertools.pairwise(per_pos))
         assert sum(per_pos) == m["spec_decode_num_accepted_tokens"]
         llm.engine.check_invariants()
         assert llm.engine.kv.snapshot().free_blocks + llm.engine.kv.snapshot().evictable_blocks \
@@ -238,8 +239,8 @@ def _exact_joint_23(prompt: str, params: SamplingParams) -> dict[tuple[int, int]
 
     joint: dict[tuple[int, int], float] = {}
     for p1, t1 in dist(ids):
-        for p2, t2 in dist(ids + (t1,)):
-            for p3, t3 in dist(ids + (t1, t2)):
+        for p2, t2 in dist((*ids, t1)):
+            for p3, t3 in dist((*ids, t1, t2)):
                 joint[(t2, t3)] = joint.get((t2, t3), 0.0) + p1 * p2 * p3
     return joint
 
@@ -290,7 +291,7 @@ def test_tokens_2_3_are_distributed_exactly_as_without_speculation(params, monke
             return got
         i = got.num_accepted
         token = int(torch.multinomial(p[i], 1, generator=generators(i)))
-        return verifier_module.Verdict(got.tokens[:-1] + (token,), i, got.rejected)
+        return verifier_module.Verdict((*got.tokens[:-1], token), i, got.rejected)
 
     from kvlab.engine.spec_decode import executor as executor_module
     real_verify = executor_module.verify
@@ -374,3 +375,47 @@ def test_abort_mid_run_releases_lookahead_blocks():
     snap = eng.kv.snapshot()
     assert snap.free_blocks + snap.evictable_blocks == eng.num_blocks
     assert not snap.tables
+
+
+# --------------------------------------------------------------------------- grammar
+GRAMMARS = [{"regex": r"(red|green|blue)( (red|green|blue)){0,5}\."},
+            {"regex": r"\(\d{3}\) \d{3}-\d{4}"},
+            {"choice": ["yes", "no", "not sure"]},
+            {"json": {"type": "object", "properties": {"age": {"type": "integer",
+                                                               "minimum": 0, "maximum": 99}},
+                      "required": ["age"]}}]
+
+
+@pytest.mark.parametrize("spec", [DRAFT, NGRAM], ids=["draft", "ngram"])
+def test_grammar_greedy_identity_and_state_rollback(spec):
+    """Draft and target rows get the same grammar mask; greedy constrained output equals the
+    plain engine's; after every step each grammar state has accepted exactly the request's
+    output tokens (``check_invariants`` compares them), so rejected drafts were rolled back."""
+    pytest.importorskip("xgrammar")
+    params = [SamplingParams(max_tokens=40, temperature=0, structured_outputs=g)
+              for g in GRAMMARS]
+    prompts = ["Colours: red green blue red green blue red green blue red green"] + PROMPTS[1:4]
+    want = [o.outputs[0].token_ids for o in _llm().generate(prompts, params, use_tqdm=False)]
+    eng = _llm(spec, 4).engine
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        eng.add_request(f"g{i}", p, sp)
+    got: dict[str, list[int]] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+        eng.check_invariants()
+    assert [got[f"g{i}"] for i in range(len(params))] == want
+    assert eng.speculator.metrics.num_draft_tokens > 0
+
+
+def test_grammar_sampled_outputs_stay_in_language_with_speculation():
+    pytest.importorskip("xgrammar")
+    regex = pytest.importorskip("regex")
+    g = GRAMMARS[0]
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured_outputs=g)
+              for s in range(12)]
+    llm = _llm(DRAFT, 3)
+    for out in llm.generate([PROMPTS[0]] * 12, params, use_tqdm=False):
+        assert regex.fullmatch(g["regex"], out.outputs[0].text), out.outputs[0].text
+    llm.engine.check_invariants()

@@ -9,7 +9,9 @@ It is the :class:`~kvlab.core.engine_core.Executor` of the real engine, and the 
 3. runs the forward pass (which writes the new K/V through the slot mapping), and
 4. samples one token from the logits of the last token of every chunk with ``sample=True``,
    with the :class:`~kvlab.engine.sampling.SamplerState` that the engine stored in the
-   request's ``engine_state``.
+   request's ``engine_state``; rows with a grammar (structured outputs) are masked first and
+   their grammar advanced by the token (:func:`~kvlab.engine.structured_outputs.bitmask.
+   sample_with_grammars`).
 
 It never changes requests, queues or KV ownership; the scheduler does.
 """
@@ -28,7 +30,8 @@ from kvlab.core.scheduler_api import RuntimeRequest, ScheduledChunk, SchedulerOu
 from .attention import AttentionMetadata, ChunkSpec, Workspace, build_metadata
 from .kv_cache import PagedKVCache
 from .model import LlamaModel
-from .sampling import SamplerState, sample
+from .sampling import SamplerState
+from .structured_outputs.bitmask import sample_with_grammars
 
 __all__ = ["ExecutorOutput", "StepInfo", "TorchExecutor"]
 
@@ -88,7 +91,7 @@ class TorchExecutor:
         assert lookup is not None, "TorchExecutor.execute needs a request lookup"
         states: list[SamplerState] = [lookup(rid).engine_state for rid in res.request_ids]
         assert all(isinstance(s, SamplerState) for s in states), "request without a sampler"
-        picked = sample(res.logits, states) if states else None
+        picked = sample_with_grammars(res.logits, states) if states else None
         sample_s = time.perf_counter() - t0
         ids = res.request_ids
         info = StepInfo(

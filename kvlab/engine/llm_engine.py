@@ -58,6 +58,7 @@ from .outputs import EngineStats, RequestMetrics, RequestOutput, StepTrace
 from .params import SamplingParams
 from .sampling import SamplerState
 from .spec_decode.setup import Speculator
+from .structured_outputs.manager import StructuredOutputManager
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["DEFAULT_KV_CACHE_MEMORY_CPU", "EngineStats", "LLMEngine", "Prompt", "StepTrace"]
@@ -175,6 +176,8 @@ class LLMEngine:
         self._ending: dict[str, tuple[str, ...]] = {}   # aborted request id -> its sample ids
         self.last_trace: StepTrace | None = None
         self.stats = EngineStats()
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
+                                                          self.eos_token_ids)
         self.outputs = OutputProcessor(
             self.scheduler.get_request,
             self.tokenizer.decode if self.tokenizer is not None else None)
@@ -234,6 +237,9 @@ class LLMEngine:
         stops = set(p.stop_token_ids)
         if not p.ignore_eos:
             stops.update(self.eos_token_ids[1:])  # extra eos ids act as stop tokens
+        stops.update(self.structured_outputs.stop_token_ids_for(p))  # a grammar ends at EOS
+        sampler = SamplerState.create(p, (seed + sample.index) % SEED_MOD, self.device)
+        sampler.grammar = self.structured_outputs.new_state(p)  # one per sample (n > 1)
         return RuntimeRequest(
             request_id=sample.seq_id,
             prompt_token_ids=state.prompt_token_ids,
@@ -244,7 +250,7 @@ class LLMEngine:
             ignore_eos=p.ignore_eos,
             arrival_time=state.metrics.arrival_time,
             max_model_len=self.max_model_len,
-            engine_state=SamplerState.create(p, (seed + sample.index) % SEED_MOD, self.device),
+            engine_state=sampler,
         )
 
     def validate_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -268,6 +274,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.check_vocab(self.config.vocab_size)
+        self.structured_outputs.validate(params)  # compiles (cached): a bad grammar raises
         text, ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the context: "
@@ -392,6 +399,9 @@ class LLMEngine:
                 assert self.outputs.requests.get(state.request_id) is state, f"orphan {rid}"
                 assert sample.ended is not None or self.scheduler.find_request(rid) is not None, \
                     f"the scheduler lost {rid}"
+            self.structured_outputs.check_states(
+                (r.request_id, r.engine_state, r.output_token_ids)
+                for r in self.scheduler.requests() if not r.status.is_terminal)
             for state in self.outputs.requests.values():
                 assert state.samples, f"request {state.request_id} has no sample"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,6 +32,8 @@ class SamplerState:
 
     params: SamplingParams
     generator: torch.Generator | None  # None for greedy sequences
+    # structured outputs: the sequence's GrammarState (kvlab.engine.structured_outputs), or None
+    grammar: Any = None
 
     @classmethod
     def create(cls, params: SamplingParams, seed: int, device: torch.device | str = "cpu"

@@ -35,6 +35,7 @@ from ..executor import StepInfo
 from ..kv_cache import PagedKVCache
 from ..model import LlamaModel
 from ..sampling import SamplerState
+from .grammar import GrammarCursor
 from .metrics import SpecDecodeMetrics
 from .proposers import DraftModelProposer, NgramProposer, Proposal, RowContext
 from .rng import TARGET, position_generator
@@ -43,10 +44,10 @@ from .verifier import processed_probs, verify
 __all__ = ["SpecExecutor", "SpecStepInfo", "grammar_of"]
 
 
-def grammar_of(state: SamplerState) -> object | None:
-    """The request's grammar constraint (``allowed() -> bool[V]``, ``accept(t)``,
-    ``rollback(n)``), or None. Hook for structured outputs."""
-    return getattr(state, "grammar", None)
+def grammar_of(state: SamplerState) -> GrammarCursor | None:
+    """A cursor over the request's grammar state (structured outputs), or None."""
+    grammar = getattr(state, "grammar", None)
+    return None if grammar is None else GrammarCursor(grammar)
 
 
 @dataclass
@@ -155,8 +156,7 @@ class SpecExecutor:
             verdict = verify(p, prop.tokens, None if prop.q is None else prop.q.cpu(), gens)
             tokens = verdict.tokens[:stop_cut(self.requests(rid), verdict.tokens)]
             if ctx.constraint is not None:
-                for t in tokens:
-                    ctx.constraint.accept(t)
+                ctx.constraint.commit(tokens)
             if c.num_lookahead:
                 self.metrics.record(step, rid, k, verdict.num_accepted, verdict.rejected)
                 spec[rid] = (k, verdict.num_accepted)
@@ -188,7 +188,7 @@ class SpecExecutor:
         masks = []
         for t in drafts:
             masks.append(c.allowed())
-            c.accept(t)
+            c.push(t)
         masks.append(c.allowed())
-        c.rollback(len(drafts))
+        c.pop_all()
         return torch.stack(masks)

@@ -84,10 +84,10 @@ class NgramProposer:
             if ctx.constraint is not None:   # keep the drafts the grammar allows
                 kept = []
                 for t in drafts:
-                    if not ctx.constraint.allowed()[t] or not ctx.constraint.accept(t):
+                    if not ctx.constraint.push(t):
                         break
                     kept.append(t)
-                ctx.constraint.rollback(len(kept))
+                ctx.constraint.pop_all()
                 drafts = tuple(kept)
             out[c.request_id] = Proposal(drafts, None)
         return out
@@ -149,7 +149,7 @@ class DraftModelProposer:
             got = self._draw(logits, ctxs, [chunks[i].start_pos + 1 + j for i in which])
             for i, ctx, (token, q) in zip(which, ctxs, got, strict=True):
                 if ctx.constraint is not None:
-                    ctx.constraint.accept(token)
+                    ctx.constraint.push(token)
                 drafts[chunks[i].request_id].append(token)
                 qs[chunks[i].request_id].append(q)
 
@@ -168,6 +168,6 @@ class DraftModelProposer:
             rid = chunks[i].request_id
             ctx = rows[rid]
             if ctx.constraint is not None:
-                ctx.constraint.rollback(len(drafts[rid]))
+                ctx.constraint.pop_all()
             out[rid] = Proposal(tuple(drafts[rid]), torch.stack(qs[rid]))
         return out
