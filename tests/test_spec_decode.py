@@ -394,7 +394,7 @@ def test_grammar_greedy_identity_and_state_rollback(spec):
     pytest.importorskip("xgrammar")
     params = [SamplingParams(max_tokens=40, temperature=0, structured_outputs=g)
               for g in GRAMMARS]
-    prompts = ["Colours: red green blue red green blue red green blue red green"] + PROMPTS[1:4]
+    prompts = ["Colours: red green blue red green blue red green blue red green", *PROMPTS[1:4]]
     want = [o.outputs[0].token_ids for o in _llm().generate(prompts, params, use_tqdm=False)]
     eng = _llm(spec, 4).engine
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):

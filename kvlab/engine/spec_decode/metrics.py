@@ -43,6 +43,13 @@ class SpecDecodeMetrics:
         if not self.accepted_per_pos:
             self.accepted_per_pos = [0] * self.num_speculative_tokens
 
+    def reset(self) -> None:
+        """Zero every counter and the history (in place: the executor holds this object)."""
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.num_speculative_tokens
+        self.draft_time_s = self.target_time_s = 0.0
+        self.history.clear()
+
     def record(self, step: int, request_id: str, num_draft: int, num_accepted: int,
                rejected: tuple[int, int, float, float] | None) -> None:
         if num_draft:
