@@ -94,6 +94,8 @@ def run(spec: dict | None, k: int, batch: int) -> dict:
             "mean_accepted_length_full_k": (1 + sum(r.num_accepted for r in full_k)
                                             / len(full_k)) if full_k else None,
             "leviathan_expected_length": leviathan_length(a, k),
+            "alpha_first_pos": per_pos[0],
+            "leviathan_expected_length_first_pos": leviathan_length(per_pos[0], k),
             "mean_draft_tokens_per_verification": (m.num_draft_tokens / m.num_drafts
                                                    if m.num_drafts else 0.0),
             "draft_s_per_step": m.draft_time_s / steps,
