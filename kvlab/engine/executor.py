@@ -30,7 +30,7 @@ from kvlab.core.scheduler_api import RuntimeRequest, ScheduledChunk, SchedulerOu
 from .attention import AttentionMetadata, ChunkSpec, Workspace, build_metadata
 from .kv_cache import PagedKVCache
 from .model import LlamaModel
-from .sampling import SamplerState
+from .sampling import SamplerState, sample
 from .structured_outputs.bitmask import sample_with_grammars
 
 __all__ = ["ExecutorOutput", "StepInfo", "TorchExecutor"]
@@ -91,7 +91,7 @@ class TorchExecutor:
         assert lookup is not None, "TorchExecutor.execute needs a request lookup"
         states: list[SamplerState] = [lookup(rid).engine_state for rid in res.request_ids]
         assert all(isinstance(s, SamplerState) for s in states), "request without a sampler"
-        picked = sample_with_grammars(res.logits, states) if states else None
+        picked = sample_with_grammars(res.logits, states, sample) if states else None
         sample_s = time.perf_counter() - t0
         ids = res.request_ids
         info = StepInfo(
