@@ -419,3 +419,44 @@ def test_grammar_sampled_outputs_stay_in_language_with_speculation():
     for out in llm.generate([PROMPTS[0]] * 12, params, use_tqdm=False):
         assert regex.fullmatch(g["regex"], out.outputs[0].text), out.outputs[0].text
     llm.engine.check_invariants()
+
+
+def test_abort_during_the_step_is_applied_after_verification():
+    """An abort that arrives while the step executes (here: from inside the proposer) takes
+    effect when the step ends; the lookahead blocks and the rest are released exactly once."""
+    eng = _llm(DRAFT, 4, num_blocks=64, block_size=4).engine
+    eng.add_request("a", PROMPTS[0], SamplingParams(max_tokens=30, temperature=0))
+    eng.add_request("b", PROMPTS[1], SamplingParams(max_tokens=30, temperature=0))
+    eng.step()
+    proposer = eng.executor.proposer
+    real = proposer.propose
+    calls = []
+
+    def propose(chunks, rows):
+        if not calls:
+            calls.append(eng.abort_request("a"))   # lands mid-step
+        return real(chunks, rows)
+
+    proposer.propose = propose
+    eng.step()
+    assert calls and calls[0].outputs[0].finish_reason == "abort"
+    assert not eng.kv.has("a") and eng.kv.has("b")
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.check_invariants()
+    snap = eng.kv.snapshot()
+    assert snap.free_blocks + snap.evictable_blocks == eng.num_blocks
+
+
+def test_kv_budget_pays_for_the_draft_cache():
+    """Sized from a byte budget, the pool holds fewer blocks when each block also stores the
+    draft's KV (n-gram has no second cache)."""
+    budget = 8 * 2**20
+    plain = LLM("kvlab-tiny", kv_cache_memory=budget).engine
+    draft = _llm(DRAFT, 2, num_blocks=None, kv_cache_memory=budget).engine
+    ngram = _llm(NGRAM, 2, num_blocks=None, kv_cache_memory=budget).engine
+    t = plain.config.kv_bytes_per_token(4)
+    d = draft.speculator.draft.config.kv_bytes_per_token(4)
+    assert ngram.num_blocks == plain.num_blocks
+    assert draft.num_blocks == budget // ((t + d) * draft.block_size)
+    assert draft.executor.proposer.cache.num_blocks == draft.num_blocks
