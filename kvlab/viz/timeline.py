@@ -198,7 +198,7 @@ class BatchTimeline:
 _STATE_POS = {
     "waiting": (0.0, 1.0), "running": (2.1, 1.0),
     "preempted": (2.1, 2.1), "finished": (4.2, 1.0), "cancelled": (2.8, -0.2),
-    "failed": (1.4, -0.2), "rejected": (0.0, -0.2),
+    "failed": (1.4, -0.2), "rejected": (0.0, -0.2), "waiting_for_remote_kv": (0.0, 2.1),
 }
 
 
@@ -240,7 +240,8 @@ def state_diagram_figure(transitions: dict, holds_kv: dict[str, bool],
             ax.add_patch(FancyBboxPatch((x - w / 2 + 0.04, y - h / 2 + 0.04), w - 0.08, h - 0.08,
                                         boxstyle="round,pad=0.02,rounding_size=0.06",
                                         facecolor="none", edgecolor=edge, linewidth=0.8))
-        ax.text(x, y, name.upper(), ha="center", va="center", fontsize=9,
+        ax.text(x, y, name.upper().replace("_", " ").replace(" FOR ", " FOR\n"), ha="center",
+                va="center", fontsize=9 if "_" not in name else 7.5,
                 color="white" if held else INK, fontweight="bold")
     ax.set_xlim(-0.7, 4.9)
     ax.set_ylim(-0.6, 2.5)
@@ -251,7 +252,7 @@ def state_diagram_figure(transitions: dict, holds_kv: dict[str, bool],
                Patch(facecolor=BLOCK_STATE_COLORS["free"], edgecolor=INK, label="holds no KV"),
                Patch(facecolor="white", edgecolor=INK, linewidth=2.0,
                      label="terminal (double border)")]
-    ax.legend(handles=handles, loc="upper left", fontsize=8)
+    ax.legend(handles=handles, loc="upper right", fontsize=8)
     fig.tight_layout()
     return fig
 
