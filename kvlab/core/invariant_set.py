@@ -152,6 +152,13 @@ class InvariantMonitor:
                 raise InvariantViolation(inv, b.subject, b.detail, view.step) from None
             self.checks += 1
 
+    def reset(self) -> None:
+        """Start a new history (after crash recovery: the recovered log is read afresh and the
+        requests restart from what was durable); the count of checks is kept."""
+        checks = self.checks
+        self.__init__(self.invariants)
+        self.checks = checks
+
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop the history of requests whose ids may be reused (recovery rebuilds them)."""
         for rid in request_ids:
@@ -203,7 +210,7 @@ def check_writes(view: EngineView, output: SchedulerOutput) -> None:
         if chunk.num_tokens == 0:
             continue
         first = chunk.start_pos // bs
-        last = (chunk.start_pos + chunk.num_tokens - 1) // bs
+        last = (chunk.start_pos + getattr(chunk, "num_query_tokens", chunk.num_tokens) - 1) // bs
         for i in range(first, last + 1):
             b = chunk.block_table[i]
             owners = pool.owners(b)
@@ -302,10 +309,10 @@ def _monotonic(view: EngineView, monitor: InvariantMonitor) -> None:
     for r in view.requests():
         rid, out = r.request_id, tuple(r.output_token_ids)
         before = monitor.outputs.get(rid, ())
-        require(out[:len(before)] == before, f"request {rid}",
-                f"output shrank or changed: had {len(before)} tokens, now {len(out)}"
-                + ("" if len(out) < len(before) else
-                   f", first difference at {next(i for i, (a, b) in enumerate(zip(before, out)) if a != b)}"))
+        if out[:len(before)] != before:
+            diff = next((i for i, (a, b) in enumerate(zip(before, out)) if a != b), len(out))
+            raise Broken(f"request {rid}", f"output shrank or changed: had {len(before)} "
+                         f"tokens, now {len(out)}; first difference at position {diff}")
         monitor.outputs[rid] = out
         require(r.num_preemptions >= monitor.preemptions.get(rid, 0), f"request {rid}",
                 "preemption count went back")
@@ -361,22 +368,13 @@ def _rollback(view: EngineView, monitor: InvariantMonitor) -> None:
     for r in view.requests():
         rid = r.request_id
         if r.status is S.RUNNING and kv.has(rid):
-            slots = kv.num_slots(rid)
-            need = kv.blocks_for(max(r.num_computed_tokens, 1))
-            require(len(kv.block_table(rid)) <= max(need, 1) + _lookahead(view),
-                    f"request {rid}", f"holds {len(kv.block_table(rid))} blocks for "
-                    f"{r.num_computed_tokens} computed tokens: rejected tail not given back")
-            require(slots >= r.num_computed_tokens, f"request {rid}",
-                    f"{slots} KV slots < {r.num_computed_tokens} computed tokens")
+            held, need = len(kv.block_table(rid)), kv.blocks_for(r.num_computed_tokens)
+            require(held == need, f"request {rid}",
+                    f"holds {held} blocks for {r.num_computed_tokens} computed tokens "
+                    f"(needs {need}): the rejected tail was not given back")
     for probe in view.rollback_probes:
         for subject, problem in probe():
             raise Broken(subject, problem)
-
-
-def _lookahead(view: EngineView) -> int:
-    cfg = getattr(view.scheduler, "config", None)
-    k = getattr(cfg, "num_lookahead_tokens", 0) or 0
-    return -(-k // view.kv.block_size) + 1 if k else 1
 
 
 # ----------------------------------------------------------------------------- 8
