@@ -310,5 +310,7 @@ def _recover(dead: Any, make: Any, injector: FaultInjector, monitor: InvariantMo
     for rid in list(injector.withheld):      # recovery freed the tables the log cannot explain
         if not kv.has(rid):
             injector.withheld.remove(rid)
-    monitor.reset()
+    monitor.reset({r.request_id: len(kv.block_table(r.request_id))
+                   - kv.blocks_for(r.num_computed_tokens)
+                   for r in scheduler.requests() if kv.has(r.request_id)})
     return new_core(scheduler)
