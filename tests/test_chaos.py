@@ -145,7 +145,7 @@ def test_invariant_2_catches_a_write_into_a_shared_block_without_copy():
 
 def test_invariant_3_catches_a_request_reported_finished_twice():
     class Twice(BaselineScheduler):
-        previous: list = []
+        previous: list = []  # noqa: RUF012 (the mutation's memory)
 
         def update_from_output(self, output, sampled):
             ended = super().update_from_output(output, sampled)
@@ -213,3 +213,20 @@ def test_invariant_9_catches_admission_without_a_reservation(monkeypatch):
     monkeypatch.setattr(s, "reserved_blocks", lambda: 0)   # the mutation: forgets running claims
     reqs = [_req(f"r{i}", [3 * i + 1, 3 * i + 2, 3 * i + 3], 12) for i in range(4)]
     _expect(9, "engine", lambda: _run(s, reqs))
+
+
+def test_llm_check_invariants_every_step_runs_the_set_and_validates_its_argument():
+    from kvlab import LLM, SamplingParams
+
+    with pytest.raises(ValueError, match="check_invariants"):
+        LLM("kvlab-tiny", num_blocks=32, check_invariants="sometimes")
+    llm = LLM("kvlab-tiny", num_blocks=64, block_size=8, max_num_seqs=4, scheduler="production",
+              check_invariants="every_step",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 2
+    outs = llm.generate([prompt, [*prompt, 4]], SamplingParams(max_tokens=10, n=2),
+                        use_tqdm=False)
+    assert all(len(c.token_ids) == 10 for o in outs for c in o.outputs)
+    steps = llm.engine.stats.steps
+    assert llm.engine.invariant_hook.monitor.checks >= 9 * steps > 0
+    assert LLM("kvlab-tiny", num_blocks=32).engine.invariant_hook is None   # off by default

@@ -288,7 +288,7 @@ def _one_state(view: EngineView, monitor: InvariantMonitor) -> None:
         rid, st = r.request_id, r.status
         places = where.pop(rid, [])
         if st.is_terminal:
-            places = places + ["ended"]
+            places = [*places, "ended"]
         require(len(places) == 1, f"request {rid}",
                 f"status {st.value} but in {places or 'no queue'}")
         expect = {S.WAITING: "waiting", S.PREEMPTED: "waiting", S.RUNNING: "running"}.get(st)
@@ -313,7 +313,8 @@ def _monotonic(view: EngineView, monitor: InvariantMonitor) -> None:
         rid, out = r.request_id, tuple(r.output_token_ids)
         before = monitor.outputs.get(rid, ())
         if out[:len(before)] != before:
-            diff = next((i for i, (a, b) in enumerate(zip(before, out)) if a != b), len(out))
+            pairs = enumerate(zip(before, out, strict=False))
+            diff = next((i for i, (a, b) in pairs if a != b), len(out))
             raise Broken(f"request {rid}", f"output shrank or changed: had {len(before)} "
                          f"tokens, now {len(out)}; first difference at position {diff}")
         monitor.outputs[rid] = out
@@ -338,7 +339,8 @@ def _scopes(view: EngineView, monitor: InvariantMonitor) -> None:
         rid = r.request_id
         if not kv.has(rid):
             continue
-        require(tuple(kv.scope_of(rid)) == tuple(r.scope), f"request {rid}",
+        same = tuple(kv.scope_of(rid)) == tuple(r.scope)
+        require(same, f"request {rid}",
                 "KV table registered under another scope than the request's")
         tokens = r.all_token_ids
         for i, b in enumerate(kv.block_table(rid)):

@@ -204,7 +204,7 @@ class _Replayer:
 
     def _on_transition(self, event: Event, entry: ReplayedRequest) -> None:
         data, request = event.data, entry.request
-        if (len(data) not in (3, 4) or len(data) == 4 and not isinstance(data[3], str)
+        if (len(data) not in (3, 4) or (len(data) == 4 and not isinstance(data[3], str))
                 or data[0] not in _STATUS_VALUES or data[1] not in _STATUS_VALUES
                 or not (data[2] is None or data[2] in _REASON_VALUES)):
             raise _fail(event, f"transition data must be (status, status, reason | None), got "
