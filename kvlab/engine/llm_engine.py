@@ -112,7 +112,10 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         kv_transfer_config: dict | None = None,
         speculative_config: dict | None = None,
+        check_invariants: str | None = None,
     ):
+        from .invariant_hook import attach, check_mode
+        check_mode(check_invariants)
         check_engine_args(model=model, block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
                           max_prefill_chunk=max_prefill_chunk, kv_cache_memory=kv_cache_memory,
@@ -179,6 +182,7 @@ class LLMEngine:
         self.executor = Speculator.make_executor(self.speculator, self.model, self.cache,
                                                  self.scheduler.get_request, max_model_len)
         self.core = EngineCore(self.scheduler, self.executor)
+        self.invariant_hook = attach(self, check_invariants)   # None unless "every_step"
         self.enable_prefix_caching = enable_prefix_caching
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
