@@ -8,15 +8,16 @@ outcome on the consumer's KV pool.
 * :func:`fault_run_figure` — pure: a :class:`~kvlab.engine.kv_transfer.demo.FaultRun` in: the
   consumer's pool right after its decision (chapter 3's :func:`~kvlab.viz.blocks.pool_figure`).
 * :func:`fault_explorer` — a dropdown of faults and a button that runs one through a live
-  :class:`~kvlab.engine.kv_transfer.demo.PDDemo` (thin ipywidgets glue).
+  :class:`~kvlab.engine.kv_transfer.demo.PDDemo` (thin ipywidgets glue); its kernel-free twin
+  :func:`fault_kernel_free` runs every fault once on a fresh pair.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._widgets import figure_output
+from ._widgets import chapter_box, figure_output
 from .blocks import pool_figure
 from .style import INK, MUTED
 
@@ -79,13 +80,21 @@ def fault_run_figure(run: Any, *, per_row: int = 20):
                        title=f"consumer pool after '{run.fault}': {run.decision} → {run.action}")
 
 
-def fault_explorer(demo: Any, faults: Sequence[str] | None = None):
-    """Choose a fault, press run: one fresh request goes through ``demo`` (a PDDemo)."""
+def fault_explorer(demo: Any, faults: Sequence[str] | None = None, *,
+                   replay: Callable[[], Any] | None = None):
+    """Choose a fault, press run: one fresh request goes through ``demo`` (a PDDemo).
+
+    ``replay``, when given, returns a fresh demo set up like ``demo`` (e.g. ``PDDemo``): the
+    kernel-free twin (:func:`fault_kernel_free`) runs every fault on that copy, leaving ``demo``
+    untouched. Without it the widget has no kernel-free twin.
+    """
     import ipywidgets as w
 
     from kvlab.engine.kv_transfer.demo import DEMO_FAULTS
 
-    choice = w.Dropdown(options=list(faults or DEMO_FAULTS), value="none", description="fault")
+    options = list(faults or DEMO_FAULTS)
+    choice = w.Dropdown(options=options, value="none" if "none" in options else options[0],
+                        description="fault")
     button = w.Button(description="run it")
     state: dict[str, Any] = {}
 
@@ -96,4 +105,23 @@ def fault_explorer(demo: Any, faults: Sequence[str] | None = None):
     out, redraw = figure_output(draw, lambda: fault_run_caption(state["run"]))
     button.on_click(lambda _: redraw())
     redraw()
-    return w.VBox([w.HBox([choice, button]), out])
+    first = choice.value
+    return chapter_box(
+        [w.HBox([choice, button]), out],
+        what="fault explorer (a fault menu and a run button over a live producer/consumer pair)",
+        kernel_free=None if replay is None else lambda: fault_kernel_free(replay(), options,
+                                                                          first=first))
+
+
+def fault_kernel_free(demo: Any, faults: Sequence[str], *, first: str = "none"):
+    """The explorer without a kernel: ``first``, then every other fault of ``faults``, run in
+    that order on ``demo`` (a fresh PDDemo, as if each were chosen and run in turn), one frame
+    each with its caption."""
+    from .kernel_free import dropdown, static_widget
+
+    order = [first, *(f for f in faults if f != first)]
+    runs = {fault: demo.run(fault) for fault in order}
+    return static_widget(lambda fault: fault_run_figure(runs[fault]),
+                         {"fault": dropdown(list(faults))}, default={"fault": first},
+                         caption=lambda fault: fault_run_caption(runs[fault]),
+                         title="fault explorer (each fault run once, in turn, on a fresh pair)")

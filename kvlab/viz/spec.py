@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from kvlab.engine.spec_decode.acceptance import AcceptanceData
 
-__all__ = ["AcceptanceView", "acceptance_figure"]
+__all__ = ["AcceptanceView", "acceptance_caption", "acceptance_figure"]
 
 
 def acceptance_figure(data: AcceptanceData) -> Figure:
@@ -48,17 +48,32 @@ def acceptance_figure(data: AcceptanceData) -> Figure:
     return fig
 
 
+#: The kernel-free view's grid: 4 values of k x 2 temperatures x 2 methods = 16 frames.
+KERNEL_FREE_GRID = {
+    "k": (1, 2, 4, 8),
+    "temperature": (0.0, 0.8),
+    "method": ("draft_model", "ngram"),
+}
+
+
+def acceptance_caption(data: AcceptanceData) -> str:
+    """One line under the figure: the fitted alpha and the mean tokens per verification."""
+    return (f"{data.method}, k={data.k}, T={data.temperature:g}: alpha = {data.alpha:.2f}, "
+            f"mean tokens per verification = {data.mean_length:.2f}")
+
+
 class AcceptanceView:
     """Sliders for k and temperature, a method menu and a prompt box over a live engine
     (:func:`~kvlab.engine.spec_decode.acceptance.run_acceptance`); any change re-runs and
-    redraws :func:`acceptance_figure`."""
+    redraws :func:`acceptance_figure`. Its kernel-free twin (:meth:`kernel_free`) precomputes
+    :data:`KERNEL_FREE_GRID` for the initial prompt."""
 
     def __init__(self, k: int = 4, temperature: float = 0.0, method: str = "draft_model",
                  prompt: str = "The town of Harrow is") -> None:
         import ipywidgets as w
 
-        from kvlab.engine.spec_decode.acceptance import run_acceptance
-
+        self.k, self.temperature, self.method, self.prompt = k, temperature, method, prompt
+        self._runs: dict[tuple, AcceptanceData] = {}
         controls = {
             "k": w.IntSlider(value=k, min=1, max=8, description="k"),
             "temperature": w.FloatSlider(value=temperature, min=0.0, max=1.5, step=0.1,
@@ -68,7 +83,45 @@ class AcceptanceView:
             "prompt": w.Text(value=prompt, description="prompt", continuous_update=False),
         }
         self.widget = figure_widget(
-            controls, lambda **kw: acceptance_figure(run_acceptance(**kw)))
+            controls, lambda **kw: acceptance_figure(self.data(**kw)),
+            caption=lambda **kw: acceptance_caption(self.data(**kw)),
+            what="acceptance view (k, temperature, method, prompt over a live engine)",
+            kernel_free=self.kernel_free)
+
+    def data(self, k: int, temperature: float, method: str, prompt: str,
+             engines: dict | None = None) -> AcceptanceData:
+        """The run for these settings (computed once per settings, then remembered); ``engines``
+        is passed to ``run_acceptance`` (None: its shared engine cache)."""
+        from kvlab.engine.spec_decode.acceptance import run_acceptance
+
+        key = (k, round(float(temperature), 6), method, prompt)
+        if key not in self._runs:
+            self._runs[key] = run_acceptance(method, k=k, temperature=temperature,
+                                             prompt=prompt, engines=engines)
+        return self._runs[key]
+
+    def kernel_free(self):
+        """:data:`KERNEL_FREE_GRID` (plus the initial settings) precomputed for the initial
+        prompt, each frame captioned with its alpha and mean tokens per verification. The frames
+        run on engines of their own, so the shared ones (and later cells) are unaffected."""
+        from .kernel_free import dropdown, slider, static_widget
+
+        own: dict = {}
+
+        def values(name, start):
+            return tuple(sorted({*KERNEL_FREE_GRID[name], start}))
+
+        return static_widget(
+            lambda k, temperature, method: acceptance_figure(
+                self.data(k, temperature, method, self.prompt, own)),
+            {"k": slider(values("k", self.k)),
+             "temperature": dropdown(values("temperature", self.temperature)),
+             "method": dropdown(values("method", self.method))},
+            default={"k": self.k, "temperature": self.temperature, "method": self.method},
+            caption=lambda k, temperature, method: acceptance_caption(
+                self.data(k, temperature, method, self.prompt, own)),
+            title=f"acceptance view (prompt {self.prompt!r} plus three fixed ones)",
+            max_frames=24)
 
     def display(self) -> AcceptanceView:
         from IPython.display import display

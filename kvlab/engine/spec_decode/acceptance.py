@@ -31,20 +31,24 @@ _ENGINES: dict[tuple[str, int], object] = {}
 
 
 def run_acceptance(method: str = "draft_model", k: int = 4, temperature: float = 0.0,
-                   prompt: str = DEFAULT_PROMPTS[0], max_tokens: int = 32, seed: int = 0
-                   ) -> AcceptanceData:
+                   prompt: str = DEFAULT_PROMPTS[0], max_tokens: int = 32, seed: int = 0,
+                   engines: dict | None = None) -> AcceptanceData:
     """Generate with speculation for ``prompt`` and three fixed prompts; record acceptance.
-    Engines are cached per (method, k), so a widget can re-run quickly."""
+    Engines are cached per (method, k), so a widget can re-run quickly; a cached engine's
+    prefix cache and history carry over, so a repeated run may measure differently. ``engines``
+    (a dict, initially empty) replaces the module's cache: runs there leave the shared engines
+    untouched (the widget's kernel-free twin precomputes its frames that way)."""
     from kvlab.engine.llm import LLM
     from kvlab.engine.params import SamplingParams
 
+    cache = _ENGINES if engines is None else engines
     key = (method, k)
-    if key not in _ENGINES:
+    if key not in cache:
         spec = ({"method": "draft_model", "model": "kvlab-tiny-draft"} if method == "draft_model"
                 else {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3})
-        _ENGINES[key] = LLM("kvlab-tiny", num_blocks=256, max_num_seqs=8, seed=0,
-                            speculative_config={**spec, "num_speculative_tokens": k})
-    llm = _ENGINES[key]
+        cache[key] = LLM("kvlab-tiny", num_blocks=256, max_num_seqs=8, seed=0,
+                         speculative_config={**spec, "num_speculative_tokens": k})
+    llm = cache[key]
     metrics = llm.engine.speculator.metrics
     metrics.reset()
     prompts = [prompt, *DEFAULT_PROMPTS[1:]]
