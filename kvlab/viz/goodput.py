@@ -17,7 +17,8 @@ from .style import request_color
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
-__all__ = ["attainment_curve", "goodput_explorer", "goodput_figure"]
+__all__ = ["attainment_curve", "goodput_explorer", "goodput_figure", "goodput_kernel_free",
+           "goodput_table"]
 
 Curves = Mapping[str, tuple[Sequence[float], Sequence[Sequence[LatencyRecord]]]]
 
@@ -112,4 +113,55 @@ def goodput_explorer(curves: Curves, *, ttft_ms: float = 200.0, tpot_ms: float =
                          f"{rep.attainment:.0%}, goodput {rep.goodput / n:.2f}/s")
         return "\n".join(lines)
 
-    return figure_widget(controls, draw, caption=caption)
+    start = controls["rate"].value
+    return figure_widget(
+        controls, draw, caption=caption,
+        what="goodput explorer (TTFT and TPOT objectives, offered rate)",
+        kernel_free=lambda: goodput_kernel_free(curves, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
+                                                rate=start, gpus=gpus, target=target))
+
+
+#: The kernel-free explorer's grid: 3 TTFT x 4 TPOT objectives (ms) = 12 frames; the rate is
+#: not a control there: every rate's attainment and goodput is listed under each frame.
+KERNEL_FREE_GRID = {"ttft_ms": (100.0, 200.0, 400.0), "tpot_ms": (8.0, 9.0, 10.0, 12.0)}
+
+
+def goodput_table(curves: Curves, slo: SLO, *, gpus: Mapping[str, int] | None = None) -> str:
+    """Each set-up's attainment and goodput at every offered rate, one line per set-up."""
+    lines = []
+    for name, (rates, runs) in curves.items():
+        n = gpus[name] if gpus else 1
+        cells = []
+        for r, recs in zip(rates, runs, strict=True):
+            rep = evaluate_slo(recs, slo)
+            cells.append(f"{r / n:g}/s: {rep.attainment:.0%}, {rep.goodput / n:.2f}/s")
+        lines.append(f"{name} (rate: attainment, goodput{' per GPU' if gpus else ''}): "
+                     + "; ".join(cells))
+    return "\n".join(lines)
+
+
+def goodput_kernel_free(curves: Curves, *, ttft_ms: float = 200.0, tpot_ms: float = 10.0,
+                        rate: float | None = None, gpus: Mapping[str, int] | None = None,
+                        target: float = 0.9):
+    """The explorer without a kernel: :data:`KERNEL_FREE_GRID` (plus the initial objectives)
+    precomputed, the rate marker fixed at ``rate``, every rate's numbers under each frame."""
+    from .kernel_free import slider, static_widget
+
+    def values(name: str, start: float) -> tuple[float, ...]:
+        return tuple(sorted({*KERNEL_FREE_GRID[name], float(start)}))
+
+    def slo_of(ttft_ms: float, tpot_ms: float) -> SLO:
+        return SLO(ttft=ttft_ms / 1e3, tpot=tpot_ms / 1e3)
+
+    where = "" if rate is None else f", marker at {rate:g}/s{' per GPU' if gpus else ''}"
+    return static_widget(
+        lambda ttft_ms, tpot_ms: goodput_figure(curves, slo_of(ttft_ms, tpot_ms), rate=rate,
+                                                gpus=gpus, target=target),
+        {"ttft_ms": slider(values("ttft_ms", ttft_ms), label="TTFT ≤ ms",
+                           labels=[f"{v:g}" for v in values("ttft_ms", ttft_ms)]),
+         "tpot_ms": slider(values("tpot_ms", tpot_ms), label="TPOT ≤ ms",
+                           labels=[f"{v:g}" for v in values("tpot_ms", tpot_ms)])},
+        default={"ttft_ms": float(ttft_ms), "tpot_ms": float(tpot_ms)},
+        caption=lambda ttft_ms, tpot_ms: goodput_table(curves, slo_of(ttft_ms, tpot_ms),
+                                                       gpus=gpus),
+        title=f"goodput explorer (objectives precomputed{where})")
