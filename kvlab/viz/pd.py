@@ -119,6 +119,8 @@ def fault_kernel_free(demo: Any, faults: Sequence[str], *, first: str = "none"):
     each with its caption."""
     from .kernel_free import dropdown, static_widget
 
+    if first not in faults:
+        raise ValueError(f"first={first!r} is not one of the faults {list(faults)}")
     order = [first, *(f for f in faults if f != first)]
     runs = {fault: demo.run(fault) for fault in order}
     return static_widget(lambda fault: fault_run_figure(runs[fault]),
