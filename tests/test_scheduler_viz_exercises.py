@@ -217,7 +217,7 @@ def test_ch06_chunk_design_check():
 
 def test_recovery_figure_and_explorer():
     from kvlab.core.scheduler import ProductionScheduler
-    from kvlab.viz.timeline import RecoveryExplorer, RecoveryRow, event_text, recovery_figure
+    from kvlab.viz.lifecycle import RecoveryExplorer, RecoveryRow, event_text, recovery_figure
 
     def make(kv, log):
         return ProductionScheduler(kv, ch05.CONFIG, log=log)
