@@ -39,10 +39,13 @@ def test_goodput_twin_grid_default_frame_and_every_rate_in_the_caption():
     default = next(f for f in kf.frames if f.key == kf.default_key)
     slo = SLO(ttft=0.15, tpot=0.009)
     assert default.png == figure_png(goodput_figure(curves, slo, rate=4.0))
+    lines = default.caption.splitlines()
     for name, (rates, runs) in curves.items():
-        line = next(x for x in default.caption.splitlines() if x.startswith(name))
-        for r, recs in zip(rates, runs, strict=True):
-            assert f"{r:g}/s: {evaluate_slo(recs, slo).attainment:.0%}" in line
+        i = lines.index(name)
+        offered, attained, goodput = (lines[i + j].split()[1:] for j in (1, 2, 3))
+        assert offered == [f"{r:g}/s" for r in rates]
+        assert attained == [f"{evaluate_slo(recs, slo).attainment:.0%}" for recs in runs]
+        assert goodput == [f"{evaluate_slo(recs, slo).goodput:.2f}/s" for recs in runs]
     assert len({f.png for f in kf.frames}) > 1               # the objectives change the picture
     assert _visible_key(kf.to_html()) == kf.default_key
 

@@ -127,16 +127,16 @@ KERNEL_FREE_GRID = {"ttft_ms": (100.0, 200.0, 400.0), "tpot_ms": (8.0, 9.0, 10.0
 
 
 def goodput_table(curves: Curves, slo: SLO, *, gpus: Mapping[str, int] | None = None) -> str:
-    """Each set-up's attainment and goodput at every offered rate, one line per set-up."""
+    """Each set-up's attainment and goodput at every offered rate: a name line, then three
+    aligned rows (offered rate, attainment, goodput; per GPU when ``gpus`` is given)."""
     lines = []
     for name, (rates, runs) in curves.items():
         n = gpus[name] if gpus else 1
-        cells = []
-        for r, recs in zip(rates, runs, strict=True):
-            rep = evaluate_slo(recs, slo)
-            cells.append(f"{r / n:g}/s: {rep.attainment:.0%}, {rep.goodput / n:.2f}/s")
-        lines.append(f"{name} (rate: attainment, goodput{' per GPU' if gpus else ''}): "
-                     + "; ".join(cells))
+        reps = [evaluate_slo(recs, slo) for recs in runs]
+        lines += [f"{name}{' (per GPU)' if gpus else ''}",
+                  "  offered   " + "".join(f"{f'{r / n:g}/s':>8}" for r in rates),
+                  "  attained  " + "".join(f"{rep.attainment:>8.0%}" for rep in reps),
+                  "  goodput   " + "".join(f"{f'{rep.goodput / n:.2f}/s':>8}" for rep in reps)]
     return "\n".join(lines)
 
 
