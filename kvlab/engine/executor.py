@@ -77,7 +77,7 @@ class TorchExecutor:
         self.cache = cache
         self.device = model.device
         self.block_size = cache.block_size
-        self.workspace = Workspace(self.device, cache.data.dtype)
+        self.workspace = Workspace(self.device, getattr(cache, "compute_dtype", cache.data.dtype))
         self.requests = requests
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:

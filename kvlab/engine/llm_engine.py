@@ -41,7 +41,7 @@ from kvlab.core.scheduler_api import (
 )
 from kvlab.core.scope import CacheScope
 
-from .checkpoint import LoadedCheckpoint, load_checkpoint
+from .checkpoint import LoadedCheckpoint
 from .engine_args import (
     DEFAULT_KV_CACHE_MEMORY_CPU,
     SEED_MOD,
@@ -51,11 +51,11 @@ from .engine_args import (
     size_kv_cache,
 )
 from .executor import StepInfo, TorchExecutor
-from .kv_cache import PagedKVCache
 from .model import rope_inv_freq
 from .output_processor import OutputProcessor, RequestState, SampleState
 from .outputs import EngineStats, RequestMetrics, RequestOutput, StepTrace
 from .params import SamplingParams
+from .quantization.setup import EngineQuantization
 from .sampling import SamplerState
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -108,6 +108,9 @@ class LLMEngine:
         kv_cache_memory: int | None = None,
         security_domain: str = "default",
         tokenizer: Tokenizer | None = None,
+        quantization: str | None = None,
+        quantization_group_size: int = 64,
+        kv_cache_dtype: str = "auto",
     ):
         check_engine_args(model=model, block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
@@ -117,6 +120,8 @@ class LLMEngine:
                           security_domain=security_domain)
         dev = resolve_device(device)
         dtype = resolve_dtype(dtype, dev)
+        # quantization: validated here, applied after loading (kvlab.engine.quantization)
+        quant = EngineQuantization.resolve(quantization, quantization_group_size, kv_cache_dtype)
         if isinstance(model, LoadedCheckpoint):
             ckpt = model
             ckpt.model.to(device=dev, dtype=dtype)
@@ -124,7 +129,9 @@ class LLMEngine:
             ckpt.model.inv_freq = rope_inv_freq(ckpt.config.rope, ckpt.config.head_dim,
                                                 ckpt.config.max_position_embeddings).to(dev)
         else:
-            ckpt = load_checkpoint(model, dtype=dtype, device=dev)
+            ckpt = quant.load(model, dtype=dtype, device=dev)
+        quant.apply(ckpt)
+        self.quantization = quant
         self.checkpoint = ckpt
         self.model = ckpt.model
         self.config = cfg = ckpt.config
@@ -140,14 +147,13 @@ class LLMEngine:
         self.max_model_len = max_model_len
         itemsize = torch.empty((), dtype=dtype).element_size()
         size = size_kv_cache(
-            block_bytes=cfg.kv_bytes_per_token(itemsize) * block_size, block_size=block_size,
+            block_bytes=quant.kv_block_bytes(cfg, itemsize, block_size), block_size=block_size,
             num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, device=dev)
         self.model.prepare_rope(max_model_len)
         self.block_size = block_size
         self.num_blocks = size.num_blocks
-        self.cache = PagedKVCache(cfg.num_layers, size.num_blocks, block_size, cfg.num_kv_heads,
-                                  cfg.head_dim, dtype=dtype, device=dev)
+        self.cache = quant.make_kv_cache(cfg, size.num_blocks, block_size, dtype, dev)
         self.kv = KVCacheManager(size.num_blocks, block_size,
                                  enable_prefix_caching=enable_prefix_caching)
         # A step's batch never holds more requests than tokens (each entry takes >= 1), so the
@@ -188,11 +194,10 @@ class LLMEngine:
             rope=(f"type={rope.rope_type},theta={rope.theta},factor={rope.factor},"
                   f"low={rope.low_freq_factor},high={rope.high_freq_factor},"
                   f"orig={rope.original_max_position_embeddings}"),
-            kv_dtype=str(self.dtype).replace("torch.", ""),
             kv_layout=f"paged[block={self.block_size}][kv_heads={cfg.num_kv_heads}]"
                       f"[head_dim={cfg.head_dim}]",
-            quant_schema="none",
             security_domain=security_domain or self.security_domain,
+            **self.quantization.scope_fields(self.dtype),
         ).key()
 
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, tuple[int, ...]]:
@@ -387,6 +392,14 @@ class LLMEngine:
                     f"the scheduler lost {rid}"
             for state in self.outputs.requests.values():
                 assert state.samples, f"request {state.request_id} has no sample"
+
+    def quantization_report(self):
+        """The five facts of spec rule 7 and the weight / KV bytes
+        (:class:`~kvlab.engine.quantization.report.QuantizationReport`)."""
+        from .quantization.report import build_report
+
+        with self.core.lock:
+            return build_report(self.quantization, self.model, self.cache, self.block_size)
 
     def snapshot(self):
         """Plain-data view of the engine (see :mod:`kvlab.engine.snapshot`)."""
