@@ -223,3 +223,16 @@ def test_quantized_kv_prefix_hits_stay_within_tolerance():
         lb = [d[t] for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids, strict=True)]
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert la == pytest.approx(lb, abs=0.2)
+
+
+def test_cli_prints_the_report(capsys):
+    from kvlab.__main__ import main
+
+    assert main(["--quantization", "int8", "--group-size", "32", "--requests", "2",
+                 "--max-tokens", "2", "--show", "0"]) == 0
+    out = capsys.readouterr().out
+    for fact in ("checkpoint bit width", "runtime weight format", "activation dtype",
+                 "accumulator dtype", "kernel executed"):
+        assert fact in out
+    assert "dequantize-per-group + aten.linear [float32] x" in out
+    assert "effective 8.5 bits/weight" in out

@@ -31,7 +31,7 @@ def heldout_token_ids(tokenizer, num_docs: int = 4, max_tokens: int = 512) -> li
     docs = generate_corpus(CORPUS_SEED, num_docs, start=HELDOUT_START)
     out = []
     for doc in docs:
-        ids = tokenizer.encode(doc) + [1]
+        ids = [*tokenizer.encode(doc), 1]
         out.append(ids[:max_tokens])
     return out
 
