@@ -75,7 +75,7 @@ def test_accuracy_vs_fp32(reference, kwargs, max_bound, mean_bound, min_agree):
 
 
 def test_report_states_five_facts_read_from_what_ran():
-    llm = LLM(MODEL, num_blocks=64, quantization="int4", quantization_group_size=64)
+    llm = LLM(MODEL, num_blocks=64, quantization=QuantConfig(4, 64, kernel="packed"))
     before = llm.quantization_report()
     assert before.kernels_executed == {}
     assert "nothing yet" in str(before)
@@ -90,9 +90,14 @@ def test_report_states_five_facts_read_from_what_ran():
     # bytes: effective_bits x params / 8, exactly
     assert rep.linear_weight_bytes == effective_bits(4, 64) * rep.linear_params / 8
     assert rep.measured_bits == rep.effective_bits == 4.25
-    forced = LLM(MODEL, num_blocks=64, quantization=QuantConfig(4, 64, kernel="dequant"))
+    forced = LLM(MODEL, num_blocks=64, quantization="int4")  # auto: dequant for float32
     forced.generate(["The river"], SamplingParams(max_tokens=1), use_tqdm=False)
     assert list(forced.quantization_report().kernels_executed) == [f"{DEQUANT_KERNEL} [float32]"]
+    half = LLM(MODEL, num_blocks=64, quantization="int4", dtype="bfloat16")  # auto: packed
+    half.generate(["The river"], SamplingParams(max_tokens=1), use_tqdm=False)
+    hrep = half.quantization_report()
+    assert list(hrep.kernels_executed) == [f"{INT4_KERNEL} [bfloat16]"]
+    assert hrep.activation_dtype == "bfloat16" and hrep.runtime_extra_bytes > 0
     plain = LLM(MODEL, num_blocks=64)
     plain.generate(["The river"], SamplingParams(max_tokens=1), use_tqdm=False)
     prep = plain.quantization_report()

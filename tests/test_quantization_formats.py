@@ -139,8 +139,9 @@ def test_packed_kernels_agree_with_dequantized_matmul(bits, group, kernel):
     torch.manual_seed(5)
     lin = torch.nn.Linear(192, 64, bias=True)
     log = KernelLog()
-    ql = QuantizedLinear.from_linear(lin, QuantConfig(bits=bits, group_size=group), log)
-    assert ql.kernel == kernel
+    ql = QuantizedLinear.from_linear(lin, QuantConfig(bits=bits, group_size=group,
+                                                      kernel="packed"), log)
+    assert ql.kernel(torch.float32) == kernel
     x = torch.randn(9, 192)
     ref = x.double() @ ql.dequantized_weight(torch.float64).t() + lin.bias.double()
     y = ql(x)
@@ -148,7 +149,7 @@ def test_packed_kernels_agree_with_dequantized_matmul(bits, group, kernel):
     assert log.summary() == {f"{kernel} [float32]": 1}
     dq = QuantizedLinear.from_linear(lin, QuantConfig(bits=bits, group_size=group,
                                                       kernel="dequant"), log)
-    assert dq.kernel == DEQUANT_KERNEL
+    assert dq.kernel(torch.float32) == dq.kernel(torch.bfloat16) == DEQUANT_KERNEL
     assert torch.allclose(dq(x), y, rtol=1e-5, atol=1e-5)
 
 
@@ -186,3 +187,18 @@ def test_kv_bytes_per_token():
     spec = kv_dtype_spec("int8")
     assert spec.element_bytes(128, 2) == 1 + 2 / 128
     assert spec.schema() != kv_dtype_spec("fp8_e4m3").schema() != kv_dtype_spec("auto").schema()
+
+
+def test_auto_policy_packed_only_for_half_precision():
+    lin = torch.nn.Linear(192, 64)
+    log = KernelLog()
+    ql = QuantizedLinear.from_linear(lin, QuantConfig(4, 64), log)   # kernel="auto"
+    assert ql.kernel(torch.float32) == DEQUANT_KERNEL
+    assert ql.kernel(torch.bfloat16) == INT4_KERNEL
+    assert ql.runtime_extra_bytes == 0          # the int4 layout is built on first use
+    x = torch.randn(3, 192)
+    y32 = ql(x)
+    y16 = ql(x.bfloat16())
+    assert ql.runtime_extra_bytes == 64 * 192 // 2
+    assert log.summary() == {f"{DEQUANT_KERNEL} [float32]": 1, f"{INT4_KERNEL} [bfloat16]": 1}
+    assert torch.allclose(y16.float(), y32, atol=0.05 * float(y32.abs().max()))

@@ -29,13 +29,14 @@ from kvlab.reference.rule07_quantization import effective_bits
 __all__ = ["PackedWeight", "QuantConfig", "dequantize", "pack_int4", "quantize", "unpack_int4"]
 
 _SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-KERNELS = ("auto", "dequant")
+KERNELS = ("auto", "dequant", "packed")
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """A weight quantization format. ``kernel``: ``"auto"`` (use a verified packed torch kernel
-    where its contract fits, else dequantize) or ``"dequant"`` (always dequantize per group)."""
+    """A weight quantization format. ``kernel``: ``"dequant"`` (always dequantize per group),
+    ``"packed"`` (a verified packed torch kernel wherever its contract fits) or ``"auto"``
+    (packed for half-precision activations, dequant for float32: see :mod:`.linear`)."""
 
     bits: int = 8
     group_size: int = 64

@@ -2,7 +2,13 @@
 
 :class:`QuantizedLinear` holds a :class:`~.formats.PackedWeight` as buffers (``qweight``,
 ``scales``, ``zeros``) and computes ``y = x · deq(W)^T + b`` with activations in ``x``'s dtype.
-Which kernel runs is decided per layer once, at construction (``kernel="auto"``):
+Which kernel runs depends on the config's ``kernel`` and the activation dtype, per call:
+``"dequant"`` always dequantizes; ``"packed"`` uses a packed torch kernel wherever its contract
+fits; ``"auto"`` (default) uses the packed kernel only for half-precision activations. Measured
+on CPU (``benchmarks/bench_quantization.py``, torch 2.13): with bf16 activations the packed
+kernels run at the speed of a bf16 GEMM while dequantizing a bf16 weight per call is ~50x
+slower; with fp32 activations they are 10-30x *slower* than an fp32 GEMM, and dequantize + fp32
+GEMM wins. The packed kernels:
 
 - ``aten._weight_int8pack_mm``: int8 symmetric with **one group per row** (``g = K``), the
   kernel's contract (int8 ``[N, K]`` times a per-output-channel scale). Exact to it: the scale
@@ -48,10 +54,12 @@ class KernelLog:
         return {f"{k} [{d}]": n for (k, d), n in sorted(self.calls.items())}
 
 
-def kernel_for(config: QuantConfig, shape: tuple[int, int], device: torch.device) -> str:
-    """The kernel ``auto`` picks for a ``[N, K]`` weight (see the module docstring)."""
+def kernel_for(config: QuantConfig, shape: tuple[int, int], device: torch.device,
+               activation: torch.dtype = torch.float32) -> str:
+    """The kernel a ``[N, K]`` weight runs with ``activation`` inputs (module docstring)."""
     n, k = shape
-    if config.kernel == "dequant" or not config.symmetric:
+    if (config.kernel == "dequant" or not config.symmetric
+            or (config.kernel == "auto" and activation == torch.float32)):
         return DEQUANT_KERNEL
     if config.bits == 8 and config.group_size == k:
         return INT8_KERNEL
@@ -74,10 +82,7 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
                                                            requires_grad=False)
         self.log = log
-        self.kernel = kernel_for(self.config, packed.shape, packed.qweight.device)
-        self._int4: torch.Tensor | None = None
-        if self.kernel == INT4_KERNEL:
-            self._prepare_int4()
+        self._int4: torch.Tensor | None = None   # the int4 kernel's layout, built on first use
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: QuantConfig, log: KernelLog,
@@ -114,12 +119,13 @@ class QuantizedLinear(nn.Module):
             if new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(new.device)
         if self._int4 is not None and self._int4.device != self.qweight.device:
-            self.kernel = kernel_for(self.config, (self.out_features, self.in_features),
-                                     self.qweight.device)
-            self._int4 = None
-            if self.kernel == INT4_KERNEL:
-                self._prepare_int4()
+            self._int4 = None  # rebuilt on the new device at the next int4 call
         return self
+
+    def kernel(self, activation: torch.dtype = torch.float32) -> str:
+        """The kernel a forward with ``activation`` inputs runs."""
+        return kernel_for(self.config, (self.out_features, self.in_features),
+                          self.qweight.device, activation)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(self.packed, dtype)
@@ -127,10 +133,13 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.kernel == INT8_KERNEL:
+        kernel = self.kernel(x.dtype)
+        if kernel == INT8_KERNEL:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight,
                                                    self.scales.reshape(-1).to(x.dtype))
-        elif self.kernel == INT4_KERNEL:
+        elif kernel == INT4_KERNEL:
+            if self._int4 is None:
+                self._prepare_int4()
             sz = torch.stack((self.scales.t().to(x.dtype),
                               torch.zeros_like(self.scales.t(), dtype=x.dtype)), -1)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self._int4,
@@ -140,10 +149,10 @@ class QuantizedLinear(nn.Module):
             y = F.linear(x2, self.dequantized_weight(x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        self.log.record(self.kernel, x.dtype)
+        self.log.record(kernel, x.dtype)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         c = self.config
         return (f"in={self.in_features}, out={self.out_features}, int{c.bits}, g={c.group_size}, "
-                f"{'sym' if c.symmetric else 'zero-point'}, kernel={self.kernel}")
+                f"{'sym' if c.symmetric else 'zero-point'}, kernel={c.kernel}")

@@ -87,11 +87,10 @@ def build_report(quant: EngineQuantization, model: torch.nn.Module, cache,
         extra = sum(m.runtime_extra_bytes for m in qmods)
         bias_bytes = sum(m.bias.numel() * m.bias.element_size() for m in qmods
                          if m.bias is not None)
-        kernels = sorted({m.kernel for m in qmods})
         payload = ("two per byte (uint8 nibbles)" if c.payload_bits() == 4 else "one per byte")
         fmt = (f"int{c.bits} {'symmetric' if c.symmetric else 'zero-point (uint8 zeros)'}, "
                f"{payload}, one {c.scale_dtype} scale per {c.group_size} weights; "
-               f"planned kernels: {', '.join(kernels)}")
+               f"kernel policy {c.kernel!r}")
         eff: float | None = c.effective_bits()
         ckpt_bits = (f"{c.bits} (int{c.bits}, pre-quantized)" if quant.source.startswith("pre")
                      else f"{_bits(quant.checkpoint_dtype)} ({quant.checkpoint_dtype} on disk; "
