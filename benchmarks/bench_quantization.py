@@ -107,7 +107,8 @@ def layer_timing(n: int, k: int, batch: int, reps: int,
             out[name] = (time.perf_counter() - t0) / reps * 1e6
     base = out[dense]
     return {"shape": [n, k], "batch": batch, "activation_dtype": str(dtype)[6:],
-            "kernels_ran": log.summary(), "us_per_call": {name: round(us, 1) for name, us in out.items()},
+            "kernels_ran": log.summary(),
+            "us_per_call": {name: round(us, 1) for name, us in out.items()},
             "speedup_vs_dense": {name: round(base / us, 3) for name, us in out.items()}}
 
 
