@@ -35,6 +35,7 @@ _LAZY = {
         ".timeline",
     ),
     **dict.fromkeys(["engine_step_figure", "EngineStepper"], ".engine"),
+    **dict.fromkeys(["quantization_figure", "quantization_explorer"], ".quantization"),
 }
 
 
