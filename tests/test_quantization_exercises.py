@@ -15,8 +15,9 @@ matplotlib.use("Agg")
 def test_error_bound():
     truth = ch08.BOUND_ABSMAX / 7 / 2
     assert "Correct" in ch08.check_error_bound(truth)
-    for wrong, hint in ((ch08.BOUND_ABSMAX / 15 / 2, "on each side of zero"), (2 * truth, "whole grid"),
-                        (truth * 3, "too high"), (truth / 3, "too low")):
+    for wrong, hint in ((ch08.BOUND_ABSMAX / 15 / 2, "on each side of zero"),
+                        (2 * truth, "whole grid"), (truth * 3, "too high"),
+                        (truth / 3, "too low")):
         with pytest.raises(AssertionError, match=hint) as err:
             ch08.check_error_bound(wrong)
         assert f"{truth:.4g}" not in str(err.value)
@@ -47,7 +48,7 @@ def test_capacity_gain():
     with pytest.raises(AssertionError, match="scales take bytes") as err:
         ch08.check_capacity_gain(auto, ch08.CAPACITY_MEMORY // (2 * 4 * 2 * 32 * 16))
     assert str(int8) not in str(err.value)
-    with pytest.raises(AssertionError, match="float32: .* too high"):
+    with pytest.raises(AssertionError, match=r"float32: .* too high"):
         ch08.check_capacity_gain(auto + 1, int8)
 
 
