@@ -202,3 +202,12 @@ def test_auto_policy_packed_only_for_half_precision():
     assert ql.runtime_extra_bytes == 64 * 192 // 2
     assert log.summary() == {f"{DEQUANT_KERNEL} [float32]": 1, f"{INT4_KERNEL} [bfloat16]": 1}
     assert torch.allclose(y16.float(), y32, atol=0.05 * float(y32.abs().max()))
+
+
+def test_kv_dtype_module_is_torch_free():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvlab.core.kv_dtype, kvlab.core.capacity; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -61,7 +61,7 @@ def kernel_for(config: QuantConfig, shape: tuple[int, int], device: torch.device
     if (config.kernel == "dequant" or not config.symmetric
             or (config.kernel == "auto" and activation == torch.float32)):
         return DEQUANT_KERNEL
-    if config.bits == 8 and config.group_size == k:
+    if config.bits == 8 and config.group_size == k and device.type == "cpu":
         return INT8_KERNEL
     if (config.bits == 4 and device.type == "cpu" and config.group_size in (32, 64, 128, 256)
             and n % 16 == 0 and k % config.group_size == 0):
