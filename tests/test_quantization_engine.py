@@ -241,3 +241,30 @@ def test_cli_prints_the_report(capsys):
         assert fact in out
     assert "dequantize-per-group + aten.linear [float32] x" in out
     assert "effective 8.5 bits/weight" in out
+
+
+def test_half_precision_engine_quantizes_the_checkpoint_values():
+    """Scales come from the float32 checkpoint, not from a bf16-rounded copy: the stored
+    format is identical whatever the activation dtype."""
+    f32 = LLM(MODEL, num_blocks=16, quantization="int4")
+    bf16 = LLM(MODEL, num_blocks=16, quantization="int4", dtype="bfloat16")
+    a, b = f32.engine.model.state_dict(), bf16.engine.model.state_dict()
+    for k in a:
+        if k.endswith((".qweight", ".scales")):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert b[k].dtype == torch.bfloat16, k
+    assert bf16.engine.model.inv_freq.dtype == torch.float32
+
+
+def test_shared_loaded_checkpoint_keeps_its_format():
+    ckpt = load_checkpoint(MODEL)
+    first = LLM(ckpt, num_blocks=16, quantization="int8", quantization_group_size=32)
+    before = {k: v.clone() for k, v in ckpt.model.state_dict().items()}
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(ckpt, num_blocks=16, quantization="int4")
+    assert all(torch.equal(before[k], v) for k, v in ckpt.model.state_dict().items())
+    second = LLM(ckpt, num_blocks=16)          # quantization=None: use it as it is
+    rep = second.quantization_report()
+    assert rep.weight_source == "quantized earlier (in memory)"
+    assert rep.effective_bits == 8.5 == first.quantization_report().effective_bits

@@ -25,6 +25,7 @@ from kvlab.core.kv_dtype import KVDtypeSpec, kv_bytes_per_token, kv_dtype_spec
 from ..checkpoint import LoadedCheckpoint, load_checkpoint, resolve_model_path
 from ..config import ModelConfig
 from ..kv_cache import PagedKVCache
+from ..model import rope_inv_freq
 from .checkpoint_io import load_quantized, quantization_config_of, quantized_linear_names
 from .formats import QuantConfig
 from .kv_cache import QuantizedPagedKVCache
@@ -45,12 +46,15 @@ class EngineQuantization:
     log: KernelLog = field(default_factory=KernelLog)
     source: str = "none"                 # none | quantized at load | pre-quantized checkpoint
     checkpoint_dtype: str = "unknown"    # dtype of the weights on disk
+    _cast_to: torch.dtype | None = field(default=None, init=False, repr=False)  # model dtype
 
     @classmethod
     def resolve(cls, quantization: object = None, group_size: object = 64,
                 kv_cache_dtype: object = "auto") -> EngineQuantization:
         """Validate the arguments (ValueError / TypeError naming the bad one)."""
         spec = kv_dtype_spec(kv_cache_dtype)
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+            raise ValueError(f"quantization_group_size must be a positive int, got {group_size!r}")
         if quantization is None:
             return cls(None, spec)
         if isinstance(quantization, QuantConfig):
@@ -65,12 +69,16 @@ class EngineQuantization:
              device: torch.device) -> LoadedCheckpoint:
         """Load ``model``; a directory with a ``quantization_config`` loads pre-quantized (a
         different requested format is refused: re-quantizing a quantized model compounds
-        error)."""
+        error). A model to be quantized at load is read in float32, so the scales come from
+        the checkpoint's values and not from a copy already rounded to ``dtype``; :meth:`apply`
+        casts the rest to ``dtype`` afterwards."""
         path = resolve_model_path(model)
         stored = quantization_config_of(path)
         if stored is None:
-            ckpt = load_checkpoint(path, dtype=dtype, device=device)
+            read_as = torch.float32 if self.weights is not None else dtype
+            ckpt = load_checkpoint(path, dtype=read_as, device=device)
             self.checkpoint_dtype = _disk_dtype(path)
+            self._cast_to = dtype
             return ckpt
         if self.weights is not None and (self.weights.bits, self.weights.group_size,
                                          self.weights.symmetric) != (
@@ -86,17 +94,25 @@ class EngineQuantization:
     def apply(self, ckpt: LoadedCheckpoint) -> None:
         """Quantize ``ckpt.model``'s decoder linears in place (when asked and not already),
         and log the kernels of unquantized linears. Checks every layer first: a group size
-        that does not divide some layer raises ValueError with the model untouched."""
+        that does not divide some layer raises ValueError with the model untouched. A
+        :class:`LoadedCheckpoint` quantized by an earlier engine is used as it is (its layers
+        then log into this engine's report); asking for another format is refused."""
         model = ckpt.model
         names = quantized_linear_names(model)
         already = [n for n in names if isinstance(model.get_submodule(n), QuantizedLinear)]
         if already:
+            have = model.get_submodule(already[0]).config
+            if self.weights is not None and (self.weights.bits, self.weights.group_size,
+                                             self.weights.symmetric) != (
+                    have.bits, have.group_size, have.symmetric):
+                raise ValueError(f"the model is already quantized as {have.to_json()}; "
+                                 f"quantization={self.weights.to_json()} would re-quantize it")
             if self.source == "none":
-                self.source = "pre-quantized checkpoint"
-                first = model.get_submodule(already[0])
-                self.weights = first.config
-                for n in already:
-                    model.get_submodule(n).log = self.log
+                self.source = "quantized earlier (in memory)"
+                self.weights = have
+                self.checkpoint_dtype = _disk_dtype(ckpt.path)
+            for n in already:
+                model.get_submodule(n).log = self.log
             return
         if self.checkpoint_dtype == "unknown":
             self.checkpoint_dtype = _disk_dtype(ckpt.path)
@@ -111,6 +127,10 @@ class EngineQuantization:
             model.set_submodule(n, QuantizedLinear.from_linear(model.get_submodule(n), cfg,
                                                                self.log, n))
         self.source = "quantized at load"
+        if self._cast_to is not None and model.dtype != self._cast_to:
+            model.to(self._cast_to)   # QuantizedLinear keeps its int payload and fp16 scales
+            model.inv_freq = rope_inv_freq(ckpt.config.rope, ckpt.config.head_dim,
+                                           ckpt.config.max_position_embeddings).to(model.device)
 
     def _log_plain(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         self.log.record("aten.linear", inputs[0].dtype)
