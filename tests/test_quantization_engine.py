@@ -268,3 +268,12 @@ def test_shared_loaded_checkpoint_keeps_its_format():
     rep = second.quantization_report()
     assert rep.weight_source == "quantized earlier (in memory)"
     assert rep.effective_bits == 8.5 == first.quantization_report().effective_bits
+
+
+def test_plain_kernel_log_follows_the_latest_engine_without_double_counting():
+    ckpt = load_checkpoint(MODEL)
+    first = LLM(ckpt, num_blocks=16)
+    second = LLM(ckpt, num_blocks=16)
+    second.generate(["The river"], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert second.quantization_report().kernels_executed == {"aten.linear [float32]": 16}
+    assert first.quantization_report().kernels_executed == {}

@@ -87,7 +87,9 @@ class LLMEngine:
     the model's ``max_position_embeddings``. ``max_prefill_chunk`` caps the prefill tokens one
     request gets per step (None: the whole step budget). ``security_domain`` is the default
     tenant of requests (part of every prefix-cache scope). ``device``: ``"cpu"`` (default) or
-    ``"cuda[:N]"``; ``dtype``: float32, float16 or bfloat16.
+    ``"cuda[:N]"``; ``dtype``: float32, float16 or bfloat16. ``quantization`` (``"int8"``,
+    ``"int4"`` or a ``QuantConfig``), ``quantization_group_size`` and ``kv_cache_dtype``
+    (``"auto"``, ``"int8"``, ``"fp8_e4m3"``): see :mod:`kvlab.engine.quantization`.
     """
 
     def __init__(

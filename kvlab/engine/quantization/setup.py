@@ -117,8 +117,11 @@ class EngineQuantization:
         if self.checkpoint_dtype == "unknown":
             self.checkpoint_dtype = _disk_dtype(ckpt.path)
         if self.weights is None:
-            for n in names:
-                model.get_submodule(n).register_forward_hook(self._log_plain)
+            for n in names:   # one hook per layer; it logs into the latest engine's log
+                mod = model.get_submodule(n)
+                if getattr(mod, "kvlab_kernel_log", None) is None:
+                    mod.register_forward_hook(_log_plain)
+                mod.kvlab_kernel_log = self.log
             return
         cfg = self.weights
         for n in names:
@@ -131,9 +134,6 @@ class EngineQuantization:
             model.to(self._cast_to)   # QuantizedLinear keeps its int payload and fp16 scales
             model.inv_freq = rope_inv_freq(ckpt.config.rope, ckpt.config.head_dim,
                                            ckpt.config.max_position_embeddings).to(model.device)
-
-    def _log_plain(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-        self.log.record("aten.linear", inputs[0].dtype)
 
     # ------------------------------------------------------------------ KV cache
     def kv_block_bytes(self, cfg: ModelConfig, itemsize: int, block_size: int) -> int:
@@ -160,6 +160,11 @@ class EngineQuantization:
             w = (f"w=int{c.bits};g={c.group_size};{'sym' if c.symmetric else 'zp'};"
                  f"scale={c.scale_dtype}")
         return {"kv_dtype": kv, "quant_schema": f"weights[{w}];kv[{self.kv.schema()}]"}
+
+
+def _log_plain(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+    """Forward hook of an unquantized linear: record the dense GEMM that ran."""
+    module.kvlab_kernel_log.record("aten.linear", inputs[0].dtype)
 
 
 def _disk_dtype(path: Path) -> str:
