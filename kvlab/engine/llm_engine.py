@@ -122,7 +122,6 @@ class LLMEngine:
                           security_domain=security_domain)
         dev = resolve_device(device)
         dtype = resolve_dtype(dtype, dev)
-        # quantization: validated here, applied after loading (kvlab.engine.quantization)
         quant = EngineQuantization.resolve(quantization, quantization_group_size, kv_cache_dtype)
         if isinstance(model, LoadedCheckpoint):
             ckpt = model
@@ -396,10 +395,8 @@ class LLMEngine:
                 assert state.samples, f"request {state.request_id} has no sample"
 
     def quantization_report(self):
-        """The five facts of spec rule 7 and the weight / KV bytes
-        (:class:`~kvlab.engine.quantization.report.QuantizationReport`)."""
+        """Spec rule 7's five facts, weight and KV bytes (:mod:`kvlab.engine.quantization`)."""
         from .quantization.report import build_report
-
         with self.core.lock:
             return build_report(self.quantization, self.model, self.cache, self.block_size)
 
