@@ -8,7 +8,8 @@ TORCH_PIN ?= torch==2.13.0
 NB_SOURCES := $(sort $(wildcard notebooks/[0-9][0-9]-*.md))
 NB_TIMEOUT ?= 120
 
-.PHONY: venv test lint unit nbval book lab notebooks notebook bench clean
+.PHONY: venv test lint unit nbval book lab notebooks notebook bench clean site-check lab-check \
+	browser student
 
 venv: $(VENV)/.installed
 
@@ -16,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON_SYSTEM) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[book,dev]"
+	$(PY) -m pip install -q -e ".[book,dev,site]"
 	touch $@
 
 lint: venv
@@ -29,7 +30,7 @@ nbval: venv
 	$(PY) -m pytest -p no:randomly --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=$(NB_TIMEOUT) notebooks/
 
-test: lint unit nbval
+test: lint unit nbval site-check
 
 # Re-generate every .ipynb from its .md source and execute it (outputs are committed).
 notebooks: venv
@@ -43,11 +44,38 @@ book: venv
 	$(VENV)/bin/jupyter-book build . --config book.yml --toc toc.yml -W -n --keep-going
 	@echo "The book: $(CURDIR)/_build/html/index.html"
 
+# JupyterLab with the book's settings (.jupyter/lab/settings/overrides.json: chapters' .md
+# sources open as notebooks; widget state is saved with the notebook, so a reopened notebook
+# never shows "model not found"). The committed notebooks are trusted first, so their widgets
+# and kernel-free twins render.
+LAB_SETTINGS := $(CURDIR)/.jupyter/lab/settings
 lab: venv
-	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root,)
+	$(VENV)/bin/jupyter trust notebooks/*.ipynb
+	$(VENV)/bin/jupyter lab notebooks/ --LabApp.app_settings_dir=$(LAB_SETTINGS) \
+		$(if $(filter 0,$(shell id -u)),--allow-root,)
+
+# Headless Chromium for the browser checks (Debian; installed when missing and run as root).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	{ if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && apt-get install -y -q chromium chromium-driver; \
+	  else echo "site-check needs chromium and chromium-driver (apt-get install)"; exit 1; fi; }
+
+# The built site in a real browser: console errors, failed or external requests, unrendered
+# math, broken images, clipped boxes, visible nbval markers, duplicate figures, dead widgets.
+site-check: venv browser book
+	$(PY) tools/site_check.py _build/html
+
+# A chapter's .md opens as a notebook in JupyterLab started with the book's settings.
+lab-check: venv browser
+	$(PY) tools/lab_check.py notebooks/04-prefix-reuse.md
+
+# Every chapter without its solution cells, into student/ (git-ignored).
+student: venv
+	$(PY) tools/student.py --out student
 
 bench: venv
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf _build .pytest_cache
+	rm -rf _build .pytest_cache student

@@ -4,6 +4,9 @@ Generates continuations for two waves of prompts (the second wave asks questions
 the corpus' system prompt, which the first wave left in the prefix cache), prints a few of them
 and a summary: requests, tokens, tokens/s, prefix-cache hit rate, steps and the share of step
 time spent outside the model.
+
+``python -m kvlab serve ...`` and ``python -m kvlab bench ...`` run the OpenAI-compatible server
+and the load client (:mod:`kvlab.entrypoints`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,11 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("serve", "bench"):   # subcommands (kvlab.entrypoints)
+        from importlib import import_module
+
+        return import_module(f"kvlab.entrypoints.{argv[0]}").main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m kvlab", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="kvlab-tiny", help="shipped model name or HF directory")
     ap.add_argument("--requests", type=int, default=16)

@@ -111,3 +111,36 @@ def test_copy_blocks_copies_all_layers_and_validates():
     with pytest.raises(ValueError, match="repeats"):
         cache.copy_blocks([(0, 1), (2, 1)])
     assert torch.equal(cache.data, snapshot)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 1), (8, 2), (6, 3)])
+def test_grouped_decode_equals_dense_for_every_grouping(heads, kv_heads):
+    """MHA (group 1), MQA (one KV head) and GQA: each decode row of a bucket equals the dense
+    causal reference's last row over its own context."""
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    bs, dim, lengths = 4, 8, [1, 3, 4, 9, 17, 12, 5, 8, 2]
+    cache = PagedKVCache(1, 64, bs, kv_heads, dim)
+    kc, vc = cache.layers[0]
+    perm = torch.randperm(64, generator=gen).tolist()
+    chunks, seqs, at = [], [], 0
+    for t in lengths:
+        q = torch.randn(t, heads, dim, generator=gen)
+        k = torch.randn(t, kv_heads, dim, generator=gen)
+        v = torch.randn(t, kv_heads, dim, generator=gen)
+        table = perm[at:at + -(-t // bs)]
+        at += len(table)
+        slots = [table[p // bs] * bs + p % bs for p in range(t)]
+        kc.view(-1, kv_heads, dim)[slots] = k
+        vc.view(-1, kv_heads, dim)[slots] = v
+        chunks.append(ChunkSpec([0], t - 1, table))
+        seqs.append((q, k, v))
+    meta = build_metadata(chunks, bs)
+    assert meta.num_single == len(lengths) and len(meta.buckets) >= 1
+    q_rows = torch.empty(len(lengths), heads, dim)
+    for i, (q, _, _) in enumerate(seqs):
+        q_rows[meta.last_row[i]] = q[-1]
+    k_new = torch.empty(len(lengths), kv_heads, dim)
+    out = paged_attention(q_rows, k_new, k_new, kc, vc, meta, dim ** -0.5)
+    for i, (q, k, v) in enumerate(seqs):
+        want = dense_causal_attention(q, k, v, dim ** -0.5)[-1]
+        torch.testing.assert_close(out[meta.last_row[i]], want, rtol=0, atol=2e-6)

@@ -277,3 +277,12 @@ def test_plain_kernel_log_follows_the_latest_engine_without_double_counting():
     second.generate(["The river"], SamplingParams(max_tokens=1), use_tqdm=False)
     assert second.quantization_report().kernels_executed == {"aten.linear [float32]": 16}
     assert first.quantization_report().kernels_executed == {}
+
+
+def test_kv_transfer_refuses_a_quantized_kv_cache(tmp_path):
+    with pytest.raises(ValueError, match="moves unquantized KV only"):
+        LLM(MODEL, num_blocks=16, kv_cache_dtype="int8",
+            kv_transfer_config={"kv_connector": "shared_storage", "kv_role": "kv_producer",
+                                "kv_connector_extra_config": {"shared_storage_path":
+                                                              str(tmp_path)}})
+    assert not any(tmp_path.iterdir())

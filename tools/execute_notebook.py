@@ -11,6 +11,7 @@ raises stops the run with the cell's traceback and writes nothing.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,8 @@ import jupytext
 import nbformat
 from nbclient import NotebookClient
 
+from kvlab.viz.kernel_free import EXPORT_ENV
+
 
 def execute(source: Path, timeout: int) -> Path:
     """Execute ``source`` (a paired ``.md``) and write its ``.ipynb``; returns that path."""
@@ -26,6 +29,7 @@ def execute(source: Path, timeout: int) -> Path:
     nb = jupytext.read(source)
     if target.exists():
         nb = jupytext.combine.combine_inputs_with_outputs(nb, nbformat.read(target, 4))
+    os.environ.setdefault(EXPORT_ENV, "1")  # widgets carry their kernel-free twin (the site)
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                             resources={"metadata": {"path": str(source.parent)}})
     start = time.perf_counter()

@@ -27,6 +27,8 @@ WAITING                 no        waiting
 RUNNING                 yes       running (prefilling or decoding: derived from its
                                   token counts, ``RuntimeRequest.is_decoding``)
 PREEMPTED               no        waiting (keeps its output tokens; recomputes them)
+WAITING_FOR_REMOTE_KV   no        the remote-KV wrapper's own (kvlab.core.remote_kv): back
+                                  to WAITING once its KV is installed or refused
 FINISHED, CANCELLED,    no        none (terminal; the KV was released exactly once)
 FAILED, REJECTED
 ======================  ========  =========================================================
@@ -57,7 +59,9 @@ __all__ = [
 S = RequestStatus
 
 TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
-    S.WAITING: frozenset({S.RUNNING, S.CANCELLED, S.FAILED, S.REJECTED}),
+    S.WAITING: frozenset({S.RUNNING, S.CANCELLED, S.FAILED, S.REJECTED,
+                          S.WAITING_FOR_REMOTE_KV}),
+    S.WAITING_FOR_REMOTE_KV: frozenset({S.WAITING, S.CANCELLED, S.FAILED}),
     S.RUNNING: frozenset({S.FINISHED, S.PREEMPTED, S.CANCELLED, S.FAILED}),
     S.PREEMPTED: frozenset({S.RUNNING, S.CANCELLED, S.FAILED}),
     S.FINISHED: frozenset(),

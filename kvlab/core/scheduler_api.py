@@ -36,6 +36,8 @@ class RequestStatus(Enum):
     CANCELLED = "cancelled"    # terminal: aborted by the client
     FAILED = "failed"          # terminal: an error while running
     REJECTED = "rejected"      # terminal: refused at admission (can never fit, or overload)
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # a consumer's request parked until its
+                               # transferred KV is installed (kvlab.core.remote_kv); no KV
 
     @property
     def is_terminal(self) -> bool:

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 
 from kvlab.core.paging import token_slots
 
+from . import triton_kernels
+
 __all__ = [
     "AttentionMetadata",
     "ChunkSpec",
@@ -240,7 +242,11 @@ def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store new ``k, v: [N, kv_heads, D]`` at flat slots ``slot_mapping: [N]`` (in place)."""
+    """Store new ``k, v: [N, kv_heads, D]`` at flat slots ``slot_mapping: [N]`` (in place).
+    On CUDA with Triton installed this is :func:`kvlab.engine.triton_kernels.store_kv`."""
+    if k_cache.is_cuda and triton_kernels.available():
+        triton_kernels.store_kv(k_cache, v_cache, k, v, slot_mapping)
+        return
     kv_heads, dim = k_cache.shape[-2:]
     k_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, v)
@@ -250,11 +256,47 @@ def _decode_bucket(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    b: DecodeBucket, scale: float, ws: Workspace) -> torch.Tensor:
     """Attention of ``q: [B, H, D]`` (one token each) over their block tables -> [B, H, D].
 
-    K/V blocks are gathered into ``[B, T, KV*D]`` (no transpose copy). Grouped-query heads are
-    handled with a block-diagonal query: head ``h`` is placed in the columns of its KV head
-    ``h // group`` (zeros elsewhere), so one batched matmul ``[B, H, KV*D] @ [B, KV*D, T]`` scores
-    every head against its own KV head; the PV product is read back on the same diagonal.
+    K/V blocks are gathered into ``[B, T, KV, D]`` (no transpose copy). Query heads are grouped
+    by KV head (``q.view(B, KV, G, D)``, ``G = H // KV``) and each KV head ``j`` runs two batched
+    matmuls directly on the strided view ``K[:, :, j]`` (row stride ``KV * D``, no copy):
+    ``[B, G, D] @ [B, D, T]`` and ``[B, G, T] @ [B, T, D]``; exactly the QK^T and PV work needed.
+
+    Why not one matmul over ``[B, KV, ...]``: that needs K as ``[B, KV, T, D]``, a transpose
+    copy of the whole gathered context (it doubled the time of an earlier grouped version), and
+    writing into a strided ``out=`` slice sends CPU ``bmm`` to a per-matrix ``addmm`` loop.
+    Each per-head ``bmm`` here has unit-stride rows and a fresh output, so it stays one batched
+    BLAS call. The block-diagonal query it replaces does ``KV`` times the QK^T/PV work and is
+    slower for groups of 2+ heads, but faster for multi-head attention (group 1), where the
+    grouped form degenerates to ``KV`` matrix-vector products; it is kept for that case
+    (measured in ``benchmarks/bench_decode_attention.py``).
     """
+    num_blocks, bs, kv_heads, dim = k_cache.shape
+    heads = q.shape[1]
+    group = heads // kv_heads
+    if group == 1 and kv_heads > 1:  # multi-head: per-head matrix-vector products lose
+        return _decode_bucket_block_diagonal(q, k_cache, v_cache, b, scale, ws)
+    t = b.max_blocks * bs
+    flat_k = k_cache.view(num_blocks, -1)
+    flat_v = v_cache.view(num_blocks, -1)
+    rows = b.block_index.numel()
+    gk = torch.index_select(flat_k, 0, b.block_index, out=ws.get("gk", (rows, flat_k.shape[1])))
+    gv = torch.index_select(flat_v, 0, b.block_index, out=ws.get("gv", (rows, flat_v.shape[1])))
+    k4 = gk.view(b.size, t, kv_heads, dim)
+    v4 = gv.view(b.size, t, kv_heads, dim)
+    qg = q.view(b.size, kv_heads, group, dim)
+    mask = b.mask.to(q.dtype).expand(b.size, group, t)
+    outs = [torch.bmm(torch.baddbmm(mask, qg[:, j], k4[:, :, j].transpose(1, 2),
+                                    alpha=scale).softmax(-1), v4[:, :, j])
+            for j in range(kv_heads)]
+    return (outs[0] if kv_heads == 1 else torch.stack(outs, 1)).view(b.size, heads, dim)
+
+
+def _decode_bucket_block_diagonal(q: torch.Tensor, k_cache: torch.Tensor,
+                                  v_cache: torch.Tensor, b: DecodeBucket, scale: float,
+                                  ws: Workspace) -> torch.Tensor:
+    """:func:`_decode_bucket` with a block-diagonal query: head ``h`` is placed in the columns
+    of its KV head ``h // group`` (zeros elsewhere), so one ``[B, H, KV*D] @ [B, KV*D, T]``
+    matmul scores every head against its own KV head; PV is read back on the same diagonal."""
     num_blocks, bs, kv_heads, dim = k_cache.shape
     heads = q.shape[1]
     t = b.max_blocks * bs
@@ -279,16 +321,24 @@ def paged_attention(
     """Attention of the flat batch; ``q: [N, H, D]``, new ``k, v: [N, KV, D]`` -> ``[N, H, D]``.
 
     The new K/V must already be written to the cache (:func:`write_kv`): single-token chunks and
-    chunks with a cached prefix read their whole context from the cache.
+    chunks with a cached prefix read their whole context from the cache. On CUDA with Triton
+    installed the decode buckets run :func:`kvlab.engine.triton_kernels.decode_attention` on the
+    same metadata (tables from ``block_index``, lengths from ``positions``).
     """
     _, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     gqa = heads != kv_heads
     out = torch.empty_like(q)
     ws = meta.workspace or Workspace(q.device, q.dtype)
+    fused = q.is_cuda and triton_kernels.available()
     for b in meta.buckets:
         rows = slice(b.row0, b.row0 + b.size)
-        out[rows] = _decode_bucket(q[rows], k_cache, v_cache, b, scale, ws)
+        if fused:
+            triton_kernels.decode_attention(
+                q[rows], k_cache, v_cache, b.block_index.view(b.size, b.max_blocks),
+                meta.positions[rows], scale, out=out[rows])
+        else:
+            out[rows] = _decode_bucket(q[rows], k_cache, v_cache, b, scale, ws)
     flat_k = k_cache.view(-1, kv_heads, dim)
     flat_v = v_cache.view(-1, kv_heads, dim)
     for c in meta.prefills:

@@ -5,11 +5,15 @@ It is the :class:`~kvlab.core.engine_core.Executor` of the real engine, and the 
 
 1. performs the copy-on-write ``copies`` on the cache (before any write of this step),
 2. lays the chunks out as one flat batch (:func:`~kvlab.engine.attention.build_metadata`:
-   positions and slot mappings from the chunks' block tables),
+   positions and slot mappings from the chunks' block tables; a persistent
+   :class:`~kvlab.engine.input_batch.InputBatch` keeps the tables across steps and applies
+   per-step diffs),
 3. runs the forward pass (which writes the new K/V through the slot mapping), and
 4. samples one token from the logits of the last token of every chunk with ``sample=True``,
    with the :class:`~kvlab.engine.sampling.SamplerState` that the engine stored in the
-   request's ``engine_state``.
+   request's ``engine_state``; rows with a grammar (structured outputs) are masked first and
+   their grammar advanced by the token (:func:`~kvlab.engine.structured_outputs.bitmask.
+   sample_with_grammars`).
 
 It never changes requests, queues or KV ownership; the scheduler does.
 """
@@ -25,10 +29,12 @@ import torch
 from kvlab.core.engine_core import ModelOutput
 from kvlab.core.scheduler_api import RuntimeRequest, ScheduledChunk, SchedulerOutput
 
-from .attention import AttentionMetadata, ChunkSpec, Workspace, build_metadata
+from .attention import AttentionMetadata, ChunkSpec, Workspace
+from .input_batch import InputBatch
 from .kv_cache import PagedKVCache
 from .model import LlamaModel
 from .sampling import SamplerState, sample
+from .structured_outputs.bitmask import sample_with_grammars
 
 __all__ = ["ExecutorOutput", "StepInfo", "TorchExecutor"]
 
@@ -78,6 +84,7 @@ class TorchExecutor:
         self.device = model.device
         self.block_size = cache.block_size
         self.workspace = Workspace(self.device, getattr(cache, "compute_dtype", cache.data.dtype))
+        self.input_batch = InputBatch(self.block_size, self.device)
         self.requests = requests
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:
@@ -88,7 +95,7 @@ class TorchExecutor:
         assert lookup is not None, "TorchExecutor.execute needs a request lookup"
         states: list[SamplerState] = [lookup(rid).engine_state for rid in res.request_ids]
         assert all(isinstance(s, SamplerState) for s in states), "request without a sampler"
-        picked = sample(res.logits, states) if states else None
+        picked = sample_with_grammars(res.logits, states, sample) if states else None
         sample_s = time.perf_counter() - t0
         ids = res.request_ids
         info = StepInfo(
@@ -109,9 +116,10 @@ class TorchExecutor:
         """Copies, then the forward pass over ``chunks``; the logits of the sampling rows.
         ValueError (cache untouched) when a chunk's table does not cover it."""
         t0 = time.perf_counter()
-        meta = build_metadata(
+        meta = self.input_batch.build(
+            [c.request_id for c in chunks],
             [ChunkSpec(c.token_ids, c.start_pos, c.block_table) for c in chunks],
-            self.block_size, self.device, self.workspace) if chunks else None
+            self.workspace) if chunks else None
         sample_idx = [i for i, c in enumerate(chunks) if c.sample]
         t1 = time.perf_counter()
         self.cache.copy_blocks(copies)

@@ -57,6 +57,7 @@ from .outputs import EngineStats, RequestMetrics, RequestOutput, StepTrace
 from .params import SamplingParams
 from .quantization.setup import EngineQuantization
 from .sampling import SamplerState
+from .structured_outputs.manager import StructuredOutputManager
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["DEFAULT_KV_CACHE_MEMORY_CPU", "EngineStats", "LLMEngine", "Prompt", "StepTrace"]
@@ -110,6 +111,7 @@ class LLMEngine:
         kv_cache_memory: int | None = None,
         security_domain: str = "default",
         tokenizer: Tokenizer | None = None,
+        kv_transfer_config: dict | None = None,
         quantization: str | None = None,
         quantization_group_size: int = 64,
         kv_cache_dtype: str = "auto",
@@ -120,9 +122,18 @@ class LLMEngine:
                           max_model_len=max_model_len, seed=seed,
                           enable_prefix_caching=enable_prefix_caching, scheduler=scheduler,
                           security_domain=security_domain)
+        if kv_transfer_config is not None:   # prefill/decode disaggregation (chapter 10)
+            from .kv_transfer import KVTransferConfig
+            kv_transfer_config = KVTransferConfig.parse(kv_transfer_config)
+            if kv_transfer_config.consume and not enable_prefix_caching:
+                raise ValueError("a kv_consumer installs remote KV through the prefix cache: "
+                                 "it needs enable_prefix_caching=True")
         dev = resolve_device(device)
         dtype = resolve_dtype(dtype, dev)
         quant = EngineQuantization.resolve(quantization, quantization_group_size, kv_cache_dtype)
+        if kv_transfer_config is not None and quant.kv.quantized:
+            raise ValueError(f"kv_transfer_config moves unquantized KV only; it cannot be used "
+                             f"with kv_cache_dtype={kv_cache_dtype!r}")
         if isinstance(model, LoadedCheckpoint):
             ckpt = model
             ckpt.model.to(device=dev, dtype=dtype)
@@ -164,6 +175,12 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             prefill_chunk=max_prefill_chunk or max_num_batched_tokens)
         self.scheduler = _make_scheduler(scheduler, self.kv, self.scheduler_config)
+        self.kv_transfer = None
+        if kv_transfer_config is not None:
+            from .kv_transfer import KVPayloadCodec, KVTransfer, engine_model_fields
+            self.kv_transfer = KVTransfer(kv_transfer_config, KVPayloadCodec(self.cache),
+                                          engine_model_fields(ckpt.weights_hash, cfg, dtype))
+            self.scheduler = self.kv_transfer.wrap(self.scheduler)
         self.executor = TorchExecutor(self.model, self.cache, self.scheduler.get_request)
         self.core = EngineCore(self.scheduler, self.executor)
         self.enable_prefix_caching = enable_prefix_caching
@@ -176,6 +193,8 @@ class LLMEngine:
         self._ending: dict[str, tuple[str, ...]] = {}   # aborted request id -> its sample ids
         self.last_trace: StepTrace | None = None
         self.stats = EngineStats()
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
+                                                          self.eos_token_ids)
         self.outputs = OutputProcessor(
             self.scheduler.get_request,
             self.tokenizer.decode if self.tokenizer is not None else None)
@@ -234,6 +253,9 @@ class LLMEngine:
         stops = set(p.stop_token_ids)
         if not p.ignore_eos:
             stops.update(self.eos_token_ids[1:])  # extra eos ids act as stop tokens
+        stops.update(self.structured_outputs.stop_token_ids_for(p))  # a grammar ends at EOS
+        sampler = SamplerState.create(p, (seed + sample.index) % SEED_MOD, self.device)
+        sampler.grammar = self.structured_outputs.new_state(p)  # one per sample (n > 1)
         return RuntimeRequest(
             request_id=sample.seq_id,
             prompt_token_ids=state.prompt_token_ids,
@@ -244,7 +266,7 @@ class LLMEngine:
             ignore_eos=p.ignore_eos,
             arrival_time=state.metrics.arrival_time,
             max_model_len=self.max_model_len,
-            engine_state=SamplerState.create(p, (seed + sample.index) % SEED_MOD, self.device),
+            engine_state=sampler,
         )
 
     def validate_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -268,6 +290,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.check_vocab(self.config.vocab_size)
+        self.structured_outputs.validate(params)  # compiles (cached): a bad grammar raises
         text, ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the context: "
@@ -391,6 +414,9 @@ class LLMEngine:
                 assert self.outputs.requests.get(state.request_id) is state, f"orphan {rid}"
                 assert sample.ended is not None or self.scheduler.find_request(rid) is not None, \
                     f"the scheduler lost {rid}"
+            self.structured_outputs.check_states(
+                (r.request_id, r.engine_state, r.output_token_ids)
+                for r in self.scheduler.requests() if not r.status.is_terminal)
             for state in self.outputs.requests.values():
                 assert state.samples, f"request {state.request_id} has no sample"
 

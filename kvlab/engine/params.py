@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from kvlab.core.checks import is_int
 
+from .structured_outputs.params import StructuredOutputsParams, check_structured_outputs
+
 __all__ = ["MAX_SEED", "MIN_TEMPERATURE", "SamplingParams", "is_int", "is_real"]
 
 #: Temperatures below this sample greedily (vLLM's convention). Dividing logits by a tinier
@@ -56,6 +58,12 @@ class SamplingParams:
     - ``logprobs``: ``k`` -> per generated token a dict ``token id -> log-probability`` holding
       the k most likely tokens and the sampled one. Log-probabilities are the model's *raw*
       ``log_softmax(logits)``, before temperature, top-k and top-p (as vLLM returns by default).
+    - ``structured_outputs``: constrain the output to a language, with vLLM's keys: exactly one
+      of ``{"json": schema}``, ``{"regex": pattern}``, ``{"choice": [str, ...]}``,
+      ``{"grammar": ebnf}`` (or a ``StructuredOutputsParams``); stored as a
+      ``StructuredOutputsParams``. The request ends (``"stop"``) when its grammar does, even
+      with ``ignore_eos``. Logprobs are then those of the grammar-masked logits (as in vLLM).
+      See :mod:`kvlab.engine.structured_outputs`.
 
     A bad value raises ``ValueError`` naming the field (``SamplingParams.<field>``). Any value
     accepted here samples without error. ``temperature`` and ``top_p`` are stored as floats.
@@ -70,6 +78,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -104,6 +113,8 @@ class SamplingParams:
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"SamplingParams.logprobs must be None or an int >= 0, "
                              f"got {self.logprobs!r}")
+        object.__setattr__(self, "structured_outputs",
+                           check_structured_outputs(self.structured_outputs))
 
     @property
     def greedy(self) -> bool:

@@ -2,8 +2,18 @@
 
 :func:`sample` takes the logits rows of one step (one row per sampled sequence) and the
 :class:`SamplerState` of each row. Every row owns a ``torch.Generator`` seeded from its request's
-seed, and draws exactly one ``multinomial`` per token, so a request's tokens depend only on its
-own logits and seed — never on what else shares the batch.
+seed, so a request's tokens depend only on its own logits and seed — never on what else shares
+the batch.
+
+**One batched draw** (the exponential race, a form of the Gumbel-max trick): with ``E_v ~ Exp(1)``
+i.i.d., ``argmax_v p_v / E_v`` is distributed as ``p`` (``E_v / p_v ~ Exp(p_v)`` and the
+smallest of independent exponentials is ``v`` with probability ``p_v / sum p``). Each row's noise
+is drawn from its own generator (one ``exponential_`` per *generator*: rows that share a generator
+share one call), then every row is picked by one ``div`` + ``argmax`` over the whole batch. For a
+row with a private generator this consumes the stream exactly as ``torch.multinomial(p, 1,
+generator=g)`` does (torch uses the same race for one draw), so seeded outputs are unchanged.
+Rows that share one generator (the engine's stream for unseeded requests) are reproducible per
+engine seed and workload, but not independent of the batch.
 
 Log-probabilities reported (``cumulative_logprob`` and ``logprobs=k``) are the model's raw
 ``log_softmax(logits)``, taken *before* temperature, top-k and top-p.
@@ -17,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,7 +41,9 @@ class SamplerState:
     """Sampling state of one sequence: its parameters and its private random stream."""
 
     params: SamplingParams
-    generator: torch.Generator | None  # None for greedy sequences
+    generator: torch.Generator | None  # None for greedy sequences; may be shared between rows
+    # structured outputs: the sequence's GrammarState (kvlab.engine.structured_outputs), or None
+    grammar: Any = None
 
     @classmethod
     def create(cls, params: SamplingParams, seed: int, device: torch.device | str = "cpu"
@@ -87,6 +100,25 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
     return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def _race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs: [R, V]``: ``argmax(probs / E)`` with ``E ~ Exp(1)`` drawn
+    per row from ``generators[j]`` (rows sharing a generator object draw in one call, in row
+    order; ``None`` rows share torch's default generator)."""
+    noise = torch.empty_like(probs)
+    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
+    for j, g in enumerate(generators):
+        groups.setdefault(id(g), (g, []))[1].append(j)
+    for g, rows in groups.values():
+        if len(rows) == 1:
+            noise[rows[0]].exponential_(generator=g)
+        elif rows[-1] - rows[0] + 1 == len(rows):  # contiguous rows: fill the view in place
+            noise[rows[0]:rows[-1] + 1].exponential_(generator=g)
+        else:
+            noise[rows] = torch.empty(len(rows), probs.shape[1], dtype=probs.dtype,
+                                      device=probs.device).exponential_(generator=g)
+    return probs.div_(noise).argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> SampleResult:
     """Pick one token per row of ``logits: [S, V]`` (float32) for ``states[i]``."""
     if logits.shape[0] != len(states):
@@ -97,9 +129,7 @@ def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> SampleResult
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
         probs = _filter(logits[idx], [states[i].params for i in random_rows]).softmax(-1)
-        drawn = [torch.multinomial(probs[j], 1, generator=states[i].generator)
-                 for j, i in enumerate(random_rows)]
-        tokens[idx] = torch.cat(drawn)
+        tokens[idx] = _race(probs, [states[i].generator for i in random_rows])
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     token_list = tokens.tolist()
     top: list[dict[int, float] | None] = [None] * len(states)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 __all__ = ["Tokenizer", "load_tokenizer"]
@@ -56,6 +57,22 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included. Strings are in the tokenizer's own
+        encoding (byte-level ``Ġthe`` for " the", sentencepiece ``▁the``, ``<0x0A>``)."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    @property
+    def special_token_ids(self) -> tuple[int, ...]:
+        """Ids of the added *special* tokens (BOS, EOS, ...): ``decode`` drops them from text."""
+        added = self._tok.get_added_tokens_decoder()
+        return tuple(sorted(i for i, t in added.items() if t.special))
+
+    @property
+    def decoder_config(self) -> dict | None:
+        """The ``decoder`` section of ``tokenizer.json`` (how token strings turn into text)."""
+        return json.loads(self._tok.to_str()).get("decoder")
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:

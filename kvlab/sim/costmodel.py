@@ -14,10 +14,16 @@ with, for a batch of chunks (``n`` tokens of a request at positions ``[s, s + n)
 * bytes: all weights once per step, plus the KV cache each chunk reads (its whole context,
   ``2 * layers * kv_heads * head_dim * dtype_bytes`` per token) and writes (its ``n`` tokens).
 
-Activations, communication and kernel inefficiencies other than the two efficiency factors are
-ignored; the fixed overhead stands for kernel launches, sampling and the scheduler itself. It is
-a first-order model: good for comparing schedules (which batch shapes cost what), not for
-predicting a real engine's latency to a few percent.
+With tensor parallelism over ``tp`` GPUs (Megatron-style: every weight matrix split ``tp``
+ways, KV heads split across GPUs) the FLOPs and bytes are shared by ``tp`` GPUs, so both roofs
+scale by ``tp``, and each layer adds two all-reduces of the step's activations
+(``tokens * hidden * dtype_bytes``), each costing ``2 (tp - 1) / tp`` of that over the GPU's
+link bandwidth (ring all-reduce; NVLink 4 by default) plus a fixed latency.
+
+Activations, other communication and kernel inefficiencies other than the two efficiency
+factors are ignored; the fixed overhead stands for kernel launches, sampling and the scheduler
+itself. It is a first-order model: good for comparing schedules (which batch shapes cost
+what), not for predicting a real engine's latency to a few percent.
 """
 
 from __future__ import annotations
@@ -39,10 +45,11 @@ class StepCost:
     compute_s: float
     memory_s: float
     overhead_s: float
+    comm_s: float = 0.0       # tensor-parallel all-reduces (0 at tp=1)
 
     @property
     def seconds(self) -> float:
-        return max(self.compute_s, self.memory_s) + self.overhead_s
+        return max(self.compute_s, self.memory_s) + self.comm_s + self.overhead_s
 
     @property
     def bound(self) -> str:
@@ -56,7 +63,9 @@ class RooflineCostModel:
 
     ``overhead_s``: fixed cost per step (default 0.5 ms, an assumption, not a measurement).
     ``compute_efficiency`` / ``bandwidth_efficiency``: the fraction of peak reached (default 1:
-    the pure roofline).
+    the pure roofline). ``tp``: tensor-parallel degree (GPUs per instance);
+    ``link_bandwidth``: bytes/s each GPU sends to its peers (default 450 GB/s, NVLink 4 per
+    direction on an H100 SXM); ``allreduce_latency_s``: fixed cost of one all-reduce.
     """
 
     model: ModelShape
@@ -65,6 +74,9 @@ class RooflineCostModel:
     overhead_s: float = 0.5e-3
     compute_efficiency: float = 1.0
     bandwidth_efficiency: float = 1.0
+    tp: int = 1
+    link_bandwidth: float = 450e9
+    allreduce_latency_s: float = 8e-6
 
     @classmethod
     def named(cls, model: str, gpu: str, **kw) -> RooflineCostModel:
@@ -77,6 +89,13 @@ class RooflineCostModel:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp must be an int >= 1, got {self.tp!r}")
+        if self.model.heads % self.tp:
+            raise ValueError(f"tp={self.tp} must divide the {self.model.heads} attention heads "
+                             f"of {self.model.name}")
+        if not self.link_bandwidth > 0 or self.allreduce_latency_s < 0:
+            raise ValueError("link_bandwidth must be > 0 and allreduce_latency_s >= 0")
 
     # -- per-token constants ------------------------------------------------------------------
 
@@ -120,9 +139,14 @@ class RooflineCostModel:
                  + 4.0 * m.layers * m.heads * m.head_dim * context_sum)
         moved = (self.weight_bytes if tokens else 0.0) + self.kv_bytes_per_token * (
             kv_tokens_read + tokens)
-        compute_s = flops / (self.gpu.bf16_tflops * 1e12 * self.compute_efficiency)
-        memory_s = moved / (self.gpu.hbm_bandwidth * self.bandwidth_efficiency)
-        return StepCost(flops, moved, compute_s, memory_s, self.overhead_s if tokens else 0.0)
+        compute_s = flops / (self.gpu.bf16_tflops * 1e12 * self.compute_efficiency * self.tp)
+        memory_s = moved / (self.gpu.hbm_bandwidth * self.bandwidth_efficiency * self.tp)
+        comm_s = 0.0
+        if self.tp > 1 and tokens:
+            volume = tokens * m.hidden * self.element_bytes * 2 * (self.tp - 1) / self.tp
+            comm_s = 2 * m.layers * (volume / self.link_bandwidth + self.allreduce_latency_s)
+        return StepCost(flops, moved, compute_s, memory_s, self.overhead_s if tokens else 0.0,
+                        comm_s)
 
     def step_cost(self, chunks: Sequence[ScheduledChunk],
                   padding: Sequence[tuple[int, int]] = ()) -> StepCost:
@@ -133,9 +157,10 @@ class RooflineCostModel:
         return self.cost(work)
 
     def kv_blocks(self, block_size: int, memory_fraction: float = 0.9) -> int:
-        """KV blocks that fit in the GPU's memory after the weights (``memory_fraction`` of it
-        usable), for sizing a simulated pool."""
-        free = self.gpu.memory_bytes * memory_fraction - self.weight_bytes
+        """KV blocks that fit in the memory of the instance's ``tp`` GPUs after the weights
+        (``memory_fraction`` of it usable), for sizing a simulated pool."""
+        free = self.tp * self.gpu.memory_bytes * memory_fraction - self.weight_bytes
         if free <= 0:
-            raise ValueError(f"{self.model.name} weights do not fit on {self.gpu.name}")
+            raise ValueError(f"{self.model.name} weights do not fit on {self.tp} x "
+                             f"{self.gpu.name}")
         return int(free // (self.kv_bytes_per_token * block_size))

@@ -97,12 +97,27 @@ def make_workload(
     return specs
 
 
+def _randrange_list(rng: random.Random, lo: int, hi: int, n: int) -> list[int]:
+    """``[rng.randrange(lo, hi) for _ in range(n)]``, the same values, about twice as fast
+    (CPython's ``randrange`` draws ``getrandbits(k)`` until the value is below ``hi - lo``)."""
+    span = hi - lo
+    k = span.bit_length()
+    bits = rng.getrandbits
+    out = []
+    for _ in range(n):
+        r = bits(k)
+        while r >= span:
+            r = bits(k)
+        out.append(lo + r)
+    return out
+
+
 def to_request(spec: RequestSpec, *, vocab_size: int = 32000, shared_prefix: int = 0,
                **kw) -> RuntimeRequest:
     """A runtime request for ``spec``: deterministic token ids from the request id (and, for
     the first ``shared_prefix`` tokens, from its prefix group)."""
     rng = random.Random(f"tokens:{spec.request_id}")
-    tokens = [rng.randrange(3, vocab_size) for _ in range(spec.prompt_len)]
+    tokens = _randrange_list(rng, 3, vocab_size, spec.prompt_len)
     if spec.prefix_group is not None and shared_prefix:
         grng = random.Random(f"group:{spec.prefix_group}")
         k = min(shared_prefix, spec.prompt_len - 1)

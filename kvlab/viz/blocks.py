@@ -166,4 +166,16 @@ class RefcountView:
 
         slider = w.IntSlider(value=self.start, min=0, max=len(self.steps) - 1, description="step",
                              continuous_update=False)
-        return figure_widget({"index": slider}, self.figure)
+        return figure_widget({"index": slider}, self.figure,
+                             what="refcount view (a slider over the scenario's steps)",
+                             kernel_free=self.kernel_free)
+
+    def kernel_free(self):
+        """Every step precomputed, switched by a plain range slider."""
+        from .kernel_free import slider, static_widget
+
+        return static_widget(
+            self.figure,
+            {"index": slider(range(len(self.steps)), label="step",
+                             labels=[f"{i}: {c}" for i, (c, _) in enumerate(self.steps)])},
+            default={"index": self.start}, title="refcounts step by step")

@@ -126,4 +126,41 @@ def capacity_explorer(model: str = "Llama-3-8B", gpu: str = "H100-80GB SXM"):
     row = list(controls.values())
     return figure_widget(controls, lambda **v: capacity_figure(plan(**v)),
                          caption=lambda **v: plan(**v).summary(),
-                         header=[w.HBox(row[:4]), w.HBox(row[4:])])
+                         header=[w.HBox(row[:4]), w.HBox(row[4:])],
+                         what="capacity explorer (model, GPU, KV dtype, context, TP, reserve)",
+                         kernel_free=lambda: capacity_kernel_free(model, gpu))
+
+
+#: The kernel-free explorer's grid: 2 models x 2 GPUs x 2 KV dtypes x 4 TP degrees = 32 frames.
+KERNEL_FREE_GRID = {
+    "model": ("Llama-3-8B", "Llama-3-70B"),
+    "gpu": ("H100-80GB SXM", "H200-141GB SXM"),
+    "kv_dtype": ("bf16", "fp8"),
+    "tp": (1, 2, 4, 8),
+}
+
+
+def capacity_kernel_free(model: str = "Llama-3-8B", gpu: str = "H100-80GB SXM", *,
+                         context_len: int = 8192, gpu_memory_utilization: float = 0.9,
+                         reserve_gib: float = 2.0):
+    """The explorer without a kernel: :data:`KERNEL_FREE_GRID` precomputed (the other controls
+    fixed at the explorer's defaults), each frame with its plan summary beneath."""
+    from .kernel_free import dropdown, slider, static_widget
+
+    def plan(model, gpu, kv_dtype, tp) -> CapacityPlan:
+        return plan_capacity(get_model(model), get_gpu(gpu), kv_dtype=kv_dtype,
+                             context_len=context_len, tp=tp,
+                             gpu_memory_utilization=gpu_memory_utilization,
+                             reserve_bytes=reserve_gib * GiB)
+
+    grid = KERNEL_FREE_GRID
+    return static_widget(
+        lambda **v: capacity_figure(plan(**v)),
+        {"model": dropdown(grid["model"]), "gpu": dropdown(grid["gpu"], label="GPU"),
+         "kv_dtype": dropdown(grid["kv_dtype"], label="KV dtype"),
+         "tp": slider(grid["tp"], label="TP")},
+        default={"model": model, "gpu": gpu, "kv_dtype": "bf16", "tp": 1},
+        caption=lambda **v: plan(**v).summary(),
+        title=f"capacity explorer ({context_len:,}-token context, utilization "
+              f"{gpu_memory_utilization}, {reserve_gib:g} GiB reserve)",
+    )

@@ -12,7 +12,7 @@ The snapshot is read by attribute only (duck typing), so this module never impor
 
 from __future__ import annotations
 
-from ._widgets import figure_output
+from ._widgets import chapter_box, figure_output
 from .style import (
     BLOCK_STATE_COLORS,
     BLOCK_STATE_LABELS,
@@ -140,20 +140,46 @@ class EngineStepper:
 
     ``display()`` shows the widget. The drawing is :func:`engine_step_figure` of
     ``engine.snapshot()``; this class only wires the button to it.
+
+    ``replay``, when given, is a zero-argument function returning a fresh engine in the same
+    state as ``engine`` (same requests, same steps taken, same seeds): the kernel-free version
+    (:meth:`kernel_free`) steps that copy ahead to precompute the next snapshots, leaving
+    ``engine`` itself untouched. Without it the widget has no kernel-free twin.
     """
 
-    def __init__(self, engine, **figure_kwargs):
+    def __init__(self, engine, *, replay=None, **figure_kwargs):
         import ipywidgets as widgets
 
         self.engine = engine
+        self.replay = replay
         self.figure_kwargs = figure_kwargs
         self.button = widgets.Button(description="step", icon="play")
         self.status = widgets.Label()
         self.output, self._draw = figure_output(
             lambda: engine_step_figure(self.engine.snapshot(), **self.figure_kwargs))
         self.button.on_click(lambda _: self.step())
-        self.widget = widgets.VBox([widgets.HBox([self.button, self.status]), self.output])
+        self.widget = chapter_box([widgets.HBox([self.button, self.status]), self.output],
+                                  what="engine stepper (each click runs engine.step())",
+                                  kernel_free=None if replay is None else self.kernel_free)
         self._draw()
+
+    def kernel_free(self, max_steps: int = 12):
+        """The current snapshot and up to ``max_steps`` more, stepped on ``replay()``'s copy."""
+        from .kernel_free import slider, static_widget
+
+        if self.replay is None:
+            raise ValueError("EngineStepper.kernel_free needs replay= (a fresh-engine factory)")
+        copy = self.replay()
+        snapshots, notes = [copy.snapshot()], ["now"]
+        while len(snapshots) <= max_steps and copy.has_unfinished_requests():
+            finished = [o.request_id for o in copy.step() if o.finished]
+            snapshots.append(copy.snapshot())
+            notes.append(f"+{len(notes)} steps" + (f", finished: {', '.join(finished)}"
+                                                   if finished else ""))
+        return static_widget(
+            lambda i: engine_step_figure(snapshots[i], **self.figure_kwargs),
+            {"i": slider(range(len(snapshots)), label="step", labels=notes)},
+            title="engine steps, precomputed")
 
     def step(self) -> None:
         if not self.engine.has_unfinished_requests():

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvlab.core.fragmentation import CATEGORIES, WasteReport
 
-from ._widgets import figure_output
+from ._widgets import chapter_box, figure_output
 from .style import (
     BLOCK_STATE_COLORS,
     INK,
@@ -273,15 +273,22 @@ class BlockTableView:
         self.allocator = BlockAllocator(num_blocks)
         self.tables: dict = {}
         self._next = 0
+        #: (what happened, snapshot after it), one entry per successful call: the frames of the
+        #: kernel-free version (:meth:`kernel_free`).
+        self.history: list[tuple[str, tuple[dict, dict]]] = [("empty pool", self.snapshot())]
 
     def snapshot(self) -> tuple[dict[str, list[int]], dict[str, int]]:
         """(request id -> block table, request id -> tokens), plain data for the figure."""
         return ({rid: list(t.blocks) for rid, t in self.tables.items()},
                 {rid: len(t) for rid, t in self.tables.items()})
 
-    def figure(self):
-        tables, counts = self.snapshot()
+    def figure(self, index: int | None = None):
+        """The figure of the current state, or of ``history[index]``."""
+        tables, counts = self.snapshot() if index is None else self.history[index][1]
         return block_table_figure(tables, self.num_blocks, self.block_size, counts)
+
+    def _record(self, what: str) -> None:
+        self.history.append((what, self.snapshot()))
 
     def add_request(self, prompt_tokens: int) -> str:
         from kvlab.core.paging import BlockTable
@@ -291,13 +298,34 @@ class BlockTableView:
         table.append_tokens(prompt_tokens)       # raises before anything is registered
         self.tables[rid] = table
         self._next += 1
+        self._record(f"new request {rid} ({prompt_tokens} tokens)")
         return rid
 
     def append(self, rid: str, tokens: int = 1) -> None:
         self.tables[rid].append_tokens(tokens)
+        self._record(f"append {tokens} token{'s' * (tokens != 1)} to {rid}")
 
     def finish(self, rid: str) -> None:
         self.tables.pop(rid).release()
+        self._record(f"finish {rid}")
+
+    def kernel_free(self, max_frames: int = 24):
+        """A slider over :attr:`history` (the actions taken so far), opening at the latest."""
+        from .kernel_free import slider, spread, static_widget
+
+        n = len(self.history)
+        keep = spread(n, max_frames)
+        return static_widget(
+            self.figure,
+            {"index": slider(keep, label="action",
+                             labels=[f"{i}: {self.history[i][0]}" for i in keep])},
+            default={"index": keep[-1]}, title="block tables after each action",
+            caption=lambda index: (f"after: {self.history[index][0]} - "
+                                   f"{self._free_after(index)} of {self.num_blocks} blocks free"))
+
+    def _free_after(self, index: int) -> int:
+        tables, _ = self.history[index][1]
+        return self.num_blocks - sum(len(t) for t in tables.values())
 
     def widget(self):
         """The ipywidgets front end (buttons + figure)."""
@@ -340,4 +368,6 @@ class BlockTableView:
         for name, button in buttons.items():
             button.on_click(act(name))
         redraw()
-        return w.VBox([w.HBox([who, tokens, *buttons.values()]), message, out])
+        return chapter_box([w.HBox([who, tokens, *buttons.values()]), message, out],
+                           what="block-table playground (new request, append, finish)",
+                           kernel_free=self.kernel_free)

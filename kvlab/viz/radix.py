@@ -156,4 +156,13 @@ class RadixView:
         import ipywidgets as w
 
         pick = w.Dropdown(options=list(self.lookups), value=self.start, description="lookup")
-        return figure_widget({"label": pick}, self.figure)
+        return figure_widget({"label": pick}, self.figure,
+                             what="radix tree view (pick a lookup to see its hit path)",
+                             kernel_free=self.kernel_free)
+
+    def kernel_free(self):
+        """Every lookup precomputed, switched by a plain dropdown."""
+        from .kernel_free import dropdown, static_widget
+
+        return static_widget(self.figure, {"label": dropdown(self.lookups, label="lookup")},
+                             default={"label": self.start}, title="radix tree lookups")

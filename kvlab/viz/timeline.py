@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from ._widgets import figure_output
+from ._widgets import chapter_box, figure_output
 from .style import INK, MUTED, PHASE_COLORS, request_color
 
 
@@ -161,8 +161,20 @@ class BatchTimeline:
         self.out, self._redraw = figure_output(
             self.figure, lambda: describe_step(self.steps[self.slider.value], self.budget))
         self.slider.observe(lambda change: self.draw(), names="value")
-        self.widget = widgets.VBox([self.slider, self.out])
+        self.widget = chapter_box([self.slider, self.out],
+                                  what="batch timeline (a slider over scheduler steps)",
+                                  kernel_free=self.kernel_free)
         self.draw()
+
+    def kernel_free(self, max_frames: int = 16):
+        """About ``max_frames`` steps precomputed (evenly spread, the default one included)."""
+        from .kernel_free import slider, spread, static_widget
+
+        keep = spread(len(self.steps), max_frames, include=[self.slider.value])
+        return static_widget(self.figure, {"index": slider(keep, label="step index")},
+                             default={"index": self.slider.value},
+                             caption=lambda index: describe_step(self.steps[index], self.budget),
+                             title=self.title or "batch timeline")
 
     def figure(self, index: int | None = None) -> Figure:
         """The static figure the widget shows at ``index`` (default: the slider's value)."""
@@ -360,8 +372,19 @@ class RecoveryExplorer:
                                         continuous_update=False)
         self.out, self._redraw = figure_output(lambda: recovery_figure(self.snapshot()))
         self.slider.observe(lambda change: self.draw(), names="value")
-        self.widget = widgets.VBox([self.slider, self.out])
+        self.widget = chapter_box([self.slider, self.out],
+                                  what="recovery explorer (a slider over crash points)",
+                                  kernel_free=self.kernel_free)
         self.draw()
+
+    def kernel_free(self, max_frames: int = 16):
+        """About ``max_frames`` crash points precomputed (evenly spread, the default included)."""
+        from .kernel_free import slider, spread, static_widget
+
+        keep = spread(self.slider.max + 1, max_frames, include=[self.slider.value])
+        return static_widget(lambda k: recovery_figure(self.snapshot(k)),
+                             {"k": slider(keep, label="crash at")},
+                             default={"k": self.slider.value}, title="recovery after a crash")
 
     def snapshot(self, k: int | None = None) -> RecoverySnapshot:
         from kvlab.core.recovery import recover

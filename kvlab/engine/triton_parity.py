@@ -1,0 +1,101 @@
+"""Triton kernels vs the torch path on random paged caches (used by tests and gpu_check).
+
+:func:`compare` builds a paged cache with shuffled block tables and ragged context lengths,
+stores K/V with both :func:`~kvlab.engine.triton_kernels.store_kv` and the torch
+``index_copy_`` path, and attends the decode rows with both
+:func:`~kvlab.engine.triton_kernels.decode_attention` and the torch decode path, on the metadata
+of :func:`~kvlab.engine.attention.build_metadata`. Run ``python -m kvlab.engine.triton_parity``
+(with ``TRITON_INTERPRET=1`` on a CPU) to print the cases as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import triton_kernels
+from .attention import ChunkSpec, Workspace, _decode_bucket, build_metadata
+
+__all__ = ["CASES", "Case", "compare"]
+
+
+@dataclass(frozen=True)
+class Case:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    lengths: tuple[int, ...]
+    dtype: str = "float32"
+
+
+CASES: dict[str, Case] = {
+    "mha_bs16": Case(4, 4, 32, 16, (1, 16, 17, 40)),
+    "gqa_bs16": Case(8, 2, 32, 16, (3, 33, 1, 70, 16)),
+    "gqa_odd_group_bs4": Case(6, 2, 16, 4, (1, 2, 5, 9, 13)),      # group 3 (padded to 4)
+    "mqa_bs1": Case(4, 1, 16, 1, (1, 4, 7)),                         # one token per block
+    "gqa_bs8_dim24": Case(4, 2, 24, 8, (8, 9, 23)),                  # head_dim not a power of 2
+    "gqa_bs16_bf16": Case(8, 2, 32, 16, (5, 31, 48), "bfloat16"),
+    "mha_bs32_bf16": Case(2, 2, 64, 32, (1, 64, 65), "bfloat16"),
+}
+
+
+def compare(case: Case, device: str | torch.device = "cpu", seed: int = 0) -> dict:
+    """Max abs differences Triton vs torch for one case (``store_exact`` must be True)."""
+    if not triton_kernels.available():
+        raise RuntimeError("triton is not installed")
+    dtype = getattr(torch, case.dtype)
+    gen = torch.Generator().manual_seed(seed)
+    bs, kvh, dim = case.block_size, case.kv_heads, case.head_dim
+    need = [-(-t // bs) for t in case.lengths]
+    num_blocks = sum(need) + 5
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at:at + n])
+        at += n
+    shape = (num_blocks, bs, kvh, dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    # decode step: every sequence's last token; its new K/V are stored by both kernels
+    chunks = [ChunkSpec([0], t - 1, table) for t, table in zip(case.lengths, tables, strict=True)]
+    meta = build_metadata(chunks, bs, device, Workspace(device, dtype))
+    n = len(chunks)
+    k_new = torch.randn(n, kvh, dim, generator=gen).to(dtype).to(device)
+    v_new = torch.randn(n, kvh, dim, generator=gen).to(dtype).to(device)
+    kc_t, vc_t = k_cache.clone(), v_cache.clone()
+    triton_kernels.store_kv(k_cache, v_cache, k_new, v_new, meta.slot_mapping)
+    kc_t.view(-1, kvh, dim).index_copy_(0, meta.slot_mapping, k_new)
+    vc_t.view(-1, kvh, dim).index_copy_(0, meta.slot_mapping, v_new)
+    store_exact = bool(torch.equal(k_cache, kc_t) and torch.equal(v_cache, vc_t))
+    q = torch.randn(n, case.heads, dim, generator=gen).to(dtype).to(device)
+    scale = dim ** -0.5
+    worst_torch, worst_ref = 0.0, 0.0
+    ws = Workspace(device, dtype)
+    for b in meta.buckets:
+        rows = slice(b.row0, b.row0 + b.size)
+        got = triton_kernels.decode_attention(
+            q[rows], k_cache, v_cache, b.block_index.view(b.size, b.max_blocks),
+            meta.positions[rows], scale).float()
+        want = _decode_bucket(q[rows], kc_t, vc_t, b, scale, ws).float()
+        # float32 reference on the same (rounded) inputs: the kernel accumulates in float32
+        ref = _decode_bucket(q[rows].float(), kc_t.float(), vc_t.float(), b, scale,
+                             Workspace(device, torch.float32))
+        worst_torch = max(worst_torch, float((got - want).abs().max()))
+        worst_ref = max(worst_ref, float((got - ref).abs().max()))
+    return {"case": asdict(case), "store_exact": store_exact,
+            "max_abs_diff_vs_torch_path": worst_torch,
+            "max_abs_diff_vs_float32_reference": worst_ref, "rows": n,
+            "buckets": len(meta.buckets)}
+
+
+def main() -> None:
+    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    print(json.dumps({name: compare(c, device) for name, c in CASES.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Goodput and SLO attainment against request rate: the figure and its widget (chapter 11).
+
+The input is precomputed: for each serving set-up, the request rates tried and, per rate, the
+:class:`~kvlab.core.slo.LatencyRecord` list one run produced (from the simulator or the load
+client). Changing the SLO only re-evaluates those records, so the widget answers instantly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from kvlab.core.slo import SLO, LatencyRecord, evaluate_slo
+
+from .style import request_color
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.figure import Figure
+
+__all__ = ["attainment_curve", "goodput_explorer", "goodput_figure"]
+
+Curves = Mapping[str, tuple[Sequence[float], Sequence[Sequence[LatencyRecord]]]]
+
+
+def attainment_curve(rates: Sequence[float], runs: Sequence[Sequence[LatencyRecord]],
+                     slo: SLO, *, per: float = 1.0) -> tuple[list[float], list[float]]:
+    """(attainment per rate, goodput per rate divided by ``per``, e.g. GPUs)."""
+    att, good = [], []
+    for _, recs in zip(rates, runs, strict=True):
+        rep = evaluate_slo(recs, slo)
+        att.append(rep.attainment)
+        good.append(rep.goodput / per)
+    return att, good
+
+
+def goodput_figure(curves: Curves, slo: SLO, *, rate: float | None = None,
+                   gpus: Mapping[str, int] | None = None, target: float = 0.9,
+                   title: str | None = None) -> Figure:
+    """Attainment (left) and goodput (right) against the offered rate, one line per set-up.
+    Rates and goodput are per GPU when ``gpus`` gives each set-up's GPU count."""
+    import matplotlib.pyplot as plt
+
+    from kvlab.sim.serving import rate_at_attainment
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.5, 3.6))
+    names = list(curves)
+    unit = " per GPU" if gpus else ""
+    for i, name in enumerate(names):
+        rates, runs = curves[name]
+        n = gpus[name] if gpus else 1
+        x = [r / n for r in rates]
+        att, good = attainment_curve(rates, runs, slo, per=n)
+        color = request_color(i, list(range(len(names))))
+        cap = rate_at_attainment(x, att, target)
+        ax1.plot(x, att, marker="o", color=color, label=f"{name}: {cap:.1f}/s at {target:.0%}")
+        ax2.plot(x, good, marker="o", color=color, label=name)
+    lo = min(min(curves[n][0]) / (gpus[n] if gpus else 1) for n in names)
+    hi = max(max(curves[n][0]) / (gpus[n] if gpus else 1) for n in names)
+    ax2.plot([lo, hi], [lo, hi], ls=":", color="0.6", label="goodput = offered")
+    ax1.axhline(target, ls="--", color="0.5", lw=1)
+    for ax in (ax1, ax2):
+        if rate is not None:
+            ax.axvline(rate, color="0.3", lw=1)
+        ax.set_xlabel(f"offered rate (requests/s{unit})")
+    ax1.set_ylabel("SLO attainment")
+    ax1.set_ylim(-0.02, 1.02)
+    ax2.set_ylabel(f"goodput (requests/s{unit})")
+    ax1.legend(fontsize=8, loc="lower left")
+    ax2.legend(fontsize=8, loc="upper left")
+    bounds = ", ".join(f"{k} ≤ {v * 1e3:g} ms" for k, v in
+                       (("TTFT", slo.ttft), ("TPOT", slo.tpot), ("E2E", slo.e2e))
+                       if v is not None)
+    fig.suptitle(title or f"SLO: {bounds}")
+    fig.tight_layout()
+    return fig
+
+
+def goodput_explorer(curves: Curves, *, ttft_ms: float = 200.0, tpot_ms: float = 10.0,
+                     gpus: Mapping[str, int] | None = None, target: float = 0.9):
+    """Sliders for the TTFT and TPOT objectives and the rate; the figure and, beneath it, each
+    set-up's attainment and goodput at the chosen rate."""
+    import ipywidgets as w
+
+    from ._widgets import figure_widget
+
+    first = next(iter(curves))
+    per = gpus[first] if gpus else 1
+    rates = [r / per for r in curves[first][0]]
+    controls = {
+        "ttft_ms": w.FloatSlider(value=ttft_ms, min=20, max=1000, step=10,
+                                 description="TTFT ≤ ms", continuous_update=False),
+        "tpot_ms": w.FloatSlider(value=tpot_ms, min=4, max=60, step=0.5,
+                                 description="TPOT ≤ ms", continuous_update=False),
+        "rate": w.SelectionSlider(options=rates, value=rates[len(rates) // 2],
+                                  description="rate", continuous_update=False),
+    }
+
+    def slo_of(ttft_ms: float, tpot_ms: float) -> SLO:
+        return SLO(ttft=ttft_ms / 1e3, tpot=tpot_ms / 1e3)
+
+    def draw(ttft_ms: float, tpot_ms: float, rate: float):
+        return goodput_figure(curves, slo_of(ttft_ms, tpot_ms), rate=rate, gpus=gpus,
+                              target=target)
+
+    def caption(ttft_ms: float, tpot_ms: float, rate: float) -> str:
+        lines = []
+        for name, (rs, runs) in curves.items():
+            n = gpus[name] if gpus else 1
+            i = min(range(len(rs)), key=lambda j: abs(rs[j] / n - rate))
+            rep = evaluate_slo(runs[i], slo_of(ttft_ms, tpot_ms))
+            lines.append(f"{name} at {rs[i] / n:g}/s{' per GPU' if gpus else ''}: attainment "
+                         f"{rep.attainment:.0%}, goodput {rep.goodput / n:.2f}/s")
+        return "\n".join(lines)
+
+    return figure_widget(controls, draw, caption=caption)

@@ -1,0 +1,99 @@
+"""Chapter 10 figures: the install protocol as a producer/consumer timeline, and one fault's
+outcome on the consumer's KV pool.
+
+* :func:`protocol_timeline_figure` — pure: rows of plain data (request, fault injected, the
+  consumer's decision and action) in, a Figure out. Producer lane on the left, consumer lane on
+  the right; an arrow per entry labelled with its fault; the consumer's decision in a box
+  coloured by action (install / recompute / fail / discard).
+* :func:`fault_run_figure` — pure: a :class:`~kvlab.engine.kv_transfer.demo.FaultRun` in: the
+  consumer's pool right after its decision (chapter 3's :func:`~kvlab.viz.blocks.pool_figure`).
+* :func:`fault_explorer` — a dropdown of faults and a button that runs one through a live
+  :class:`~kvlab.engine.kv_transfer.demo.PDDemo` (thin ipywidgets glue).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._widgets import figure_output
+from .blocks import pool_figure
+from .style import INK, MUTED
+
+ACTION_COLORS = {"install": "#009e73", "recompute": "#e69f00", "fail": "#c44e52",
+                 "discard": "#868e96", "wait": "#56b4e9"}
+
+
+def protocol_timeline_figure(rows: Sequence[Mapping[str, Any]], *, producer: str = "producer",
+                             consumer: str = "consumer", title: str | None = None):
+    """``rows``: dicts with ``request``, ``fault`` (``""`` for none), ``decision``, ``action``
+    and optionally ``order`` (the consumer's decision order, drawn as ``#n``)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch, Patch
+
+    n = len(rows)
+    fig, ax = plt.subplots(figsize=(9.5, 0.42 * n + 1.6))
+    ax.set_xlim(0, 10)
+    ax.set_ylim(n + 0.2, -1.2)
+    ax.axis("off")
+    ax.text(1.4, -0.8, producer, ha="center", fontsize=11, color=INK, weight="bold")
+    ax.text(7.6, -0.8, consumer, ha="center", fontsize=11, color=INK, weight="bold")
+    for i, row in enumerate(rows):
+        ax.add_patch(FancyBboxPatch((0.2, i - 0.32), 2.4, 0.64, boxstyle="round,pad=0.02",
+                                    fc="#e9ecef", ec=MUTED, lw=0.8, gid=f"producer-{i}"))
+        ax.text(1.4, i, f"prefill + export {row['request']}", ha="center", va="center",
+                fontsize=8.5, color=INK)
+        fault = row.get("fault") or ""
+        ax.annotate("", xy=(5.9, i), xytext=(2.7, i),
+                    arrowprops={"arrowstyle": "->", "color": "#c44e52" if fault else MUTED,
+                                "lw": 1.4, "ls": "--" if fault else "-"})
+        ax.text(4.3, i - 0.12, fault or "clean", ha="center", va="bottom", fontsize=8,
+                color="#c44e52" if fault else MUTED)
+        action = row["action"]
+        ax.add_patch(FancyBboxPatch((6.0, i - 0.32), 3.8, 0.64, boxstyle="round,pad=0.02",
+                                    fc=ACTION_COLORS.get(action, "#ffffff"), ec=INK, lw=0.6,
+                                    alpha=0.85, gid=f"decision-{i}"))
+        order = f"#{row['order']} " if row.get("order") is not None else ""
+        ax.text(7.9, i, f"{order}{row['decision']} → {action}", ha="center", va="center",
+                fontsize=8.5, color="white" if action in ("install", "fail") else INK)
+    handles = [Patch(fc=c, ec=INK, label=a) for a, c in ACTION_COLORS.items() if a != "wait"]
+    ax.legend(handles=handles, loc="lower center", ncol=4, frameon=False, fontsize=8.5,
+              bbox_to_anchor=(0.5, -0.02 - 0.25 / max(n, 1)))
+    if title:
+        ax.set_title(title, fontsize=11, color=INK)
+    fig.tight_layout()
+    return fig
+
+
+def fault_run_caption(run: Any) -> str:
+    verdict = ("tokens equal the single engine" if run.tokens_equal else
+               "request did not complete" if not run.finished else "TOKENS DIFFER")
+    return (f"fault={run.fault}: decision {run.decision} -> {run.action}; {verdict}; "
+            f"max |logprob diff| = {run.max_logprob_diff:.1e}; request table {list(run.table)}")
+
+
+def fault_run_figure(run: Any, *, per_row: int = 20):
+    """The consumer's pool right after it decided on ``run``'s entry: installed blocks are
+    *shared* (the request and the prefix cache hold them); recomputed ones are exclusive."""
+    return pool_figure(run.snapshot, per_row=per_row,
+                       title=f"consumer pool after '{run.fault}': {run.decision} → {run.action}")
+
+
+def fault_explorer(demo: Any, faults: Sequence[str] | None = None):
+    """Choose a fault, press run: one fresh request goes through ``demo`` (a PDDemo)."""
+    import ipywidgets as w
+
+    from kvlab.engine.kv_transfer.demo import DEMO_FAULTS
+
+    choice = w.Dropdown(options=list(faults or DEMO_FAULTS), value="none", description="fault")
+    button = w.Button(description="run it")
+    state: dict[str, Any] = {}
+
+    def draw():
+        state["run"] = demo.run(choice.value)
+        return fault_run_figure(state["run"])
+
+    out, redraw = figure_output(draw, lambda: fault_run_caption(state["run"]))
+    button.on_click(lambda _: redraw())
+    redraw()
+    return w.VBox([w.HBox([choice, button]), out])

@@ -1,0 +1,346 @@
+"""The OpenAI-compatible server and the load client, end to end on 127.0.0.1.
+
+The client's counts and latencies are checked against the server's own /metrics; an abort
+mid-stream, a timeout and admission rejects are checked to free the KV and to be counted by
+kind on both sides; malformed requests get OpenAI's error object and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvlab.core.slo import SLO, evaluate_slo
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.entrypoints import bench
+from kvlab.entrypoints.async_engine import AsyncEngine
+from kvlab.entrypoints.load_client import LoadConfig, PlannedRequest, plan_requests, run_load
+from kvlab.entrypoints.prometheus import Histogram, MetricFamily, parse_metrics, render
+from kvlab.entrypoints.serve import ServerThread, build_app
+from kvlab.sim.workload import fixed, uniform
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "kvlab-tiny"
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    want = tuple(sorted({"model_name": MODEL, **labels}.items()))
+    return parse_metrics(text)[(name, want)]
+
+
+def wait_until(cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = LLMEngine(MODEL, max_model_len=256, max_num_seqs=16)
+    aeng = AsyncEngine(engine, model_name=MODEL)
+    with ServerThread(build_app(aeng, MODEL)) as srv:
+        srv.engine = engine
+        yield srv
+
+
+def idle(engine: LLMEngine) -> bool:
+    with engine.core.lock:
+        return (not engine.has_unfinished_requests() and not engine.kv.requests()
+                and engine.kv.num_allocatable_blocks() == engine.num_blocks)
+
+
+# ---------------------------------------------------------------- end to end, CLI subprocess
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bench_cli_against_serve_cli_agrees_with_server_metrics(tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab", "serve", "--port", str(port),
+                             "--max-model-len", "256"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        before = httpx.get(url + "/metrics").text
+        out = tmp_path / "bench.json"
+        rc = bench.main(["--base-url", url, "--model", MODEL, "--num-prompts", "16",
+                         "--request-rate", "20", "--input-len", "uniform:8,40",
+                         "--output-len", "fixed:12", "--slo-ttft-ms", "5000",
+                         "--scrape-metrics", "--result-json", str(out), "--no-progress"])
+        assert rc == 0
+        after = httpx.get(url + "/metrics").text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    res = json.loads(out.read_text())
+    reqs = res["requests"]
+    assert len(reqs) == 16 and all(r["status"] == "finished" for r in reqs)
+    assert all(r["output_tokens"] == 12 for r in reqs)          # ignore_eos + max_tokens
+    rep = res["report"]
+    assert rep["finished"] == 16 and rep["failures"] == {k: 0 for k in rep["failures"]}
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("vllm:request_success_total", finished_reason="length") == 16
+    assert delta("vllm:generation_tokens_total") == 16 * 12
+    assert delta("vllm:prompt_tokens_total") == sum(r["prompt_tokens"] for r in reqs)
+    assert delta("vllm:time_to_first_token_seconds_count") == 16
+    assert delta("vllm:e2e_request_latency_seconds_count") == 16
+    assert delta("vllm:inter_token_latency_seconds_count") == 16 * 11
+    # the client sees the server's latencies plus HTTP/SSE overhead: never less, not much more
+    server_ttft = delta("vllm:time_to_first_token_seconds_sum")
+    client_ttft = sum(r["ttft"] for r in reqs)
+    server_e2e = delta("vllm:e2e_request_latency_seconds_sum")
+    client_e2e = sum(r["e2e"] for r in reqs)
+    assert server_ttft <= client_ttft and server_e2e <= client_e2e
+    assert (client_e2e - server_e2e) / 16 < 0.5
+    assert (client_ttft - server_ttft) / 16 < 0.5
+    assert metric(after, "kvlab:requests_holding_kv") == 0
+    assert metric(after, "vllm:num_requests_running") == 0
+
+
+# ---------------------------------------------------------------- abort, timeout, rejects
+
+def test_disconnect_mid_stream_aborts_and_frees_kv(server) -> None:
+    engine = server.engine
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200,
+            "ignore_eos": True, "stream": True}
+    before = httpx.get(server.url + "/metrics").text
+    with httpx.Client(base_url=server.url, timeout=30) as client, \
+            client.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        seen = 0
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                seen += 1
+            if seen == 3:
+                with engine.core.lock:
+                    assert engine.kv.requests(), "the request should hold KV mid-stream"
+                break
+    wait_until(lambda: idle(engine))     # aborted, KV released
+    engine.check_invariants()
+    after = httpx.get(server.url + "/metrics").text
+    assert metric(after, "vllm:request_success_total", finished_reason="abort") \
+        - metric(before, "vllm:request_success_total", finished_reason="abort") == 1
+    assert metric(after, "vllm:request_success_total", finished_reason="length") \
+        == metric(before, "vllm:request_success_total", finished_reason="length")
+
+
+def test_client_timeouts_and_abandons_are_counted_by_kind_and_free_kv(server) -> None:
+    plan = [PlannedRequest(f"t{i}", 0.01 * i, [5 + i] * 10, 200) for i in range(6)]
+    recs, _ = run_load(LoadConfig(server.url, MODEL, request_timeout=0.3,
+                                  abandon_fraction=0.5, abandon_after_chunks=1, seed=3), plan)
+    kinds = sorted(r.status for r in recs)
+    assert set(kinds) <= {"timeout", "cancelled"} and "cancelled" in kinds
+    assert all(not r.finished for r in recs)
+    rep = evaluate_slo(recs, SLO(), window_s=1)
+    assert rep.failures["timeout"] + rep.failures["cancelled"] == 6
+    assert rep.latency["e2e"]["mean"] != rep.latency["e2e"]["mean"]   # NaN: no latency folded
+    wait_until(lambda: idle(server.engine))
+
+
+def test_admission_rejects_are_503_and_counted_as_rejects() -> None:
+    import dataclasses
+
+    from kvlab.core.scheduler import ProductionScheduler
+
+    engine = LLMEngine(MODEL, max_model_len=128, max_num_seqs=2, scheduler=lambda kv, cfg:
+                       ProductionScheduler(kv, dataclasses.replace(cfg, max_waiting=1)))
+    with ServerThread(build_app(AsyncEngine(engine, model_name=MODEL), MODEL)) as srv:
+        plan = plan_requests(12, float("inf"), fixed(8), fixed(24), seed=1)
+        recs, _ = run_load(LoadConfig(srv.url, MODEL), plan)
+        text = httpx.get(srv.url + "/metrics").text
+        wait_until(lambda: idle(engine))
+    rejected = sum(r.status == "rejected" for r in recs)
+    finished = sum(r.finished for r in recs)
+    assert rejected >= 1 and finished >= 1 and rejected + finished == 12
+    assert metric(text, "vllm:request_success_total", finished_reason="rejected") == rejected
+    assert metric(text, "kvlab:http_errors_total", code="503") == rejected
+    assert all("HTTP 503" in r.error for r in recs if r.status == "rejected")
+
+
+# ---------------------------------------------------------------- errors keep the server serving
+
+BAD = [
+    (b"{not json", 400, "invalid_json", None),
+    (b"[1, 2]", 400, "invalid_json", None),
+    (json.dumps({"model": MODEL, "prompt": "hi", "frobnicate": 1}).encode(), 400,
+     "unknown_parameter", "frobnicate"),
+    (json.dumps({"prompt": "hi"}).encode(), 400, "missing_required_parameter", "model"),
+    (json.dumps({"model": "gpt-9", "prompt": "hi"}).encode(), 404, "model_not_found", "model"),
+    (json.dumps({"model": MODEL, "prompt": "word " * 400}).encode(), 400,
+     "context_length_exceeded", "prompt"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 400,
+     "invalid_value", "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "top_p": 2}).encode(), 400, "invalid_value",
+     "top_p"),
+    (json.dumps({"model": MODEL, "prompt": [5, 99999]}).encode(), 400, "invalid_value",
+     "prompt"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "stop": ["x"]}).encode(), 400,
+     "unsupported_parameter", "stop"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "stream": "yes"}).encode(), 400,
+     "invalid_type", "stream"),
+    (json.dumps({"model": MODEL, "prompt": 7}).encode(), 400, "invalid_value", "prompt"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "code", "param"), BAD)
+def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, body, status, code,
+                                                                 param) -> None:
+    resp = httpx.post(server.url + "/v1/completions", content=body,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == status
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == code and err["param"] == param and err["message"]
+    ok = httpx.post(server.url + "/v1/completions",
+                    json={"model": MODEL, "prompt": "The town", "max_tokens": 3}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    assert idle(server.engine) or wait_until(lambda: idle(server.engine)) is None
+
+
+def test_chat_errors_and_routes(server) -> None:
+    bad = httpx.post(server.url + "/v1/chat/completions",
+                     json={"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    assert httpx.get(server.url + "/v1/nothing").status_code == 404
+    assert httpx.get(server.url + "/v1/completions").status_code == 405
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == MODEL
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_chat_and_completion_answers_match_the_engine(server) -> None:
+    """Greedy text through HTTP (streamed and not) equals the engine's own generation."""
+    from kvlab.engine.params import SamplingParams
+
+    prompt = "Trern Thyvet was a generous shepherd who lived in"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0}
+    plain = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+    text = plain["choices"][0]["text"]
+    streamed = []
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
+                      timeout=30) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data:") and "[DONE]" not in line:
+                streamed.append(json.loads(line[5:])["choices"][0]["text"])
+    assert "".join(streamed) == text
+    ref = LLMEngine(MODEL, max_model_len=256)
+    ref.add_request("r", prompt, SamplingParams(max_tokens=10, temperature=0))
+    while ref.has_unfinished_requests():
+        outs = ref.step()
+    assert outs[0].outputs[0].text == text
+    chat = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4},
+        timeout=30).json()
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["usage"]["completion_tokens"] <= 4
+
+
+# ---------------------------------------------------------------- pieces
+
+def test_prometheus_round_trip_and_histogram() -> None:
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 3.0):
+        h.observe(v)
+    text = render([MetricFamily("x:lat_seconds", "histogram", "h").add(h, m='a"b'),
+                   MetricFamily("x:n_total", "counter", "c").add(7)])
+    got = parse_metrics(text)
+    assert got[("x:lat_seconds_bucket", (("le", "0.1"), ("m", 'a\\"b')))] == 2   # le inclusive
+    assert got[("x:lat_seconds_bucket", (("le", "1"), ("m", 'a\\"b')))] == 3
+    assert got[("x:lat_seconds_bucket", (("le", "+Inf"), ("m", 'a\\"b')))] == 4
+    assert got[("x:lat_seconds_count", (("m", 'a\\"b'),))] == 4
+    assert got[("x:lat_seconds_sum", (("m", 'a\\"b'),))] == pytest.approx(3.65)
+    assert got[("x:n_total", ())] == 7
+    with pytest.raises(ValueError):
+        parse_metrics("not a sample line at all {")
+    with pytest.raises(ValueError):
+        h.observe(-1)
+
+
+def test_plan_is_open_loop_and_seeded() -> None:
+    import statistics
+
+    a = plan_requests(4000, 10.0, uniform(5, 9), fixed(3), seed=5)
+    b = plan_requests(4000, 10.0, uniform(5, 9), fixed(3), seed=5)
+    assert a == b
+    gaps = [y.arrival - x.arrival for x, y in itertools.pairwise(a)]
+    # exponential gaps: mean 1/rate, coefficient of variation 1 (4000 gaps: 5 sigma ~ 8%)
+    assert statistics.mean(gaps) == pytest.approx(0.1, rel=0.08)
+    assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(1.0, rel=0.1)
+    bursty = plan_requests(4000, 10.0, fixed(5), fixed(3), seed=5, burstiness=0.25)
+    g2 = [y.arrival - x.arrival for x, y in itertools.pairwise(bursty)]
+    assert statistics.stdev(g2) / statistics.mean(g2) == pytest.approx(2.0, rel=0.15)  # 1/sqrt(k)
+    assert all(5 <= len(r.prompt) <= 9 and r.output_len == 3 for r in a)
+    with pytest.raises(ValueError):
+        plan_requests(0, 1.0, fixed(1), fixed(1))
+    with pytest.raises(ValueError):
+        bench.length_dist("poisson:3")
+
+
+def test_non_streaming_client_gone_aborts_and_frees_kv(server, monkeypatch) -> None:
+    executor = server.engine.core.executor
+    real = executor.execute
+
+    def slow(output):              # 20 ms a step: 240 tokens take ~5 s
+        time.sleep(0.02)
+        return real(output)
+
+    monkeypatch.setattr(executor, "execute", slow)
+    before = httpx.get(server.url + "/metrics").text
+    body = {"model": MODEL, "prompt": "The river", "max_tokens": 240, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    wait_until(lambda: idle(server.engine))
+    server.engine.check_invariants()
+    after = httpx.get(server.url + "/metrics").text
+    assert metric(after, "vllm:request_success_total", finished_reason="abort") \
+        - metric(before, "vllm:request_success_total", finished_reason="abort") == 1
+
+
+def test_engine_step_failure_is_a_500_and_the_server_keeps_serving(server, monkeypatch) -> None:
+    executor = server.engine.core.executor
+    real = executor.execute
+    calls = {"n": 0}
+
+    def flaky(output):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real(output)
+
+    monkeypatch.setattr(executor, "execute", flaky)
+    resp = httpx.post(server.url + "/v1/completions",
+                      json={"model": MODEL, "prompt": "The town", "max_tokens": 4}, timeout=30)
+    assert resp.status_code == 500 and resp.json()["error"]["code"] == "engine_error"
+    ok = httpx.post(server.url + "/v1/completions",
+                    json={"model": MODEL, "prompt": "The town", "max_tokens": 4}, timeout=30)
+    assert ok.status_code == 200
+    wait_until(lambda: idle(server.engine))
+    server.engine.check_invariants()
