@@ -180,6 +180,8 @@ def main() -> None:
     speed = {name: tokens_per_second(kw, prompts) for name, kw in speed_cfgs.items()}
     for name, tps in speed.items():
         print(f"{name:>28}: {tps:7.1f} tokens/s  (x{tps / speed['fp32']:.2f} vs fp32)")
+    bf16_ratio = speed["bf16 int4 g=64 (int4pack, auto)"] / speed["bf16"]
+    print(f"bf16 int4 (packed kernel) vs bf16 dense: x{bf16_ratio:.2f}")
     layers = [layer_timing(512, 192, 8, 300), layer_timing(4096, 4096, 8, 20),
               layer_timing(4096, 4096, 8, 3, torch.bfloat16)]
     for lt in layers:
@@ -194,6 +196,7 @@ def main() -> None:
         "reconstruction": recon, "perplexity": ppl_rows,
         "engine_tokens_per_s": {k: round(v, 1) for k, v in speed.items()},
         "engine_speed_ratio_vs_fp32": {k: round(v / speed["fp32"], 3) for k, v in speed.items()},
+        "engine_bf16_int4_vs_bf16": round(bf16_ratio, 3),
         "linear_layer_timing": layers, "published_formats": fmts,
         "note": "timings from a shared CPU are noisy; re-run on a quiet machine",
         "platform": platform.platform(), "torch": torch.__version__,

@@ -5,10 +5,10 @@
 Which kernel runs depends on the config's ``kernel`` and the activation dtype, per call:
 ``"dequant"`` always dequantizes; ``"packed"`` uses a packed torch kernel wherever its contract
 fits; ``"auto"`` (default) uses the packed kernel only for half-precision activations. Measured
-on CPU (``benchmarks/bench_quantization.py``, torch 2.13): with bf16 activations the packed
-kernels run at the speed of a bf16 GEMM while dequantizing a bf16 weight per call is ~50x
-slower; with fp32 activations they are 10-30x *slower* than an fp32 GEMM, and dequantize + fp32
-GEMM wins. The packed kernels:
+on CPU (``benchmarks/bench_quantization.py``, torch 2.13, a 4096x4096 layer): with bf16
+activations the packed kernels run at 0.6-1.5x the speed of a bf16 GEMM while dequantizing a
+bf16 weight per call is 40-70x slower; with fp32 activations they are 10-50x *slower* than an
+fp32 GEMM, and dequantize + fp32 GEMM wins. The packed kernels:
 
 - ``aten._weight_int8pack_mm``: int8 symmetric with **one group per row** (``g = K``), the
   kernel's contract (int8 ``[N, K]`` times a per-output-channel scale). Exact to it: the scale
