@@ -137,17 +137,36 @@ def test_tp_divides_kv_only_while_sharded():
 
 
 def test_llama3_8b_h100_worked_example():
-    # 80e9 x 0.9 - 16,060,522,496 (bf16 weights) - 4 GiB reserve = 51,644,510,208 bytes
-    plan = plan_capacity(LLAMA8, H100, context_len=32768, reserve_bytes=4 * GiB)
+    # datasheet: 80e9 x 0.9 - 16,060,522,496 (bf16 weights) - 4 GiB reserve = 51,644,510,208 B
+    plan = plan_capacity(LLAMA8, H100, context_len=32768, reserve_bytes=4 * GiB,
+                         total_memory="datasheet")
     assert plan.kv_budget_bytes == 72e9 - 16_060_522_496 - 4 * GiB
     assert plan.block_bytes == 2 * 2**20                  # 16 tokens x 128 KiB
     assert plan.num_blocks == 51_644_510_208 // 2_097_152 == 24_626
     assert plan.token_capacity == 24_626 * 16
     assert plan.blocks_per_request == 2048
     assert plan.max_requests == 12
-    fp8 = plan_capacity(LLAMA8, H100, context_len=32768, reserve_bytes=4 * GiB, kv_dtype="fp8")
+    fp8 = plan_capacity(LLAMA8, H100, context_len=32768, reserve_bytes=4 * GiB, kv_dtype="fp8",
+                        total_memory="datasheet")
     assert fp8.num_blocks == 51_644_510_208 // 1_048_576
     assert fp8.max_requests == 24
+
+
+def test_llama3_8b_h100_as_vllm_sizes_it():
+    # vLLM multiplies CUDA's reported total (79.11 GiB on an H100 80GB) by the utilisation
+    assert H100.cuda_total_bytes == round(79.11 * GiB) == H100.engine_memory_bytes
+    plan = plan_capacity(LLAMA8, H100, context_len=32768, reserve_bytes=4 * GiB)
+    assert plan.gpu_memory_bytes == H100.cuda_total_bytes
+    budget = 0.9 * round(79.11 * GiB) - 16_060_522_496 - 4 * GiB
+    assert plan.num_blocks == int(budget // 2_097_152)
+    assert plan.max_requests == 13
+    fp8 = plan_capacity(LLAMA8, H100, context_len=32768, reserve_bytes=4 * GiB, kv_dtype="fp8")
+    assert fp8.max_requests == 26
+    # a GPU without a recorded CUDA total falls back to the datasheet
+    h200 = get_gpu("H200-141GB SXM")
+    assert h200.cuda_total_bytes is None and h200.engine_memory_bytes == 141 * GB
+    with pytest.raises(ValueError, match="total_memory"):
+        plan_capacity(LLAMA8, H100, total_memory="nvidia-smi")
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -173,7 +192,8 @@ def test_does_not_fit_is_reported_not_raised():
 
 
 def test_summary_is_readable():
-    text = plan_capacity(LLAMA8, H100, context_len=32768, reserve_bytes=4 * GiB).summary()
+    text = plan_capacity(LLAMA8, H100, context_len=32768, reserve_bytes=4 * GiB,
+                         total_memory="datasheet").summary()
     assert "Llama-3-8B on H100-80GB SXM" in text
     assert "24,626 blocks" in text and "max concurrent requests at 32,768 tokens: 12" in text
 
@@ -240,7 +260,8 @@ def test_capacity_figure_segments_and_curve():
     viz = _figure_module()
     import matplotlib.pyplot as plt
 
-    plan = plan_capacity(LLAMA8, H100, context_len=32768, reserve_bytes=4 * GiB)
+    plan = plan_capacity(LLAMA8, H100, context_len=32768, reserve_bytes=4 * GiB,
+                         total_memory="datasheet")
     fig = viz.capacity_figure(plan)
     ax, ax2 = fig.axes
     parts = {k: v for k, v in plan.breakdown().items() if v > 0}
@@ -281,12 +302,13 @@ def test_capacity_explorer_replans_on_change(capsys):
     assert len(captions) == 2
     assert "TP=1" in captions[0] and "does not fit" in captions[0]
     plan = plan_capacity(LLAMA70, H100, context_len=8192, tp=8, gpu_memory_utilization=0.9,
-                         reserve_bytes=2 * GiB)
+                         reserve_bytes=4 * GiB)      # the explorer's default reserve
     assert plan.kv_heads_per_rank == 1               # 8 KV heads over 8 ranks
-    assert plan.num_blocks == 79_672
+    budget = 0.9 * H100.cuda_total_bytes - 70_553_706_496 * 2 / 8 - 4 * GiB
+    assert plan.num_blocks == int(budget // (16 * 40 * 1024))
     shown = captions[1]
     assert "Llama-3-70B on H100-80GB SXM (TP=8)" in shown
-    assert "(1 KV heads/rank)" in shown and "79,672 blocks" in shown
+    assert "(1 KV heads/rank)" in shown and f"{plan.num_blocks:,} blocks" in shown
     assert shown.rstrip().endswith(plan.summary().rstrip())
 
 
@@ -302,17 +324,64 @@ def test_chapter1_exercise_checks():
     )
 
     assert "320 KiB" in check_kv_bytes_per_token(327_680)
-    assert "12 requests" in check_max_requests_h100(12, 24)
+    assert "13 requests" in check_max_requests_h100(13, 26)
     assert "40,960" in check_tp_kv_per_rank(40_960, 40_960)
-    with pytest.raises(AssertionError, match="factor 2"):
+    with pytest.raises(AssertionError, match="factor 2") as err:
         check_kv_bytes_per_token(163_840)
+    assert "327,680" not in str(err.value)
     with pytest.raises(AssertionError, match="GQA"):
         check_kv_bytes_per_token(327_680 * 8)
-    with pytest.raises(AssertionError, match="fp8: 12"):
-        check_max_requests_h100(12, 12)
-    with pytest.raises(AssertionError, match="replicated"):
+    with pytest.raises(AssertionError, match="fp8: 12 is too low") as err:
+        check_max_requests_h100(13, 12)
+    assert "26" not in str(err.value)
+    with pytest.raises(AssertionError, match="datasheet") as err:   # the 74.5 GiB plan
+        check_max_requests_h100(12, 24)
+    assert "13" not in str(err.value) and "26" not in str(err.value)
+    with pytest.raises(AssertionError, match="bf16: 14 is too high"):
+        check_max_requests_h100(14, 26)
+    with pytest.raises(AssertionError, match="replicated") as err:
         check_tp_kv_per_rank(40_960, 20_480)
+    assert "40,960" not in str(err.value)
     with pytest.raises(NotYetAnswered):
         check_max_requests_h100(..., 24)
     with pytest.raises(AssertionError, match="whole number"):
         check_kv_bytes_per_token(1.5)
+
+
+def test_chapter1_kv_overtakes_weights_check():
+    from kvlab.exercises.ch01 import check_kv_overtakes_weights
+    from kvlab.sim.costmodel import RooflineCostModel
+
+    cm = RooflineCostModel.named("Llama-3-8B", "H100-80GB SXM")
+    truth = next(b for b in range(1, 200)
+                 if cm.cost([(1, 4095, True)] * b).bytes >= 2 * cm.weight_bytes)
+    assert truth == 30                  # 16.06e9 / (4097 x 128 KiB) = 29.9
+    assert "Correct" in check_kv_overtakes_weights(truth)
+    for wrong, word in ((truth - 1, "too low"), (1, "too low"), (truth + 1, "too high")):
+        with pytest.raises(AssertionError, match=word) as err:
+            check_kv_overtakes_weights(wrong)
+        assert str(truth) not in str(err.value).replace(str(wrong), "")
+
+
+def test_chapter1_tp_design_check():
+    from kvlab.exercises.ch01 import check_tp_design
+
+    # the truth computed independently: TP=4 holds 40 x 16k only with a 1-byte (or smaller) KV
+    assert plan_capacity(LLAMA70, H100, tp=4, context_len=16384,
+                         reserve_bytes=4 * GiB).max_requests < 40
+    assert plan_capacity(LLAMA70, H100, tp=4, kv_dtype="fp8", context_len=16384,
+                         reserve_bytes=4 * GiB).max_requests >= 40
+    for dtype in ("fp8", "int8", "int4"):
+        assert "Correct" in check_tp_design(4, dtype)
+    with pytest.raises(AssertionError, match="fewer than 40") as err:
+        check_tp_design(4, "bf16")
+    assert "fp8" not in str(err.value)
+    with pytest.raises(AssertionError, match="fewer GPUs suffice") as err:
+        check_tp_design(8, "bf16")
+    assert "TP=4" not in str(err.value)
+    with pytest.raises(AssertionError, match="do not even fit"):
+        check_tp_design(1, "int4")
+    with pytest.raises(AssertionError, match="tp must be one of"):
+        check_tp_design(3, "bf16")
+    with pytest.raises(AssertionError, match="kv_dtype must be one of"):
+        check_tp_design(4, "fp4")

@@ -234,9 +234,14 @@ def test_fork_scenario_and_pool_figure():
     from kvlab.viz.blocks import RefcountView, fork_scenario, pool_figure
     from kvlab.viz.style import BLOCK_STATE_COLORS
 
-    steps = fork_scenario(n=3)
-    states = [s for _, snap in steps for s in snap.block_states]
+    cached = fork_scenario(n=3, enable_prefix_caching=True)   # chapter 4's look ahead
+    states = [s for _, snap in cached for s in snap.block_states]
     assert {"free", "exclusive", "shared", "cached", "pending_copy"} <= set(states)
+    steps = fork_scenario(n=3)                                # chapter 3: no prefix cache
+    states = [s for _, snap in steps for s in snap.block_states]
+    assert {"free", "exclusive", "shared", "pending_copy"} <= set(states)
+    assert "cached" not in states
+    assert set(steps[-1][1].block_states) == {"free"}
     view = RefcountView(steps)
     assert steps[view.start][1].pending_copies
     fig = pool_figure(steps[view.start][1])
@@ -272,17 +277,68 @@ def test_chapter3_exercise_checks():
         table[i] = alloc.allocate()
         return table, (old, table[i])
 
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=r"reference does not do|differ from the reference"):
         check_cow(decrement_first)
     with pytest.raises(NotYetAnswered):
         check_cow(...)
     assert sampling_blocks(**SAMPLING) == (114, 300)
     assert "Correct" in check_sampling_blocks(114, 300)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="with sharing: 75 is too low") as err:
         check_sampling_blocks(75, 300)
+    assert "114" not in str(err.value)
     assert "Correct" in check_double_release("c")
     with pytest.raises(AssertionError):
         check_double_release("b")
+
+
+def test_chapter3_cow_counterexample_check():
+    from kvlab.exercises.ch03 import check_cow_counterexample
+    from kvlab.reference import BlockAllocator
+
+    def full_pool_shared():
+        alloc = BlockAllocator(2)
+        table = [alloc.allocate()]
+        alloc.share(table)
+        alloc.allocate()
+        return alloc, table, 0
+
+    def roomy_shared():                      # the suspect behaves on the ordinary path
+        alloc = BlockAllocator(3)
+        table = [alloc.allocate()]
+        alloc.share(table)
+        return alloc, table, 0
+
+    def exclusive():
+        alloc = BlockAllocator(2)
+        return alloc, [alloc.allocate()], 0
+
+    assert "lost a reference" in check_cow_counterexample(full_pool_shared)
+    for case in (roomy_shared, exclusive):
+        with pytest.raises(AssertionError, match="does not show here") as err:
+            check_cow_counterexample(case)
+        assert "full" not in str(err.value) and "decrement" not in str(err.value)
+    shared = BlockAllocator(2)
+    with pytest.raises(AssertionError, match="new BlockAllocator"):
+        check_cow_counterexample(lambda: (shared, [0], 0))
+
+
+def test_chapter3_max_samples_check():
+    from kvlab.exercises.ch03 import SAMPLES_DESIGN, check_max_samples, samples_fit
+
+    d = SAMPLES_DESIGN
+    full = d["prompt_tokens"] // d["block_size"]                       # 18 shared blocks
+    private = -(-(d["prompt_tokens"] + d["output_tokens"]) // d["block_size"]) - full   # 7
+    truth = (d["num_blocks"] - full) // private
+    assert truth == 6 and samples_fit(6, **d) and not samples_fit(7, **d)
+    assert "Correct" in check_max_samples(truth)
+    with pytest.raises(AssertionError, match="too high") as err:
+        check_max_samples(7)
+    assert "6" not in str(err.value)
+    with pytest.raises(AssertionError, match="too low") as err:
+        check_max_samples(3)
+    assert "6" not in str(err.value)
+    with pytest.raises(AssertionError, match="positive whole number"):
+        check_max_samples(0)
 
 
 def test_commit_never_caches_a_block_whose_copy_is_pending():

@@ -259,14 +259,55 @@ def test_chapter2_exercise_checks():
     )
 
     assert "Correct" in check_physical_slot(physical_slot)
-    with pytest.raises(AssertionError, match="ValueError"):
+    with pytest.raises(AssertionError, match="should raise"):
         check_physical_slot(lambda t, b, p: t[p // b] * b + p % b)   # no validation
     with pytest.raises(NotYetAnswered):
         check_physical_slot(...)
     assert tail_waste([1, 16, 17], 16) == 15 + 0 + 15
     assert "52 vs 1156" in check_tail_waste(52, 1156)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="block size 256: 1000 is too low") as err:
         check_tail_waste(52, 1000)
+    assert "1156" not in str(err.value)
+    with pytest.raises(AssertionError, match="block size 16: 60 is too high") as err:
+        check_tail_waste(60, 1156)
+    assert "52" not in str(err.value)
     assert "Correct" in check_slot_mapping([28, 29, 6, 21])
-    with pytest.raises(AssertionError, match="not right"):
+    with pytest.raises(AssertionError, match="request 2 position 9") as err:
         check_slot_mapping([28, 29, 6, 20])
+    assert "21" not in str(err.value)
+    with pytest.raises(AssertionError, match="schedules 4 tokens"):
+        check_slot_mapping([28, 29, 6])
+
+
+def test_chapter2_fast_slot_counterexample_check():
+    from kvlab.exercises.ch02 import check_fast_slot_counterexample, fast_slot
+
+    assert fast_slot([9, 2], 4, -1) == 2 * 4 + 3      # negative index reads the last block
+    assert "Correct" in check_fast_slot_counterexample(([9, 2], 4, -1))
+    assert "Correct" in check_fast_slot_counterexample(([3, -1], 4, 5))   # padding entry
+    with pytest.raises(AssertionError, match="reference accepts"):
+        check_fast_slot_counterexample(([9, 2], 4, 5))
+    with pytest.raises(AssertionError, match="also fails"):
+        check_fast_slot_counterexample(([9, 2], 4, 8))            # IndexError in both
+    with pytest.raises(AssertionError, match="tuple"):
+        check_fast_slot_counterexample([1, 2])
+
+
+def test_chapter2_block_size_design_check():
+    from kvlab.core.fragmentation import sharegpt_like_workload, simulate
+    from kvlab.exercises.ch02 import BLOCK_DESIGN, check_block_size_design
+
+    workload = sharegpt_like_workload(1000, seed=0)
+    share = {q: simulate(workload, "paged", 16384, block_size=q).token_states
+             for q in BLOCK_DESIGN["block_sizes"]}
+    truth = max(q for q, v in share.items() if v >= 0.95)
+    assert truth == 32
+    assert "Correct" in check_block_size_design(truth)
+    with pytest.raises(AssertionError, match="too large") as err:
+        check_block_size_design(64)
+    assert "32" not in str(err.value)
+    with pytest.raises(AssertionError, match="too small") as err:
+        check_block_size_design(16)
+    assert "32" not in str(err.value)
+    with pytest.raises(AssertionError, match="choose one of"):
+        check_block_size_design(24)

@@ -286,3 +286,18 @@ def test_kv_transfer_refuses_a_quantized_kv_cache(tmp_path):
                                 "kv_connector_extra_config": {"shared_storage_path":
                                                               str(tmp_path)}})
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "draft_model", "model": "kvlab-tiny-draft", "num_speculative_tokens": 3},
+    {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+     "num_speculative_tokens": 3}])
+def test_speculative_decoding_over_quantized_weights_and_kv(spec):
+    """Speculation stays exact over a quantized target: greedy tokens equal the same quantized
+    engine without speculation (the verifier reads the same quantized KV and weights)."""
+    prompts = sample_prompts(4, 4)
+    sp = SamplingParams(max_tokens=16, temperature=0)
+    kw = {"num_blocks": 128, "quantization": "int8", "kv_cache_dtype": "int8"}
+    plain = LLM(MODEL, **kw).generate(prompts, sp, use_tqdm=False)
+    fast = LLM(MODEL, speculative_config=spec, **kw).generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]

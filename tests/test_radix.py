@@ -235,3 +235,45 @@ def test_chapter4_exercise_checks():
     off, on = saved_prefill(**FEW_SHOT)
     assert off == 20 * 640 and on == 640 + 19 * (640 - 592)
     assert "Correct" in check_saved_prefill(off, on)
+
+
+def test_chapter4_checks_do_not_print_the_answer():
+    from kvlab.exercises.ch04 import FEW_SHOT, check_last_token, check_saved_prefill, saved_prefill
+
+    with pytest.raises(AssertionError, match="too high") as err:
+        check_last_token(48, "b")
+    assert "32" not in str(err.value)
+    with pytest.raises(AssertionError, match="too low") as err:
+        check_last_token(16, "b")
+    assert "32" not in str(err.value)
+    off, on = saved_prefill(**FEW_SHOT)
+    with pytest.raises(AssertionError, match=r"with: .* is too high") as err:
+        check_saved_prefill(off, on + 16)
+    assert f"{on}" not in str(err.value).replace(f"{on + 16}", "")
+
+
+def test_chapter4_request_order_check():
+    from kvlab.exercises.ch04 import (
+        ORDERING,
+        check_request_order,
+        longest_prefix_first_order,
+        ordering_requests,
+        prefill_for_order,
+    )
+
+    requests = ordering_requests()
+    arrival = list(requests)
+    d = ORDERING
+    one_group = d["prefix_tokens"] + d["question_tokens"] + (d["per_group"] - 1) * d[
+        "question_tokens"]                        # the prefix once, then only the questions
+    best = d["groups"] * one_group
+    assert prefill_for_order(longest_prefix_first_order()) == best == 768
+    assert prefill_for_order(arrival) > best       # interleaved groups evict one another
+    assert "Correct" in check_request_order(sorted(arrival))
+    with pytest.raises(AssertionError, match="too many") as err:
+        check_request_order(arrival)
+    assert "768" not in str(err.value) and "arrival order" in str(err.value)
+    with pytest.raises(AssertionError, match="exactly once"):
+        check_request_order(arrival[:-1])
+    with pytest.raises(AssertionError, match="exactly once"):
+        check_request_order(arrival[:-1] + arrival[:1])

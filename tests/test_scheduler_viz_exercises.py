@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import matplotlib.pyplot as plt
 import pytest
 from matplotlib.colors import to_rgba
@@ -106,28 +108,116 @@ def test_ch05_checks():
                if kv.has(rid) and e.request.status not in RUNNING_STATUSES}
     assert orphans == {"q3"}
     assert "Correct" in ch05.check_orphans(orphans)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="missed 1 orphan") as err:
         ch05.check_orphans(set())
+    assert "q3" not in str(err.value)
+    with pytest.raises(AssertionError, match="'q0' is not an orphan") as err:
+        ch05.check_orphans({"q0", "q3"})
+    assert "missed" not in str(err.value)
     assert "Not answered" in try_check(ch05.check_orphans, ...)
+
+
+def test_ch05_status_path_check():
+    from kvlab.core.lifecycle import EventLog
+
+    log = EventLog()
+    sched = ch05.tight_scheduler(log=log)
+    drive(sched, arrivals=ch05.tight_arrivals(), aborts={ch05.ABORT_STEP: ["q2"]})
+    truth = ["waiting"] + [e.data[1] for e in log.events
+                           if e.request_id == "q2" and e.kind == "transition"]
+    assert truth == ["waiting", "running", "preempted", "cancelled"]
+    assert "Correct" in ch05.check_status_path(truth, "abort")
+    with pytest.raises(AssertionError, match="entry 3") as err:
+        ch05.check_status_path(["waiting", "running", "preempted", "running"], "abort")
+    assert "cancelled" not in str(err.value)
+    with pytest.raises(AssertionError, match="stops too early"):
+        ch05.check_status_path(truth[:3], "abort")
+    with pytest.raises(AssertionError, match="not the finish reason") as err:
+        ch05.check_status_path(truth, "length")
+    assert "'abort'" not in str(err.value).split("the reasons are")[0]
+
+
+def test_ch05_no_preemption_blocks_check():
+    assert [ch05.preemptions_with(b) > 0 for b in (11, 12)] == [True, False]
+    assert "Correct" in ch05.check_no_preemption_blocks(12)
+    with pytest.raises(AssertionError, match="too low") as err:
+        ch05.check_no_preemption_blocks(9)
+    assert "12" not in str(err.value)
+    with pytest.raises(AssertionError, match="too high") as err:
+        ch05.check_no_preemption_blocks(16)
+    assert "12" not in str(err.value)
+
+
+def test_ch05_crash_design_check():
+    from kvlab.core.lifecycle import EventLog, SimulatedCrash
+    from kvlab.core.recovery import recover
+
+    full = EventLog()
+    drive(ch05.tight_scheduler(log=full), arrivals=ch05.tight_arrivals())
+    good = []
+    for k in range(len(full.events)):           # the truth, computed independently
+        log = EventLog(crash_at=k)
+        sched = ch05.tight_scheduler(log=log)
+        with contextlib.suppress(SimulatedCrash):
+            drive(sched, arrivals=ch05.tight_arrivals())
+        _, report = recover(log.events, sched.kv,
+                            lambda kv, lg: ch05.ProductionScheduler(kv, ch05.TIGHT_CONFIG, log=lg))
+        if report.freed and report.resumed:
+            good.append(k)
+    assert good
+    assert "Correct" in ch05.check_crash_design(good[0])
+    with pytest.raises(AssertionError, match="no orphan"):
+        ch05.check_crash_design(0)
+    with pytest.raises(AssertionError, match="event index"):
+        ch05.check_crash_design(len(full.events))
 
 
 def test_ch06_checks():
     assert "Correct" in ch06.check_batch([("d0", 1), ("d1", 1), ("p0", 4), ("w0", 2)])
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="entry 0") as err:
         ch06.check_batch([("p0", 4), ("d0", 1)])
+    assert "d1" not in str(err.value) and "w0" not in str(err.value)
+    with pytest.raises(AssertionError, match="wrong token count for p0") as err:
+        ch06.check_batch([("d0", 1), ("d1", 1), ("p0", 6)])
+    assert "'w0'" not in str(err.value)
+    with pytest.raises(AssertionError, match="more requests fit"):
+        ch06.check_batch([("d0", 1), ("d1", 1), ("p0", 4)])
     assert "Correct" in ch06.check_deadline_policy(ch06.edf_then_priority)
     with pytest.raises(AssertionError, match="first token at step"):
         ch06.check_deadline_policy(default_order_key)
     with pytest.raises(AssertionError):
         ch06.check_deadline_policy(42)
     assert "Correct" in ch06.check_starvation_bound(16 + 4 * 2560)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="too low") as err:
         ch06.check_starvation_bound(2560)
+    assert "10,256" not in str(err.value) and "10256" not in str(err.value)
+    with pytest.raises(AssertionError, match="too high"):
+        ch06.check_starvation_bound(16 + 5 * 2560)
+
+
+def test_ch06_chunk_design_check():
+    from kvlab.sim.itl import inter_token_latencies, percentile
+
+    slo = ch06.CHUNK_SWEEP["itl_p99_slo_s"]
+    p99 = {c: percentile(inter_token_latencies(ch06.run_chunk(c)), 99)
+           for c in ch06.CHUNK_SWEEP["chunks"]}
+    assert all(a < b for a, b in zip(list(p99.values()), list(p99.values())[1:], strict=False))
+    truth = max(c for c, v in p99.items() if v <= slo)
+    assert truth == 1024
+    assert "Correct" in ch06.check_chunk_design(truth)
+    with pytest.raises(AssertionError, match="too large") as err:
+        ch06.check_chunk_design(2048)
+    assert "1024" not in str(err.value)
+    with pytest.raises(AssertionError, match="too small") as err:
+        ch06.check_chunk_design(512)
+    assert "1024" not in str(err.value)
+    with pytest.raises(AssertionError, match="choose one of"):
+        ch06.check_chunk_design(300)
 
 
 def test_recovery_figure_and_explorer():
     from kvlab.core.scheduler import ProductionScheduler
-    from kvlab.viz.timeline import RecoveryExplorer, RecoveryRow, event_text, recovery_figure
+    from kvlab.viz.lifecycle import RecoveryExplorer, RecoveryRow, event_text, recovery_figure
 
     def make(kv, log):
         return ProductionScheduler(kv, ch05.CONFIG, log=log)

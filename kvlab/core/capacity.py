@@ -236,10 +236,14 @@ def plan_capacity(
     kv_sharded: bool = True,
     scale_group: int | None = None,
     scale_bytes: float = 2.0,
+    total_memory: str = "cuda",
 ) -> CapacityPlan:
     """Plan the KV cache of ``model`` on one GPU of a tensor-parallel group, as vLLM sizes it.
 
-    The engine may use ``gpu_memory_utilization`` of the GPU. From that it subtracts the
+    The engine may use ``gpu_memory_utilization`` of the GPU's total memory: with
+    ``total_memory="cuda"`` (the default) the total CUDA reports, as vLLM uses it
+    (:attr:`GPUSpec.engine_memory_bytes`, the datasheet figure where none is recorded); with
+    ``"datasheet"`` the decimal GB of the datasheet. From that it subtracts the
     weights held by this rank (``weight_bytes`` if given, else ``params · bytes(weight_dtype)``,
     divided by ``tp``: every weight matrix, embeddings included, is split across ranks; the
     small replicated norms are ignored) and ``reserve_bytes`` for activations, workspace and
@@ -264,8 +268,11 @@ def plan_capacity(
     """
     if not isinstance(model, ModelShape):
         raise ValueError(f"model must be a ModelShape, got {type(model).__name__}")
+    if total_memory not in ("cuda", "datasheet"):
+        raise ValueError(f"total_memory must be 'cuda' or 'datasheet', got {total_memory!r}")
     if isinstance(gpu, GPUSpec):
-        gpu_name, memory = gpu.name, gpu.memory_bytes
+        gpu_name = gpu.name
+        memory = gpu.engine_memory_bytes if total_memory == "cuda" else gpu.memory_bytes
     else:
         gpu_name, memory = "GPU", gpu
         if (not isinstance(memory, Real) or isinstance(memory, bool)

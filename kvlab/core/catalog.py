@@ -6,9 +6,9 @@ the shape, so the two checking each other guards against a mistyped field (tests
 
 GPU figures come from NVIDIA's datasheets (URL in ``source``). Memory is stated the way the
 datasheet states it, in **decimal gigabytes** (1 GB = 10**9 bytes): an "80GB" part is recorded
-as ``80 * 10**9`` bytes = 74.5 GiB. The driver usually reports somewhat more than the marketing
-figure (HBM stacks come in power-of-two sizes), so plans made from these numbers are slightly
-conservative. Peak tensor throughput is the *dense* BF16 figure (datasheets often print the
+as ``80 * 10**9`` bytes = 74.5 GiB. CUDA reports more (79.11 GiB on an H100 80GB); where that
+total has been observed it is recorded as ``cuda_total_bytes``, and capacity plans use it by
+default, as vLLM does. Peak tensor throughput is the *dense* BF16 figure (datasheets often print the
 2:4-sparse figure, twice as large); bandwidth is HBM bandwidth in bytes per second.
 """
 
@@ -113,6 +113,9 @@ class GPUSpec:
         bf16_tflops: peak dense BF16 tensor-core throughput, in 10**12 FLOP/s.
         hbm_bandwidth: peak HBM bandwidth in bytes per second.
         source: URL of the datasheet.
+        cuda_total_bytes: the total memory CUDA reports (``cudaMemGetInfo``, i.e.
+            ``torch.cuda.mem_get_info()[1]``), which is what vLLM multiplies by
+            ``gpu_memory_utilization``; ``None`` where the catalogue has no observed value.
     """
 
     name: str
@@ -121,11 +124,18 @@ class GPUSpec:
     bf16_tflops: float
     hbm_bandwidth: float
     source: str
+    cuda_total_bytes: int | None = None
 
     @property
     def memory_gib(self) -> float:
         """Memory in binary gibibytes (2**30 bytes)."""
         return self.memory_bytes / GiB
+
+    @property
+    def engine_memory_bytes(self) -> int:
+        """The total an engine sizes its cache from: CUDA's reported total when recorded,
+        else the datasheet figure."""
+        return self.memory_bytes if self.cuda_total_bytes is None else self.cuda_total_bytes
 
     @property
     def ridge_flops_per_byte(self) -> float:
@@ -170,7 +180,11 @@ GPUS: dict[str, GPUSpec] = {
                        "pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"),
         GPUSpec("H100-80GB SXM", memory_bytes=80 * GB, memory_label="80GB HBM3",
                 bf16_tflops=989.5, hbm_bandwidth=3350 * GB,
-                source="https://www.nvidia.com/en-us/data-center/h100/"),
+                source="https://www.nvidia.com/en-us/data-center/h100/",
+                # vLLM v1 logs "total_gpu_memory (79.11GiB)" on an H100 80GB HBM3: CUDA's
+                # total, below nvidia-smi's 81,559 MiB (79.65 GiB) and above the 74.5 GiB
+                # of the decimal 80 GB.
+                cuda_total_bytes=round(79.11 * GiB)),
         GPUSpec("H200-141GB SXM", memory_bytes=141 * GB, memory_label="141GB HBM3e",
                 bf16_tflops=989.5, hbm_bandwidth=4800 * GB,
                 source="https://www.nvidia.com/en-us/data-center/h200/"),

@@ -17,6 +17,13 @@ missing, extra or malformed; nothing was changed), ``scheduler.fail_step`` fails
 requests (FAILED / ERROR, KV released exactly once) and the exception propagates; the core
 keeps serving, and the failed requests are reported by the next step.
 
+Observers (:meth:`add_observer`) plug into this one loop: ``before_execute(core, output)``
+after scheduling, ``after_step(core, result)`` after the update, ``after_failed_step(core,
+output, error)`` when a step failed; an observer's ``defer_copies(core, output)`` returning
+True takes over lifting that step's copy fences (it must do so before the next execute). The
+invariant monitor (:mod:`kvlab.core.invariant_set`) and the fault injector
+(:mod:`kvlab.core.faults`) are observers.
+
 Threading model: one thread calls :meth:`step`; any thread may call :meth:`add_request` and
 :meth:`abort_request`. Each holds :attr:`lock` briefly. The executor runs *outside* the lock,
 so requests can arrive while a step executes; an abort that arrives then is applied when the
@@ -93,6 +100,19 @@ class EngineCore:
         self.lock = threading.RLock()
         self._stepping = False
         self._late_aborts: list[str] = []
+        self.observers: list[Any] = []
+
+    def add_observer(self, observer: Any) -> None:
+        """Register an observer (see the module docstring); called in registration order."""
+        self.observers.append(observer)
+
+    def _notify(self, hook: str, *args: Any) -> bool:
+        called = False
+        for observer in list(self.observers):
+            fn = getattr(observer, hook, None)
+            if fn is not None:
+                called = bool(fn(self, *args)) or called
+        return called
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: RuntimeRequest) -> None:
@@ -134,14 +154,18 @@ class EngineCore:
                 self._stepping = False
                 raise
         try:
+            if self.observers:
+                self._notify("before_execute", output)
             result = self.executor.execute(output)
-            if output.copies:
+            if output.copies and not (self.observers and self._notify("defer_copies", output)):
                 self.scheduler.kv.complete_copies(output.copies)
         except BaseException as error:
             with self.lock:
                 self.scheduler.fail_step(
                     output, f"step {output.step} failed: {type(error).__name__}: {error}")
                 self._end_step()
+                if self.observers:
+                    self._notify("after_failed_step", output, error)
             raise
         with self.lock:
             try:
@@ -156,7 +180,10 @@ class EngineCore:
                 self._forget(ended)
             finally:
                 aborted = self._end_step()
-        return StepResult(output, result, ended, aborted, schedule_s, update_s)
+            step_result = StepResult(output, result, ended, aborted, schedule_s, update_s)
+            if self.observers:
+                self._notify("after_step", step_result)
+        return step_result
 
     def _end_step(self) -> list[RuntimeRequest]:
         """Apply the aborts that arrived during the step; the next step may start."""

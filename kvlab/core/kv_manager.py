@@ -194,6 +194,19 @@ class KVCacheManager:
         table.extend(self.pool.allocate(extra, request_id))
         return copies
 
+    def truncate(self, request_id: str, num_tokens: int) -> list[int]:
+        """Shrink the table to the blocks ``num_tokens`` slots need and release the tail (the
+        rollback of rejected speculative tokens). The tail must hold no committed block
+        (ValueError, unchanged). Returns the blocks released (in table order)."""
+        table = self._table(request_id)
+        keep = self.blocks_for(num_tokens) if is_int(num_tokens) and num_tokens >= 0 else -1
+        if keep < self._committed[request_id]:
+            raise ValueError(f"truncate({request_id!r}, {num_tokens!r}) would drop cached blocks")
+        tail = table[keep:]
+        del table[keep:]
+        self.pool.release(reversed(tail), request_id)
+        return tail
+
     def pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write copies handed out and not yet completed, sorted."""
         return self.pool.pending_copies()

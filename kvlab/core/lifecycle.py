@@ -158,7 +158,8 @@ class Lifecycle:
         self._append(
             "transition",
             request.request_id,
-            (request.status.value, target.value, reason.value if reason else None),
+            (request.status.value, target.value, reason.value if reason else None)
+            + ((message,) if message is not None else ()),   # the reason survives a crash
         )
         request.status = target
         if target.is_terminal:

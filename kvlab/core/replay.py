@@ -204,7 +204,8 @@ class _Replayer:
 
     def _on_transition(self, event: Event, entry: ReplayedRequest) -> None:
         data, request = event.data, entry.request
-        if (len(data) != 3 or data[0] not in _STATUS_VALUES or data[1] not in _STATUS_VALUES
+        if (len(data) not in (3, 4) or (len(data) == 4 and not isinstance(data[3], str))
+                or data[0] not in _STATUS_VALUES or data[1] not in _STATUS_VALUES
                 or not (data[2] is None or data[2] in _REASON_VALUES)):
             raise _fail(event, f"transition data must be (status, status, reason | None), got "
                                f"{data!r}")
@@ -225,6 +226,8 @@ class _Replayer:
             raise _fail(event, f"finished ({data[2]}), but the replayed request meets stop "
                                f"condition {met_stop(request)}")
         request.status = dst
+        if len(data) == 4:
+            request.status_message = data[3]
         if dst.is_terminal:
             request.finish_reason = reason
             request.finished_step = event.step

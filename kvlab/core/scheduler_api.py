@@ -234,8 +234,11 @@ class ScheduledChunk:
     """Work for one request in one step: feed ``token_ids`` at positions ``start_pos...``.
 
     ``block_table`` is the request's whole table after this step's allocation (it covers
-    positions ``0 .. start_pos + len(token_ids) - 1``). ``sample`` is True when the chunk ends at
-    the request's last token, so the logits of its last position produce the next token.
+    positions ``0 .. start_pos + len(token_ids) - 1 + num_lookahead``). ``sample`` is True when
+    the chunk ends at the request's last token, so the logits of its last position produce the
+    next token. ``num_lookahead`` (speculative decoding, :mod:`kvlab.core.spec_plan`): slots
+    reserved after the chunk for up to that many draft tokens, verified in the same forward;
+    the executor then returns a tuple of 1..num_lookahead+1 tokens for the request.
     """
 
     request_id: str
@@ -244,10 +247,16 @@ class ScheduledChunk:
     block_table: tuple[int, ...]
     sample: bool
     is_prefill: bool
+    num_lookahead: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Tokens this chunk may put through the forward: its own plus the lookahead."""
+        return len(self.token_ids) + self.num_lookahead
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .block_pool import OutOfBlocks
-from .checks import is_int
 from .lifecycle import (
     WAITING_STATUSES,
     EventLog,
@@ -27,6 +26,7 @@ from .scheduler_api import (
     stop_reason,
 )
 from .scheduler_config import SchedulerConfig
+from .spec_plan import check_sampled, plan_lookahead
 from .step_plan import StepPlan
 
 S = RequestStatus
@@ -164,6 +164,7 @@ class SchedulerBase:
         self._step += 1
         plan = StepPlan(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self._schedule_into(plan)
+        plan_lookahead(self, plan)        # speculative decoding's draft slots (if configured)
         chunks = tuple(plan.chunks)
         output = SchedulerOutput(
             step=self._step,
@@ -172,7 +173,7 @@ class SchedulerBase:
             preempted=tuple(plan.preempted),
             admitted=tuple(plan.admitted),
             rejected=tuple(self._rejected_pending),
-            num_batched_tokens=sum(c.num_tokens for c in chunks),
+            num_batched_tokens=sum(c.num_query_tokens for c in chunks),
         )
         self._rejected_pending = []
         self._inflight = output
@@ -184,8 +185,9 @@ class SchedulerBase:
     ) -> list[RuntimeRequest]:
         """Apply a step's results; returns requests that ended (finished, rejected, failed).
 
-        ``sampled`` maps every request whose chunk had ``sample=True`` to its new token.
-        Validated before anything changes (ValueError: the step stays in flight).
+        ``sampled`` maps every request whose chunk had ``sample=True`` to its new token (a
+        tuple with lookahead, :mod:`.spec_plan`). Validated before anything changes
+        (ValueError: the step stays in flight).
         """
         inflight = self._inflight
         if inflight is None or output is not inflight:
@@ -193,25 +195,19 @@ class SchedulerBase:
                 ended, self._ended = self._ended, []
                 return ended
             raise ValueError(f"output of step {output.step} is not the step in flight")
-        expected = {c.request_id for c in output.chunks if c.sample}
-        missing = expected - set(sampled)
-        extra = set(sampled) - expected
-        if missing:
-            raise ValueError(f"no sampled token for {sorted(missing)}")
-        if extra:
-            raise ValueError(f"sampled tokens for requests that did not sample: {sorted(extra)}")
-        for rid in expected:
-            token = sampled[rid]
-            if not is_int(token) or token < 0:
-                raise ValueError(f"sampled token for {rid!r} must be an int >= 0, got {token!r}")
-
+        tokens = check_sampled(output, sampled)   # speculative chunks answer a tuple
         ended: list[RuntimeRequest] = []
         touched: list[RuntimeRequest] = []
         for chunk in output.chunks:
             request = self._requests[chunk.request_id]
-            request.num_computed_tokens = chunk.start_pos + chunk.num_tokens
-            token = sampled[chunk.request_id] if chunk.sample else None
-            self._apply_token(request, token)
+            got = tokens.get(chunk.request_id, (None,))
+            for i, token in enumerate(got):   # accepted drafts count as computed, one by one
+                request.num_computed_tokens = chunk.start_pos + chunk.num_tokens + i
+                self._apply_token(request, token)
+                if stop_reason(request) is not None:
+                    break
+            if chunk.num_lookahead:   # give back the blocks past the accepted tokens
+                self.kv.truncate(chunk.request_id, request.num_computed_tokens)
             touched.append(request)
         for request in touched:
             rid, computed = request.request_id, request.num_computed_tokens

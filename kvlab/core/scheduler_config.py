@@ -45,6 +45,7 @@ class SchedulerConfig:
     cache_affinity: bool = True
     affinity_window: int = 256
     admission_scan_limit: int | None = 128
+    num_lookahead_tokens: int = 0   # speculative decoding: draft slots per decode (spec_plan)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk",
@@ -57,6 +58,9 @@ class SchedulerConfig:
                              f"got {self.admission!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"SchedulerConfig.watermark must be in [0, 1), got {self.watermark!r}")
+        if not is_int(self.num_lookahead_tokens) or self.num_lookahead_tokens < 0:
+            raise ValueError("SchedulerConfig.num_lookahead_tokens must be an int >= 0, "
+                             f"got {self.num_lookahead_tokens!r}")
         for name, low in (("max_waiting", 0), ("max_wait_steps", 0), ("admission_scan_limit", 1)):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < low):

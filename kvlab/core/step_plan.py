@@ -29,9 +29,18 @@ class StepPlan:
     def add_chunk(self, chunk: ScheduledChunk) -> None:
         if chunk.request_id in self.scheduled:
             raise AssertionError(f"{chunk.request_id} scheduled twice in one step")
-        n = chunk.num_tokens
+        n = chunk.num_query_tokens
         if n <= 0 or n > self.tokens_left or self.seqs_left <= 0:
             raise AssertionError("a chunk would break the step's budgets")
         self.chunks.append(chunk)
         self.used += n
         self.scheduled.add(chunk.request_id)
+
+    def replace_chunk(self, index: int, chunk: ScheduledChunk) -> None:
+        """Swap chunk ``index`` for a larger version of itself (same request; lookahead added)."""
+        old = self.chunks[index]
+        extra = chunk.num_query_tokens - old.num_query_tokens
+        if chunk.request_id != old.request_id or not 0 <= extra <= self.tokens_left:
+            raise AssertionError("replace_chunk: another request, or beyond the token budget")
+        self.chunks[index] = chunk
+        self.used += extra

@@ -44,6 +44,19 @@ class LLM:
             scheduler=scheduler, **engine_kwargs)
         self._counter = 0
 
+    def get_metrics(self) -> dict[str, object]:
+        """Engine counters under vLLM's names: requests, tokens and, when speculating,
+        ``spec_decode_num_drafts`` / ``_num_draft_tokens`` / ``_num_accepted_tokens`` /
+        ``_num_accepted_tokens_per_pos``."""
+        st = self.engine.stats
+        out: dict[str, object] = {"num_requests_finished": st.finished_requests,
+                                  "prompt_tokens": st.prompt_tokens,
+                                  "generation_tokens": st.generated_tokens,
+                                  "prefix_cache_hit_rate": st.prefix_hit_rate}
+        if self.engine.speculator is not None:
+            out.update(self.engine.speculator.metrics.as_dict())
+        return out
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -50,13 +50,14 @@ from .engine_args import (
     resolve_dtype,
     size_kv_cache,
 )
-from .executor import StepInfo, TorchExecutor
+from .executor import StepInfo
 from .model import rope_inv_freq
 from .output_processor import OutputProcessor, RequestState, SampleState
 from .outputs import EngineStats, RequestMetrics, RequestOutput, StepTrace
 from .params import SamplingParams
 from .quantization.setup import EngineQuantization
 from .sampling import SamplerState
+from .spec_decode.setup import Speculator
 from .structured_outputs.manager import StructuredOutputManager
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -112,10 +113,14 @@ class LLMEngine:
         security_domain: str = "default",
         tokenizer: Tokenizer | None = None,
         kv_transfer_config: dict | None = None,
+        speculative_config: dict | None = None,
+        check_invariants: str | None = None,
         quantization: str | None = None,
         quantization_group_size: int = 64,
         kv_cache_dtype: str = "auto",
     ):
+        from .invariant_hook import attach, check_mode
+        check_mode(check_invariants)
         check_engine_args(model=model, block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
                           max_prefill_chunk=max_prefill_chunk, kv_cache_memory=kv_cache_memory,
@@ -149,6 +154,7 @@ class LLMEngine:
         self.config = cfg = ckpt.config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ckpt.path)
         self.device, self.dtype = dev, dtype
+        self.speculator = Speculator.load(speculative_config, cfg, self.tokenizer, dev, dtype)
         longest = cfg.max_position_embeddings * (
             cfg.rope.factor if cfg.rope.rope_type != "default" else 1)
         if max_model_len is None:
@@ -159,7 +165,8 @@ class LLMEngine:
         self.max_model_len = max_model_len
         itemsize = torch.empty((), dtype=dtype).element_size()
         size = size_kv_cache(
-            block_bytes=quant.kv_block_bytes(cfg, itemsize, block_size), block_size=block_size,
+            block_bytes=(quant.kv_bytes_per_token(cfg, itemsize) + Speculator.kv_bytes(
+                self.speculator, itemsize)) * block_size, block_size=block_size,
             num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, device=dev)
         self.model.prepare_rope(max_model_len)
@@ -173,7 +180,8 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=min(max_num_seqs, max_num_batched_tokens),
             max_num_batched_tokens=max_num_batched_tokens,
-            prefill_chunk=max_prefill_chunk or max_num_batched_tokens)
+            prefill_chunk=max_prefill_chunk or max_num_batched_tokens,
+            num_lookahead_tokens=self.speculator.num_lookahead if self.speculator else 0)
         self.scheduler = _make_scheduler(scheduler, self.kv, self.scheduler_config)
         self.kv_transfer = None
         if kv_transfer_config is not None:
@@ -181,8 +189,10 @@ class LLMEngine:
             self.kv_transfer = KVTransfer(kv_transfer_config, KVPayloadCodec(self.cache),
                                           engine_model_fields(ckpt.weights_hash, cfg, dtype))
             self.scheduler = self.kv_transfer.wrap(self.scheduler)
-        self.executor = TorchExecutor(self.model, self.cache, self.scheduler.get_request)
+        self.executor = Speculator.make_executor(self.speculator, self.model, self.cache,
+                                                 self.scheduler.get_request, max_model_len)
         self.core = EngineCore(self.scheduler, self.executor)
+        self.invariant_hook = attach(self, check_invariants)   # None unless "every_step"
         self.enable_prefix_caching = enable_prefix_caching
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -396,7 +406,8 @@ class LLMEngine:
         st = self.stats
         st.steps += 1
         st.computed_tokens += result.output.num_batched_tokens
-        st.generated_tokens += len(result.model.sampled)
+        st.generated_tokens += sum(len(t) if isinstance(t, tuple) else 1
+                                   for t in result.model.sampled.values())
         st.schedule_time_s += result.schedule_s + result.update_s
         st.prepare_time_s += info.prepare_s
         st.model_time_s += info.forward_s

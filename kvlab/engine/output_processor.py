@@ -108,9 +108,16 @@ class OutputProcessor:
             if entry is None:
                 continue          # aborted during the step
             state, sample = entry
-            sample.cumulative_logprob += info.logprobs[rid]
+            lps, tops = info.logprobs[rid], info.top_logprobs[rid]
+            multi = isinstance(lps, list)              # a speculating request's tokens
+            sample.cumulative_logprob += sum(lps) if multi else lps
             if sample.logprobs is not None:
-                sample.logprobs.append(info.top_logprobs[rid])
+                sample.logprobs.extend(tops if multi else [tops])
+            spec = getattr(info, "spec", {}).get(rid)
+            if spec is not None and sample.index == 0:
+                state.metrics.spec_num_drafts += 1 if spec[0] else 0
+                state.metrics.spec_num_draft_tokens += spec[0]
+                state.metrics.spec_num_accepted_tokens += spec[1]
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             touched[state.request_id] = state

@@ -51,6 +51,16 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # speculative decoding (sample 0): verifications with drafts, drafts, accepted drafts
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens (None without speculation)."""
+        n = self.spec_num_draft_tokens
+        return self.spec_num_accepted_tokens / n if n else None
 
     @property
     def ttft(self) -> float | None:

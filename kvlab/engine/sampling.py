@@ -146,3 +146,9 @@ def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> SampleResult
             d[token_list[i]] = chosen_list[i]
             top[i] = d
     return SampleResult(token_list, chosen.tolist(), top)
+
+
+def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k and top-p applied to non-greedy rows (what :func:`sample` draws
+    from); speculative decoding processes draft and target rows with it."""
+    return _filter(logits, params)

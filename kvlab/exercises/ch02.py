@@ -1,13 +1,15 @@
-"""Chapter 2 exercises: write ``physical_slot``, count block-tail waste, map a batch.
+"""Chapter 2 exercises: debug an unchecked slot function, count block-tail waste, map a
+batch, design a block size.
 
-Each check computes the truth with :mod:`kvlab.core.paging` and raises ``AssertionError``
-with a hint when the answer differs.
+Each check computes the truth with :mod:`kvlab.core.paging` (or the fragmentation simulation)
+and raises ``AssertionError`` saying what is wrong without printing the expected answer.
 """
 
 from __future__ import annotations
 
 import itertools
 
+from kvlab.core.fragmentation import sharegpt_like_workload, simulate
 from kvlab.core.paging import slot_mapping
 from kvlab.reference import physical_slot
 
@@ -21,6 +23,16 @@ BATCH = {"block_tables": [[3, 7], [1], [0, 2, 5]], "block_size": 4,
          "positions": [[4, 5], [2], [9]]}
 
 
+#: The workload and arena of :func:`check_block_size_design` (the chapter's own).
+BLOCK_DESIGN = {"requests": 1000, "seed": 0, "arena_tokens": 16384, "min_token_states": 0.95,
+                "block_sizes": (4, 8, 16, 32, 64, 128, 256, 512)}
+
+
+def fast_slot(block_table, block_size, token_pos):
+    """Exercise 1's unchecked slot function (deliberately without validation)."""
+    return block_table[token_pos // block_size] * block_size + token_pos % block_size
+
+
 def _outcome(fn, table, block_size, pos):
     try:
         return ("ok", fn(table, block_size, pos))
@@ -28,7 +40,7 @@ def _outcome(fn, table, block_size, pos):
         return ("raises", type(exc).__name__)
 
 
-def check_physical_slot(fn) -> str:
+def check_physical_slot(fn) -> str:  # kept for teachers' own exercises
     """Compare the reader's ``fn(block_table, block_size, token_pos)`` with the reference.
 
     Runs every combination of a few tables, block sizes and positions, including the
@@ -48,9 +60,10 @@ def check_physical_slot(fn) -> str:
         except Exception as exc:  # any other failure is reported to the reader
             got = ("raises", type(exc).__name__)
         if got != want:
-            raise AssertionError(f"physical_slot({table}, {block_size}, {pos}): expected "
-                                 f"{want[1]!r}{' to be raised' if want[0] == 'raises' else ''},"
-                                 f" got {got[1]!r}")
+            kind = "should raise" if want[0] == "raises" else "should return a slot"
+            raise AssertionError(f"physical_slot({table}, {block_size}, {pos}) {kind}; yours "
+                                 f"{'raised ' + got[1] if got[0] == 'raises' else 'returned'}"
+                                 f"{'' if got[0] == 'raises' else ' ' + repr(got[1])}.")
     return f"Correct on all {len(cases)} cases, the invalid ones included."
 
 
@@ -64,9 +77,12 @@ def check_tail_waste(answer16, answer256) -> str:
     for value, what in ((answer16, "block size 16"), (answer256, "block size 256")):
         require_answer(value, what)
     truth = (tail_waste(TAIL_LENGTHS, 16), tail_waste(TAIL_LENGTHS, 256))
-    if (answer16, answer256) != truth:
-        raise AssertionError(f"({answer16}, {answer256}) is not right. Each request wastes "
-                             "ceil(n / q) * q - n slots; sum over the requests.")
+    wrong = [f"block size {q}: {got} is {'too high' if got > want else 'too low'}"
+             for q, got, want in ((16, answer16, truth[0]), (256, answer256, truth[1]))
+             if got != want]
+    if wrong:
+        raise AssertionError("; ".join(wrong) + ". Each request wastes ceil(n / q) * q - n "
+                             "slots; sum over the requests.")
     total = sum(TAIL_LENGTHS)
     return (f"Correct: {truth[0]} vs {truth[1]} wasted slots ({100 * truth[0] / total:.1f}% "
             f"vs {100 * truth[1] / total:.1f}% of {total} tokens). Small blocks waste less; "
@@ -77,7 +93,61 @@ def check_slot_mapping(answer) -> str:
     """The flat slot mapping of :data:`BATCH` (one slot per scheduled token, request order)."""
     require_answer(answer, "slot mapping")
     truth = slot_mapping(**BATCH).tolist()
-    if [int(x) for x in answer] != truth:
-        raise AssertionError(f"{list(answer)} is not right: slot = block_size * "
-                             "table[pos // block_size] + pos % block_size, request by request.")
+    got = [int(x) for x in answer]
+    if len(got) != len(truth):
+        raise AssertionError(f"the step schedules {len(truth)} tokens; your mapping has "
+                             f"{len(got)} entries (one slot per scheduled token).")
+    tokens = [(r, p) for r, ps in enumerate(BATCH["positions"]) for p in ps]
+    wrong = [f"request {r} position {p}" for (r, p), g, t in zip(tokens, got, truth,
+                                                                 strict=True) if g != t]
+    if wrong:
+        raise AssertionError("wrong slot for " + ", ".join(wrong) + ": slot = block_size * "
+                             "table[pos // block_size] + pos % block_size.")
     return f"Correct: {truth}."
+
+
+def check_fast_slot_counterexample(case) -> str:
+    """Exercise 1: an input on which :func:`fast_slot` returns a slot where the reference
+    :func:`~kvlab.reference.physical_slot` raises."""
+    require_answer(case, "counterexample")
+    if not isinstance(case, (tuple, list)) or len(case) != 3:
+        raise AssertionError("give a tuple (block_table, block_size, token_pos)")
+    table, block_size, pos = case
+    want = _outcome(physical_slot, list(table), block_size, pos)
+    try:
+        got = ("ok", fast_slot(list(table), block_size, pos))
+    except Exception as exc:
+        got = ("raises", type(exc).__name__)
+    if want[0] == "ok":
+        raise AssertionError("the reference accepts this input, so it reveals no bug: look "
+                             "for inputs the reference rejects.")
+    if got[0] == "raises":
+        raise AssertionError(f"fast_slot also fails here ({got[1]}), so the bug stays "
+                             "visible. Find an input where it silently returns a slot.")
+    return (f"Correct: fast_slot returns {got[1]} where physical_slot raises {want[1]}. The "
+            "engine would write that token's K/V into a slot it does not own.")
+
+
+def check_block_size_design(block_size) -> str:
+    """Exercise 4: the largest block size in :data:`BLOCK_DESIGN` whose paged run keeps at
+    least ``min_token_states`` of the arena holding token states."""
+    require_answer(block_size, "block size")
+    d = BLOCK_DESIGN
+    if block_size not in d["block_sizes"]:
+        raise AssertionError(f"choose one of {d['block_sizes']}, got {block_size!r}")
+    workload = sharegpt_like_workload(d["requests"], seed=d["seed"])
+
+    def good(q: int) -> bool:
+        return simulate(workload, "paged", d["arena_tokens"], block_size=q).token_states >= (
+            d["min_token_states"])
+
+    if not good(block_size):
+        raise AssertionError(f"at block size {block_size} less than "
+                             f"{d['min_token_states']:.0%} of the arena holds token states: "
+                             "too large.")
+    larger = [q for q in d["block_sizes"] if q > block_size]
+    if larger and any(good(q) for q in larger):
+        raise AssertionError(f"block size {block_size} meets the target, but a larger one "
+                             "does too: too small.")
+    return (f"Correct: {block_size} is the largest block size that keeps "
+            f"{d['min_token_states']:.0%} of the arena holding token states here.")

@@ -1,13 +1,15 @@
-"""Chapter 3 exercises: write ``cow``, count the blocks parallel sampling needs, release twice.
+"""Chapter 3 exercises: debug a copy-on-write, count the blocks parallel sampling needs,
+release twice, and size parallel sampling on a real KV manager.
 
 Each check computes the truth with :mod:`kvlab.core` (the reference ``BlockAllocator`` or a real
-``KVCacheManager``) and raises ``AssertionError`` with a hint when the answer differs.
+``KVCacheManager``) and raises ``AssertionError`` saying what is wrong, never the answer.
 """
 
 from __future__ import annotations
 
 import random
 
+from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.reference import BlockAllocator
 
@@ -15,6 +17,24 @@ from ._common import require_answer
 
 #: Parallel sampling of :func:`check_sampling_blocks`.
 SAMPLING = {"n": 4, "prompt_tokens": 1000, "output_tokens": 200, "block_size": 16}
+
+#: The pool and request of :func:`check_max_samples` (exercise 4).
+SAMPLES_DESIGN = {"num_blocks": 64, "block_size": 16, "prompt_tokens": 300,
+                  "output_tokens": 100}
+
+
+def suspect_cow(allocator: BlockAllocator, table, logical_block):
+    """Exercise 1's copy-on-write, with a bug: it passes the ordinary cases."""
+    table = list(table)
+    old = table[logical_block]
+    if allocator.refcount[old] <= 0:
+        raise ValueError("cannot copy a free block")
+    if allocator.refcount[old] == 1:
+        return table, None
+    allocator.refcount[old] -= 1
+    new = allocator.allocate()
+    table[logical_block] = new
+    return table, (old, new)
 
 
 def _state(alloc: BlockAllocator) -> tuple:
@@ -72,17 +92,17 @@ def check_cow(fn) -> str:
             w_table, w_copy = want[1]
             if (list(g_table), g_copy) != (list(w_table), w_copy):
                 raise AssertionError(
-                    f"trial {trial}: cow({table}, {logical}) returned {got[1]!r}, expected "
-                    f"{want[1]!r}. Exclusive blocks are returned as they are; a shared block "
-                    "gets a new block and the pair (old, new).")
-        elif got[:1] != want[:1] or got != want:
-            raise AssertionError(f"trial {trial}: cow({table}, {logical}): expected "
-                                 f"{want[1]!r}, got {got[1]!r}")
+                    f"trial {trial}: cow({table}, {logical}) returned {got[1]!r}, which is "
+                    "wrong. Exclusive blocks are returned as they are; a shared block gets a "
+                    "new block and the pair (old, new).")
+        elif got != want:
+            what = "raised " + got[1] if got[0] == "raises" else "returned normally"
+            raise AssertionError(f"trial {trial}: cow({table}, {logical}) {what}, which the "
+                                 "reference does not do on this input.")
         if _state(ours) != _state(theirs):
             raise AssertionError(
-                f"trial {trial}: after cow({table}, {logical}) refcounts/free set differ: "
-                f"{_state(ours)} vs {_state(theirs)}. Validate and allocate before you "
-                "decrement the old block's refcount.")
+                f"trial {trial}: after cow({table}, {logical}) the refcounts or the free set "
+                "differ from the reference's.")
     return f"Correct on {cases} random scenarios, exhausted memory and bad indices included."
 
 
@@ -114,8 +134,12 @@ def check_sampling_blocks(with_sharing, without_sharing) -> str:
     require_answer(without_sharing, "blocks without sharing")
     truth = sampling_blocks(**SAMPLING)
     if (with_sharing, without_sharing) != truth:
+        wrong = "; ".join(f"{what}: {got} is {'too high' if got > want else 'too low'}"
+                          for what, got, want in (("with sharing", with_sharing, truth[0]),
+                                                  ("without", without_sharing, truth[1]))
+                          if got != want)
         raise AssertionError(
-            f"({with_sharing}, {without_sharing}) is not right. Without sharing every sequence "
+            f"{wrong}. Without sharing every sequence "
             "holds ceil((prompt + output) / q) blocks. With sharing the full prompt blocks are "
             "held once; the partial last prompt block is copied by every sequence that writes "
             "into it except the last owner.")
@@ -146,3 +170,68 @@ def check_double_release(answer) -> str:
             "must survive.")
     return ("Correct: releasing is idempotent per owner. A plain counter cannot tell a second "
             "release from another owner's, which is how double frees corrupt shared blocks.")
+
+
+def check_cow_counterexample(make_case) -> str:
+    """Exercise 1: ``make_case()`` returns a fresh ``(allocator, table, logical_block)`` on which
+    :func:`suspect_cow` leaves the allocator in a different state from the reference
+    ``BlockAllocator.cow`` (same input, twin allocators)."""
+    require_answer(make_case, "make_case")
+    if not callable(make_case):
+        raise AssertionError("pass a function returning (allocator, table, logical_block)")
+    ours, table, logical = make_case()
+    theirs, table2, logical2 = make_case()
+    if ours is theirs or not isinstance(ours, BlockAllocator):
+        raise AssertionError("make_case must build a new BlockAllocator on every call")
+    if _state(ours) != _state(theirs) or list(table) != list(table2) or logical != logical2:
+        raise AssertionError("make_case must build the same case every time")
+    want = _run(BlockAllocator.cow, theirs, table, logical)
+    try:
+        got = _run(suspect_cow, ours, table, logical)
+    except Exception as exc:
+        got = ("raises", type(exc).__name__)
+    if _state(ours) == _state(theirs) and got == want:
+        return_kind = "raise" if want[0] == "raises" else "return"
+        raise AssertionError(f"both versions {return_kind} the same and leave the same state "
+                             "on this case: the bug does not show here.")
+    same_state = _state(ours) == _state(theirs)
+    return ("Correct: the suspect and the reference part ways here"
+            + ("" if same_state else ", and the suspect leaves the refcounts changed after it"
+               " failed: a block that still has sharers has lost a reference")
+            + ". Validate and allocate first; mutate only when nothing can fail any more.")
+
+
+def samples_fit(n: int, num_blocks: int, block_size: int, prompt_tokens: int,
+                output_tokens: int) -> bool:
+    """Whether ``n`` forked samples of one prompt run to ``output_tokens`` each on a real
+    ``KVCacheManager`` of ``num_blocks`` blocks without running out (copies included)."""
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+    try:
+        kv.admit("s0", (), list(range(prompt_tokens)), prompt_tokens)
+        seqs = ["s0"] + [f"s{i}" for i in range(1, n)]
+        for child in seqs[1:]:
+            kv.fork("s0", child)
+        for length in range(prompt_tokens, prompt_tokens + output_tokens):
+            copies = []
+            for rid in reversed(seqs):
+                copies += kv.grow(rid, length + 1, length)
+            kv.complete_copies(copies)
+    except OutOfBlocks:
+        return False
+    return True
+
+
+def check_max_samples(n) -> str:
+    """Exercise 4: the largest ``n`` whose samples all fit :data:`SAMPLES_DESIGN`'s pool."""
+    require_answer(n, "n")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise AssertionError(f"n must be a positive whole number, got {n!r}")
+    if not samples_fit(n, **SAMPLES_DESIGN):
+        raise AssertionError(f"n = {n} runs out of blocks before every sample has its "
+                             f"{SAMPLES_DESIGN['output_tokens']} tokens: too high.")
+    if samples_fit(n + 1, **SAMPLES_DESIGN):
+        raise AssertionError(f"n = {n} fits, and so does n + 1: too low.")
+    d = SAMPLES_DESIGN
+    private = d["num_blocks"] // -(-(d["prompt_tokens"] + d["output_tokens"]) // d["block_size"])
+    return (f"Correct: {n} samples fit and {n + 1} do not. Without sharing only {private} "
+            "would: the prompt's full blocks are held once.")

@@ -1,7 +1,8 @@
-"""Chapter 4 exercises: the recomputed last token, scope isolation, saved prefill.
+"""Chapter 4 exercises: the recomputed last token, scope isolation, saved prefill, and a
+cache-aware request order.
 
-Each check computes the truth with :mod:`kvlab.core` and raises ``AssertionError`` with a hint
-when the answer differs.
+Each check computes the truth with :mod:`kvlab.core` and raises ``AssertionError`` saying what
+is wrong (too high, too low, which rule), never the expected answer.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def check_last_token(cached_tokens, reason) -> str:
     truth = _cached_tokens_for_full_hit(**LAST_TOKEN)
     if cached_tokens != truth:
         raise AssertionError(
-            f"{cached_tokens} is not right. The match is capped at len(prompt) - 1 tokens and "
+            f"{cached_tokens} is {'too high' if cached_tokens > truth else 'too low'}. "
+            "The match is capped at len(prompt) - 1 tokens and "
             "then rounded down to whole blocks.")
     if str(reason).strip().lower() != "b":
         raise AssertionError(
@@ -105,8 +107,83 @@ def check_saved_prefill(tokens_without, tokens_with) -> str:
     require_answer(tokens_with, "tokens with the cache")
     truth = saved_prefill(**FEW_SHOT)
     if (tokens_without, tokens_with) != truth:
+        wrong = "; ".join(f"{what}: {got} is {'too high' if got > want else 'too low'}"
+                          for what, got, want in (("without", tokens_without, truth[0]),
+                                                  ("with", tokens_with, truth[1])) if got != want)
         raise AssertionError(
-            f"({tokens_without}, {tokens_with}) is not right. The first request computes "
+            f"{wrong}. The first request computes "
             "everything; later ones reuse the shared prefix rounded down to whole blocks, and "
             "recompute the partial block that straddles the prefix and the question.")
     return f"Correct: {truth[0]} vs {truth[1]} tokens ({truth[0] / truth[1]:.1f}x less prefill)."
+
+
+#: Exercise 4: requests waiting at once, a small cache, you choose the order they run in.
+ORDERING = {"groups": 3, "per_group": 4, "prefix_tokens": 128, "question_tokens": 32,
+            "num_blocks": 24, "block_size": 16}
+
+
+def ordering_requests() -> dict[str, list[int]]:
+    """The waiting requests of exercise 4, by id, in arrival order (groups interleaved):
+    request ``g{k}q{i}`` is group ``k``'s shared prefix followed by its own question."""
+    d = ORDERING
+    requests = {}
+    for i in range(d["per_group"]):
+        for k in range(d["groups"]):
+            prefix = [1000 * (k + 1) + t for t in range(d["prefix_tokens"])]
+            question = [50_000 + 1000 * k + 100 * i + t for t in range(d["question_tokens"])]
+            requests[f"g{k}q{i}"] = prefix + question
+    return requests
+
+
+def prefill_for_order(order) -> int:
+    """Prefill tokens computed when :func:`ordering_requests` run one at a time in ``order``
+    on a real ``KVCacheManager`` of ``ORDERING['num_blocks']`` blocks with prefix caching."""
+    requests = ordering_requests()
+    kv = KVCacheManager(ORDERING["num_blocks"], ORDERING["block_size"])
+    computed = 0
+    for rid in order:
+        prompt = requests[rid]
+        cached = kv.admit(rid, ("s",), prompt, len(prompt))
+        kv.commit(rid, prompt)
+        kv.free(rid)
+        computed += len(prompt) - cached
+    return computed
+
+
+def longest_prefix_first_order() -> list[str]:
+    """SGLang's policy, greedily: always run the waiting request with the longest cached
+    prefix next (ties in arrival order)."""
+    requests = ordering_requests()
+    kv = KVCacheManager(ORDERING["num_blocks"], ORDERING["block_size"])
+    waiting, order = list(requests), []
+    while waiting:
+        rid = max(waiting, key=lambda r: (kv.lookup(("s",), requests[r]), -waiting.index(r)))
+        waiting.remove(rid)
+        kv.admit(rid, ("s",), requests[rid], len(requests[rid]))
+        kv.commit(rid, requests[rid])
+        kv.free(rid)
+        order.append(rid)
+    return order
+
+
+def check_request_order(order) -> str:
+    """Exercise 4: an order of all the waiting requests that computes no more prefill than
+    longest-prefix-first scheduling does on the same small cache."""
+    require_answer(order, "your order")
+    requests = ordering_requests()
+    order = list(order)
+    if sorted(order) != sorted(requests):
+        missing = sorted(set(requests) - set(order))
+        raise AssertionError("the order must run every waiting request exactly once"
+                             + (f"; missing {missing}" if missing else "; some run twice or "
+                                "are unknown"))
+    yours = prefill_for_order(order)
+    target = prefill_for_order(longest_prefix_first_order())
+    arrival = prefill_for_order(list(requests))
+    if yours > target:
+        better = " It does no better than arrival order." if yours >= arrival else ""
+        raise AssertionError(f"your order computes {yours:,} prefill tokens: too many; a "
+                             f"cache-aware order computes fewer.{better}")
+    return (f"Correct: {yours:,} prefill tokens against {arrival:,} in arrival order. Running "
+            "requests that share a prefix back to back keeps that prefix from being evicted "
+            "between them: SGLang's longest-prefix-match scheduling does it automatically.")

@@ -1,7 +1,8 @@
-"""Chapter 6 exercises: one batch by hand, a policy that meets a deadline, the starvation bound.
+"""Chapter 6 exercises: one batch by hand, a policy that meets a deadline, the starvation
+bound, and a token budget that meets an inter-token-latency target (Sarathi-Serve's trade).
 
-Each check computes the truth with :mod:`kvlab.core` and raises ``AssertionError`` with a hint
-when the answer differs.
+Each check computes the truth with :mod:`kvlab.core` (and the simulator) and raises
+``AssertionError`` saying what is wrong (which entry, too high or too low), never the answer.
 """
 
 from __future__ import annotations
@@ -37,9 +38,16 @@ def check_batch(answer) -> str:
     reqs = [Request(rid, left, phase=phase) for rid, left, phase in BATCH_REQUESTS]
     want = [(rid, n) for rid, _, n in build_batch(reqs, **BATCH_BUDGETS)]
     got = [(rid, int(n)) for rid, n in answer]
-    if got != want:
-        raise AssertionError(f"expected {want}, got {got}: decodes first (one token each), then "
-                             "prefills in order, each min(prompt left, chunk, budget left)")
+    for i, (g, w) in enumerate(zip(got, want, strict=False)):
+        if g != w:
+            what = "the wrong request" if g[0] != w[0] else f"the wrong token count for {g[0]}"
+            raise AssertionError(f"entry {i} {g} has {what}; the entries before it are right. "
+                                 "Decodes first (one token each), then prefills in order, each "
+                                 "min(prompt left, chunk, budget left).")
+    if len(got) != len(want):
+        raise AssertionError("your batch is right as far as it goes, but "
+                             + ("more requests fit." if len(got) < len(want)
+                                else "it schedules more than the budgets allow."))
     return f"Correct: {want}."
 
 
@@ -115,6 +123,58 @@ def check_starvation_bound(answer) -> str:
     want = starvation_bound(SchedulerConfig(max_wait_steps=case["max_wait_steps"]),
                             case["longest_request_tokens"], case["older_waiting"])
     if int(answer) != want:
-        raise AssertionError(f"expected {want}: max_wait_steps + (older_waiting + 1) * T, with T "
-                             "the largest prompt + max_tokens")
+        raise AssertionError(f"{int(answer):,} is {'too high' if int(answer) > want else 'too low'}"
+                             ": the bound is max_wait_steps plus one longest request's worth of "
+                             "steps for each aged request ahead of yours and for yours.")
     return f"Correct: {want} steps."
+
+
+# ------------------------------------------------------------------- chunked prefill and ITL
+
+#: The chunk-size sweep of the chapter and of :func:`check_chunk_design`.
+CHUNK_SWEEP = {"model": "Llama-3-8B", "gpu": "H100-80GB SXM", "requests": 80, "rate": 12.0,
+               "prompt": (1024, 4096), "output": (64, 256), "seed": 0, "max_num_seqs": 64,
+               "chunks": (256, 512, 1024, 2048, 4096), "itl_p99_slo_s": 0.020}
+
+
+def run_chunk(chunk: int):
+    """Simulate :data:`CHUNK_SWEEP`'s workload with a token budget (and prefill chunk) of
+    ``chunk`` tokens per step under the baseline scheduler; returns the ``SimResult``."""
+    from kvlab.sim.costmodel import RooflineCostModel
+    from kvlab.sim.executor import simulate
+    from kvlab.sim.workload import make_workload, uniform
+
+    d = CHUNK_SWEEP
+    cm = RooflineCostModel.named(d["model"], d["gpu"])
+    workload = make_workload(d["requests"], d["rate"], uniform(*d["prompt"]),
+                             uniform(*d["output"]), seed=d["seed"])
+    cfg = SchedulerConfig(max_num_seqs=d["max_num_seqs"], max_num_batched_tokens=chunk,
+                          prefill_chunk=chunk)
+    kv = KVCacheManager(cm.kv_blocks(block_size=16), 16, enable_prefix_caching=False)
+    return simulate(BaselineScheduler(kv, cfg), workload, cm)
+
+
+def itl_p99(chunk: int) -> float:
+    from kvlab.sim.itl import inter_token_latencies, percentile
+
+    return percentile(inter_token_latencies(run_chunk(chunk)), 99)
+
+
+def check_chunk_design(chunk) -> str:
+    """Exercise 4: the largest token budget in ``CHUNK_SWEEP['chunks']`` whose p99 inter-token
+    latency meets ``CHUNK_SWEEP['itl_p99_slo_s']``."""
+    require_answer(chunk, "your token budget")
+    d = CHUNK_SWEEP
+    if chunk not in d["chunks"]:
+        raise AssertionError(f"choose one of {d['chunks']}, got {chunk!r}")
+    slo_ms = d["itl_p99_slo_s"] * 1e3
+    if itl_p99(chunk) > d["itl_p99_slo_s"]:
+        raise AssertionError(f"with a budget of {chunk} tokens the p99 inter-token latency "
+                             f"exceeds {slo_ms:.0f} ms: too large.")
+    larger = [c for c in d["chunks"] if c > chunk]
+    if larger and itl_p99(larger[0]) <= d["itl_p99_slo_s"]:
+        raise AssertionError(f"a budget of {chunk} meets the target, but a larger one does too "
+                             "(and larger budgets give lower TTFT and fewer steps): too small.")
+    return (f"Correct: {chunk} tokens is the largest budget whose p99 ITL stays within "
+            f"{slo_ms:.0f} ms. Each step's time is bounded by its token budget, so the budget "
+            "bounds how long a decode waits behind a prefill chunk.")

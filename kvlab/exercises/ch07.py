@@ -1,8 +1,10 @@
-"""Chapter 7 exercises: slot mappings, the top-p set, KV bytes of a real model, raw logprobs.
+"""Chapter 7 exercises: debug an attention step that writes KV too late, the top-p set, raw
+logprobs, and a configuration that preempts yet generates the same tokens.
 
-Each check computes the truth with :mod:`kvlab.engine` (the executor's own metadata builder, the
-engine's sampler, the shipped model's config) and raises ``AssertionError`` with a hint when the
-answer differs.
+Each check computes the truth with :mod:`kvlab.engine` (the executor's own attention and
+metadata, the engine's sampler, real engine runs) and raises ``AssertionError`` saying what is
+wrong, never the expected answer. (``check_slot_mapping`` and ``check_kv_bytes_per_token`` are
+kept for teachers who want them; the chapter's exercises no longer repeat chapters 1 and 2.)
 """
 
 from __future__ import annotations
@@ -30,10 +32,14 @@ def check_slot_mapping(fn) -> str:
         want = build_metadata([ChunkSpec([0] * n, start, table)], bs).slot_mapping.tolist()
         got = list(fn(list(table), start, n, bs))
         if got != want:
+            bad = next(i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w) \
+                if len(got) == len(want) else None
+            where = (f"the slot of position {start + bad} is wrong" if bad is not None
+                     else f"{len(got)} slots for {n} positions")
             raise AssertionError(
-                f"trial {trial}: table={table}, start={start}, n={n}, block_size={bs}: "
-                f"expected {want}, got {got}. Position p lives in logical block p // block_size, "
-                "at offset p % block_size of the physical block the table names.")
+                f"trial {trial}: table={table}, start={start}, n={n}, block_size={bs}: {where}. "
+                "Position p lives in logical block p // block_size, at offset p % block_size of "
+                "the physical block the table names.")
     return "Correct: your slot mapping matches the executor's on 200 random chunks."
 
 
@@ -60,10 +66,13 @@ def check_top_p(fn) -> str:
         want = {i for i in range(v) if kept[i] > float("-inf")}
         got = set(fn(list(probs), top_p))
         if got != want:
+            how = ("too many tokens" if len(got) > len(want) else "too few tokens"
+                   if len(got) < len(want) else "the right number of tokens, but not the "
+                   "most likely ones")
             raise AssertionError(
-                f"trial {trial}: probs={[round(p, 3) for p in probs]}, top_p={top_p}: expected "
-                f"{sorted(want)}, got {sorted(got)}. Sort by probability, keep tokens while the "
-                "mass *before* them is below top_p.")
+                f"trial {trial}: probs={[round(p, 3) for p in probs]}, top_p={top_p}: you kept "
+                f"{how}. Sort by probability, keep tokens while the mass *before* them is below "
+                "top_p.")
     return "Correct: your nucleus matches kvlab's sampler on 100 random distributions."
 
 
@@ -77,9 +86,9 @@ def check_kv_bytes_per_token(answer, model: str = "kvlab-tiny") -> str:
     want = cfg.kv_bytes_per_token(4)
     if answer != want:
         raise AssertionError(
-            f"{answer!r} is not it. Use spec rule 1 with B = T = 1: 2 (K and V) x layers "
-            f"({cfg.num_layers}) x KV heads ({cfg.num_kv_heads}) x head_dim ({cfg.head_dim}) "
-            "x 4 bytes. Query heads do not count: only KV heads are cached.")
+            f"{answer!r} is {'too high' if answer > want else 'too low'}. Use spec rule 1 with "
+            "B = T = 1: 2 (K and V) x layers x KV heads x head_dim x 4 bytes. Query heads do "
+            "not count: only KV heads are cached.")
     return f"Correct: {want} bytes per token, {want * 16} bytes per 16-token block."
 
 
@@ -98,3 +107,138 @@ def check_logprob_temperature(letter) -> str:
             "with log_softmax of the model's logits (chapter 7 does it against transformers).")
     return ("Correct: (b), the raw model log-probabilities, as vLLM returns them by default; "
             "they do not depend on temperature, top-k or top-p.")
+
+
+# -- exercise 1: the attention step that writes its KV too late ---------------------------------
+
+def suspect_attention_step(q, k, v, k_cache, v_cache, meta, scale):
+    """Exercise 1's layer step: attention first, then the KV write (the order is the bug)."""
+    from kvlab.engine.attention import paged_attention, write_kv
+
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    return out
+
+
+def _attention_outputs(step, start_pos: int, num_tokens: int):
+    """Run ``step`` on one chunk of a fresh random 2-head GQA layer whose cache holds the
+    chunk's prefix (and stale garbage in the chunk's own slots)."""
+    import torch
+
+    from kvlab.engine.attention import ChunkSpec, build_metadata, write_kv
+
+    gen = torch.Generator().manual_seed(5)
+    block_size, kv_heads, heads, dim = 4, 2, 4, 8
+    total = start_pos + num_tokens
+    table = list(range(-(-total // block_size)))[::-1]       # blocks in reverse order
+    k_cache = torch.randn(len(table), block_size, kv_heads, dim, generator=gen)  # stale data
+    v_cache = torch.randn(len(table), block_size, kv_heads, dim, generator=gen)
+    prefix = build_metadata([ChunkSpec([0] * start_pos, 0, table)], block_size) \
+        if start_pos else None
+    if prefix is not None:                      # the cached prefix, written by earlier steps
+        write_kv(k_cache, v_cache, torch.randn(start_pos, kv_heads, dim, generator=gen),
+                 torch.randn(start_pos, kv_heads, dim, generator=gen), prefix.slot_mapping)
+    meta = build_metadata([ChunkSpec([0] * num_tokens, start_pos, table)], block_size)
+    q = torch.randn(num_tokens, heads, dim, generator=gen)
+    k = torch.randn(num_tokens, kv_heads, dim, generator=gen)
+    v = torch.randn(num_tokens, kv_heads, dim, generator=gen)
+    return step(q, k, v, k_cache, v_cache, meta, dim ** -0.5)
+
+
+def correct_attention_step(q, k, v, k_cache, v_cache, meta, scale):
+    """The engine's order: write the new K/V, then attend."""
+    from kvlab.engine.attention import paged_attention, write_kv
+
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def check_late_write_chunk(start_pos, num_tokens) -> str:
+    """Exercise 1: a chunk (``start_pos``, ``num_tokens``) on which
+    :func:`suspect_attention_step` computes a different attention output from the engine's
+    write-then-attend order."""
+    import torch
+
+    require_answer(start_pos, "start_pos")
+    require_answer(num_tokens, "num_tokens")
+    for value, what in ((start_pos, "start_pos"), (num_tokens, "num_tokens")):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise AssertionError(f"{what} must be a whole number, got {value!r}")
+    if start_pos < 0 or num_tokens < 1 or start_pos + num_tokens > 64:
+        raise AssertionError("use 0 <= start_pos, 1 <= num_tokens, start_pos + num_tokens <= 64")
+    want = _attention_outputs(correct_attention_step, start_pos, num_tokens)
+    got = _attention_outputs(suspect_attention_step, start_pos, num_tokens)
+    if torch.allclose(want, got):
+        raise AssertionError(f"on a chunk of {num_tokens} token(s) at position {start_pos} both "
+                             "orders give the same output: this chunk never reads its own new "
+                             "K/V from the cache.")
+    return ("Correct: this chunk reads its own new keys and values through the cache, so "
+            "attending before writing them reads stale slots. A full prefill (start 0, several "
+            "tokens) attends to its fresh K/V directly and hides the bug: that is why tests "
+            "that only prefill pass.")
+
+
+# -- exercise 4: preempt, and still generate the same tokens ----------------------------------
+
+#: The requests of :func:`check_preemption_design`: 4 story prompts, 24 greedy tokens each.
+PREEMPT_DESIGN = {"model": "kvlab-tiny", "prompts_seed": 5, "num_prompts": 4, "max_tokens": 24,
+                  "block_sizes": (1, 2, 4, 8, 16), "schedulers": ("baseline", "production")}
+
+
+def _preempt_run(block_size: int, num_blocks: int, max_num_batched_tokens: int,
+                 scheduler: str) -> tuple[list[list[int]], int]:
+    import torch
+
+    from kvlab.engine import LLMEngine, SamplingParams
+    from kvlab.models.corpus import sample_prompts
+
+    d = PREEMPT_DESIGN
+    torch.set_num_threads(1)
+    engine = LLMEngine(d["model"], block_size=block_size, num_blocks=num_blocks,
+                       max_num_batched_tokens=max_num_batched_tokens, scheduler=scheduler,
+                       seed=0)
+    prompts = sample_prompts(d["prompts_seed"], d["num_prompts"])
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=d["max_tokens"],
+                                                           temperature=0, ignore_eos=True))
+    outputs, preemptions = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+        preemptions += len(engine.last_trace.scheduler_output.preempted)
+    return [outputs[f"r{i}"] for i in range(len(prompts))], preemptions
+
+
+def check_preemption_design(config) -> str:
+    """Exercise 4: an engine configuration (dict with ``block_size``, ``num_blocks``,
+    ``max_num_batched_tokens``, ``scheduler``) under which :data:`PREEMPT_DESIGN`'s requests are
+    preempted at least once and still generate exactly the tokens of a roomy run."""
+    require_answer(config, "your configuration")
+    d = PREEMPT_DESIGN
+    keys = {"block_size", "num_blocks", "max_num_batched_tokens", "scheduler"}
+    if not isinstance(config, dict) or set(config) != keys:
+        raise AssertionError(f"give a dict with exactly the keys {sorted(keys)}")
+    if config["block_size"] not in d["block_sizes"]:
+        raise AssertionError(f"block_size must be one of {d['block_sizes']}")
+    if config["scheduler"] not in d["schedulers"]:
+        raise AssertionError(f"scheduler must be one of {d['schedulers']}")
+    for key in ("num_blocks", "max_num_batched_tokens"):
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+            raise AssertionError(f"{key} must be a whole number from 1 to 4096")
+    try:
+        got, preemptions = _preempt_run(**config)
+    except ValueError as err:
+        raise AssertionError(f"the engine refused this configuration: {err}") from None
+    roomy, _ = _preempt_run(16, 256, 512, "production")
+    if got != roomy:
+        first = next(i for i, (a, b) in enumerate(zip(got, roomy, strict=True)) if a != b)
+        raise AssertionError(f"request r{first} generated different tokens from a roomy run: "
+                             "that would be a bug in kvlab; please report it.")
+    if preemptions == 0:
+        raise AssertionError("nothing was preempted under this configuration: the pool is "
+                             "large enough, or the admission policy never over-commits.")
+    return (f"Correct: {preemptions} preemption(s), and every request generated exactly the "
+            "tokens of a roomy run. Recompute preemption re-feeds prompt and outputs, writes the "
+            "same KV and continues each request's own random stream.")

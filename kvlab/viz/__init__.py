@@ -30,12 +30,12 @@ _LAZY = {
     **dict.fromkeys(["pool_figure", "fork_scenario", "RefcountView"], ".blocks"),
     **dict.fromkeys(["radix_figure", "hit_rate_figure", "RadixView"], ".radix"),
     **dict.fromkeys(
-        ["batch_timeline_figure", "BatchTimeline", "state_diagram_figure", "recovery_figure",
-         "RecoveryExplorer"],
-        ".timeline",
+        ["state_diagram_figure", "recovery_figure", "RecoveryExplorer"], ".lifecycle"
     ),
+    **dict.fromkeys(["batch_timeline_figure", "BatchTimeline"], ".timeline"),
     **dict.fromkeys(["engine_step_figure", "EngineStepper"], ".engine"),
     **dict.fromkeys(["quantization_figure", "quantization_explorer"], ".quantization"),
+    **dict.fromkeys(["acceptance_figure", "AcceptanceView"], ".spec"),
 }
 
 

@@ -88,26 +88,29 @@ def pool_figure(snapshot: KVSnapshot, *, per_row: int = 12, title: str | None = 
 
 
 def fork_scenario(*, n: int = 3, num_blocks: int = 12, block_size: int = 4,
-                  prompt_len: int = 10, decode_steps: int = 3) -> list[tuple[str, KVSnapshot]]:
+                  prompt_len: int = 10, decode_steps: int = 3,
+                  enable_prefix_caching: bool = False) -> list[tuple[str, KVSnapshot]]:
     """Parallel sampling on a real KVCacheManager; the snapshot after every step.
 
-    Steps: admit and prefill the prompt (full blocks go to the prefix cache); fork ``n - 1``
-    children; each sequence writes its first token (children copy-on-write the shared partial
-    last block, the parent, last owner, writes in place); the copies complete; decode; one child
-    finishes; all finish (the cached prompt blocks stay, evictable).
+    Steps: admit and prefill the prompt; fork ``n - 1`` children; each sequence writes its first
+    token (children copy-on-write the shared partial last block, the parent, last owner, writes
+    in place); the copies complete; decode; one child finishes; all finish. With
+    ``enable_prefix_caching`` (chapter 4) full blocks also go to the prefix cache, which holds
+    a reference of its own, and the cached blocks stay, evictable, when all have finished.
     """
     if n < 1 or prompt_len < 1:
         raise ValueError("need n >= 1 and a non-empty prompt")
-    kv = KVCacheManager(num_blocks, block_size)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
     scope = ("demo-model", "tenant-a")
     prompt = list(range(100, 100 + prompt_len))
     steps: list[tuple[str, KVSnapshot]] = [("empty pool", kv.snapshot())]
     kv.admit("p", scope, prompt, prompt_len)
     steps.append((f"admit p: {prompt_len} prompt tokens in {kv.blocks_for(prompt_len)} blocks",
                   kv.snapshot()))
-    kv.commit("p", prompt)
-    steps.append(("prefill done: full blocks cached (the cache is an owner, rc=2)",
-                  kv.snapshot()))
+    if enable_prefix_caching:
+        kv.commit("p", prompt)
+        steps.append(("prefill done: full blocks cached (the cache is an owner, rc=2)",
+                      kv.snapshot()))
     seqs = ["p"] + [f"s{i}" for i in range(1, n)]
     for child in seqs[1:]:
         kv.fork("p", child)
@@ -127,15 +130,19 @@ def fork_scenario(*, n: int = 3, num_blocks: int = 12, block_size: int = 4,
             length = len(tokens[rid])
             kv.grow(rid, length + 1, length)
             tokens[rid].append(sample[rid] + length)
-            kv.commit(rid, tokens[rid])
+            if enable_prefix_caching:
+                kv.commit(rid, tokens[rid])
     steps.append((f"{decode_steps} decode steps: private tails grow", kv.snapshot()))
     if n > 1:
         kv.free(seqs[-1])
-        steps.append((f"{seqs[-1]} finishes: its private blocks freed, its cached ones stay",
+        steps.append((f"{seqs[-1]} finishes: its private blocks freed"
+                      + (", its cached ones stay" if enable_prefix_caching else ""),
                       kv.snapshot()))
     for rid in seqs[:-1] if n > 1 else seqs:
         kv.free(rid)
-    steps.append(("all finish: cached blocks evictable, everything else free", kv.snapshot()))
+    steps.append(("all finish: " + ("cached blocks evictable, everything else free"
+                                    if enable_prefix_caching else "every block free"),
+                  kv.snapshot()))
     kv.check_invariants()
     return steps
 

@@ -112,7 +112,7 @@ def capacity_explorer(model: str = "Llama-3-8B", gpu: str = "H100-80GB SXM"):
         "tp": w.SelectionSlider(options=[1, 2, 4, 8, 16], value=1, description="TP"),
         "gpu_memory_utilization": w.FloatSlider(value=0.9, min=0.5, max=1.0, step=0.01,
                                                 description="utilization"),
-        "reserve_gib": w.FloatSlider(value=2.0, min=0.0, max=16.0, step=0.5,
+        "reserve_gib": w.FloatSlider(value=4.0, min=0.0, max=16.0, step=0.5,
                                      description="reserve GiB"),
     }
 

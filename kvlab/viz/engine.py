@@ -70,7 +70,7 @@ def engine_step_figure(snapshot, *, max_pool_blocks: int = 48, per_row: int = 16
             label += f"\n\u2192 {e.sampled_token}"
         if e.num_tokens >= 0.06 * max(total, 1):
             ax_batch.text(x + e.num_tokens / 2, 0.5, label, ha="center", va="center",
-                          fontsize=7, color="white")
+                          fontsize=9, color="white")
         x += e.num_tokens
     ax_batch.set_xlim(0, max(total, 1))
     ax_batch.set_ylim(0, 1)
@@ -86,7 +86,7 @@ def engine_step_figure(snapshot, *, max_pool_blocks: int = 48, per_row: int = 16
         y = -row
         color = request_color(r.request_id, order)
         ax_tables.text(-0.3, y + 0.45, f"{r.request_id}: {r.status}, "
-                       f"{r.num_computed_tokens} tok", ha="right", va="center", fontsize=8,
+                       f"{r.num_computed_tokens} tok", ha="right", va="center", fontsize=9.5,
                        color=color, fontweight="bold")
         for i, block in enumerate(r.block_table):
             state = snapshot.block_states[block]
@@ -96,15 +96,15 @@ def engine_step_figure(snapshot, *, max_pool_blocks: int = 48, per_row: int = 16
                 edgecolor=INK if hit else color, linewidth=2.6 if hit else 1.4,
                 gid=f"table-{r.request_id}-{i}"))
             ax_tables.text(i + 0.45, y + 0.45, str(block), ha="center", va="center",
-                           fontsize=7, color="white" if _dark(state) else INK)
+                           fontsize=9, color="white" if _dark(state) else INK)
     if not reqs:
-        ax_tables.text(0, 0.4, "no request holds KV", fontsize=9, color=MUTED)
+        ax_tables.text(0, 0.4, "no request holds KV", fontsize=10, color=MUTED)
     ax_tables.set_xlim(-6.5, width)
     ax_tables.set_ylim(-max(len(reqs), 1) + 0.8, 1.1)
     ax_tables.set_aspect("equal")
     ax_tables.axis("off")
     ax_tables.set_title("block tables in logical order (black edge: written this step)",
-                        fontsize=9, fontweight="normal")
+                        fontsize=10, fontweight="normal")
 
     # 3. the pool, coloured by state, with refcounts
     for b in range(shown):
@@ -114,9 +114,9 @@ def engine_step_figure(snapshot, *, max_pool_blocks: int = 48, per_row: int = 16
                                     edgecolor=INK, linewidth=0.5, gid=f"block-{b}"))
         rc = snapshot.refcounts[b]
         ink = "white" if _dark(state) else INK
-        ax_pool.text(x + 0.06, y + 0.84, str(b), va="top", fontsize=5.5, color=ink)
+        ax_pool.text(x + 0.06, y + 0.84, str(b), va="top", fontsize=8, color=ink)
         if rc:
-            ax_pool.text(x + 0.5, y + 0.36, f"rc={rc}", ha="center", va="center", fontsize=6.5,
+            ax_pool.text(x + 0.5, y + 0.36, f"rc={rc}", ha="center", va="center", fontsize=8.5,
                          color=ink)
     ax_pool.set_xlim(-6.5, width)
     ax_pool.set_ylim(-pool_rows + 0.8, 1.1)
@@ -126,11 +126,11 @@ def engine_step_figure(snapshot, *, max_pool_blocks: int = 48, per_row: int = 16
     more = f" (first {shown} of {snapshot.num_blocks} shown)" if shown < snapshot.num_blocks else ""
     ax_pool.set_title("KV pool: block id, refcount" + more + "; "
                       + ", ".join(f"{counts[s]} {s}" for s in BLOCK_STATE_ORDER if counts[s]),
-                      fontsize=9, fontweight="normal")
+                      fontsize=10, fontweight="normal")
     handles = [Patch(facecolor=BLOCK_STATE_COLORS[s], edgecolor=INK, linewidth=0.5,
                      label=BLOCK_STATE_LABELS[s]) for s in BLOCK_STATE_ORDER]
     handles += [Patch(facecolor="white", edgecolor=INK, hatch="//", label="prefill chunk")]
-    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=9.5, frameon=False)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 

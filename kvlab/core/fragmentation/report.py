@@ -48,6 +48,7 @@ class WasteReport:
     generated_tokens: int
     mean_running: float         # mean number of running requests over the measured steps
     trace: dict[str, np.ndarray] = field(repr=False, compare=False)
+    recomputed_tokens: int = 0  # paged: tokens recomputed after preemptions (free on the clock)
 
     @property
     def token_states(self) -> float:

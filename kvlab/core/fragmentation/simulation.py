@@ -24,7 +24,10 @@ categories of :mod:`.report`.
 and throughput is measured in tokens per step, not per second. Lengths are synthetic
 (log-normal, means chosen near the ShareGPT statistics the paper reports), not ShareGPT
 itself. The arena is one pool of token slots with no per-layer layout, and paged admission
-has no watermark. The paper's Orca baselines are its own re-implementation; ours are
+keeps a watermark of free blocks (1% by default, as vLLM). The step clock charges one step
+whatever a step holds: prefills and the recomputation after a preemption are free
+(``WasteReport.recomputed_tokens`` counts the latter), so a ratio of steps is a ratio of batch
+sizes, not of wall-clock times. The paper's Orca baselines are its own re-implementation; ours are
 simpler still. The *shape* of the result (contiguous 60–80% waste, paged a few percent) is
 what we reproduce; exact percentages depend on the workload and arena size.
 """
@@ -130,7 +133,7 @@ def simulate(
     else:
         pool = ARENAS[arena](arena_tokens)
     rows: dict[str, list[int]] = {c: [] for c in (*CATEGORIES, "waiting", "running")}
-    preemptions = finished = generated = admitted = 0
+    preemptions = finished = generated = admitted = recomputed = 0
     step = 0
 
     def preempt_latest() -> None:
@@ -176,6 +179,7 @@ def simulate(
                 table = BlockTable(block_size, allocator)
                 table.grow(prefill)
                 live.table = table
+                recomputed += live.stored           # 0 unless the request was preempted
             else:
                 asked = reservation(policy, live.req, max_seq_len)
                 got = pool.allocate(asked)
@@ -236,7 +240,8 @@ def simulate(
         policy=policy, arena="paged" if paged else arena, arena_tokens=arena_tokens,
         block_size=block_size if paged else None, steps=step, measured_steps=measured,
         fractions=fractions, preemptions=preemptions, finished=finished,
-        generated_tokens=generated, mean_running=float(trace["running"][saturated].mean()),
+        generated_tokens=generated, recomputed_tokens=recomputed,
+        mean_running=float(trace["running"][saturated].mean()),
         trace=trace,
     )
 

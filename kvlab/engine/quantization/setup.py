@@ -6,7 +6,7 @@
 1. validates the arguments before anything is loaded (:meth:`EngineQuantization.resolve`),
 2. loads the checkpoint, pre-quantized or not (:meth:`load`), and quantizes its decoder
    linears in place, every shape checked before the first layer is replaced (:meth:`apply`),
-3. sizes and builds the KV cache in the chosen KV dtype (:meth:`kv_block_bytes`,
+3. sizes and builds the KV cache in the chosen KV dtype (:meth:`kv_bytes_per_token`,
    :meth:`make_kv_cache`), and
 4. names what the prefix-cache scope must include (:meth:`scope_fields`).
 """
@@ -136,10 +136,10 @@ class EngineQuantization:
                                            ckpt.config.max_position_embeddings).to(model.device)
 
     # ------------------------------------------------------------------ KV cache
-    def kv_block_bytes(self, cfg: ModelConfig, itemsize: int, block_size: int) -> int:
-        """Bytes of one KV block (all layers, K and V, scales included)."""
+    def kv_bytes_per_token(self, cfg: ModelConfig, itemsize: int) -> int:
+        """Bytes one token's KV takes (all layers, K and V, scales included)."""
         return kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv.name,
-                                  itemsize) * block_size
+                                  itemsize)
 
     def make_kv_cache(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: torch.device

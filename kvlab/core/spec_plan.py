@@ -1,0 +1,113 @@
+"""Speculative decoding, the scheduler's half (torch-free): lookahead slots and multi-token results.
+
+The engine core's step stays schedule → execute → update. With ``SchedulerConfig.
+num_lookahead_tokens = k > 0`` the scheduler, after its policy has planned the step, offers every
+decoding request up to ``k`` **lookahead** slots (:func:`plan_lookahead`): the executor proposes
+that many draft tokens and verifies them in the same target forward, so the request contributes
+up to ``k + 1`` query tokens. The rules:
+
+* a request gets ``k_r = min(k, max_kv_slots - num_tokens, token budget left)`` slots: never a
+  slot past what ``prompt + max_tokens`` (or ``max_model_len``) can use, so the admission
+  reservation of :class:`~kvlab.core.scheduler_production.ProductionScheduler` still covers it;
+* the slots come from ``kv.grow``; when the pool is short the request simply does not
+  speculate this step (``k_r = 0``): lookahead never preempts anyone;
+* the executor answers with a tuple of ``1 .. k_r + 1`` tokens (accepted drafts, then the
+  corrected or bonus token); :func:`check_sampled` validates a step's answers and
+  the scheduler applies them one by one (stopping at a stop token), then
+  :meth:`~kvlab.core.kv_manager.KVCacheManager.truncate` gives back the blocks past the accepted
+  tokens. Rejected positions inside a kept block are stale slots that the next step overwrites;
+  they are never committed to the prefix cache because commits cover computed tokens only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from .block_pool import OutOfBlocks
+from .checks import is_int
+from .scheduler_api import RuntimeRequest, SchedulerOutput, stop_reason
+from .step_plan import StepPlan
+
+__all__ = ["check_sampled", "lookahead_limit", "plan_lookahead", "stop_cut"]
+
+
+def lookahead_limit(request: RuntimeRequest, k: int) -> int:
+    """Draft slots ``request`` may use now: ``min(k, max_kv_slots - num_tokens)`` (>= 0), so the
+    accepted drafts plus one more token never exceed ``max_tokens`` or ``max_model_len``."""
+    return max(0, min(k, request.max_kv_slots - request.num_tokens))
+
+
+def plan_lookahead(scheduler: Any, plan: StepPlan) -> int:
+    """Give the decoding chunks of ``plan`` their lookahead slots (see the module docstring).
+
+    ``scheduler`` is a :class:`~kvlab.core.scheduler_base.SchedulerBase` (its ``config``,
+    ``kv`` and ``get_request``). Returns the number of lookahead slots granted.
+    """
+    k = scheduler.config.num_lookahead_tokens
+    granted = 0
+    if k <= 0:
+        return 0
+    for i, chunk in enumerate(plan.chunks):
+        if not chunk.sample or chunk.num_tokens != 1 or plan.tokens_left <= 0:
+            continue
+        request = scheduler.get_request(chunk.request_id)
+        if not request.is_decoding:
+            continue
+        n = min(lookahead_limit(request, k), plan.tokens_left)
+        if n <= 0:
+            continue
+        start = chunk.start_pos
+        try:
+            copies = scheduler.kv.grow(chunk.request_id, start + 1 + n, write_from=start)
+        except OutOfBlocks:
+            continue                     # skip speculation for this request; preempt nobody
+        plan.copies.extend(copies)
+        table = tuple(scheduler.kv.block_table(chunk.request_id))
+        plan.replace_chunk(i, replace(chunk, block_table=table, num_lookahead=n))
+        granted += n
+    return granted
+
+
+def stop_cut(request: RuntimeRequest, tokens: tuple[int, ...]) -> int:
+    """How many of ``tokens`` (about to be appended to ``request``) are kept: up to and
+    including the first one that meets a stop condition (stop token, EOS, length)."""
+    if not tokens:
+        return 0
+    probe = replace(request, output_token_ids=list(request.output_token_ids),
+                    engine_state=None)
+    for i, token in enumerate(tokens):
+        probe.output_token_ids.append(token)
+        if stop_reason(probe) is not None:
+            return i + 1
+    return len(tokens)
+
+
+def check_sampled(output: SchedulerOutput, sampled: Mapping[str, Any]
+                  ) -> dict[str, tuple[int, ...]]:
+    """Validate one step's executor answer; returns ``request id -> tokens`` (a tuple).
+
+    A chunk with ``sample=True`` needs an int, or (with lookahead) a tuple of
+    ``1 .. num_lookahead + 1`` ints >= 0; chunks without ``sample`` get nothing. ValueError
+    names the first problem (and nothing was changed).
+    """
+    expected = {c.request_id: c for c in output.chunks if c.sample}
+    missing = set(expected) - set(sampled)
+    extra = set(sampled) - set(expected)
+    if missing:
+        raise ValueError(f"no sampled token for {sorted(missing)}")
+    if extra:
+        raise ValueError(f"sampled tokens for requests that did not sample: {sorted(extra)}")
+    tokens: dict[str, tuple[int, ...]] = {}
+    for rid, chunk in expected.items():
+        got = sampled[rid]
+        seq = tuple(got) if isinstance(got, (tuple, list)) else (got,)
+        if not 1 <= len(seq) <= chunk.num_lookahead + 1:
+            raise ValueError(f"{rid!r}: {len(seq)} tokens for a chunk with "
+                             f"{chunk.num_lookahead} lookahead slots")
+        for token in seq:
+            if not is_int(token) or token < 0:
+                raise ValueError(f"sampled token for {rid!r} must be an int >= 0, got {token!r}")
+        tokens[rid] = seq
+    return tokens

@@ -1,0 +1,60 @@
+"""``LLMEngine(check_invariants="every_step")``: the spec's invariant set after every step.
+
+:func:`attach` validates the argument (None/"off" or "every_step"; ValueError otherwise) and
+registers an observer on the engine core that runs :data:`kvlab.core.invariant_set.
+SPEC_INVARIANTS` (invariant 2 before each execute, all nine after each step), with the
+engine's grammar states as invariant 7's probe. A broken invariant raises
+:class:`~kvlab.core.invariant_set.InvariantViolation` from ``step()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvlab.core.invariant_set import EngineView, InvariantMonitor
+
+MODES = (None, "off", "every_step")
+
+
+def check_mode(mode: Any) -> str | None:
+    if mode not in MODES:
+        raise ValueError(f"check_invariants must be None, 'off' or 'every_step', got {mode!r}")
+    return None if mode in (None, "off") else mode
+
+
+class EveryStep:
+    """The observer: one :class:`InvariantMonitor` over the engine's core."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.monitor = InvariantMonitor()
+
+    def _grammar_probe(self) -> list[tuple[str, str]]:
+        problems = []
+        for r in self.engine.scheduler.requests():
+            grammar = getattr(r.engine_state, "grammar", None)
+            if grammar is not None and not r.status.is_terminal \
+                    and grammar.accepted_token_ids != tuple(r.output_token_ids):
+                problems.append((f"request {r.request_id}",
+                                 f"grammar accepted {grammar.num_accepted} tokens, the request "
+                                 f"has {len(r.output_token_ids)}: not rolled back"))
+        return problems
+
+    def view(self, core: Any, last: Any = None) -> EngineView:
+        s = core.scheduler
+        return EngineView(s, s.kv, s.step_count, last, rollback_probes=(self._grammar_probe,))
+
+    def before_execute(self, core: Any, output: Any) -> None:
+        self.monitor.before_execute(self.view(core), output)
+
+    def after_step(self, core: Any, result: Any) -> None:
+        self.monitor.check(self.view(core, result))
+
+
+def attach(engine: Any, mode: Any) -> EveryStep | None:
+    """Validate ``mode`` and, for "every_step", register the observer; returns it (or None)."""
+    if check_mode(mode) is None:
+        return None
+    hook = EveryStep(engine)
+    engine.core.add_observer(hook)
+    return hook

@@ -1,0 +1,88 @@
+"""Loading a speculator for an engine: the validated config, the draft model, its executor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvlab.core.scheduler_api import RuntimeRequest
+
+from ..checkpoint import LoadedCheckpoint, load_checkpoint
+from ..config import ModelConfig
+from ..executor import TorchExecutor
+from ..kv_cache import PagedKVCache
+from ..model import LlamaModel
+from ..tokenizer import Tokenizer, load_tokenizer
+from .config import SpeculativeConfig
+from .executor import SpecExecutor
+from .metrics import SpecDecodeMetrics
+from .proposers import DraftModelProposer, NgramProposer
+
+__all__ = ["Speculator"]
+
+
+class Speculator:
+    """A validated :class:`SpeculativeConfig` and, for ``draft_model``, the loaded draft."""
+
+    def __init__(self, config: SpeculativeConfig, draft: LoadedCheckpoint | None) -> None:
+        self.config = config
+        self.draft = draft
+        self.metrics = SpecDecodeMetrics(config.num_speculative_tokens)
+
+    @classmethod
+    def load(cls, value: object, target: ModelConfig, tokenizer: Tokenizer | None,
+             device: torch.device, dtype: torch.dtype) -> Speculator | None:
+        """None for ``value=None``; else validate it and load the draft model (ValueError /
+        TypeError naming the problem: bad keys, a draft with another vocabulary or tokenizer)."""
+        config = SpeculativeConfig.from_user(value)
+        if config is None:
+            return None
+        draft = None
+        if config.method == "draft_model":
+            assert config.model is not None
+            draft = load_checkpoint(config.model, dtype=dtype, device=device)
+            if draft.config.vocab_size != target.vocab_size:
+                raise ValueError(f"speculative_config: draft model {config.model!r} has "
+                                 f"{draft.config.vocab_size} tokens, the target "
+                                 f"{target.vocab_size}: they must share one vocabulary")
+            theirs = load_tokenizer(draft.path)
+            if (tokenizer is None) != (theirs is None) or (
+                    tokenizer is not None and theirs is not None
+                    and tokenizer.hash != theirs.hash):
+                raise ValueError(f"speculative_config: draft model {config.model!r} does not "
+                                 "share the target's tokenizer")
+        return cls(config, draft)
+
+    @property
+    def num_lookahead(self) -> int:
+        return self.config.num_speculative_tokens
+
+    @staticmethod
+    def kv_bytes(speculator: Speculator | None, itemsize: int) -> int:
+        """Extra KV bytes per token slot (the draft's cache; 0 for n-gram or no speculator)."""
+        if speculator is None or speculator.draft is None:
+            return 0
+        return speculator.draft.config.kv_bytes_per_token(itemsize)
+
+    @staticmethod
+    def make_executor(speculator: Speculator | None, model: LlamaModel, cache: PagedKVCache,
+                      requests: Callable[[str], RuntimeRequest], max_model_len: int
+                      ) -> SpecExecutor | TorchExecutor:
+        """The engine's executor: :class:`TorchExecutor` without a speculator, else a
+        :class:`SpecExecutor` whose draft cache gets the target cache's geometry."""
+        if speculator is None:
+            return TorchExecutor(model, cache, requests)
+        return speculator.executor(model, cache, requests, max_model_len)
+
+    def executor(self, model: LlamaModel, cache: PagedKVCache,
+                 requests: Callable[[str], RuntimeRequest], max_model_len: int) -> SpecExecutor:
+        """A :class:`SpecExecutor` for this config."""
+        cfg = self.config
+        if self.draft is not None:
+            self.draft.model.prepare_rope(max_model_len)
+            proposer: DraftModelProposer | NgramProposer = DraftModelProposer(
+                self.draft.model, cache.num_blocks, cache.block_size)
+        else:
+            proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return SpecExecutor(model, cache, requests, proposer, self.metrics)
