@@ -301,3 +301,12 @@ def test_speculative_decoding_over_quantized_weights_and_kv(spec):
     plain = LLM(MODEL, **kw).generate(prompts, sp, use_tqdm=False)
     fast = LLM(MODEL, speculative_config=spec, **kw).generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_heldout_split_is_the_one_training_left_out():
+    from kvlab.engine.quantization.evaluate import HELDOUT_START
+    from kvlab.models import shipped_model_path
+
+    info = json.loads((shipped_model_path(MODEL) / "training_info.json").read_text())
+    assert info["heldout"]["start"] == HELDOUT_START
+    assert info["corpus"]["num_docs"] <= HELDOUT_START
