@@ -32,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1: the shipped model's matmuls are too small "
                          "to gain from more, and busy threads stall each other; 0 = torch default)")
+    ap.add_argument("--quantization", choices=("none", "int8", "int4"), default=None,
+                    help="quantize the linear weights at load and print the five-fact "
+                         "quantization report (spec rule 7) after the demo")
+    ap.add_argument("--group-size", type=int, default=64, help="weights per quantization scale")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"))
     args = ap.parse_args(argv)
     if args.requests < 1 or args.max_tokens < 1:
         ap.error("--requests and --max-tokens must be >= 1")
@@ -46,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvlab.models.corpus import sample_prompts, shared_prefix_prompts
 
     try:
-        llm = LLM(args.model, device=args.device)
+        quant = None if args.quantization in (None, "none") else args.quantization
+        llm = LLM(args.model, device=args.device, quantization=quant,
+                  quantization_group_size=args.group_size, kv_cache_dtype=args.kv_cache_dtype)
     except (FileNotFoundError, ValueError) as err:
         print(f"kvlab: cannot load model {args.model!r}: {err}", file=sys.stderr)
         return 1
@@ -79,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         f"prefix-cache hit rate {stats.prefix_hit_rate:.1%} of prompt tokens | steps "
         f"{stats.steps} | time outside the model {stats.overhead_share:.1%}"
     )
+    if args.quantization is not None or args.kv_cache_dtype != "auto":
+        print(f"\nquantization report (spec rule 7)\n{llm.quantization_report()}")
     llm.engine.check_invariants()
     return 0
 

@@ -26,6 +26,7 @@ DTYPE_BYTES: dict[str, float] = {
     "bf16": 2.0,
     "fp16": 2.0,
     "fp8": 1.0,
+    "fp8_e4m3": 1.0,
     "int8": 1.0,
     "int4": 0.5,
 }

@@ -31,6 +31,8 @@ _LAZY = {
     "TorchExecutor": ".executor",
     "Tokenizer": ".tokenizer",
     "EngineSnapshot": ".snapshot",
+    "QuantConfig": ".quantization",
+    "save_quantized": ".quantization",
 }
 
 

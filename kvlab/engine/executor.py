@@ -83,7 +83,7 @@ class TorchExecutor:
         self.cache = cache
         self.device = model.device
         self.block_size = cache.block_size
-        self.workspace = Workspace(self.device, cache.data.dtype)
+        self.workspace = Workspace(self.device, getattr(cache, "compute_dtype", cache.data.dtype))
         self.input_batch = InputBatch(self.block_size, self.device)
         self.requests = requests
 

@@ -61,6 +61,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def quantization_report(self):
+        """Spec rule 7's five facts and the weight / KV bytes (see
+        :meth:`LLMEngine.quantization_report`)."""
+        return self.engine.quantization_report()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -7,12 +7,9 @@ samples. This class owns what neither should know: tokenization, sampling parame
 ``n`` samples of a request, timestamps, and the :class:`~kvlab.engine.outputs.RequestOutput`
 objects handed back.
 
-**Parallel sampling fans out at admission** (as vLLM v1 does): a request with ``n > 1`` enters
-the scheduler as ``n`` independent requests ``r``, ``r#1``, …, ``r#(n-1)`` with the same prompt,
-each with its own random stream (seed ``s + i``). They share the prompt's full blocks through
-the prefix cache wherever one of them computed them first; nothing forks mid-step, so the
-scheduler, recovery and the KV reservation treat every sample like any other request. The cost
-is that samples admitted in the same step each compute the prompt (the cache has nothing yet).
+**Parallel sampling fans out at admission** (as in vLLM v1): ``n > 1`` enters the scheduler as
+requests ``r``, ``r#1``, …, with seeds ``s + i``, sharing full prompt blocks through the prefix
+cache; nothing forks mid-step (chapter 7 states the cost).
 
 Threading: one thread calls :meth:`step`; other threads may call :meth:`add_request` and
 :meth:`abort_request` at any time (an abort during a step takes effect when the step ends; its
@@ -34,14 +31,13 @@ import torch
 from kvlab.core.checks import is_int
 from kvlab.core.engine_core import EngineCore
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
+from kvlab.core.scheduler import SchedulerConfig
 from kvlab.core.scheduler_api import (
     RuntimeRequest,
     Scheduler,
 )
-from kvlab.core.scope import CacheScope
 
-from .checkpoint import LoadedCheckpoint, load_checkpoint
+from .checkpoint import LoadedCheckpoint
 from .engine_args import (
     DEFAULT_KV_CACHE_MEMORY_CPU,
     SEED_MOD,
@@ -50,12 +46,18 @@ from .engine_args import (
     resolve_dtype,
     size_kv_cache,
 )
+from .engine_build import (
+    engine_cache_scope,
+    load_engine_checkpoint,
+    make_scheduler,
+    parse_kv_transfer,
+    resolve_max_model_len,
+)
 from .executor import StepInfo
-from .kv_cache import PagedKVCache
-from .model import rope_inv_freq
 from .output_processor import OutputProcessor, RequestState, SampleState
 from .outputs import EngineStats, RequestMetrics, RequestOutput, StepTrace
 from .params import SamplingParams
+from .quantization.setup import EngineQuantization
 from .sampling import SamplerState
 from .spec_decode.setup import Speculator
 from .structured_outputs.manager import StructuredOutputManager
@@ -66,15 +68,6 @@ __all__ = ["DEFAULT_KV_CACHE_MEMORY_CPU", "EngineStats", "LLMEngine", "Prompt", 
 Prompt = str | Sequence[int]
 
 _SAMPLE_SEP = "#"  # sample i > 0 of request "r" runs as request "r#i"
-
-
-def _make_scheduler(kind: str | Callable[..., Scheduler], kv: KVCacheManager,
-                    config: SchedulerConfig) -> Scheduler:
-    """``"baseline"`` / ``"production"`` or a factory ``(kv, SchedulerConfig) -> Scheduler``."""
-    if callable(kind) and not isinstance(kind, str):
-        return kind(kv, config)
-    classes = {"baseline": BaselineScheduler, "production": ProductionScheduler}
-    return classes[kind](kv, config)
 
 
 class LLMEngine:
@@ -89,7 +82,9 @@ class LLMEngine:
     the model's ``max_position_embeddings``. ``max_prefill_chunk`` caps the prefill tokens one
     request gets per step (None: the whole step budget). ``security_domain`` is the default
     tenant of requests (part of every prefix-cache scope). ``device``: ``"cpu"`` (default) or
-    ``"cuda[:N]"``; ``dtype``: float32, float16 or bfloat16.
+    ``"cuda[:N]"``; ``dtype``: float32, float16 or bfloat16. ``quantization`` (``"int8"``,
+    ``"int4"`` or a ``QuantConfig``), ``quantization_group_size`` and ``kv_cache_dtype``
+    (``"auto"``, ``"int8"``, ``"fp8_e4m3"``): see :mod:`kvlab.engine.quantization`.
     """
 
     def __init__(
@@ -113,6 +108,9 @@ class LLMEngine:
         kv_transfer_config: dict | None = None,
         speculative_config: dict | None = None,
         check_invariants: str | None = None,
+        quantization: str | None = None,
+        quantization_group_size: int = 64,
+        kv_cache_dtype: str = "auto",
     ):
         from .invariant_hook import attach, check_mode
         check_mode(check_invariants)
@@ -122,47 +120,29 @@ class LLMEngine:
                           max_model_len=max_model_len, seed=seed,
                           enable_prefix_caching=enable_prefix_caching, scheduler=scheduler,
                           security_domain=security_domain)
-        if kv_transfer_config is not None:   # prefill/decode disaggregation (chapter 10)
-            from .kv_transfer import KVTransferConfig
-            kv_transfer_config = KVTransferConfig.parse(kv_transfer_config)
-            if kv_transfer_config.consume and not enable_prefix_caching:
-                raise ValueError("a kv_consumer installs remote KV through the prefix cache: "
-                                 "it needs enable_prefix_caching=True")
+        quant = EngineQuantization.resolve(quantization, quantization_group_size, kv_cache_dtype)
+        transfer = parse_kv_transfer(kv_transfer_config, enable_prefix_caching, quant)
         dev = resolve_device(device)
         dtype = resolve_dtype(dtype, dev)
-        if isinstance(model, LoadedCheckpoint):
-            ckpt = model
-            ckpt.model.to(device=dev, dtype=dtype)
-            # RoPE frequencies stay float32 (recomputed: a cast to half precision loses bits)
-            ckpt.model.inv_freq = rope_inv_freq(ckpt.config.rope, ckpt.config.head_dim,
-                                                ckpt.config.max_position_embeddings).to(dev)
-        else:
-            ckpt = load_checkpoint(model, dtype=dtype, device=dev)
+        ckpt = load_engine_checkpoint(model, quant, dev, dtype)
+        self.quantization = quant
         self.checkpoint = ckpt
         self.model = ckpt.model
         self.config = cfg = ckpt.config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ckpt.path)
         self.device, self.dtype = dev, dtype
         self.speculator = Speculator.load(speculative_config, cfg, self.tokenizer, dev, dtype)
-        longest = cfg.max_position_embeddings * (
-            cfg.rope.factor if cfg.rope.rope_type != "default" else 1)
-        if max_model_len is None:
-            max_model_len = cfg.max_position_embeddings
-        if max_model_len > longest:
-            raise ValueError(f"LLMEngine: max_model_len must be in 1..{int(longest)} (the "
-                             f"model's positions, scaled by its RoPE factor), got {max_model_len}")
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len = resolve_max_model_len(cfg, max_model_len)
         itemsize = torch.empty((), dtype=dtype).element_size()
         size = size_kv_cache(
-            block_bytes=(cfg.kv_bytes_per_token(itemsize) + Speculator.kv_bytes(
+            block_bytes=(quant.kv_bytes_per_token(cfg, itemsize) + Speculator.kv_bytes(
                 self.speculator, itemsize)) * block_size, block_size=block_size,
             num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, device=dev)
         self.model.prepare_rope(max_model_len)
         self.block_size = block_size
         self.num_blocks = size.num_blocks
-        self.cache = PagedKVCache(cfg.num_layers, size.num_blocks, block_size, cfg.num_kv_heads,
-                                  cfg.head_dim, dtype=dtype, device=dev)
+        self.cache = quant.make_kv_cache(cfg, size.num_blocks, block_size, dtype, dev)
         self.kv = KVCacheManager(size.num_blocks, block_size,
                                  enable_prefix_caching=enable_prefix_caching)
         # A step's batch never holds more requests than tokens (each entry takes >= 1), so the
@@ -172,11 +152,11 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             prefill_chunk=max_prefill_chunk or max_num_batched_tokens,
             num_lookahead_tokens=self.speculator.num_lookahead if self.speculator else 0)
-        self.scheduler = _make_scheduler(scheduler, self.kv, self.scheduler_config)
+        self.scheduler = make_scheduler(scheduler, self.kv, self.scheduler_config)
         self.kv_transfer = None
-        if kv_transfer_config is not None:
+        if transfer is not None:   # prefill/decode disaggregation (chapter 10)
             from .kv_transfer import KVPayloadCodec, KVTransfer, engine_model_fields
-            self.kv_transfer = KVTransfer(kv_transfer_config, KVPayloadCodec(self.cache),
+            self.kv_transfer = KVTransfer(transfer, KVPayloadCodec(self.cache),
                                           engine_model_fields(ckpt.weights_hash, cfg, dtype))
             self.scheduler = self.kv_transfer.wrap(self.scheduler)
         self.executor = Speculator.make_executor(self.speculator, self.model, self.cache,
@@ -203,23 +183,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ scope and prompts
     def cache_scope(self, security_domain: str | None = None) -> tuple:
         """The prefix-cache scope of this engine's requests (spec rule 4), as a hashable key."""
-        cfg = self.config
-        rope = cfg.rope
-        return CacheScope(
-            model=cfg.architecture,
-            weights_version=self.checkpoint.weights_hash,
-            tokenizer=self.tokenizer.hash if self.tokenizer is not None else "none",
-            chat_template="none",  # kvlab applies no chat template; tokenizer hash covers config
-            adapter="none",
-            rope=(f"type={rope.rope_type},theta={rope.theta},factor={rope.factor},"
-                  f"low={rope.low_freq_factor},high={rope.high_freq_factor},"
-                  f"orig={rope.original_max_position_embeddings}"),
-            kv_dtype=str(self.dtype).replace("torch.", ""),
-            kv_layout=f"paged[block={self.block_size}][kv_heads={cfg.num_kv_heads}]"
-                      f"[head_dim={cfg.head_dim}]",
-            quant_schema="none",
-            security_domain=security_domain or self.security_domain,
-        ).key()
+        return engine_cache_scope(self.checkpoint, self.tokenizer, self.block_size,
+                                  security_domain or self.security_domain, self.quantization,
+                                  self.dtype)
 
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, tuple[int, ...]]:
         """(text or None, token ids) of a prompt; ValueError/TypeError naming the problem."""
@@ -394,16 +360,7 @@ class LLMEngine:
             self.last_trace = StepTrace(result.output, info.metadata, info.request_ids,
                                         info.logits_shape, dict(result.model.sampled),
                                         [r.request_id for r in result.ended])
-        st = self.stats
-        st.steps += 1
-        st.computed_tokens += result.output.num_batched_tokens
-        st.generated_tokens += sum(len(t) if isinstance(t, tuple) else 1
-                                   for t in result.model.sampled.values())
-        st.schedule_time_s += result.schedule_s + result.update_s
-        st.prepare_time_s += info.prepare_s
-        st.model_time_s += info.forward_s
-        st.sample_time_s += info.sample_s
-        st.step_time_s += time.perf_counter() - t0
+        self.stats.add_step(result, time.perf_counter() - t0)
         return outputs
 
     # ------------------------------------------------------------------ inspection
@@ -421,6 +378,12 @@ class LLMEngine:
                 for r in self.scheduler.requests() if not r.status.is_terminal)
             for state in self.outputs.requests.values():
                 assert state.samples, f"request {state.request_id} has no sample"
+
+    def quantization_report(self):
+        """Spec rule 7's five facts, weight and KV bytes (:mod:`kvlab.engine.quantization`)."""
+        from .quantization.report import build_report
+        with self.core.lock:
+            return build_report(self.quantization, self.model, self.cache, self.block_size)
 
     def snapshot(self):
         """Plain-data view of the engine (see :mod:`kvlab.engine.snapshot`)."""

@@ -95,8 +95,11 @@ class DecoderLayer(nn.Module):
         qk = apply_rope(qk, cos, sin)
         q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=1)
         v = qkv[:, self.q_size + self.kv_size:].reshape(n, cfg.num_kv_heads, cfg.head_dim)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
+        if isinstance(k_cache, torch.Tensor):
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
+        else:  # a quantized KV layer (kvlab.engine.quantization.kv_cache) stores and reads
+            attn = k_cache.write_and_attend(q, k, v, meta, cfg.head_dim ** -0.5)
         x = x + self.o(attn.reshape(n, self.q_size))
         hs = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         gate, up = self.gate_up(hs).chunk(2, dim=-1)

@@ -122,6 +122,19 @@ class EngineStats:
     schedule_time_s: float = 0.0      # scheduler.schedule() + update_from_output()
     sample_time_s: float = 0.0
 
+    def add_step(self, result, seconds: float) -> None:
+        """Count one engine-core step (a ``StepResult``) that took ``seconds`` in all."""
+        info = result.model.info
+        self.steps += 1
+        self.computed_tokens += result.output.num_batched_tokens
+        self.generated_tokens += sum(len(t) if isinstance(t, tuple) else 1
+                                     for t in result.model.sampled.values())
+        self.schedule_time_s += result.schedule_s + result.update_s
+        self.prepare_time_s += info.prepare_s
+        self.model_time_s += info.forward_s
+        self.sample_time_s += info.sample_s
+        self.step_time_s += seconds
+
     @property
     def prefix_hit_rate(self) -> float:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0

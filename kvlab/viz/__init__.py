@@ -34,6 +34,7 @@ _LAZY = {
     ),
     **dict.fromkeys(["batch_timeline_figure", "BatchTimeline"], ".timeline"),
     **dict.fromkeys(["engine_step_figure", "EngineStepper"], ".engine"),
+    **dict.fromkeys(["quantization_figure", "quantization_explorer"], ".quantization"),
     **dict.fromkeys(["acceptance_figure", "AcceptanceView"], ".spec"),
 }
 

@@ -70,7 +70,7 @@ class SpecExecutor:
         self.proposer, self.metrics = proposer, metrics
         self.device = model.device
         self.block_size = cache.block_size
-        self.workspace = Workspace(self.device, cache.data.dtype)
+        self.workspace = Workspace(self.device, getattr(cache, "compute_dtype", cache.data.dtype))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

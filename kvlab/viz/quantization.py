@@ -1,0 +1,115 @@
+"""Chapter 8 figures: one weight row, its quantization grid, per-group scales and errors.
+
+``quantization_figure(row, bits, group_size, symmetric)`` is pure (a 1-D weight row in, a new
+Figure out); ``quantization_explorer()`` is the ipywidgets wrapper (bits, group size, outlier
+strength, symmetric or zero-point). ``example_row(outlier)`` is the row both use: a Gaussian
+row of 256 weights with three outliers of ``outlier`` times the row's standard deviation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._widgets import figure_widget
+from .style import INK, MUTED, PHASE_COLORS, REQUEST_PALETTE
+
+
+def example_row(outlier: float = 12.0, n: int = 256, seed: int = 0):
+    """A float32 torch row of ``n`` N(0, 0.02) weights with outliers of ``outlier`` sigmas at
+    positions 37, 130 and 201 (seeded)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    row = torch.randn(n, generator=g) * 0.02
+    for i, sign in ((37, 1.0), (130, -1.0), (201, 1.0)):
+        if i < n:
+            row[i] = sign * outlier * 0.02
+    return row
+
+
+def quantization_summary(row, bits: int, group_size: int, symmetric: bool = True) -> dict:
+    """Numbers the figure shows: dequantized row, per-group scales, errors, effective bits."""
+    from kvlab.engine.quantization import QuantConfig, dequantize, quantize
+
+    cfg = QuantConfig(bits=bits, group_size=group_size, symmetric=symmetric)
+    packed = quantize(row.reshape(1, -1), cfg)
+    deq = dequantize(packed)[0]
+    err = (row - deq).numpy()
+    return {"config": cfg, "deq": deq.numpy(), "scales": packed.scales.float()[0].numpy(),
+            "error": err, "rms": float(np.sqrt((err ** 2).mean())),
+            "max_error": float(np.abs(err).max()), "effective_bits": cfg.effective_bits(),
+            "bytes": packed.nbytes}
+
+
+def quantization_figure(row, bits: int = 4, group_size: int = 32, symmetric: bool = True):
+    """Three panels: the row and its reconstruction with each group's grid (top), the scale of
+    every group (bottom left) and the histogram of errors against ``±s/2`` (bottom right)."""
+    import matplotlib.pyplot as plt
+
+    s = quantization_summary(row, bits, group_size, symmetric)
+    x = row.numpy()
+    n = x.size
+    fig = plt.figure(figsize=(10.0, 5.4))
+    grid = fig.add_gridspec(2, 2, height_ratios=[1.3, 1.0], hspace=0.45, wspace=0.25)
+    ax = fig.add_subplot(grid[0, :])
+    levels = 2 ** bits - 1
+    for gi, scale in enumerate(s["scales"]):
+        lo, hi = gi * group_size, (gi + 1) * group_size
+        if symmetric:
+            qmax = 2 ** (bits - 1) - 1
+            grid_vals = np.arange(-qmax, qmax + 1) * scale
+        else:
+            zero = np.round(-min(x[lo:hi].min(), 0.0) / scale)
+            grid_vals = (np.arange(levels + 1) - zero) * scale
+        if grid_vals.size <= 64:
+            ax.hlines(grid_vals, lo, hi - 1, color=MUTED, linewidth=0.3, alpha=0.6)
+        ax.axvline(lo - 0.5, color=MUTED, linewidth=0.5, linestyle=":")
+    ax.plot(np.arange(n), x, ".", color=REQUEST_PALETTE[0], markersize=3, label="weight")
+    ax.step(np.arange(n), s["deq"], where="mid", color=PHASE_COLORS["prefill"], linewidth=0.9,
+            label="dequantized")
+    ax.set_xlim(-1, n)
+    ax.set_xlabel("index in the row (dotted: group boundaries; grey: each group's grid)")
+    ax.set_title(f"int{bits} {'symmetric' if symmetric else 'zero-point'}, group {group_size}: "
+                 f"{s['effective_bits']:.3g} effective bits, RMS error {s['rms']:.2e}, "
+                 f"max {s['max_error']:.2e}", loc="left", fontsize=10)
+    ax.legend(loc="upper right", fontsize=8)
+    ax2 = fig.add_subplot(grid[1, 0])
+    ax2.bar(np.arange(s["scales"].size), s["scales"], color=REQUEST_PALETTE[2], edgecolor=INK,
+            linewidth=0.4)
+    ax2.set_xlabel("group")
+    ax2.set_ylabel("scale s")
+    ax2.set_title("one scale per group: outliers inflate theirs", loc="left", fontsize=10)
+    ax3 = fig.add_subplot(grid[1, 1])
+    half = float(s["scales"].max()) / 2
+    ax3.hist(s["error"], bins=41, range=(-1.05 * half, 1.05 * half), color=REQUEST_PALETTE[4])
+    ax3.axvline(-half, color=INK, linestyle="--", linewidth=0.8)
+    ax3.axvline(half, color=INK, linestyle="--", linewidth=0.8, label="±max(s)/2")
+    ax3.set_xlabel("x - deq(q(x))")
+    ax3.set_title("error histogram", loc="left", fontsize=10)
+    ax3.legend(fontsize=8)
+    return fig
+
+
+def quantization_explorer():
+    """Sliders for bits and outlier strength, dropdowns for group size and the variant."""
+    import ipywidgets as w
+
+    controls = {
+        "bits": w.IntSlider(value=4, min=2, max=8, description="bits"),
+        "group_size": w.Dropdown(options=[8, 16, 32, 64, 128, 256], value=32,
+                                 description="group size"),
+        "outlier": w.FloatSlider(value=12.0, min=0.0, max=40.0, step=1.0,
+                                 description="outlier (σ)"),
+        "symmetric": w.Dropdown(options=[("symmetric", True), ("zero-point", False)],
+                                value=True, description="variant"),
+    }
+
+    def draw(bits, group_size, outlier, symmetric):
+        return quantization_figure(example_row(outlier), bits, group_size, symmetric)
+
+    def caption(bits, group_size, outlier, symmetric):
+        s = quantization_summary(example_row(outlier), bits, group_size, symmetric)
+        return (f"{s['bytes']} bytes for 256 weights = {8 * s['bytes'] / 256:.4g} bits each "
+                f"(effective_bits says {s['effective_bits']:.4g})")
+
+    return figure_widget(controls, draw, caption=caption)
