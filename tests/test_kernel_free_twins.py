@@ -3,6 +3,7 @@ precomputing them leaves the live objects (engines, demos) as they were."""
 
 from __future__ import annotations
 
+import base64
 import re
 
 import pytest
@@ -119,3 +120,27 @@ def test_acceptance_twin_runs_on_engines_of_its_own(monkeypatch):
     b = acceptance.run_acceptance("ngram", k=2, engines={})
     assert list(own) == [("ngram", 2)] and a == b             # a fresh engine measures the same
     assert list(shared) == [("ngram", 1)]
+
+
+def test_quantization_twin_grid_default_frame_and_bytes_caption(monkeypatch):
+    from kvlab.viz.quantization import (
+        KERNEL_FREE_GRID,
+        example_row,
+        quantization_caption,
+        quantization_explorer,
+        quantization_figure,
+    )
+
+    monkeypatch.setenv(EXPORT_ENV, "1")
+    html = quantization_explorer()._repr_mimebundle_()["text/html"]
+    n = 1
+    for values in KERNEL_FREE_GRID.values():
+        n *= len(values)
+    assert html.count('class="kvlab-kf-frame"') == n
+    assert _visible_key(html) == "1-1-0"                       # 4 bits, group 32, symmetric
+    row = example_row(12.0)
+    caption = quantization_caption(row, 4, 32, True)
+    assert caption.startswith("144 bytes for 256 weights")    # 128 B of nibbles + 8 fp16 scales
+    assert caption in html and quantization_caption(row, 2, 8, False) in html
+    png = figure_png(quantization_figure(row, 4, 32, True))
+    assert base64.b64encode(png).decode() in html              # the default frame is that figure

@@ -90,6 +90,14 @@ def quantization_figure(row, bits: int = 4, group_size: int = 32, symmetric: boo
     return fig
 
 
+def quantization_caption(row, bits: int, group_size: int, symmetric: bool = True) -> str:
+    """The line under the figure: bytes stored and bits per weight."""
+    s = quantization_summary(row, bits, group_size, symmetric)
+    n = int(row.numel())
+    return (f"{s['bytes']} bytes for {n} weights = {8 * s['bytes'] / n:.4g} bits each "
+            f"(effective_bits says {s['effective_bits']:.4g})")
+
+
 def quantization_explorer():
     """Sliders for bits and outlier strength, dropdowns for group size and the variant."""
     import ipywidgets as w
@@ -108,8 +116,35 @@ def quantization_explorer():
         return quantization_figure(example_row(outlier), bits, group_size, symmetric)
 
     def caption(bits, group_size, outlier, symmetric):
-        s = quantization_summary(example_row(outlier), bits, group_size, symmetric)
-        return (f"{s['bytes']} bytes for 256 weights = {8 * s['bytes'] / 256:.4g} bits each "
-                f"(effective_bits says {s['effective_bits']:.4g})")
+        return quantization_caption(example_row(outlier), bits, group_size, symmetric)
 
-    return figure_widget(controls, draw, caption=caption)
+    return figure_widget(controls, draw, caption=caption,
+                         what="quantization explorer (bits, group size, outlier, variant)",
+                         kernel_free=quantization_kernel_free)
+
+
+#: The kernel-free explorer's grid: 3 widths x 3 group sizes x 2 variants = 18 frames (the
+#: outlier fixed at the explorer's default, 12 sigma).
+KERNEL_FREE_GRID = {"bits": (2, 4, 8), "group_size": (8, 32, 128), "symmetric": (True, False)}
+
+
+def quantization_kernel_free(outlier: float = 12.0, *, bits: int = 4, group_size: int = 32,
+                             symmetric: bool = True):
+    """The explorer without a kernel: :data:`KERNEL_FREE_GRID` precomputed for one row (outlier
+    ``outlier`` sigma), the explorer's default first, each frame with its bytes line."""
+    from .kernel_free import dropdown, slider, static_widget
+
+    row = example_row(outlier)
+    grid = KERNEL_FREE_GRID
+    return static_widget(
+        lambda bits, group_size, symmetric: quantization_figure(row, bits, group_size,
+                                                                symmetric),
+        {"bits": slider(grid["bits"]), "group_size": dropdown(grid["group_size"],
+                                                              label="group size"),
+         "symmetric": dropdown(grid["symmetric"], label="variant",
+                               labels=["symmetric" if v else "zero-point"
+                                       for v in grid["symmetric"]])},
+        default={"bits": bits, "group_size": group_size, "symmetric": symmetric},
+        caption=lambda bits, group_size, symmetric: quantization_caption(row, bits, group_size,
+                                                                         symmetric),
+        title=f"quantization explorer (outliers of {outlier:g} sigma)")
