@@ -42,7 +42,6 @@ def soak_config(check: bool = True) -> ChaosConfig:
 def soak(seeds: range, check: bool) -> dict:
     totals: Counter = Counter()
     faults: Counter = Counter()
-    statuses: Counter = Counter()
     violations: list[dict] = []
     t0 = time.perf_counter()
     for seed in seeds:
@@ -64,7 +63,6 @@ def soak(seeds: range, check: bool) -> dict:
             totals["drafted"] += r.drafted
             totals["accepted"] += r.accepted
             faults.update(r.faults)
-            statuses.update(r.statuses)
     seconds = time.perf_counter() - t0
     return {"seeds": len(seeds), "runs": totals["runs"], "steps": totals["steps"],
             "seconds": round(seconds, 2),
@@ -76,7 +74,6 @@ def soak(seeds: range, check: bool) -> dict:
             "refused_damaged_logs": totals["refused_logs"],
             "faults_by_kind": dict(faults.most_common()),
             "faults_total": sum(faults.values()),
-            "statuses": dict(statuses.most_common()),
             "draft_acceptance": round(totals["accepted"] / max(1, totals["drafted"]), 3)}
 
 

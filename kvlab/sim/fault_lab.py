@@ -17,13 +17,20 @@ invariant a mutation breaks and grade new checkers against these mutations.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.core.engine_core import EngineCore
-from kvlab.core.faults import STEP_FAULTS, FaultInjector, InjectedFault, StepFault, StepFaultSchedule
+from kvlab.core.faults import (
+    STEP_FAULTS,
+    FaultInjector,
+    InjectedFault,
+    StepFault,
+    StepFaultSchedule,
+)
 from kvlab.core.invariant_set import EngineView, InvariantMonitor, InvariantViolation
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.scheduler import ProductionScheduler, SchedulerConfig
@@ -221,10 +228,8 @@ def run_lab(implementation: str = "correct", fault: str = "none", *, steps: int 
         before = Counter(injector.injected)
         injector.before_step(step, kv)
         try:
-            try:
-                core.step()
-            except (InjectedFault, ValueError):
-                pass                       # the step failed; its requests ended with a reason
+            with contextlib.suppress(InjectedFault, ValueError):   # a failed step: its
+                core.step()                                         # requests end with a reason
         except InvariantViolation as v:
             trace.violation = v
         hit = tuple((Counter(injector.injected) - before).elements())

@@ -83,7 +83,8 @@ def lab_figure(implementation: str = "correct", fault: str = "none", step: int |
         verdict = f"all nine invariants held for {n} steps"
     else:
         v = trace.violation
-        verdict = f"invariant {v.invariant.number} ({v.invariant.name}) broke at step {n}, {v.subject}"
+        verdict = (f"invariant {v.invariant.number} ({v.invariant.name}) broke at step {n}, "
+                   f"{v.subject}")
     fig.suptitle(f"{implementation} + fault '{fault}': {verdict}", fontsize=10, color=INK)
     fig.tight_layout()
     return fig
