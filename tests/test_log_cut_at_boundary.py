@@ -16,41 +16,11 @@ then does, for every cut point of a seeded run with speculation and prefix shari
 
 from __future__ import annotations
 
-import random
-
 from kvlab.core.engine_core import EngineCore
-from kvlab.core.event_log import EventLog
 from kvlab.core.invariant_set import EngineView, InvariantMonitor
-from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.recovery import recover
-from kvlab.core.scheduler import ProductionScheduler, SchedulerConfig
-from kvlab.sim.chaos import ChaosExecutor, _request, solo_tokens
-
-CFG = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, prefill_chunk=8,
-                      num_lookahead_tokens=3)
-
-
-def make(kv, log):
-    return ProductionScheduler(kv, CFG, log=log)
-
-
-def build(seed: int, steps: int = 12):
-    """The same engine, deterministically, after ``steps`` steps (the 'crash' instant)."""
-    rng = random.Random(seed)
-    kv = KVCacheManager(48, 4)
-    sched = make(kv, EventLog())
-    core = EngineCore(sched, ChaosExecutor(sched.get_request, "draft"), forget_ended=False)
-    prompts, shared = {}, tuple(rng.randrange(6, 64) for _ in range(8))
-    for step in range(steps):
-        if rng.random() < 0.7:
-            rid = f"r{step}"
-            tail = tuple(rng.randrange(6, 64) for _ in range(rng.randrange(1, 6)))
-            prompt = (shared + tail) if rng.random() < 0.5 else tail + shared[:3]
-            prompts[rid] = (prompt, rng.randrange(2, 10))
-            core.add_request(_request(rid, *prompts[rid]))
-        core.step()
-    finished = {r.request_id for r in sched.requests() if r.status.value == "finished"}
-    return kv, sched, prompts, finished
+from kvlab.sim.chaos import ChaosExecutor, solo_tokens
+from kvlab.sim.log_cut import build, make
 
 
 def test_every_clean_prefix_of_the_log_recovers_to_a_correct_engine():

@@ -17,33 +17,59 @@ from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.scheduler import ProductionScheduler, SchedulerConfig
 from kvlab.core.scheduler_api import RuntimeRequest, SchedulerOutput
 from kvlab.sim.chaos import ChaosExecutor
-from kvlab.sim.fault_lab import MUTATIONS, run_lab
+from kvlab.sim.fault_lab import Mutation, run_lab
 
 from ._common import require_answer
 
+
 # ------------------------------------------------------------------ 1. which invariant
-#: The bugs of exercise 1, by letter (a fixed shuffle of the lab's mutations).
-BUGS: dict[str, str] = {"A": "cache ignores the tenant", "B": "finish reported twice",
-                        "C": "admission without reservation", "D": "release skips a block",
-                        "E": "rollback keeps the tail", "F": "abort leaves it queued",
-                        "G": "output rewritten"}
+class OneMoreToken(ProductionScheduler):
+    """Bug A: a request that ends by length gets its last token repeated once more."""
+
+    def update_from_output(self, output, sampled):
+        ended = super().update_from_output(output, sampled)
+        for r in ended:
+            if r.status.value == "finished" and len(r.output_token_ids) == r.max_tokens:
+                r.output_token_ids.append(r.output_token_ids[-1])
+        return ended
+
+
+def share_drops_last(scheduler) -> None:
+    """Bug B: sharing cached blocks with a request releases the last one right away."""
+    pool = scheduler.kv.pool
+    share = pool.share
+
+    def buggy_share(blocks, owner):
+        share(blocks, owner)
+        if blocks:
+            pool.release([list(blocks)[-1]], owner)
+    pool.share = buggy_share
+
+
+def free_is_a_no_op(scheduler) -> None:
+    """Bug C: freeing a request's KV does nothing (the call returns as if nothing was held)."""
+    scheduler.kv.free = lambda request_id: False
+
+
+#: The bugs of exercise 1, by letter (not among the fault lab's mutants).
+BUGS: dict[str, Mutation] = {
+    "A": Mutation("bug A", 0, OneMoreToken),
+    "B": Mutation("bug B", 0, patch=share_drops_last),
+    "C": Mutation("bug C", 0, patch=free_is_a_no_op),
+}
 
 
 def bug_source(letter: str) -> str:
-    """The code of bug ``letter`` (the mutated class or patch), to read."""
+    """The code of bug ``letter``, to read."""
     if letter not in BUGS:
         raise ValueError(f"unknown bug {letter!r}; the bugs are {sorted(BUGS)}")
-    m = MUTATIONS[BUGS[letter]]
-    parts = [m.patch] if m.patch is not None else []
-    for cls in (m.scheduler_cls, m.kv_cls):
-        if cls.__module__ == "kvlab.sim.fault_lab":
-            parts.append(cls)
-    return "\n".join(inspect.getsource(p) for p in parts)
+    m = BUGS[letter]
+    return inspect.getsource(m.patch if m.patch is not None else m.scheduler_cls)
 
 
 def check_bug_invariants(answer) -> str:
     """``answer``: ``{letter: invariant number 1..9}`` for every bug of :data:`BUGS`: the first
-    invariant the checker reports when the lab runs that bug without a fault."""
+    invariant the checker reports when the fault lab runs that bug without a fault."""
     require_answer(answer, "a dict {bug letter: invariant number}")
     answer = dict(answer)
     missing = sorted(set(BUGS) - set(answer))
@@ -55,7 +81,8 @@ def check_bug_invariants(answer) -> str:
     wrong = sorted(k for k in BUGS if run_lab(BUGS[k], "none").caught != answer[k])
     if wrong:
         raise AssertionError(f"bugs {wrong} are caught by another invariant than the one you "
-                             "named: ask what state the bug leaves wrong, and who could see it")
+                             "named: ask what state the bug leaves wrong, and which check "
+                             "looks at that state first")
     return "Correct: every bug is caught, each by the invariant you named."
 
 

@@ -17,7 +17,6 @@ invariant a mutation breaks and grade new checkers against these mutations.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -182,14 +181,18 @@ def _block_states(kv: Any, withheld: tuple[str, ...]) -> tuple[str, ...]:
     return tuple("withheld" if b in held else pool.state(b) for b in range(pool.num_blocks))
 
 
-def run_lab(implementation: str = "correct", fault: str = "none", *, steps: int = 30,
-            seed: int = 0) -> LabTrace:
-    """Run the lab (module docstring); unknown names raise ValueError before anything runs."""
-    if implementation not in MUTATIONS:
+def run_lab(implementation: str | Mutation = "correct", fault: str = "none", *,
+            steps: int = 30, seed: int = 0) -> LabTrace:
+    """Run the lab (module docstring) with a named implementation of :data:`MUTATIONS` or any
+    :class:`Mutation`; unknown names raise ValueError before anything runs."""
+    if isinstance(implementation, Mutation):
+        m, implementation = implementation, implementation.description
+    elif implementation in MUTATIONS:
+        m = MUTATIONS[implementation]
+    else:
         raise ValueError(f"unknown implementation {implementation!r}; known: {list(MUTATIONS)}")
     if fault not in LAB_FAULTS:
         raise ValueError(f"unknown lab fault {fault!r}; known: {list(LAB_FAULTS)}")
-    m = MUTATIONS[implementation]
     kv = m.kv_cls(14, 4)
     sched = m.scheduler_cls(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
                                                 prefill_chunk=8, num_lookahead_tokens=3))
@@ -228,8 +231,10 @@ def run_lab(implementation: str = "correct", fault: str = "none", *, steps: int 
         before = Counter(injector.injected)
         injector.before_step(step, kv)
         try:
-            with contextlib.suppress(InjectedFault, ValueError):   # a failed step: its
-                core.step()                                         # requests end with a reason
+            try:
+                core.step()
+            except (InjectedFault, ValueError):   # a failed step (its requests end with a
+                monitor.check(view())             # reason): the state must still be right
         except InvariantViolation as v:
             trace.violation = v
         hit = tuple((Counter(injector.injected) - before).elements())
