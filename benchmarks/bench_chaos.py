@@ -16,6 +16,10 @@ checks, violations (a run that raises ``InvariantViolation`` counts one and the 
 leaked blocks, finished requests whose tokens differ from the same request run alone without
 faults, recoveries and refused damaged logs.
 
+Then the P/D soak (:func:`kvlab.sim.pd_chaos.run_pd_chaos`, as many seeds, 80 traffic steps):
+a producer and a consumer under every P/D transfer fault, step faults and aborts, invariant 8
+reading an independent audit of every install.
+
 Run: ``python benchmarks/bench_chaos.py [--seeds N]``. Writes ``benchmarks/results/chaos.json``.
 """
 
@@ -30,6 +34,7 @@ from _results import write_results
 
 from kvlab.core.invariant_set import InvariantViolation
 from kvlab.sim.chaos import ChaosConfig, run_chaos
+from kvlab.sim.pd_chaos import run_pd_chaos
 
 METHODS = ("draft", "ngram")
 
@@ -77,6 +82,35 @@ def soak(seeds: range, check: bool) -> dict:
             "draft_acceptance": round(totals["accepted"] / max(1, totals["drafted"]), 3)}
 
 
+def pd_soak(seeds: range) -> dict:
+    """P/D disaggregation under transfer faults, step faults and aborts (kvlab.sim.pd_chaos)."""
+    totals: Counter = Counter()
+    transfer: Counter = Counter()
+    step_faults: Counter = Counter()
+    violations: list[dict] = []
+    t0 = time.perf_counter()
+    for seed in seeds:
+        try:
+            r = run_pd_chaos(seed, steps=80)
+        except InvariantViolation as v:
+            violations.append({"seed": seed, "invariant": v.invariant.number, "message": str(v)})
+            continue
+        totals.update(steps=r.steps, checks=r.checks, audited=r.installs_audited,
+                      finished=r.finished, mismatches=len(r.mismatches),
+                      wrong_kv_reads=r.wrong_kv_reads, leaked_blocks=r.leaked_blocks)
+        transfer.update(r.transfer)
+        step_faults.update(r.step_faults)
+    seconds = time.perf_counter() - t0
+    return {"seeds": len(seeds), "steps": totals["steps"], "seconds": round(seconds, 2),
+            "steps_per_s": round(totals["steps"] / seconds, 1),
+            "invariant_checks": totals["checks"], "installs_audited": totals["audited"],
+            "violations": len(violations), "violation_details": violations[:10],
+            "leaked_blocks": totals["leaked_blocks"], "mismatches": totals["mismatches"],
+            "wrong_kv_reads": totals["wrong_kv_reads"], "finished_requests": totals["finished"],
+            "transfer_decisions": dict(transfer.most_common()),
+            "step_faults_by_kind": dict(step_faults.most_common())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=150)
@@ -93,9 +127,15 @@ def main() -> None:
     overhead = sub["seconds"] / base["seconds"]
     print(f"unchecked: {base['steps_per_s']:,} steps/s vs checked {sub['steps_per_s']:,} "
           f"steps/s on the same {args.baseline_seeds} seeds: checking costs {overhead:.2f}x")
+    pd = pd_soak(range(args.seeds))
+    print(f"P/D:       {pd['steps']:,} steps, {pd['installs_audited']} installs audited, "
+          f"{pd['violations']} violations, {pd['mismatches']} mismatches, "
+          f"{pd['wrong_kv_reads']} wrong KV reads, {pd['leaked_blocks']} leaked blocks")
+    print("transfer decisions:", pd["transfer_decisions"])
     write_results("chaos", {
         "config": {**{k: v for k, v in vars(soak_config()).items()}, "methods": list(METHODS)},
         "soak": checked,
+        "pd_soak": pd,
         "overhead": {"seeds": args.baseline_seeds, "unchecked_steps_per_s": base["steps_per_s"],
                      "checked_steps_per_s": sub["steps_per_s"],
                      "checked_over_unchecked_time": round(overhead, 2),
