@@ -77,7 +77,8 @@ def test_audit_flags_an_install_of_an_entry_it_never_saw():
         request_id, prompt_token_ids, scope = "r", (1, 2, 3, 4, 5), ()
 
     class Sched:
-        decisions = [Decision()]
+        def __init__(self):
+            self.decisions = [Decision()]
 
         def find_request(self, rid):
             return Request()

@@ -17,6 +17,7 @@ and every block must be free.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -179,10 +180,8 @@ def run_pd_chaos(seed: int, *, steps: int = 40, num_blocks: int = 64,
         if step <= steps and live and rng.random() < abort_rate:
             core.abort_request(rng.choice(live))
         injector.before_step(step, kv)
-        try:
+        with contextlib.suppress(InjectedFault):   # the step's requests failed with a reason
             core.step()
-        except InjectedFault:
-            pass                                   # the step's requests failed with a reason
         result.steps += 1
     injector.release_all(kv)
     monitor.check(view())
