@@ -179,7 +179,7 @@ def test_real_engine_chaos_everything_on(seed):
 def test_real_engine_chaos_injected_every_kind():
     """Across the seeds above, every step fault the real engine supports struck at least once
     (runs after them: pytest keeps file order; -p no:randomly in CI)."""
-    if RAN != set(SEEDS):               # e.g. xdist spread the seeds over workers
+    if set(SEEDS) != RAN:               # e.g. xdist spread the seeds over workers
         pytest.skip(f"only seeds {sorted(RAN)} of {SEEDS} ran in this process")
     required = set(ENGINE_FAULTS) - {"late_copy"}   # armed, but fires only on a CoW copy
     assert required <= set(INJECTED), INJECTED
