@@ -179,12 +179,13 @@ def test_greedy_identity_with_preemption_n_and_prefix_cache(spec):
     base = _llm(**kw)
     want = [[c.token_ids for c in o.outputs] for o in base.generate(prompts, sp,
                                                                       use_tqdm=False)]
-    llm = _llm(spec, 5, **kw)
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    assert [[c.token_ids for c in o.outputs] for o in outs] == want
-    assert sum(o.metrics.num_preemptions for o in outs) > 0
-    assert llm.engine.stats.cached_prompt_tokens > 0
-    llm.engine.check_invariants()
+    for k in range(1, 9):
+        llm = _llm(spec, k, **kw)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in outs] == want, k
+        assert sum(o.metrics.num_preemptions for o in outs) > 0, k
+        assert llm.engine.stats.cached_prompt_tokens > 0, k
+        llm.engine.check_invariants()
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent():

@@ -3,8 +3,8 @@
 :func:`attach` validates the argument (None/"off" or "every_step"; ValueError otherwise) and
 registers an observer on the engine core that runs :data:`kvlab.core.invariant_set.
 SPEC_INVARIANTS` (invariant 2 before each execute, all nine after each step), with the
-engine's grammar states as invariant 7's probe. A broken invariant raises
-:class:`~kvlab.core.invariant_set.InvariantViolation` from ``step()``.
+engine's grammar states as invariant 7's probe; a failed step is checked too. A broken
+invariant raises :class:`~kvlab.core.invariant_set.InvariantViolation` from ``step()``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class EveryStep:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.monitor = InvariantMonitor()
+        self.withheld: list[str] = []    # KV tables a fault injector holds (kv_shrink)
 
     def _grammar_probe(self) -> list[tuple[str, str]]:
         problems = []
@@ -42,13 +43,17 @@ class EveryStep:
 
     def view(self, core: Any, last: Any = None) -> EngineView:
         s = core.scheduler
-        return EngineView(s, s.kv, s.step_count, last, rollback_probes=(self._grammar_probe,))
+        return EngineView(s, s.kv, s.step_count, last, tuple(self.withheld),
+                          rollback_probes=(self._grammar_probe,))
 
     def before_execute(self, core: Any, output: Any) -> None:
         self.monitor.before_execute(self.view(core), output)
 
     def after_step(self, core: Any, result: Any) -> None:
         self.monitor.check(self.view(core, result))
+
+    def after_failed_step(self, core: Any, output: Any, error: BaseException) -> None:
+        self.monitor.check(self.view(core))       # a failed step released its KV cleanly
 
 
 def attach(engine: Any, mode: Any) -> EveryStep | None:

@@ -26,6 +26,20 @@ def blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
     return int(n)
 
 
+def copy_indices(copies: Sequence[tuple[int, int]], num_blocks: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source ids, destination ids) of copy-on-write ``copies`` as index tensors. ValueError
+    when an id is outside ``0..num_blocks-1`` or a destination repeats."""
+    src = [int(s) for s, _ in copies]
+    dst = [int(d) for _, d in copies]
+    bad = [b for b in src + dst if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"copy_blocks: block ids {bad} outside 0..{num_blocks - 1}")
+    if len(set(dst)) != len(dst):
+        raise ValueError(f"copy_blocks: a destination block repeats in {list(copies)}")
+    return torch.tensor(src, device=device), torch.tensor(dst, device=device)
+
+
 class PagedKVCache:
     """KV payload for ``num_layers`` layers; ``layers[l] = (k_cache, v_cache)`` views."""
 
@@ -61,13 +75,5 @@ class PagedKVCache:
         """
         if not copies:
             return
-        src = [int(s) for s, _ in copies]
-        dst = [int(d) for _, d in copies]
-        bad = [b for b in src + dst if not 0 <= b < self.num_blocks]
-        if bad:
-            raise ValueError(f"copy_blocks: block ids {bad} outside 0..{self.num_blocks - 1}")
-        if len(set(dst)) != len(dst):
-            raise ValueError(f"copy_blocks: a destination block repeats in {list(copies)}")
-        s = torch.tensor(src, device=self.data.device)
-        d = torch.tensor(dst, device=self.data.device)
+        s, d = copy_indices(copies, self.num_blocks, self.data.device)
         self.data[:, :, d] = self.data[:, :, s]

@@ -131,6 +131,7 @@ class ChaosConfig:
     fault_rate: float = 0.2
     arrival_rate: float = 0.6
     abort_rate: float = 0.08
+    check_invariants: bool = True      # False: the same run unchecked (the bench's baseline)
 
 
 @dataclass
@@ -155,21 +156,24 @@ class ChaosResult:
 class _Checker:
     """The observer that runs the invariant set on the live core."""
 
-    def __init__(self, monitor: InvariantMonitor, injector: FaultInjector) -> None:
-        self.monitor, self.injector = monitor, injector
+    def __init__(self, monitor: InvariantMonitor, injector: FaultInjector,
+                 enabled: bool = True) -> None:
+        self.monitor, self.injector, self.enabled = monitor, injector, enabled
 
     def view(self, core: Any, last: Any = None) -> EngineView:
         s = core.scheduler
         return EngineView(s, s.kv, s.step_count, last, tuple(self.injector.withheld))
 
     def before_execute(self, core: Any, output: Any) -> None:
-        self.monitor.before_execute(self.view(core), output)
+        if self.enabled:
+            self.monitor.before_execute(self.view(core), output)
 
     def after_step(self, core: Any, result: Any) -> None:
-        self.monitor.check(self.view(core, result))
+        if self.enabled:
+            self.monitor.check(self.view(core, result))
 
     def after_failed_step(self, core: Any, output: Any, error: BaseException) -> None:
-        if not isinstance(error, SimulatedCrash):
+        if self.enabled and not isinstance(error, SimulatedCrash):
             self.monitor.check(self.view(core))
 
 
@@ -217,7 +221,7 @@ def run_chaos(seed: int, config: ChaosConfig | None = None, *, method: str = "dr
     holder: dict[str, Any] = {}
     executor = ChaosExecutor(lambda rid: holder["core"].scheduler.get_request(rid), method,
                              injector)
-    checker = _Checker(monitor, injector)
+    checker = _Checker(monitor, injector, cfg.check_invariants)
 
     def new_core(scheduler: Any) -> EngineCore:
         core = EngineCore(scheduler, executor)
@@ -276,7 +280,8 @@ def run_chaos(seed: int, config: ChaosConfig | None = None, *, method: str = "dr
             sched.log.crash_at = None
         result.steps += 1
     injector.release_all(core.scheduler.kv)
-    monitor.check(checker.view(core))
+    if cfg.check_invariants:
+        monitor.check(checker.view(core))
     result.faults = Counter(injector.injected)
     result.checks = monitor.checks
     result.drafted, result.accepted = executor.drafted, executor.accepted

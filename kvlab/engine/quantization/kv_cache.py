@@ -23,6 +23,7 @@ import torch
 from kvlab.core.kv_dtype import KVDtypeSpec
 
 from ..attention import AttentionMetadata, paged_attention
+from ..kv_cache import copy_indices
 
 __all__ = ["QuantizedKVLayer", "QuantizedPagedKVCache", "dequantize_kv", "quantize_kv"]
 
@@ -93,15 +94,7 @@ class QuantizedPagedKVCache:
         ValueError (nothing copied) for an out-of-range id or a repeated destination."""
         if not copies:
             return
-        src = [int(s) for s, _ in copies]
-        dst = [int(d) for _, d in copies]
-        bad = [b for b in src + dst if not 0 <= b < self.num_blocks]
-        if bad:
-            raise ValueError(f"copy_blocks: block ids {bad} outside 0..{self.num_blocks - 1}")
-        if len(set(dst)) != len(dst):
-            raise ValueError(f"copy_blocks: a destination block repeats in {list(copies)}")
-        s = torch.tensor(src, device=self.data.device)
-        d = torch.tensor(dst, device=self.data.device)
+        s, d = copy_indices(copies, self.num_blocks, self.data.device)
         self.data[:, :, d] = self.data[:, :, s]
         self.scales[:, :, d] = self.scales[:, :, s]
 

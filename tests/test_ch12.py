@@ -1,0 +1,114 @@
+"""Chapter 12: the fault lab, its figures, and the exercise checks (which never print answers)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvlab.exercises._common import NotYetAnswered
+from kvlab.exercises.ch12 import (
+    BUDGET_IMPLEMENTATIONS,
+    BUGS,
+    bug_source,
+    check_budget_checker,
+    check_bug_invariants,
+    run_budget,
+)
+from kvlab.sim.fault_lab import LAB_FAULTS, MUTATIONS, Mutation, run_lab
+
+
+def test_the_correct_engine_survives_every_lab_fault():
+    for fault in LAB_FAULTS:
+        trace = run_lab("correct", fault)
+        assert trace.violation is None, fault
+        assert trace.steps[-1].checks >= 9 * len(trace.steps)
+        if fault != "none":
+            assert trace.faults[fault] >= 1, fault
+    assert set(run_lab("correct").finished) == {"a", "b", "c", "d", "e", "g"}   # f aborted
+
+
+@pytest.mark.parametrize("name", [n for n in MUTATIONS if n != "correct"])
+def test_every_mutant_is_caught_by_the_invariant_it_breaks(name):
+    trace = run_lab(name, "none")
+    assert trace.caught == MUTATIONS[name].breaks, str(trace.violation)
+    assert trace.violation.step == trace.steps[-1].step       # the run stops where it broke
+
+
+def test_lab_rejects_unknown_names_before_running():
+    with pytest.raises(ValueError, match="unknown implementation"):
+        run_lab("telepathic scheduler")
+    with pytest.raises(ValueError, match="unknown lab fault"):
+        run_lab("correct", "meteor")
+
+
+def test_lab_figure_marks_the_violation_and_the_culprit_block():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlab.viz.invariants import FaultLab, lab_figure
+
+    fig = lab_figure("release skips a block", "none")
+    assert "invariant 1 (refcount)" in fig._suptitle.get_text()
+    fig = lab_figure("correct", "abort_storm", step=2)
+    assert "all nine invariants held" in fig._suptitle.get_text()
+    with pytest.raises(ValueError):
+        FaultLab("no such thing")
+
+
+def test_check_bug_invariants_grades_by_running_the_bugs():
+    truth = {k: run_lab(m, "none").caught for k, m in BUGS.items()}
+    assert all(truth.values())
+    assert check_bug_invariants(truth).startswith("Correct")
+    wrong = {k: (v % 9) + 1 for k, v in truth.items()}
+    with pytest.raises(AssertionError) as info:
+        check_bug_invariants(wrong)
+    for v in truth.values():                  # the message never gives the answer away
+        assert f": {v}" not in str(info.value) and f"{v}," not in str(info.value)
+    with pytest.raises(AssertionError, match="missing"):
+        check_bug_invariants({"A": 1})
+    with pytest.raises(AssertionError, match="from 1 to 9"):
+        check_bug_invariants({k: 10 for k in BUGS})
+    with pytest.raises(NotYetAnswered):
+        check_bug_invariants(...)
+    with pytest.raises(ValueError, match="unknown bug"):
+        bug_source("Z")
+    assert "def " in bug_source("C") or "class " in bug_source("C")
+
+
+def _good(output, config):
+    assert len(output.chunks) <= config.max_num_seqs
+    assert sum(c.num_query_tokens for c in output.chunks) <= config.max_num_batched_tokens
+
+
+def test_budget_checker_grading_rejects_false_alarms_and_misses():
+    assert check_budget_checker(_good).startswith("Correct")
+    for name in BUDGET_IMPLEMENTATIONS:
+        fired = run_budget(_good, name)
+        assert (fired is None) == name.startswith("correct"), name
+
+    def silent(output, config):
+        return None
+
+    def strict(output, config):   # forgets that a full budget is allowed
+        assert sum(c.num_query_tokens for c in output.chunks) < config.max_num_batched_tokens
+
+    def crashes(output, config):
+        raise KeyError("oops")
+
+    with pytest.raises(AssertionError, match="never fired"):
+        check_budget_checker(silent)
+    with pytest.raises(AssertionError, match="false alarm"):
+        check_budget_checker(strict)
+    with pytest.raises(AssertionError, match="KeyError"):
+        check_budget_checker(crashes)
+    with pytest.raises(AssertionError, match="function"):
+        check_budget_checker(42)
+
+
+def test_a_custom_mutation_runs_in_the_lab():
+    def leak(s):
+        s.kv.free = lambda rid: False
+    trace = run_lab(Mutation("a leak", 3, patch=leak))
+    assert trace.caught in (3, 4)
+    assert dataclasses.is_dataclass(trace.steps[0])
