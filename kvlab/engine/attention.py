@@ -37,6 +37,7 @@ __all__ = [
     "ChunkSpec",
     "DecodeBucket",
     "PrefillChunk",
+    "PrefillGroup",
     "Workspace",
     "build_metadata",
     "dense_causal_attention",
@@ -62,6 +63,25 @@ class PrefillChunk:
     num_tokens: int
     start_pos: int
     slots: torch.Tensor  # [start_pos + num_tokens] flat slots of positions 0..end-1 (long)
+
+
+@dataclass(frozen=True)
+class PrefillGroup:
+    """Multi-token chunks of the same length ``num_tokens``, each with a cached prefix,
+    attended in one padded call (speculative verification makes many such chunks per step).
+
+    ``rows``: ``[size * num_tokens]`` flat rows, chunk after chunk; ``slots``: ``[size * span]``
+    flat cache slots of each chunk's positions ``0 .. span-1`` (a chunk shorter than ``span`` is
+    padded with its own position-0 slot); ``mask``: ``[size, 1, num_tokens, span]`` bool, True
+    where the key position is at or before the query's (padding is never attended).
+    """
+
+    size: int
+    num_tokens: int
+    span: int
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -135,6 +155,9 @@ class AttentionMetadata:
     block_size: int
     workspace: Workspace | None = None
     max_position: int = 0        # the largest entry of ``positions``
+    #: ``prefills`` split into padded groups and the chunks attended alone (filled on first use
+    #: by :func:`group_prefills`; every layer reuses it)
+    prefill_plan: tuple[list[PrefillGroup], list[PrefillChunk]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -238,6 +261,46 @@ def build_metadata(
     )
 
 
+def group_prefills(meta: AttentionMetadata, min_size: int = 2
+                   ) -> tuple[list[PrefillGroup], list[PrefillChunk]]:
+    """Batch the step's multi-token chunks that read a cached prefix (``start_pos > 0``) by
+    length: chunks of equal ``num_tokens`` are sorted by context and split like the decode
+    buckets (little padding), and each group of >= ``min_size`` becomes one
+    :class:`PrefillGroup`; the rest (fresh prompts, lone lengths) are returned as they are.
+    Cached on ``meta`` (every layer reuses the plan)."""
+    if meta.prefill_plan is not None:
+        return meta.prefill_plan
+    by_len: dict[int, list[PrefillChunk]] = {}
+    alone: list[PrefillChunk] = []
+    for c in meta.prefills:
+        if c.start_pos > 0:
+            by_len.setdefault(c.num_tokens, []).append(c)
+        else:
+            alone.append(c)
+    groups: list[PrefillGroup] = []
+    for q, cs in by_len.items():
+        if len(cs) < min_size:
+            alone.extend(cs)
+            continue
+        cs.sort(key=lambda c: c.start_pos)
+        for lo, hi in _split_buckets([c.start_pos for c in cs], min_size=4):
+            part = cs[lo:hi]
+            if len(part) < min_size:
+                alone.extend(part)
+                continue
+            span = part[-1].start_pos + q
+            slots = torch.cat([c.slots if c.slots.numel() == span else torch.cat(
+                [c.slots, c.slots[:1].expand(span - c.slots.numel())]) for c in part])
+            rows = torch.cat([torch.arange(c.offset, c.offset + q) for c in part])
+            qpos = torch.tensor([c.start_pos for c in part])[:, None] + torch.arange(q)
+            mask = torch.arange(span)[None, None, :] <= qpos[:, :, None]
+            dev = part[0].slots.device
+            groups.append(PrefillGroup(len(part), q, span, rows.to(dev), slots,
+                                       mask[:, None].to(dev)))
+    meta.prefill_plan = (groups, alone)
+    return meta.prefill_plan
+
+
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -317,6 +380,7 @@ def _decode_bucket_block_diagonal(q: torch.Tensor, k_cache: torch.Tensor,
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    *, batch_prefills: bool = True,
 ) -> torch.Tensor:
     """Attention of the flat batch; ``q: [N, H, D]``, new ``k, v: [N, KV, D]`` -> ``[N, H, D]``.
 
@@ -324,6 +388,11 @@ def paged_attention(
     chunks with a cached prefix read their whole context from the cache. On CUDA with Triton
     installed the decode buckets run :func:`kvlab.engine.triton_kernels.decode_attention` on the
     same metadata (tables from ``block_index``, lengths from ``positions``).
+
+    Multi-token chunks with a cached prefix and equal length (speculative verification) are
+    attended in padded groups (:func:`group_prefills`), one call per group instead of one per
+    chunk; ``batch_prefills=False`` attends every chunk alone (the reference it is tested
+    against).
     """
     _, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -341,7 +410,16 @@ def paged_attention(
             out[rows] = _decode_bucket(q[rows], k_cache, v_cache, b, scale, ws)
     flat_k = k_cache.view(-1, kv_heads, dim)
     flat_v = v_cache.view(-1, kv_heads, dim)
-    for c in meta.prefills:
+    groups, alone = group_prefills(meta) if batch_prefills else ([], meta.prefills)
+    for g in groups:
+        n, qn, t = g.size, g.num_tokens, g.span
+        qg = q.index_select(0, g.rows).view(n, qn, heads, dim).transpose(1, 2)
+        kg = flat_k.index_select(0, g.slots).view(n, t, kv_heads, dim).transpose(1, 2)
+        vg = flat_v.index_select(0, g.slots).view(n, t, kv_heads, dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+                                           enable_gqa=gqa)   # [n, H, q, D]
+        out.index_copy_(0, g.rows, o.transpose(1, 2).reshape(n * qn, heads, dim))
+    for c in alone:
         rows = slice(c.offset, c.offset + c.num_tokens)
         qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if c.start_pos == 0:
