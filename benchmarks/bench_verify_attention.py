@@ -25,7 +25,10 @@ sys.path.insert(0, str(REPO))
 
 from _results import write_results  # noqa: E402
 
+import kvlab.engine.attention as attention  # noqa: E402
 from kvlab.engine.attention import ChunkSpec, build_metadata, paged_attention  # noqa: E402
+from kvlab.engine.llm import LLM  # noqa: E402
+from kvlab.engine.params import SamplingParams  # noqa: E402
 
 #: (query heads, KV heads, head dim) of kvlab-tiny and of the ~25M random Llama
 SHAPES = {"kvlab-tiny": (6, 2, 32), "25M": (8, 2, 64)}
@@ -82,11 +85,57 @@ def bench(shape: str, k: int, requests: int, rounds: int, seed: int = 0) -> dict
             "max_abs_diff": diff}
 
 
+def engine_ab(k: int, requests: int, rounds: int, max_tokens: int = 48) -> dict:
+    """The engine with speculative decoding (shipped draft model, ``k`` drafts, greedy):
+    target-model time per verification step and tokens/s, grouping on vs off (interleaved
+    rounds, fresh engine each), and whether the two generate the same tokens."""
+    from bench_speculative import PROMPTS
+
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(requests)]
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    cfg = {"method": "draft_model", "model": "kvlab-tiny-draft", "num_speculative_tokens": k}
+    res: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    outs: dict[bool, list] = {}
+    for _ in range(rounds):
+        for on in (False, True):
+            attention.BATCH_PREFILLS = on
+            try:
+                llm = LLM("kvlab-tiny", num_blocks=2048, max_num_seqs=requests,
+                          speculative_config=cfg, seed=0)
+                llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+                m = llm.engine.speculator.metrics
+                m.reset()
+                steps0 = llm.engine.stats.steps
+                t0 = time.perf_counter()
+                got = llm.generate(prompts, sp, use_tqdm=False)
+                wall = time.perf_counter() - t0
+            finally:
+                attention.BATCH_PREFILLS = True
+            tokens = sum(len(o.outputs[0].token_ids) for o in got)
+            steps = llm.engine.stats.steps - steps0
+            res[on].append((m.target_time_s / steps, tokens / wall))
+            outs[on] = [o.outputs[0].token_ids for o in got]
+    target = {on: [a for a, _ in r] for on, r in res.items()}
+    tps = {on: [b for _, b in r] for on, r in res.items()}
+    ratio = [a / b for a, b in zip(target[False], target[True], strict=True)]
+    return {"k": k, "requests": requests, "rounds": rounds,
+            "target_ms_per_step_alone": 1e3 * statistics.median(target[False]),
+            "target_ms_per_step_grouped": 1e3 * statistics.median(target[True]),
+            "target_speedup_median": statistics.median(ratio),
+            "target_speedup_min": min(ratio), "target_speedup_max": max(ratio),
+            "tokens_per_s_alone": statistics.median(tps[False]),
+            "tokens_per_s_grouped": statistics.median(tps[True]),
+            "identical_outputs": outs[True] == outs[False]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--engine-rounds", type=int, default=3,
+                    help="interleaved engine A/B rounds with speculative decoding (0: skip)")
+    ap.add_argument("--engine-requests", type=int, default=16)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
@@ -99,8 +148,22 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{shape:11s} {k:2d} {r['per_chunk_ms']:12.2f} {r['grouped_ms']:10.2f} "
                   f"{r['speedup_median']:8.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f})"
                   f" {r['max_abs_diff']:9.1e}")
+    engine = []
+    if args.engine_rounds:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        print("\nengine, shipped draft model, greedy, "
+              f"{args.engine_requests} requests (target-model ms per step, tokens/s)")
+        for k in (2, 4):
+            e = engine_ab(k, args.engine_requests, args.engine_rounds)
+            engine.append(e)
+            print(f"k={k}: target {e['target_ms_per_step_alone']:.2f} -> "
+                  f"{e['target_ms_per_step_grouped']:.2f} ms/step "
+                  f"({e['target_speedup_median']:.2f}x, {e['target_speedup_min']:.2f}-"
+                  f"{e['target_speedup_max']:.2f}); tokens/s {e['tokens_per_s_alone']:.0f} -> "
+                  f"{e['tokens_per_s_grouped']:.0f}; identical outputs "
+                  f"{e['identical_outputs']}")
     result = {"benchmark": "verify_attention", "torch_threads": args.threads,
-              "torch": torch.__version__, "rows": rows}
+              "torch": torch.__version__, "rows": rows, "engine": engine}
     write_results("verify_attention", result)
     return result
 

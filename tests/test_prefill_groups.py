@@ -12,11 +12,11 @@ from kvlab.engine.attention import (
     ChunkSpec,
     build_metadata,
     dense_causal_attention,
-    group_prefills,
     paged_attention,
     write_kv,
 )
 from kvlab.engine.kv_cache import PagedKVCache
+from kvlab.engine.prefill_groups import group_prefills
 
 
 def _step(seed: int, heads: int, kv_heads: int, block_size: int, dtype=torch.float32):

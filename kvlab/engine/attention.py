@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +33,17 @@ from kvlab.core.paging import token_slots
 
 from . import triton_kernels
 
+if TYPE_CHECKING:
+    from .prefill_groups import PrefillGroup
+
+#: default of :func:`paged_attention`'s ``batch_prefills`` (benchmarks switch it off to compare)
+BATCH_PREFILLS = True
+
 __all__ = [
     "AttentionMetadata",
     "ChunkSpec",
     "DecodeBucket",
     "PrefillChunk",
-    "PrefillGroup",
     "Workspace",
     "build_metadata",
     "dense_causal_attention",
@@ -63,25 +69,6 @@ class PrefillChunk:
     num_tokens: int
     start_pos: int
     slots: torch.Tensor  # [start_pos + num_tokens] flat slots of positions 0..end-1 (long)
-
-
-@dataclass(frozen=True)
-class PrefillGroup:
-    """Multi-token chunks of the same length ``num_tokens``, each with a cached prefix,
-    attended in one padded call (speculative verification makes many such chunks per step).
-
-    ``rows``: ``[size * num_tokens]`` flat rows, chunk after chunk; ``slots``: ``[size * span]``
-    flat cache slots of each chunk's positions ``0 .. span-1`` (a chunk shorter than ``span`` is
-    padded with its own position-0 slot); ``mask``: ``[size, 1, num_tokens, span]`` bool, True
-    where the key position is at or before the query's (padding is never attended).
-    """
-
-    size: int
-    num_tokens: int
-    span: int
-    rows: torch.Tensor
-    slots: torch.Tensor
-    mask: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -156,7 +143,7 @@ class AttentionMetadata:
     workspace: Workspace | None = None
     max_position: int = 0        # the largest entry of ``positions``
     #: ``prefills`` split into padded groups and the chunks attended alone (filled on first use
-    #: by :func:`group_prefills`; every layer reuses it)
+    #: by :func:`~kvlab.engine.prefill_groups.group_prefills`; every layer reuses it)
     prefill_plan: tuple[list[PrefillGroup], list[PrefillChunk]] | None = None
 
     @property
@@ -261,46 +248,6 @@ def build_metadata(
     )
 
 
-def group_prefills(meta: AttentionMetadata, min_size: int = 2
-                   ) -> tuple[list[PrefillGroup], list[PrefillChunk]]:
-    """Batch the step's multi-token chunks that read a cached prefix (``start_pos > 0``) by
-    length: chunks of equal ``num_tokens`` are sorted by context and split like the decode
-    buckets (little padding), and each group of >= ``min_size`` becomes one
-    :class:`PrefillGroup`; the rest (fresh prompts, lone lengths) are returned as they are.
-    Cached on ``meta`` (every layer reuses the plan)."""
-    if meta.prefill_plan is not None:
-        return meta.prefill_plan
-    by_len: dict[int, list[PrefillChunk]] = {}
-    alone: list[PrefillChunk] = []
-    for c in meta.prefills:
-        if c.start_pos > 0:
-            by_len.setdefault(c.num_tokens, []).append(c)
-        else:
-            alone.append(c)
-    groups: list[PrefillGroup] = []
-    for q, cs in by_len.items():
-        if len(cs) < min_size:
-            alone.extend(cs)
-            continue
-        cs.sort(key=lambda c: c.start_pos)
-        for lo, hi in _split_buckets([c.start_pos for c in cs], min_size=4):
-            part = cs[lo:hi]
-            if len(part) < min_size:
-                alone.extend(part)
-                continue
-            span = part[-1].start_pos + q
-            slots = torch.cat([c.slots if c.slots.numel() == span else torch.cat(
-                [c.slots, c.slots[:1].expand(span - c.slots.numel())]) for c in part])
-            rows = torch.cat([torch.arange(c.offset, c.offset + q) for c in part])
-            qpos = torch.tensor([c.start_pos for c in part])[:, None] + torch.arange(q)
-            mask = torch.arange(span)[None, None, :] <= qpos[:, :, None]
-            dev = part[0].slots.device
-            groups.append(PrefillGroup(len(part), q, span, rows.to(dev), slots,
-                                       mask[:, None].to(dev)))
-    meta.prefill_plan = (groups, alone)
-    return meta.prefill_plan
-
-
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -380,7 +327,7 @@ def _decode_bucket_block_diagonal(q: torch.Tensor, k_cache: torch.Tensor,
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    *, batch_prefills: bool = True,
+    *, batch_prefills: bool | None = None,
 ) -> torch.Tensor:
     """Attention of the flat batch; ``q: [N, H, D]``, new ``k, v: [N, KV, D]`` -> ``[N, H, D]``.
 
@@ -390,9 +337,9 @@ def paged_attention(
     same metadata (tables from ``block_index``, lengths from ``positions``).
 
     Multi-token chunks with a cached prefix and equal length (speculative verification) are
-    attended in padded groups (:func:`group_prefills`), one call per group instead of one per
+    attended in padded groups (:mod:`kvlab.engine.prefill_groups`), one call per group, not per
     chunk; ``batch_prefills=False`` attends every chunk alone (the reference it is tested
-    against).
+    against; None: the module's :data:`BATCH_PREFILLS`).
     """
     _, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -410,15 +357,12 @@ def paged_attention(
             out[rows] = _decode_bucket(q[rows], k_cache, v_cache, b, scale, ws)
     flat_k = k_cache.view(-1, kv_heads, dim)
     flat_v = v_cache.view(-1, kv_heads, dim)
-    groups, alone = group_prefills(meta) if batch_prefills else ([], meta.prefills)
-    for g in groups:
-        n, qn, t = g.size, g.num_tokens, g.span
-        qg = q.index_select(0, g.rows).view(n, qn, heads, dim).transpose(1, 2)
-        kg = flat_k.index_select(0, g.slots).view(n, t, kv_heads, dim).transpose(1, 2)
-        vg = flat_v.index_select(0, g.slots).view(n, t, kv_heads, dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
-                                           enable_gqa=gqa)   # [n, H, q, D]
-        out.index_copy_(0, g.rows, o.transpose(1, 2).reshape(n * qn, heads, dim))
+    alone = meta.prefills
+    if meta.prefills and (BATCH_PREFILLS if batch_prefills is None else batch_prefills):
+        from .prefill_groups import attend_groups, group_prefills
+
+        groups, alone = group_prefills(meta)
+        attend_groups(q, flat_k, flat_v, groups, scale, out)
     for c in alone:
         rows = slice(c.offset, c.offset + c.num_tokens)
         qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
