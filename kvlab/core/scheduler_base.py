@@ -19,7 +19,6 @@ from .lifecycle import (
     Lifecycle,
 )
 from .scheduler_api import (
-    FinishReason,
     RequestStatus,
     RuntimeRequest,
     ScheduledChunk,
@@ -198,26 +197,23 @@ class SchedulerBase:
             raise ValueError(f"output of step {output.step} is not the step in flight")
         tokens = check_sampled(output, sampled)   # speculative chunks answer a tuple
         ended: list[RuntimeRequest] = []
-        touched: list[tuple[RuntimeRequest, FinishReason | None]] = []
+        touched: list[RuntimeRequest] = []
         for chunk in output.chunks:
             request = self._requests[chunk.request_id]
             got = tokens.get(chunk.request_id, (None,))
-            reason = None if got else stop_reason(request)
             for i, token in enumerate(got):   # accepted drafts count as computed, one by one
                 request.num_computed_tokens = chunk.start_pos + chunk.num_tokens + i
                 self._apply_token(request, token)
-                reason = stop_reason(request)
-                if reason is not None:
+                if stop_reason(request) is not None:
                     break
             if chunk.num_lookahead:   # give back the blocks past the accepted tokens
                 self.kv.truncate(chunk.request_id, request.num_computed_tokens)
-            # the reason after the last applied token (truncate/commit below change neither
-            # the tokens nor the status, so it is not computed twice)
-            touched.append((request, reason))
-        for request, reason in touched:
+            touched.append(request)
+        for request in touched:
             rid, computed = request.request_id, request.num_computed_tokens
             if self.kv.needs_commit(rid, computed):  # False: commit would change nothing
                 self.kv.commit(rid, request.token_slice(0, computed))
+            reason = stop_reason(request)
             if reason is not None:
                 self.lifecycle.finish(request, reason)
                 self.running.remove(request.request_id)
