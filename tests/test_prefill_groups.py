@@ -103,3 +103,34 @@ def test_bfloat16_grouped_prefills_match_the_per_chunk_path():
     fast = paged_attention(q, k, v, kc, vc, meta, dim ** -0.5)
     ref = paged_attention(q, k, v, kc, vc, meta, dim ** -0.5, batch_prefills=False)
     torch.testing.assert_close(fast, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_speculative_engine_groups_verification_and_matches_the_per_chunk_path(monkeypatch):
+    """End to end: with a draft model, verification chunks are attended in groups, and the
+    engine generates the same greedy tokens (and logprobs up to float rounding) as with every
+    chunk attended alone."""
+    import kvlab.engine.attention as attention
+    import kvlab.engine.prefill_groups as prefill_groups
+    from kvlab.engine.llm import LLM
+    from kvlab.engine.params import SamplingParams
+
+    calls = []
+    real = prefill_groups.attend_groups
+    monkeypatch.setattr(prefill_groups, "attend_groups",
+                        lambda *a: (calls.append(len(a[3])), real(*a))[1])
+    prompts = ["The town of", "Once upon a time, the river", "Question: where does",
+               "The town of Harrow is", "In the Vale, the people", "A storm came to"]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(attention, "BATCH_PREFILLS", on)
+        calls.clear()
+        llm = LLM("kvlab-tiny", num_blocks=512, max_num_seqs=8, speculative_config={
+            "method": "draft_model", "model": "kvlab-tiny-draft", "num_speculative_tokens": 3})
+        runs[on] = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert (sum(calls) > 0) == on          # groups were formed only when switched on
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert a.token_ids == b.token_ids
+        for da, db in zip(a.logprobs, b.logprobs, strict=True):
+            assert da.keys() == db.keys()
+            assert all(abs(da[t] - db[t]) < 1e-4 for t in da)
