@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,12 @@ import torch.nn.functional as F
 from kvlab.core.paging import token_slots
 
 from . import triton_kernels
+
+if TYPE_CHECKING:
+    from .prefill_groups import PrefillGroup
+
+#: default of :func:`paged_attention`'s ``batch_prefills`` (benchmarks switch it off to compare)
+BATCH_PREFILLS = True
 
 __all__ = [
     "AttentionMetadata",
@@ -135,6 +142,9 @@ class AttentionMetadata:
     block_size: int
     workspace: Workspace | None = None
     max_position: int = 0        # the largest entry of ``positions``
+    #: ``prefills`` split into padded groups and the chunks attended alone (filled on first use
+    #: by :func:`~kvlab.engine.prefill_groups.group_prefills`; every layer reuses it)
+    prefill_plan: tuple[list[PrefillGroup], list[PrefillChunk]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -317,6 +327,7 @@ def _decode_bucket_block_diagonal(q: torch.Tensor, k_cache: torch.Tensor,
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    *, batch_prefills: bool | None = None,
 ) -> torch.Tensor:
     """Attention of the flat batch; ``q: [N, H, D]``, new ``k, v: [N, KV, D]`` -> ``[N, H, D]``.
 
@@ -324,6 +335,11 @@ def paged_attention(
     chunks with a cached prefix read their whole context from the cache. On CUDA with Triton
     installed the decode buckets run :func:`kvlab.engine.triton_kernels.decode_attention` on the
     same metadata (tables from ``block_index``, lengths from ``positions``).
+
+    Multi-token chunks with a cached prefix and equal length (speculative verification) are
+    attended in padded groups (:mod:`kvlab.engine.prefill_groups`), one call per group, not per
+    chunk; ``batch_prefills=False`` attends every chunk alone (the reference it is tested
+    against; None: the module's :data:`BATCH_PREFILLS`).
     """
     _, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -341,7 +357,13 @@ def paged_attention(
             out[rows] = _decode_bucket(q[rows], k_cache, v_cache, b, scale, ws)
     flat_k = k_cache.view(-1, kv_heads, dim)
     flat_v = v_cache.view(-1, kv_heads, dim)
-    for c in meta.prefills:
+    alone = meta.prefills
+    if meta.prefills and (BATCH_PREFILLS if batch_prefills is None else batch_prefills):
+        from .prefill_groups import attend_groups, group_prefills
+
+        groups, alone = group_prefills(meta)
+        attend_groups(q, flat_k, flat_v, groups, scale, out)
+    for c in alone:
         rows = slice(c.offset, c.offset + c.num_tokens)
         qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if c.start_pos == 0:

@@ -1,0 +1,98 @@
+"""Speculative verification as one attention call: equal-length multi-token chunks, batched.
+
+A verification step gives every speculating request a chunk of ``k + 1`` tokens after its cached
+context. :func:`~kvlab.engine.attention.paged_attention` used to attend multi-token chunks one
+by one (a gather and an SDPA call per request and layer), which made a verification cost 1-3x a
+decode step. Here chunks that read a cached prefix and have the same length are sorted by
+context, split into groups like the decode buckets (little padding), and each group runs as one
+padded ``scaled_dot_product_attention`` over ``[group, heads, k+1, span]`` with a causal-and-length
+mask. Chunks without a cached prefix (fresh prompts) and lone lengths keep the per-chunk path.
+Results equal the per-chunk path up to float rounding (``tests/test_prefill_groups.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .attention import AttentionMetadata, PrefillChunk, _split_buckets
+
+__all__ = ["PrefillGroup", "attend_groups", "group_prefills"]
+
+
+@dataclass(frozen=True)
+class PrefillGroup:
+    """Multi-token chunks of the same length ``num_tokens``, each with a cached prefix,
+    attended in one padded call (speculative verification makes many such chunks per step).
+
+    ``rows``: ``[size * num_tokens]`` flat rows, chunk after chunk; ``slots``: ``[size * span]``
+    flat cache slots of each chunk's positions ``0 .. span-1`` (a chunk shorter than ``span`` is
+    padded with its own position-0 slot); ``mask``: ``[size, 1, num_tokens, span]`` bool, True
+    where the key position is at or before the query's (padding is never attended).
+    """
+
+    size: int
+    num_tokens: int
+    span: int
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+
+def group_prefills(meta: AttentionMetadata, min_size: int = 2
+                   ) -> tuple[list[PrefillGroup], list[PrefillChunk]]:
+    """Batch the step's multi-token chunks that read a cached prefix (``start_pos > 0``) by
+    length: chunks of equal ``num_tokens`` are sorted by context and split like the decode
+    buckets (little padding), and each group of >= ``min_size`` becomes one
+    :class:`PrefillGroup`; the rest (fresh prompts, lone lengths) are returned as they are.
+    Cached on ``meta`` (every layer reuses the plan)."""
+    if meta.prefill_plan is not None:
+        return meta.prefill_plan
+    by_len: dict[int, list[PrefillChunk]] = {}
+    alone: list[PrefillChunk] = []
+    for c in meta.prefills:
+        if c.start_pos > 0:
+            by_len.setdefault(c.num_tokens, []).append(c)
+        else:
+            alone.append(c)
+    groups: list[PrefillGroup] = []
+    for q, cs in by_len.items():
+        if len(cs) < min_size:
+            alone.extend(cs)
+            continue
+        cs.sort(key=lambda c: c.start_pos)
+        for lo, hi in _split_buckets([c.start_pos for c in cs], min_size=4):
+            part = cs[lo:hi]
+            if len(part) < min_size:
+                alone.extend(part)
+                continue
+            span = part[-1].start_pos + q
+            slots = torch.cat([c.slots if c.slots.numel() == span else torch.cat(
+                [c.slots, c.slots[:1].expand(span - c.slots.numel())]) for c in part])
+            rows = torch.cat([torch.arange(c.offset, c.offset + q) for c in part])
+            qpos = torch.tensor([c.start_pos for c in part])[:, None] + torch.arange(q)
+            mask = torch.arange(span)[None, None, :] <= qpos[:, :, None]
+            dev = part[0].slots.device
+            groups.append(PrefillGroup(len(part), q, span, rows.to(dev), slots,
+                                       mask[:, None].to(dev)))
+    meta.prefill_plan = (groups, alone)
+    return meta.prefill_plan
+
+
+def attend_groups(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
+                  groups: list[PrefillGroup], scale: float, out: torch.Tensor) -> None:
+    """Attention of every group's rows of ``q: [N, H, D]`` over its padded context from the
+    flat caches ``[slots, KV, D]``, written into ``out: [N, H, D]`` at the same rows."""
+    _, heads, dim = q.shape
+    kv_heads = flat_k.shape[1]
+    for g in groups:
+        n, qn, t = g.size, g.num_tokens, g.span
+        qg = q.index_select(0, g.rows).view(n, qn, heads, dim).transpose(1, 2)
+        kg = flat_k.index_select(0, g.slots).view(n, t, kv_heads, dim).transpose(1, 2)
+        vg = flat_v.index_select(0, g.slots).view(n, t, kv_heads, dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+                                           enable_gqa=heads != kv_heads)   # [n, H, q, D]
+        out.index_copy_(0, g.rows, o.transpose(1, 2).reshape(n * qn, heads, dim))
