@@ -71,11 +71,11 @@ def _same(a, b):
       "kv_connector_extra_config": {"port": 5}}, "kv_both"),
     ({"kv_connector": "inprocess", "kv_role": "kv_consumer"}, "channel"),
     ({"kv_connector": "shared_storage", "kv_role": "kv_consumer", "kv_connector_extra_config":
-      {"shared_storage_path": "/tmp/x", "on_failure": "retry"}}, "on_failure"),
+      {"shared_storage_path": "kv-store", "on_failure": "retry"}}, "on_failure"),
     ({"kv_connector": "shared_storage", "kv_role": "kv_consumer", "kv_connector_extra_config":
-      {"shared_storage_path": "/tmp/x", "timeout_s": -1}}, "timeout_s"),
+      {"shared_storage_path": "kv-store", "timeout_s": -1}}, "timeout_s"),
     ({"kv_connector": "shared_storage", "kv_role": "kv_consumer", "kv_connector_extra_config":
-      {"shared_storage_path": "/tmp/x", "colour": 1}}, "unknown keys"),
+      {"shared_storage_path": "kv-store", "colour": 1}}, "unknown keys"),
 ])
 def test_bad_kv_transfer_config_is_refused_by_name(ckpt, config, match):
     with pytest.raises((ValueError, TypeError), match=match):

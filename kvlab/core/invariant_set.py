@@ -24,66 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .block_pool import CACHE_OWNER
-from .scheduler_api import RequestStatus, RuntimeRequest, SchedulerOutput
+from .invariant_view import Broken, EngineView, InvariantViolation, require
+from .scheduler_api import RequestStatus, SchedulerOutput
 
 __all__ = ["SPEC_INVARIANTS", "EngineView", "Invariant", "InvariantMonitor",
            "InvariantViolation", "invariant"]
 
 S = RequestStatus
 _TERMINAL = {"finished", "cancelled", "failed", "rejected"}
-
-
-class InvariantViolation(AssertionError):
-    """An engine invariant is broken. ``invariant`` (the :class:`Invariant`), ``subject``
-    (``"request r"``, ``"block 7"``, ``"engine"``), ``detail`` and ``step`` say where."""
-
-    def __init__(self, invariant: Invariant, subject: str, detail: str, step: int = -1) -> None:
-        self.invariant, self.subject, self.detail, self.step = invariant, subject, detail, step
-        super().__init__(f"invariant {invariant.number} ({invariant.name}) broken at step "
-                         f"{step}, {subject}: {detail}")
-
-
-class Broken(Exception):
-    """Raised by a checker; the monitor turns it into an :class:`InvariantViolation`."""
-
-    def __init__(self, subject: str, detail: str) -> None:
-        super().__init__(subject, detail)
-        self.subject, self.detail = subject, detail
-
-
-def require(condition: bool, subject: str, detail: str) -> None:
-    """Checkers' assert: :class:`Broken` naming ``subject`` unless ``condition``."""
-    if not condition:
-        raise Broken(subject, detail)
-
-
-@dataclass
-class EngineView:
-    """What the checkers may read: public objects and probes, no private fields.
-
-    ``scheduler``: the engine's scheduler (a :class:`~kvlab.core.remote_kv.RemoteKVScheduler`
-    wrapper for P/D is fine); ``kv``: its KV manager; ``step``: the scheduler's step counter;
-    ``last``: the last :class:`~kvlab.core.engine_core.StepResult` (None before the first).
-    ``withheld``: blocks taken out of the pool by a fault (KV shrinkage): their owners are
-    legitimate and they are not available to admission. ``rollback_probes``: callables
-    ``() -> list[(subject, problem)]`` for speculative rollback (KV, RNG, grammar), supplied by
-    the engine. ``installs``: ``(request id, entry id, problem or "")`` for every accepted P/D
-    install since the previous check, from the install path's own validation.
-    """
-
-    scheduler: Any
-    kv: Any
-    step: int = 0
-    last: Any = None
-    withheld: Sequence[str] = ()
-    rollback_probes: Sequence[Callable[[], list[tuple[str, str]]]] = ()
-    installs: Sequence[tuple[str, str, str]] = ()
-
-    def requests(self) -> list[RuntimeRequest]:
-        return list(self.scheduler.requests())
-
-    def parked(self) -> tuple[str, ...]:
-        return tuple(getattr(self.scheduler, "parked", ()))
 
 
 @dataclass(frozen=True)
