@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.paging import (
     BlockTable,
     block_table_array,
@@ -130,7 +131,7 @@ def test_out_of_memory_leaves_table_and_allocator_unchanged():
     table.append_tokens(6)                   # 2 blocks
     before = (list(table.blocks), table.num_tokens, sorted(allocator.free),
               list(allocator.refcount))
-    with pytest.raises(MemoryError):
+    with pytest.raises(OutOfBlocks):
         table.append_tokens(8)               # needs 2 more blocks, only 1 left
     after = (list(table.blocks), table.num_tokens, sorted(allocator.free),
              list(allocator.refcount))
@@ -231,10 +232,10 @@ def test_block_table_view_drives_real_tables():
     b = view.add_request(3)
     tables, counts = view.snapshot()
     assert counts == {a: 6, b: 3} and len(tables[a]) == 2 and len(tables[b]) == 1
-    with pytest.raises(MemoryError):
+    with pytest.raises(OutOfBlocks):
         view.append(b, 9)                      # needs 2 more blocks, 1 free
     assert view.snapshot() == (tables, counts)
-    with pytest.raises(MemoryError):
+    with pytest.raises(OutOfBlocks):
         view.add_request(9)
     assert view.snapshot() == (tables, counts) and len(view.allocator.free) == 1
     view.finish(a)

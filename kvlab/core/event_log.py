@@ -44,7 +44,7 @@ EVENT_KINDS = frozenset({
     "acquired",   # data: (kind, num_computed_tokens)  the manager holds the table; KV of that
                   #       many leading tokens is already written (cached prefix, or the parent's)
     "acquire_failed",  # data: (kind, exception type name)  the manager refused the acquisition
-                  #       (e.g. MemoryError) and is unchanged: the request holds no KV
+                  #       (e.g. OutOfBlocks) and is unchanged: the request holds no KV
     "release",    # data: ()  intent: about to free the request's KV
     "released",   # data: (freed: bool,)  the KV manager no longer holds the table
     "progress",   # data: (num_computed_tokens, sampled token | None)  after a step's output

@@ -202,7 +202,7 @@ class Lifecycle:
 
         ``action`` returns how many leading tokens already have KV in the new table (the cached
         prefix for an admission, the parent's computed tokens for a fork). If it raises (e.g.
-        MemoryError; the KV manager's mutations are all-or-nothing, so it is unchanged) the
+        OutOfBlocks; the KV manager's mutations are all-or-nothing, so it is unchanged) the
         compensating outcome ``acquire_failed`` is logged and the exception re-raised: every
         intent in the log gets an outcome, and recovery reads the request as holding no KV.
         Only a crash *during* the action leaves the intent alone, which recovery reads as "may

@@ -8,10 +8,12 @@ itself it provides neither prefix sharing nor eviction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import numpy as np
+
+from .block_pool import OutOfBlocks
 
 # ---------------------------------------------------------------------------------------------
 # Production page tables: a growing per-request table and vectorised slot mappings.
@@ -29,7 +31,10 @@ def token_slots(block_table: Sequence[int], block_size: int, start: int, end: in
 
 
 class Allocator(Protocol):
-    """What a :class:`BlockTable` needs from a block pool (the reference ``BlockAllocator``)."""
+    """What a :class:`BlockTable` needs from a block pool (the reference ``BlockAllocator``):
+    its ``free`` blocks, ``allocate()`` and ``release(table)``."""
+
+    free: Collection[int]
 
     def allocate(self) -> int: ...
 
@@ -125,8 +130,8 @@ class BlockTable:
     slots (the tail of the last block) are allocated but unwritten. Blocks are physical ids
     owned by this table until :meth:`release`.
 
-    ``allocator`` is anything with ``allocate() -> int`` (raising ``MemoryError`` when empty)
-    and ``release(table)``, e.g. :class:`kvlab.reference.BlockAllocator`.
+    ``allocator`` is anything with a ``free`` collection, ``allocate() -> int`` and
+    ``release(table)``, e.g. :class:`kvlab.reference.BlockAllocator`.
     """
 
     def __init__(self, block_size: int, allocator: Allocator):
@@ -164,9 +169,9 @@ class BlockTable:
     def append_tokens(self, new_tokens: int) -> np.ndarray:
         """Append ``new_tokens`` tokens; return the ``int64`` slots where their K/V go.
 
-        Allocates the blocks the new tokens need. All or nothing: if the allocator runs out
-        (``MemoryError``) the blocks taken by this call are released and the table is left
-        exactly as it was before the call.
+        Allocates the blocks the new tokens need. All or nothing: when the allocator has too few
+        free blocks, :class:`~kvlab.core.block_pool.OutOfBlocks` is raised before anything is
+        taken, and the table and the allocator are left exactly as they were.
         """
         start = self.num_tokens
         self.grow(new_tokens)
@@ -175,15 +180,11 @@ class BlockTable:
     def grow(self, new_tokens: int) -> None:
         """:meth:`append_tokens` without computing slots (for bookkeeping-only callers)."""
         needed = self.blocks_needed(new_tokens)
-        fresh: list[int] = []
-        try:
-            for _ in range(needed):
-                fresh.append(self.allocator.allocate())
-        except MemoryError:
-            if fresh:
-                self.allocator.release(fresh)
-            raise
-        self.blocks.extend(fresh)
+        available = len(self.allocator.free)
+        if needed > available:
+            raise OutOfBlocks(f"KV blocks exhausted: {new_tokens} more tokens need {needed} "
+                              f"blocks, {available} free", needed, available)
+        self.blocks.extend(self.allocator.allocate() for _ in range(needed))
         self.num_tokens += new_tokens
 
     def slots(self, positions) -> np.ndarray:

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.fragmentation import CATEGORIES, WasteReport
 
 from ._widgets import chapter_box, figure_output
@@ -361,8 +362,8 @@ class BlockTableView:
                     else:
                         self.finish(who.value)
                     redraw()
-                except MemoryError as exc:
-                    redraw(f"MemoryError: {exc} (nothing changed)")
+                except OutOfBlocks as exc:
+                    redraw(f"OutOfBlocks: {exc} (nothing changed)")
             return handler
 
         for name, button in buttons.items():

@@ -43,6 +43,7 @@ import numpy as np
 
 from kvlab.reference import BlockAllocator
 
+from ..block_pool import OutOfBlocks
 from ..paging import BlockTable
 from .arenas import ARENAS
 from .report import CATEGORIES, WasteReport
@@ -160,7 +161,7 @@ def simulate(
                     try:
                         live.table.grow(1)
                         break
-                    except MemoryError:
+                    except OutOfBlocks:
                         preempt_latest()
                 if not live.running:
                     continue
