@@ -192,17 +192,28 @@ def run_kvlab(model: str | Path, workload, *, max_num_seqs: int = 64) -> dict:
     }
 
 
-def run_kvlab_steady(model: str | Path, *, requests: int = 64, prompt: int = 128,
-                     output: int = 96, seed: int = 0) -> dict:
-    """Steady state: ``requests`` sequences decoding together; share of step time outside the
-    model over the steps in which all of them decode."""
+def steady_engine(model: str | Path, requests: int, prompt: int, output: int, seed: int = 0):
+    """An engine holding ``requests`` greedy requests of ``prompt`` random tokens each."""
     rng = random.Random(seed)
-    llm = LLM(model, max_num_seqs=requests, max_num_batched_tokens=2048)
-    eng = llm.engine
+    eng = LLM(model, max_num_seqs=requests, max_num_batched_tokens=2048).engine
     vocab = eng.config.vocab_size
     for i in range(requests):
         eng.add_request(f"s{i}", [rng.randrange(vocab) for _ in range(prompt)],
                         SamplingParams(max_tokens=output, temperature=0, ignore_eos=True))
+    return eng
+
+
+def all_decoding(eng, requests: int) -> bool:
+    """Whether the engine's last step decoded one token for each of ``requests`` requests."""
+    chunks = eng.last_trace.scheduler_output.chunks
+    return len(chunks) == requests and all(c.num_tokens == 1 for c in chunks)
+
+
+def run_kvlab_steady(model: str | Path, *, requests: int = 64, prompt: int = 128,
+                     output: int = 96, seed: int = 0) -> dict:
+    """Steady state: ``requests`` sequences decoding together; share of step time outside the
+    model over the steps in which all of them decode."""
+    eng = steady_engine(model, requests, prompt, output, seed)
     fields = ("step_time_s", "model_time_s", "schedule_time_s", "prepare_time_s",
               "sample_time_s")
     sums = dict.fromkeys(fields, 0.0)
@@ -210,8 +221,7 @@ def run_kvlab_steady(model: str | Path, *, requests: int = 64, prompt: int = 128
     while eng.has_unfinished_requests():
         before = {f: getattr(eng.stats, f) for f in fields}
         eng.step(only_finished=True)
-        chunks = eng.last_trace.scheduler_output.chunks
-        if len(chunks) == requests and all(c.num_tokens == 1 for c in chunks):
+        if all_decoding(eng, requests):
             steps += 1
             for f in fields:
                 sums[f] += getattr(eng.stats, f) - before[f]

@@ -15,7 +15,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import random
 import sys
 from pathlib import Path
 
@@ -25,23 +24,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from kvlab.engine.llm import LLM  # noqa: E402
-from kvlab.engine.params import SamplingParams  # noqa: E402
+from bench_engine_vs_hf import all_decoding, steady_engine  # noqa: E402
 
 
 def decoding_engine(model, requests: int, prompt: int, output: int, seed: int = 0):
     """An engine whose ``requests`` sequences have all finished prefill."""
-    rng = random.Random(seed)
-    llm = LLM(model, max_num_seqs=requests, max_num_batched_tokens=2048)
-    eng = llm.engine
-    vocab = eng.config.vocab_size
-    for i in range(requests):
-        eng.add_request(f"s{i}", [rng.randrange(vocab) for _ in range(prompt)],
-                        SamplingParams(max_tokens=output, temperature=0, ignore_eos=True))
+    eng = steady_engine(model, requests, prompt, output, seed)
     while True:
         eng.step(only_finished=True)
-        chunks = eng.last_trace.scheduler_output.chunks
-        if len(chunks) == requests and all(c.num_tokens == 1 for c in chunks):
+        if all_decoding(eng, requests):
             return eng
 
 
