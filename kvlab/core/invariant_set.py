@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .block_pool import CACHE_OWNER
 from .invariant_view import Broken, EngineView, InvariantViolation, require
+from .invariants import live_owners
 from .scheduler_api import RequestStatus, SchedulerOutput
 
 __all__ = ["SPEC_INVARIANTS", "EngineView", "Invariant", "InvariantMonitor",
@@ -121,15 +121,8 @@ class InvariantMonitor:
 @invariant(1, "refcount", "every block's refcount equals the number of its live owners "
            "(request tables, the prefix cache)")
 def _refcounts(view: EngineView, monitor: InvariantMonitor) -> None:
-    kv = view.kv
-    pool, cache = kv.pool, kv.prefix_cache
-    expected: list[set] = [set() for _ in range(pool.num_blocks)]
-    for rid in kv.requests():
-        for b in kv.block_table(rid):
-            expected[b].add(rid)
-    if cache is not None:
-        for b in cache.indexed_blocks():
-            expected[b].add(CACHE_OWNER)
+    pool = view.kv.pool
+    expected = live_owners(view.kv)
     for b in range(pool.num_blocks):
         owners = set(pool.owners(b))
         require(pool.refcount(b) == len(expected[b]), f"block {b}",

@@ -162,18 +162,25 @@ def _mgr_radix(mgr) -> None:
         RADIX_INVARIANTS.check(mgr.prefix_cache)
 
 
+def live_owners(mgr) -> list[set]:
+    """Per block, the owners a KV manager's state implies: the requests whose tables hold it
+    and :data:`CACHE_OWNER` when the prefix cache indexes it."""
+    expected: list[set] = [set() for _ in range(mgr.pool.num_blocks)]
+    for rid in mgr.requests():
+        for b in mgr.block_table(rid):
+            expected[b].add(rid)
+    if mgr.prefix_cache is not None:
+        for b in mgr.prefix_cache.indexed_blocks():
+            expected[b].add(CACHE_OWNER)
+    return expected
+
+
 def _mgr_owners(mgr) -> None:
     pool: BlockPool = mgr.pool
-    cache = mgr.prefix_cache
-    expected: list[set] = [set() for _ in range(pool.num_blocks)]
     for rid in mgr.requests():
         table = mgr.block_table(rid)
         _require(len(set(table)) == len(table), f"table of {rid!r} repeats a block")
-        for b in table:
-            expected[b].add(rid)
-    if cache is not None:
-        for b in cache.indexed_blocks():
-            expected[b].add(CACHE_OWNER)
+    expected = live_owners(mgr)
     for b in range(pool.num_blocks):
         owners = set(pool.owners(b))
         _require(owners == expected[b],
