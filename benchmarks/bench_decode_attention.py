@@ -39,16 +39,23 @@ from kvlab.engine.attention import (  # noqa: E402
 )
 
 
-def grouped(q, k_cache, v_cache, b, scale, ws):
-    """The grouped formulation for every group size (the engine uses it for groups >= 2)."""
+def gather_blocks(k_cache, v_cache, b, ws):
+    """The bucket's blocks of K and V, one row of ``block_size * kv_heads * dim`` per block."""
     num_blocks, bs, kv_heads, dim = k_cache.shape
-    heads = q.shape[1]
-    t = b.max_blocks * bs
     rows = b.block_index.numel()
     gk = torch.index_select(k_cache.view(num_blocks, -1), 0, b.block_index,
                             out=ws.get("gk", (rows, bs * kv_heads * dim)))
     gv = torch.index_select(v_cache.view(num_blocks, -1), 0, b.block_index,
                             out=ws.get("gv", (rows, bs * kv_heads * dim)))
+    return gk, gv
+
+
+def grouped(q, k_cache, v_cache, b, scale, ws):
+    """The grouped formulation for every group size (the engine uses it for groups >= 2)."""
+    _, bs, kv_heads, dim = k_cache.shape
+    heads = q.shape[1]
+    t = b.max_blocks * bs
+    gk, gv = gather_blocks(k_cache, v_cache, b, ws)
     k4 = gk.view(b.size, t, kv_heads, dim)
     v4 = gv.view(b.size, t, kv_heads, dim)
     qg = q.view(b.size, kv_heads, heads // kv_heads, dim)
@@ -61,14 +68,10 @@ def grouped(q, k_cache, v_cache, b, scale, ws):
 
 def grouped_permuted(q, k_cache, v_cache, b, scale, ws):
     """The earlier grouped attempt: transpose the gathered K/V (a copy), one 4-d matmul."""
-    num_blocks, bs, kv_heads, dim = k_cache.shape
+    _, bs, kv_heads, dim = k_cache.shape
     heads = q.shape[1]
     t = b.max_blocks * bs
-    rows = b.block_index.numel()
-    gk = torch.index_select(k_cache.view(num_blocks, -1), 0, b.block_index,
-                            out=ws.get("gk", (rows, bs * kv_heads * dim)))
-    gv = torch.index_select(v_cache.view(num_blocks, -1), 0, b.block_index,
-                            out=ws.get("gv", (rows, bs * kv_heads * dim)))
+    gk, gv = gather_blocks(k_cache, v_cache, b, ws)
     k = gk.view(b.size, t, kv_heads, dim).transpose(1, 2)
     v = gv.view(b.size, t, kv_heads, dim).transpose(1, 2)
     qg = q.reshape(b.size, kv_heads, heads // kv_heads, dim)
