@@ -159,6 +159,36 @@ def chunk_linear_flops(llm: LLM, chunks) -> float:
     return sum(c.num_tokens * body + (head if c.sample else 0.0) for c in chunks)
 
 
+def linear_floor_s(model, shapes: list[tuple[int, int]], repeats: int = 2) -> float:
+    """Seconds the linear layers alone take over a run: for each step's ``(tokens, sampled
+    rows)`` in ``shapes``, every projection of every layer on ``tokens`` rows and the lm_head on
+    ``sampled`` rows, with the model's own weights, nothing else (best of ``repeats``). kvlab's
+    wall time cannot go below it, so HF's time over it bounds the reachable speedup."""
+    import torch.nn.functional as F
+
+    cfg = model.cfg
+    head = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    layers = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in model.layers]
+    widest = max(n for n, _ in shapes)
+    x = torch.randn(widest, cfg.hidden_size)
+    xq = torch.randn(widest, layers[0][1].weight.shape[1])
+    xi = torch.randn(widest, cfg.intermediate_size)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for n, sampled in shapes:
+                for qkv, o, gate_up, down in layers:
+                    F.linear(x[:n], qkv.weight, qkv.bias)
+                    F.linear(xq[:n], o.weight, o.bias)
+                    F.linear(x[:n], gate_up.weight, gate_up.bias)
+                    F.linear(xi[:n], down.weight, down.bias)
+                if sampled:
+                    F.linear(x[:sampled], head)
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def run_kvlab(model: str | Path, workload, *, max_num_seqs: int = 64) -> dict:
     llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
     llm.generate([p for p, _ in workload[:4]], SamplingParams(max_tokens=4, temperature=0))
@@ -169,12 +199,15 @@ def run_kvlab(model: str | Path, workload, *, max_num_seqs: int = 64) -> dict:
                                                         ignore_eos=True))
     outputs: dict[str, list[int]] = {}
     flops = linear = 0.0
+    shapes: list[tuple[int, int]] = []
     t0, c0 = time.perf_counter(), time.process_time()
     while eng.has_unfinished_requests():
         for out in eng.step(only_finished=True):
             outputs[out.request_id] = out.outputs[0].token_ids
-        flops += chunk_flops(llm, eng.last_trace.scheduler_output.chunks)
-        linear += chunk_linear_flops(llm, eng.last_trace.scheduler_output.chunks)
+        chunks = eng.last_trace.scheduler_output.chunks
+        flops += chunk_flops(llm, chunks)
+        linear += chunk_linear_flops(llm, chunks)
+        shapes.append((sum(c.num_tokens for c in chunks), sum(c.sample for c in chunks)))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     st = eng.stats
     eng.check_invariants()
@@ -189,6 +222,7 @@ def run_kvlab(model: str | Path, workload, *, max_num_seqs: int = 64) -> dict:
                          "other": st.step_time_s - st.schedule_time_s - st.prepare_time_s
                          - st.model_time_s - st.sample_time_s},
         "prefix_hit_rate": st.prefix_hit_rate,
+        "linear_floor_s": linear_floor_s(eng.model, [s for s in shapes if s[0]]),
     }
 
 
@@ -393,6 +427,16 @@ def bench_model(model_dir: Path, model_name: str, args: argparse.Namespace) -> d
           f"{mfu_linear_cpu:.1%} per CPU-second (GEMM {rate_cpu:.1f} GFLOP/CPU-s); kvlab vs "
           f"HF's best per CPU-second {speedup_cpu:.2f}x (torch threads "
           f"{torch.get_num_threads()}, {params / 1e6:.1f}M parameters)")
+    # the bound: kvlab's linear layers alone, replayed with the run's shapes and weights
+    floor = kv["linear_floor_s"]
+    hf_best_wall = table[hf_best[1]]["wall_s"]
+    ceiling = {"linear_floor_s": floor, "linear_share_of_kvlab": floor / kv["wall_s"],
+               "speedup_ceiling_vs_hf_best": hf_best_wall / floor,
+               "mfu_linear_ceiling": kv["linear_flops"] / floor / (rate * 1e9)}
+    print(f"bound: the linear layers alone take {floor:.2f} s "
+          f"({ceiling['linear_share_of_kvlab']:.0%} of kvlab's wall time) at "
+          f"{ceiling['mfu_linear_ceiling']:.0%} of the 1024^3 rate, so "
+          f"kvlab can be at most {ceiling['speedup_ceiling_vs_hf_best']:.2f}x HF's best here")
     result = {
         "benchmark": "engine_vs_hf", "model": model_name, "requests": len(workload),
         "prompt_tokens": sum(len(p) for p, _ in workload),
@@ -408,7 +452,7 @@ def bench_model(model_dir: Path, model_name: str, args: argparse.Namespace) -> d
         "params": params, "hidden_size": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
         "kvlab_linear_gflop": kv["linear_flops"] / 1e9, "mfu_linear": mfu_linear,
         "matmul_gflops_per_cpu_s": rate_cpu, "mfu_linear_cpu": mfu_linear_cpu,
-        "speedup_vs_hf_best_cpu": speedup_cpu,
+        "speedup_vs_hf_best_cpu": speedup_cpu, "ceiling": ceiling,
         "identical_greedy_vs_hf_best":
             table[hf_best[1]]["agreement_with_kvlab"]["exact_requests"],
     }
@@ -449,14 +493,17 @@ def main(argv: list[str] | None = None) -> dict:
             result["sizes"][size] = r
         print(f"\n{'size':6s} {'params':>8s} {'kvlab tok/s':>11s} {'x HF best':>9s} "
               f"{'(per CPU-s)':>11s} {'MFU lin':>8s} {'(CPU-s)':>8s} {'outside@64':>10s} "
-              f"{'identical':>9s}  (torch threads {torch.get_num_threads()})")
+              f"{'identical':>9s} {'ceiling x':>9s} {'MFU max':>8s}  (torch threads "
+              f"{torch.get_num_threads()})")
         for size, r in result["sizes"].items():
             print(f"{size:6s} {r['params'] / 1e6:7.1f}M "
                   f"{r['paths']['kvlab']['tokens_per_s']:11.0f} "
                   f"{r['kvlab_vs_hf_best']['speedup']:9.2f} {r['speedup_vs_hf_best_cpu']:11.2f} "
                   f"{r['mfu_linear']:8.1%} {r['mfu_linear_cpu']:8.1%} "
                   f"{r['overhead_share_at_64']:10.1%} "
-                  f"{r['identical_greedy_vs_hf_best']:9.0%}")
+                  f"{r['identical_greedy_vs_hf_best']:9.0%} "
+                  f"{r['ceiling']['speedup_ceiling_vs_hf_best']:9.2f} "
+                  f"{r['ceiling']['mfu_linear_ceiling']:8.1%}")
         result["size_summary"] = {
             size: {"params": r["params"], "tokens_per_s": r["paths"]["kvlab"]["tokens_per_s"],
                    "speedup_vs_hf_best": r["kvlab_vs_hf_best"]["speedup"],
@@ -464,7 +511,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "mfu_linear": r["mfu_linear"], "mfu_linear_cpu": r["mfu_linear_cpu"],
                    "speedup_vs_hf_best_cpu": r["speedup_vs_hf_best_cpu"],
                    "overhead_share_at_64":
-                   r["overhead_share_at_64"], "torch_threads": r["torch_threads"]}
+                   r["overhead_share_at_64"], "torch_threads": r["torch_threads"],
+                   **r["ceiling"]}
             for size, r in result["sizes"].items()}
     try:
         import transformers
