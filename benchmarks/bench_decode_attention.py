@@ -12,6 +12,9 @@ both; timed separately). Then:
   engine keeps the block-diagonal form there (``engine`` column: what the engine runs).
 - **grouped, permuted** (the earlier attempt): K/V transposed to ``[B, KV, T, D]`` (a copy)
   and one 4-d ``matmul`` over all heads.
+- **compiled**: the C++ kernel of :mod:`kvlab.engine.cpu_kernels`, which reads K/V straight from
+  the paged cache with no gather (what the engine runs on CPU where it builds; ``compiled x`` is
+  its speedup over the torch path, ``engine``).
 
 Every formulation's output is compared with the block-diagonal one (max abs difference) and the
 ratio printed. Writes ``benchmarks/results/decode_attention.json``. Timings are best-of-N on one
@@ -32,10 +35,11 @@ sys.path.insert(0, str(REPO))
 
 from _results import write_results  # noqa: E402
 
+from kvlab.engine import cpu_kernels  # noqa: E402
 from kvlab.engine.attention import ChunkSpec, Workspace, build_metadata  # noqa: E402
-from kvlab.engine.attention import _decode_bucket as engine_path  # noqa: E402
-from kvlab.engine.attention import (  # noqa: E402
-    _decode_bucket_block_diagonal as block_diagonal,
+from kvlab.engine.bucket_attention import attend_bucket as engine_path  # noqa: E402
+from kvlab.engine.bucket_attention import (  # noqa: E402
+    attend_bucket_block_diagonal as block_diagonal,
 )
 
 
@@ -89,6 +93,12 @@ def gather_only(q, k_cache, v_cache, b, scale, ws):
     return None
 
 
+def compiled(q, k_cache, v_cache, b, scale, ws):
+    lens = (b.mask[:, 0] == 0).sum(-1)  # each row's context: the unmasked key positions
+    return cpu_kernels.decode_attention(q, k_cache, v_cache, b.block_index.view(b.size, -1),
+                                        lens, scale)
+
+
 def case(batch: int, heads: int, kv_heads: int, dim: int, context: int, block_size: int,
          repeats: int) -> dict:
     gen = torch.Generator().manual_seed(0)
@@ -105,6 +115,8 @@ def case(batch: int, heads: int, kv_heads: int, dim: int, context: int, block_si
     scale = dim ** -0.5
     fns = {"block_diagonal": block_diagonal, "grouped": grouped, "engine": engine_path,
            "grouped_permuted": grouped_permuted, "gather_only": gather_only}
+    if cpu_kernels.available():
+        fns["compiled"] = compiled
     ref = block_diagonal(q, k_cache, v_cache, b, scale, ws).clone()
     diff = {n: float((f(q, k_cache, v_cache, b, scale, ws) - ref).abs().max())
             for n, f in fns.items() if n != "gather_only"}
@@ -121,7 +133,9 @@ def case(batch: int, heads: int, kv_heads: int, dim: int, context: int, block_si
             "context": context, "block_size": block_size, "ms_per_call": ms,
             "max_abs_diff_vs_block_diagonal": diff,
             "grouped_speedup": ms["block_diagonal"] / ms["grouped"],
-            "engine_speedup": ms["block_diagonal"] / ms["engine"]}
+            "engine_speedup": ms["block_diagonal"] / ms["engine"],
+            "compiled_speedup_vs_torch_path":
+                ms["engine"] / ms["compiled"] if "compiled" in ms else None}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -139,16 +153,21 @@ def main(argv: list[str] | None = None) -> dict:
     cases = [case(*s, repeats=args.repeats) for s in shapes]
     print(f"torch threads {torch.get_num_threads()} | ms per call (best of {args.repeats})")
     print(f"{'B':>3s} {'H':>3s} {'KV':>3s} {'D':>3s} {'T':>4s} {'gather':>7s} {'blockdiag':>9s} "
-          f"{'grouped':>8s} {'permuted':>8s} {'speedup':>7s} {'engine x':>8s} {'max|diff|':>9s}")
+          f"{'grouped':>8s} {'permuted':>8s} {'speedup':>7s} {'engine x':>8s} {'max|diff|':>9s} "
+          f"{'compiled':>8s} {'compiled x':>10s} {'max|diff|':>9s}")
     for c in cases:
         m = c["ms_per_call"]
         print(f"{c['batch']:3d} {c['heads']:3d} {c['kv_heads']:3d} {c['head_dim']:3d} "
               f"{c['context']:4d} {m['gather_only']:7.3f} {m['block_diagonal']:9.3f} "
               f"{m['grouped']:8.3f} {m['grouped_permuted']:8.3f} {c['grouped_speedup']:7.2f} "
               f"{c['engine_speedup']:8.2f} "
-              f"{c['max_abs_diff_vs_block_diagonal']['grouped']:9.1e}")
+              f"{c['max_abs_diff_vs_block_diagonal']['grouped']:9.1e} "
+              + (f"{m['compiled']:8.3f} {c['compiled_speedup_vs_torch_path']:10.2f} "
+                 f"{c['max_abs_diff_vs_block_diagonal']['compiled']:9.1e}"
+                 if "compiled" in m else "unavailable"))
     result = {"benchmark": "decode_attention", "torch_threads": torch.get_num_threads(),
-              "torch": torch.__version__, "cases": cases}
+              "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "compiled_kernel": cpu_kernels.available(), "cases": cases}
     write_results("decode_attention", result)
     return result
 

@@ -31,13 +31,16 @@ import torch.nn.functional as F
 
 from kvlab.core.paging import token_slots
 
-from . import triton_kernels
+from . import cpu_kernels, triton_kernels
+from .bucket_attention import attend_bucket
 
 if TYPE_CHECKING:
     from .prefill_groups import PrefillGroup
 
 #: default of :func:`paged_attention`'s ``batch_prefills`` (benchmarks switch it off to compare)
 BATCH_PREFILLS = True
+#: default of :func:`paged_attention`'s ``cpu_kernel`` (tests switch it off for the torch path)
+CPU_KERNEL = True
 
 __all__ = [
     "AttentionMetadata",
@@ -142,6 +145,10 @@ class AttentionMetadata:
     block_size: int
     workspace: Workspace | None = None
     max_position: int = 0        # the largest entry of ``positions``
+    #: all single-token rows at once, for kernels that need no buckets: their block tables
+    #: ``[num_single, W]`` (padded with block 0) and context lengths ``positions + 1``
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
     #: ``prefills`` split into padded groups and the chunks attended alone (filled on first use
     #: by :func:`~kvlab.engine.prefill_groups.group_prefills`; every layer reuses it)
     prefill_plan: tuple[list[PrefillGroup], list[PrefillChunk]] | None = None
@@ -191,6 +198,7 @@ def build_metadata(
     pos_list: list[int] = []
     slot_list: list[int] = []
     buckets: list[DecodeBucket] = []
+    decode_tables = None
     if singles:
         need = []
         for row, i in enumerate(singles):
@@ -203,20 +211,20 @@ def build_metadata(
             need.append(p // block_size + 1)
         # one additive mask for all rows (key position > query position -> -inf), sliced per
         # bucket: rows lo..hi-1 and the first nb blocks
-        span = torch.arange(need[-1] * block_size)
+        width = need[-1]
+        span = torch.arange(width * block_size)
         dtype = workspace.dtype if workspace is not None else torch.float32
-        mask_all = torch.zeros(len(singles), need[-1] * block_size, dtype=dtype).masked_fill_(
+        mask_all = torch.zeros(len(singles), width * block_size, dtype=dtype).masked_fill_(
             span[None, :] > torch.tensor(pos_list)[:, None], float("-inf")).to(device)
+        tables = torch.tensor([list(chunks[i].block_table[:width])
+                               + [0] * (width - min(width, len(chunks[i].block_table)))
+                               for i in singles], dtype=torch.long)
         for lo, hi in _split_buckets(need):
             nb = need[hi - 1]
-            index = []
-            for i in singles[lo:hi]:
-                table = chunks[i].block_table
-                index.extend(table[:nb])
-                index.extend([0] * (nb - min(nb, len(table))))
             buckets.append(DecodeBucket(lo, hi - lo, nb,
-                                        torch.tensor(index, dtype=torch.long, device=device),
+                                        tables[lo:hi, :nb].reshape(-1).to(device),
                                         mask_all[lo:hi, None, :nb * block_size]))
+        decode_tables = tables.to(device)
     pos_parts = [torch.tensor(pos_list, dtype=torch.long)]
     slot_parts = [torch.tensor(slot_list, dtype=torch.long)]
     prefills: list[PrefillChunk] = []
@@ -245,6 +253,8 @@ def build_metadata(
         block_size=block_size,
         workspace=workspace,
         max_position=max(c.start_pos + len(c.token_ids) for c in chunks) - 1,
+        decode_tables=decode_tables,
+        decode_lens=(pos_parts[0] + 1).to(device) if singles else None,
     )
 
 
@@ -262,79 +272,19 @@ def write_kv(
     v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, v)
 
 
-def _decode_bucket(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   b: DecodeBucket, scale: float, ws: Workspace) -> torch.Tensor:
-    """Attention of ``q: [B, H, D]`` (one token each) over their block tables -> [B, H, D].
-
-    K/V blocks are gathered into ``[B, T, KV, D]`` (no transpose copy). Query heads are grouped
-    by KV head (``q.view(B, KV, G, D)``, ``G = H // KV``) and each KV head ``j`` runs two batched
-    matmuls directly on the strided view ``K[:, :, j]`` (row stride ``KV * D``, no copy):
-    ``[B, G, D] @ [B, D, T]`` and ``[B, G, T] @ [B, T, D]``; exactly the QK^T and PV work needed.
-
-    Why not one matmul over ``[B, KV, ...]``: that needs K as ``[B, KV, T, D]``, a transpose
-    copy of the whole gathered context (it doubled the time of an earlier grouped version), and
-    writing into a strided ``out=`` slice sends CPU ``bmm`` to a per-matrix ``addmm`` loop.
-    Each per-head ``bmm`` here has unit-stride rows and a fresh output, so it stays one batched
-    BLAS call. The block-diagonal query it replaces does ``KV`` times the QK^T/PV work and is
-    slower for groups of 2+ heads, but faster for multi-head attention (group 1), where the
-    grouped form degenerates to ``KV`` matrix-vector products; it is kept for that case
-    (measured in ``benchmarks/bench_decode_attention.py``).
-    """
-    num_blocks, bs, kv_heads, dim = k_cache.shape
-    heads = q.shape[1]
-    group = heads // kv_heads
-    if group == 1 and kv_heads > 1:  # multi-head: per-head matrix-vector products lose
-        return _decode_bucket_block_diagonal(q, k_cache, v_cache, b, scale, ws)
-    t = b.max_blocks * bs
-    flat_k = k_cache.view(num_blocks, -1)
-    flat_v = v_cache.view(num_blocks, -1)
-    rows = b.block_index.numel()
-    gk = torch.index_select(flat_k, 0, b.block_index, out=ws.get("gk", (rows, flat_k.shape[1])))
-    gv = torch.index_select(flat_v, 0, b.block_index, out=ws.get("gv", (rows, flat_v.shape[1])))
-    k4 = gk.view(b.size, t, kv_heads, dim)
-    v4 = gv.view(b.size, t, kv_heads, dim)
-    qg = q.view(b.size, kv_heads, group, dim)
-    mask = b.mask.to(q.dtype).expand(b.size, group, t)
-    outs = [torch.bmm(torch.baddbmm(mask, qg[:, j], k4[:, :, j].transpose(1, 2),
-                                    alpha=scale).softmax(-1), v4[:, :, j])
-            for j in range(kv_heads)]
-    return (outs[0] if kv_heads == 1 else torch.stack(outs, 1)).view(b.size, heads, dim)
-
-
-def _decode_bucket_block_diagonal(q: torch.Tensor, k_cache: torch.Tensor,
-                                  v_cache: torch.Tensor, b: DecodeBucket, scale: float,
-                                  ws: Workspace) -> torch.Tensor:
-    """:func:`_decode_bucket` with a block-diagonal query: head ``h`` is placed in the columns
-    of its KV head ``h // group`` (zeros elsewhere), so one ``[B, H, KV*D] @ [B, KV*D, T]``
-    matmul scores every head against its own KV head; PV is read back on the same diagonal."""
-    num_blocks, bs, kv_heads, dim = k_cache.shape
-    heads = q.shape[1]
-    t = b.max_blocks * bs
-    flat_k = k_cache.view(num_blocks, -1)
-    flat_v = v_cache.view(num_blocks, -1)
-    rows = b.block_index.numel()
-    gk = torch.index_select(flat_k, 0, b.block_index, out=ws.get("gk", (rows, flat_k.shape[1])))
-    gv = torch.index_select(flat_v, 0, b.block_index, out=ws.get("gv", (rows, flat_v.shape[1])))
-    heads_idx, kv_idx, onehot = ws.head_map(heads, kv_heads)
-    qd = q[:, :, None, :] * onehot  # [B, H, KV, D], zero outside each head's own KV head
-    scores = torch.baddbmm(b.mask.to(q.dtype).expand(b.size, heads, t),
-                           qd.view(b.size, heads, kv_heads * dim),
-                           gk.view(b.size, t, kv_heads * dim).transpose(1, 2), alpha=scale)
-    out = torch.bmm(scores.softmax(-1), gv.view(b.size, t, kv_heads * dim))
-    return out.view(b.size, heads, kv_heads, dim)[:, heads_idx, kv_idx]
-
-
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    *, batch_prefills: bool | None = None,
+    *, batch_prefills: bool | None = None, cpu_kernel: bool | None = None,
 ) -> torch.Tensor:
     """Attention of the flat batch; ``q: [N, H, D]``, new ``k, v: [N, KV, D]`` -> ``[N, H, D]``.
 
     The new K/V must already be written to the cache (:func:`write_kv`): single-token chunks and
     chunks with a cached prefix read their whole context from the cache. On CUDA with Triton
     installed the decode buckets run :func:`kvlab.engine.triton_kernels.decode_attention` on the
-    same metadata (tables from ``block_index``, lengths from ``positions``).
+    same metadata (tables from ``block_index``, lengths from ``positions``); on CPU they run
+    the compiled kernel of :mod:`kvlab.engine.cpu_kernels` where it built (``cpu_kernel=False``:
+    the torch gather path; None: the module's :data:`CPU_KERNEL`).
 
     Multi-token chunks with a cached prefix and equal length (speculative verification) are
     attended in padded groups (:mod:`kvlab.engine.prefill_groups`), one call per group, not per
@@ -347,14 +297,20 @@ def paged_attention(
     out = torch.empty_like(q)
     ws = meta.workspace or Workspace(q.device, q.dtype)
     fused = q.is_cuda and triton_kernels.available()
-    for b in meta.buckets:
+    compiled = (not q.is_cuda and meta.decode_tables is not None
+                and (CPU_KERNEL if cpu_kernel is None else cpu_kernel) and cpu_kernels.available())
+    if compiled:  # every single-token row in one call: the kernel needs no buckets
+        rows = slice(0, meta.num_single)
+        cpu_kernels.decode_attention(q[rows], k_cache, v_cache, meta.decode_tables,
+                                     meta.decode_lens, scale, out=out[rows])
+    for b in [] if compiled else meta.buckets:
         rows = slice(b.row0, b.row0 + b.size)
         if fused:
             triton_kernels.decode_attention(
                 q[rows], k_cache, v_cache, b.block_index.view(b.size, b.max_blocks),
                 meta.positions[rows], scale, out=out[rows])
         else:
-            out[rows] = _decode_bucket(q[rows], k_cache, v_cache, b, scale, ws)
+            out[rows] = attend_bucket(q[rows], k_cache, v_cache, b, scale, ws)
     flat_k = k_cache.view(-1, kv_heads, dim)
     flat_v = v_cache.view(-1, kv_heads, dim)
     alone = meta.prefills

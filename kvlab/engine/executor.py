@@ -29,6 +29,7 @@ import torch
 from kvlab.core.engine_core import ModelOutput
 from kvlab.core.scheduler_api import RuntimeRequest, ScheduledChunk, SchedulerOutput
 
+from . import cpu_kernels
 from .attention import AttentionMetadata, ChunkSpec, Workspace
 from .input_batch import InputBatch
 from .kv_cache import PagedKVCache
@@ -86,6 +87,8 @@ class TorchExecutor:
         self.workspace = Workspace(self.device, getattr(cache, "compute_dtype", cache.data.dtype))
         self.input_batch = InputBatch(self.block_size, self.device)
         self.requests = requests
+        if self.device.type == "cpu":
+            cpu_kernels.available()   # build the attention kernel now, not in the first step
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         """Run ``output`` (copies, forward, sampling); see the module docstring."""

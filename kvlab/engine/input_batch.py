@@ -126,7 +126,7 @@ class InputBatch:
         pos = torch.tensor(pos_list, dtype=torch.long)
         need = [p // bs + 1 for p in pos_list]
         width = need[-1]
-        tab = self.tables.index_select(0, rows)[:, :width]         # [S, width]
+        tab = self.tables.index_select(0, rows)[:, :width].contiguous()   # [S, width]
         slots = tab.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
         span = torch.arange(width * bs)
         dtype = workspace.dtype if workspace is not None else torch.float32
@@ -159,4 +159,5 @@ class InputBatch:
             slot_mapping=slot_mapping.to(self.device),
             num_single=len(singles), buckets=buckets, prefills=prefills, last_row=last_row,
             block_size=bs, workspace=workspace,
-            max_position=max(c.start_pos + len(c.token_ids) for c in chunks) - 1)
+            max_position=max(c.start_pos + len(c.token_ids) for c in chunks) - 1,
+            decode_tables=tab.to(self.device), decode_lens=(pos + 1).to(self.device))

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from . import triton_kernels
-from .attention import ChunkSpec, Workspace, _decode_bucket, build_metadata
+from .attention import ChunkSpec, Workspace, build_metadata
+from .bucket_attention import attend_bucket
 
 __all__ = ["CASES", "Case", "compare"]
 
@@ -80,9 +81,9 @@ def compare(case: Case, device: str | torch.device = "cpu", seed: int = 0) -> di
         got = triton_kernels.decode_attention(
             q[rows], k_cache, v_cache, b.block_index.view(b.size, b.max_blocks),
             meta.positions[rows], scale).float()
-        want = _decode_bucket(q[rows], kc_t, vc_t, b, scale, ws).float()
+        want = attend_bucket(q[rows], kc_t, vc_t, b, scale, ws).float()
         # float32 reference on the same (rounded) inputs: the kernel accumulates in float32
-        ref = _decode_bucket(q[rows].float(), kc_t.float(), vc_t.float(), b, scale,
+        ref = attend_bucket(q[rows].float(), kc_t.float(), vc_t.float(), b, scale,
                              Workspace(device, torch.float32))
         worst_torch = max(worst_torch, float((got - want).abs().max()))
         worst_ref = max(worst_ref, float((got - ref).abs().max()))

@@ -114,7 +114,11 @@ class QuantizedPagedKVCache:
         buckets = [dataclasses.replace(b, block_index=remap[b.block_index]) for b in meta.buckets]
         prefills = [dataclasses.replace(c, slots=remap[c.slots // bs] * bs + c.slots % bs)
                     if c.start_pos > 0 else c for c in meta.prefills]
-        small = dataclasses.replace(meta, buckets=buckets, prefills=prefills)
+        # decode_tables entries past a row's length may name blocks outside ``blocks``: they
+        # remap to 0, a valid id that the length never lets a kernel read
+        tables = None if meta.decode_tables is None else remap[meta.decode_tables]
+        small = dataclasses.replace(meta, buckets=buckets, prefills=prefills,
+                                    decode_tables=tables)
         self._step = (meta, small, blocks)
         return small, blocks
 

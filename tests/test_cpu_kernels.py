@@ -1,0 +1,178 @@
+"""The compiled CPU decode-attention kernel (kvlab.engine.cpu_kernels) against the torch path,
+the dense reference and the engine's own tokens; its input checks; and the fallback."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvlab.engine import cpu_kernels
+from kvlab.engine.attention import (
+    ChunkSpec,
+    build_metadata,
+    dense_causal_attention,
+    paged_attention,
+)
+
+
+def _toolchain() -> bool:
+    """A C++ compiler and ninja (the pip package puts ``ninja`` on the venv's PATH)."""
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    return bool(compiler and (shutil.which("ninja") or importlib.util.find_spec("ninja")))
+
+
+needs_kernel = pytest.mark.skipif(not _toolchain(), reason="no C++ compiler or ninja here")
+
+
+@needs_kernel
+def test_the_kernel_builds_where_a_toolchain_exists():
+    # so that the parity tests below can never skip silently on a machine that can build it
+    assert cpu_kernels.available(), cpu_kernels.build_error()
+
+
+def _case(seed, rows, heads, kv_heads, dim, block_size, lengths, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(blocks) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    chunks, at = [], 0
+    for n, nb in zip(lengths, blocks, strict=True):
+        chunks.append(ChunkSpec([0], n - 1, perm[at:at + nb]))
+        at += nb
+    q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, chunks
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 2), (4, 1), (14, 2)])
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+@pytest.mark.parametrize("dim", [32, 48, 64])
+def test_kernel_equals_torch_path_and_dense_reference(heads, kv_heads, block_size, dim):
+    lengths = [1, 2, block_size, block_size + 1, 3 * block_size, 37, 100, 5]
+    q, kc, vc, chunks = _case(heads * block_size + dim, len(lengths), heads, kv_heads, dim,
+                              block_size, lengths, torch.float32)
+    meta = build_metadata(chunks, block_size)
+    order = sorted(range(len(chunks)), key=lambda i: chunks[i].start_pos)  # the flat-row order
+    qs = q[order]
+    fast = paged_attention(qs, None, None, kc, vc, meta, dim ** -0.5, cpu_kernel=True)
+    slow = paged_attention(qs, None, None, kc, vc, meta, dim ** -0.5, cpu_kernel=False)
+    assert torch.allclose(fast, slow, atol=2e-6, rtol=1e-5), (fast - slow).abs().max()
+    flat_k, flat_v = kc.view(-1, kv_heads, dim), vc.view(-1, kv_heads, dim)
+    for row, i in enumerate(order):
+        c = chunks[i]
+        n = c.start_pos + 1
+        slots = torch.tensor([c.block_table[p // block_size] * block_size + p % block_size
+                              for p in range(n)])
+        # the last row of a causal pass over the whole context is this decode step
+        qq = torch.zeros(n, heads, dim)
+        qq[-1] = qs[row]
+        dense = dense_causal_attention(qq, flat_k[slots], flat_v[slots], dim ** -0.5)[-1]
+        assert torch.allclose(fast[row], dense, atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
+def test_bfloat16_and_several_threads():
+    lengths = [1, 17, 64, 300, 33, 2, 128, 90]
+    q, kc, vc, chunks = _case(7, len(lengths), 8, 2, 64, 16, lengths, torch.bfloat16)
+    meta = build_metadata(chunks, 16)
+    order = sorted(range(len(chunks)), key=lambda i: chunks[i].start_pos)
+    qs = q[order]
+    ref = paged_attention(qs.float(), None, None, kc.float(), vc.float(), meta, 0.125,
+                          cpu_kernel=False)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got = paged_attention(qs, None, None, kc, vc, meta, 0.125, cpu_kernel=True)
+            assert got.dtype == torch.bfloat16
+            assert torch.allclose(got.float(), ref, atol=2e-2, rtol=2e-2)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_bad_inputs_are_refused_before_anything_is_written():
+    q, kc, vc, chunks = _case(3, 2, 4, 2, 32, 8, [9, 4], torch.float32)
+    tables = torch.tensor([list(chunks[0].block_table), [*chunks[1].block_table, 0]])
+    lens = torch.tensor([9, 4])
+    out = torch.full_like(q, 7.0)
+    bad = [
+        (tables, torch.tensor([0, 4])),                       # empty context
+        (tables, torch.tensor([17, 4])),                      # longer than the table
+        (tables.clone().fill_(kc.shape[0]), lens),            # block id past the cache
+        (tables.clone().fill_(-1), lens),                     # negative block id
+        (tables.int(), lens),                                 # int32 tables
+        (tables[:1], lens[:1]),                               # rows disagree with q
+    ]
+    for t, n in bad:
+        with pytest.raises(ValueError, match="decode_attention"):
+            cpu_kernels.decode_attention(q, kc, vc, t, n, 0.1, out=out)
+        assert torch.equal(out, torch.full_like(q, 7.0))
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_kernels.decode_attention(q.double(), kc, vc, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="KV dividing H"):
+        cpu_kernels.decode_attention(q[:, :3], kc, vc, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_kernels.decode_attention(q, kc, vc, tables, lens, 0.1, out=out[:, :2])
+
+
+@needs_kernel
+def test_engine_tokens_and_logprobs_agree_with_the_torch_path(monkeypatch):
+    from kvlab.engine import attention
+    from kvlab.engine.llm import LLM
+    from kvlab.engine.params import SamplingParams
+
+    prompts = ["The river", "Once upon a time the shepherd", "A", "Trern Thyvet was a generous"]
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=2)
+    runs = []
+    for flag in (True, False):
+        monkeypatch.setattr(attention, "CPU_KERNEL", flag)
+        llm = LLM("kvlab-tiny")
+        runs.append(llm.generate(prompts, params))
+    for a, b in zip(*runs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert abs(a.outputs[0].cumulative_logprob - b.outputs[0].cumulative_logprob) < 1e-4
+
+
+def test_a_failed_build_falls_back_to_the_torch_path(tmp_path):
+    # a fresh extension cache and a compiler that does not exist: the build fails, the engine
+    # warns once and generates with the torch path
+    code = textwrap.dedent("""
+        import warnings
+        from kvlab.engine import cpu_kernels
+        from kvlab.engine.llm import LLM
+        from kvlab.engine.params import SamplingParams
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = LLM("kvlab-tiny").generate(["The river"], SamplingParams(max_tokens=4,
+                                                                           temperature=0))
+        assert not cpu_kernels.available()
+        assert cpu_kernels.build_error()
+        assert len(out[0].outputs[0].token_ids) == 4
+        assert sum("could not be built" in str(w.message) for w in caught) == 1, caught
+        print("fell back")
+    """)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/nonexistent/c++",
+           "KVLAB_CPU_ATTENTION": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fell back" in done.stdout
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("KVLAB_CPU_ATTENTION", "0")
+    assert not cpu_kernels.available()
+    with pytest.raises(RuntimeError, match="not available"):
+        cpu_kernels.decode_attention(torch.zeros(1, 1, 4), torch.zeros(1, 1, 1, 4),
+                                     torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, dtype=torch.long),
+                                     torch.ones(1, dtype=torch.long), 1.0)
