@@ -17,15 +17,17 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <vector>
 
 namespace {
 
-template <typename T>
+template <typename T, int64_t DIM>
 void attend_row(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
-                int64_t len, int64_t block_size, int64_t kv_heads, int64_t heads, int64_t dim,
-                float scale, T* out, float* scores, float* acc, float* qf) {
+                int64_t len, int64_t block_size, int64_t kv_heads, int64_t heads,
+                int64_t runtime_dim, float scale, T* out, float* scores, float* acc, float* qf) {
+  const int64_t dim = DIM ? DIM : runtime_dim;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;
   const int64_t block_stride = block_size * token_stride;
@@ -37,13 +39,15 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
     const int64_t count = std::min(block_size, len - t0);
     for (int64_t o = 0; o < count; ++o) {
       const T* k = block + o * token_stride;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* qh = qf + h * dim;
-        const T* kh = k + (h / group) * dim;
-        float s = 0.f;
+      for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
+        const T* kh = k + j * dim;
+        for (int64_t g = 0; g < group; ++g, ++h) {
+          const float* qh = qf + h * dim;
+          float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < dim; ++d) s += qh[d] * static_cast<float>(kh[d]);
-        scores[h * len + t0 + o] = s;
+          for (int64_t d = 0; d < dim; ++d) s += qh[d] * static_cast<float>(kh[d]);
+          scores[h * len + t0 + o] = s;
+        }
       }
     }
   }
@@ -69,12 +73,14 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
     const int64_t count = std::min(block_size, len - t0);
     for (int64_t o = 0; o < count; ++o) {
       const T* v = block + o * token_stride;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float p = scores[h * len + t0 + o];
-        const T* vh = v + (h / group) * dim;
-        float* a = acc + h * dim;
+      for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
+        const T* vh = v + j * dim;
+        for (int64_t g = 0; g < group; ++g, ++h) {
+          const float p = scores[h * len + t0 + o];
+          float* a = acc + h * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(vh[d]);
+          for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(vh[d]);
+        }
       }
     }
   }
@@ -103,10 +109,20 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(heads * longest), acc(heads * dim), qf(heads * dim);
-      for (int64_t r = begin; r < end; ++r)
-        attend_row<scalar_t>(qp + r * heads * dim, kp, vp, table + r * width, len[r],
-                             block_size, kv_heads, heads, dim, static_cast<float>(scale),
-                             op + r * heads * dim, scores.data(), acc.data(), qf.data());
+      auto row = [&](auto dim_tag) {
+        constexpr int64_t D = decltype(dim_tag)::value;
+        for (int64_t r = begin; r < end; ++r)
+          attend_row<scalar_t, D>(qp + r * heads * dim, kp, vp, table + r * width, len[r],
+                                  block_size, kv_heads, heads, dim, static_cast<float>(scale),
+                                  op + r * heads * dim, scores.data(), acc.data(), qf.data());
+      };
+      // common head sizes get a compile-time width (fully unrolled dot products)
+      switch (dim) {
+        case 32: row(std::integral_constant<int64_t, 32>{}); break;
+        case 64: row(std::integral_constant<int64_t, 64>{}); break;
+        case 128: row(std::integral_constant<int64_t, 128>{}); break;
+        default: row(std::integral_constant<int64_t, 0>{});
+      }
     });
   });
 }
