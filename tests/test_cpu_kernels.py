@@ -119,6 +119,8 @@ def test_bad_inputs_are_refused_before_anything_is_written():
         assert torch.equal(out, torch.full_like(q, 7.0))
     with pytest.raises(ValueError, match="one dtype"):
         cpu_kernels.decode_attention(q.double(), kc, vc, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="one dtype"):   # float64 stays on the torch path
+        cpu_kernels.decode_attention(q.double(), kc.double(), vc.double(), tables, lens, 0.1)
     with pytest.raises(ValueError, match="KV dividing H"):
         cpu_kernels.decode_attention(q[:, :3], kc, vc, tables, lens, 0.1)
     with pytest.raises(ValueError, match="out must be"):
@@ -176,3 +178,14 @@ def test_switched_off_by_the_environment(monkeypatch):
         cpu_kernels.decode_attention(torch.zeros(1, 1, 4), torch.zeros(1, 1, 1, 4),
                                      torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, dtype=torch.long),
                                      torch.ones(1, dtype=torch.long), 1.0)
+
+
+def test_float64_attention_keeps_full_precision():
+    # the kernel accumulates in float32, so paged_attention leaves float64 to the torch path
+    lengths = [3, 40, 17]
+    q, kc, vc, chunks = _case(11, len(lengths), 4, 2, 32, 8, lengths, torch.float64)
+    meta = build_metadata(chunks, 8)
+    order = sorted(range(len(chunks)), key=lambda i: chunks[i].start_pos)
+    got = paged_attention(q[order], None, None, kc, vc, meta, 32 ** -0.5)
+    ref = paged_attention(q[order], None, None, kc, vc, meta, 32 ** -0.5, cpu_kernel=False)
+    assert got.dtype == torch.float64 and torch.equal(got, ref)

@@ -297,7 +297,7 @@ def paged_attention(
     out = torch.empty_like(q)
     ws = meta.workspace or Workspace(q.device, q.dtype)
     fused = q.is_cuda and triton_kernels.available()
-    compiled = (not q.is_cuda and meta.decode_tables is not None
+    compiled = (not q.is_cuda and meta.decode_tables is not None and q.dtype in cpu_kernels.DTYPES
                 and (CPU_KERNEL if cpu_kernel is None else cpu_kernel) and cpu_kernels.available())
     if compiled:  # every single-token row in one call: the kernel needs no buckets
         rows = slice(0, meta.num_single)

@@ -24,7 +24,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["available", "build_error", "decode_attention"]
+__all__ = ["DTYPES", "available", "build_error", "decode_attention"]
+
+#: what the kernel computes in (it accumulates in float32, so float64 stays on the torch path)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
 _FLAGS = {  # the vector extensions of torch's CPU capability levels
@@ -90,10 +93,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rows, heads, dim = q.shape
     num_blocks, block_size, kv_heads, kdim = k_cache.shape
     if (v_cache.shape != k_cache.shape or kdim != dim or heads % kv_heads
-            or q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype
+            or q.dtype not in DTYPES or q.dtype != k_cache.dtype or v_cache.dtype != q.dtype
             or any(t.device.type != "cpu" for t in (q, k_cache, v_cache, tables, lens))):
         raise ValueError("decode_attention: q [R, H, D] and caches [N, bs, KV, D] of one dtype "
-                         "on the CPU, with KV dividing H")
+                         "of DTYPES on the CPU, with KV dividing H")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("decode_attention: the KV caches must be contiguous")
     if tables.dtype != torch.long or lens.dtype != torch.long or tables.dim() != 2 \
