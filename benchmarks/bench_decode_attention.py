@@ -41,17 +41,7 @@ from kvlab.engine.bucket_attention import attend_bucket as engine_path  # noqa: 
 from kvlab.engine.bucket_attention import (  # noqa: E402
     attend_bucket_block_diagonal as block_diagonal,
 )
-
-
-def gather_blocks(k_cache, v_cache, b, ws):
-    """The bucket's blocks of K and V, one row of ``block_size * kv_heads * dim`` per block."""
-    num_blocks, bs, kv_heads, dim = k_cache.shape
-    rows = b.block_index.numel()
-    gk = torch.index_select(k_cache.view(num_blocks, -1), 0, b.block_index,
-                            out=ws.get("gk", (rows, bs * kv_heads * dim)))
-    gv = torch.index_select(v_cache.view(num_blocks, -1), 0, b.block_index,
-                            out=ws.get("gv", (rows, bs * kv_heads * dim)))
-    return gk, gv
+from kvlab.engine.bucket_attention import gather_bucket  # noqa: E402
 
 
 def grouped(q, k_cache, v_cache, b, scale, ws):
@@ -59,7 +49,7 @@ def grouped(q, k_cache, v_cache, b, scale, ws):
     _, bs, kv_heads, dim = k_cache.shape
     heads = q.shape[1]
     t = b.max_blocks * bs
-    gk, gv = gather_blocks(k_cache, v_cache, b, ws)
+    gk, gv = gather_bucket(k_cache, v_cache, b, ws)
     k4 = gk.view(b.size, t, kv_heads, dim)
     v4 = gv.view(b.size, t, kv_heads, dim)
     qg = q.view(b.size, kv_heads, heads // kv_heads, dim)
@@ -75,7 +65,7 @@ def grouped_permuted(q, k_cache, v_cache, b, scale, ws):
     _, bs, kv_heads, dim = k_cache.shape
     heads = q.shape[1]
     t = b.max_blocks * bs
-    gk, gv = gather_blocks(k_cache, v_cache, b, ws)
+    gk, gv = gather_bucket(k_cache, v_cache, b, ws)
     k = gk.view(b.size, t, kv_heads, dim).transpose(1, 2)
     v = gv.view(b.size, t, kv_heads, dim).transpose(1, 2)
     qg = q.reshape(b.size, kv_heads, heads // kv_heads, dim)
@@ -84,13 +74,7 @@ def grouped_permuted(q, k_cache, v_cache, b, scale, ws):
 
 
 def gather_only(q, k_cache, v_cache, b, scale, ws):
-    num_blocks, bs, kv_heads, dim = k_cache.shape
-    rows = b.block_index.numel()
-    torch.index_select(k_cache.view(num_blocks, -1), 0, b.block_index,
-                       out=ws.get("gk", (rows, bs * kv_heads * dim)))
-    torch.index_select(v_cache.view(num_blocks, -1), 0, b.block_index,
-                       out=ws.get("gv", (rows, bs * kv_heads * dim)))
-    return None
+    gather_bucket(k_cache, v_cache, b, ws)
 
 
 def compiled(q, k_cache, v_cache, b, scale, ws):

@@ -15,7 +15,19 @@ import torch
 if TYPE_CHECKING:
     from .attention import DecodeBucket, Workspace
 
-__all__ = ["attend_bucket", "attend_bucket_block_diagonal"]
+__all__ = ["attend_bucket", "attend_bucket_block_diagonal", "gather_bucket"]
+
+
+def gather_bucket(k_cache: torch.Tensor, v_cache: torch.Tensor, b: DecodeBucket,
+                  ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bucket's K and V blocks in workspace buffers, one row of ``block_size * KV * D`` per
+    table entry (``[B * max_blocks, ...]``, row-major by request)."""
+    num_blocks = k_cache.shape[0]
+    flat_k, flat_v = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)
+    rows = b.block_index.numel()
+    gk = torch.index_select(flat_k, 0, b.block_index, out=ws.get("gk", (rows, flat_k.shape[1])))
+    gv = torch.index_select(flat_v, 0, b.block_index, out=ws.get("gv", (rows, flat_v.shape[1])))
+    return gk, gv
 
 
 def attend_bucket(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -36,17 +48,13 @@ def attend_bucket(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     grouped form degenerates to ``KV`` matrix-vector products; it is kept for that case
     (measured in ``benchmarks/bench_decode_attention.py``).
     """
-    num_blocks, bs, kv_heads, dim = k_cache.shape
+    _, bs, kv_heads, dim = k_cache.shape
     heads = q.shape[1]
     group = heads // kv_heads
     if group == 1 and kv_heads > 1:  # multi-head: per-head matrix-vector products lose
         return attend_bucket_block_diagonal(q, k_cache, v_cache, b, scale, ws)
     t = b.max_blocks * bs
-    flat_k = k_cache.view(num_blocks, -1)
-    flat_v = v_cache.view(num_blocks, -1)
-    rows = b.block_index.numel()
-    gk = torch.index_select(flat_k, 0, b.block_index, out=ws.get("gk", (rows, flat_k.shape[1])))
-    gv = torch.index_select(flat_v, 0, b.block_index, out=ws.get("gv", (rows, flat_v.shape[1])))
+    gk, gv = gather_bucket(k_cache, v_cache, b, ws)
     k4 = gk.view(b.size, t, kv_heads, dim)
     v4 = gv.view(b.size, t, kv_heads, dim)
     qg = q.view(b.size, kv_heads, group, dim)
@@ -63,14 +71,10 @@ def attend_bucket_block_diagonal(q: torch.Tensor, k_cache: torch.Tensor,
     """:func:`attend_bucket` with a block-diagonal query: head ``h`` is placed in the columns
     of its KV head ``h // group`` (zeros elsewhere), so one ``[B, H, KV*D] @ [B, KV*D, T]``
     matmul scores every head against its own KV head; PV is read back on the same diagonal."""
-    num_blocks, bs, kv_heads, dim = k_cache.shape
+    _, bs, kv_heads, dim = k_cache.shape
     heads = q.shape[1]
     t = b.max_blocks * bs
-    flat_k = k_cache.view(num_blocks, -1)
-    flat_v = v_cache.view(num_blocks, -1)
-    rows = b.block_index.numel()
-    gk = torch.index_select(flat_k, 0, b.block_index, out=ws.get("gk", (rows, flat_k.shape[1])))
-    gv = torch.index_select(flat_v, 0, b.block_index, out=ws.get("gv", (rows, flat_v.shape[1])))
+    gk, gv = gather_bucket(k_cache, v_cache, b, ws)
     heads_idx, kv_idx, onehot = ws.head_map(heads, kv_heads)
     qd = q[:, :, None, :] * onehot  # [B, H, KV, D], zero outside each head's own KV head
     scores = torch.baddbmm(b.mask.to(q.dtype).expand(b.size, heads, t),

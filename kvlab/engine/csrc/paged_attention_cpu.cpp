@@ -23,6 +23,18 @@
 
 namespace {
 
+// Calls visit(t, row) for positions t = 0 .. len-1 of one request, row pointing at position t's
+// [kv_heads, dim] entries in `cache`, walking the block table one block at a time.
+template <typename T, typename Visit>
+void for_each_position(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
+                       int64_t token_stride, Visit visit) {
+  for (int64_t t0 = 0, n = 0; t0 < len; t0 += block_size, ++n) {
+    const T* block = cache + table[n] * block_size * token_stride;
+    const int64_t count = std::min(block_size, len - t0);
+    for (int64_t o = 0; o < count; ++o) visit(t0 + o, block + o * token_stride);
+  }
+}
+
 template <typename T, int64_t DIM>
 void attend_row(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                 int64_t len, int64_t block_size, int64_t kv_heads, int64_t heads,
@@ -30,27 +42,21 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
   const int64_t dim = DIM ? DIM : runtime_dim;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;
-  const int64_t block_stride = block_size * token_stride;
   for (int64_t i = 0; i < heads * dim; ++i) qf[i] = static_cast<float>(q[i]) * scale;
 
-  // scores[h, t] = (scale * q_h) . k_t, walking the table block by block
-  for (int64_t t0 = 0, n = 0; t0 < len; t0 += block_size, ++n) {
-    const T* block = k_cache + table[n] * block_stride;
-    const int64_t count = std::min(block_size, len - t0);
-    for (int64_t o = 0; o < count; ++o) {
-      const T* k = block + o * token_stride;
-      for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
-        const T* kh = k + j * dim;
-        for (int64_t g = 0; g < group; ++g, ++h) {
-          const float* qh = qf + h * dim;
-          float s = 0.f;
+  // scores[h, t] = (scale * q_h) . k_t
+  for_each_position(k_cache, table, len, block_size, token_stride, [&](int64_t t, const T* k) {
+    for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
+      const T* kh = k + j * dim;
+      for (int64_t g = 0; g < group; ++g, ++h) {
+        const float* qh = qf + h * dim;
+        float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < dim; ++d) s += qh[d] * static_cast<float>(kh[d]);
-          scores[h * len + t0 + o] = s;
-        }
+        for (int64_t d = 0; d < dim; ++d) s += qh[d] * static_cast<float>(kh[d]);
+        scores[h * len + t] = s;
       }
     }
-  }
+  });
   // softmax over t, per head
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores + h * len;
@@ -68,22 +74,17 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
   }
   // acc[h] = sum_t p[h, t] * v_t
   std::fill(acc, acc + heads * dim, 0.f);
-  for (int64_t t0 = 0, n = 0; t0 < len; t0 += block_size, ++n) {
-    const T* block = v_cache + table[n] * block_stride;
-    const int64_t count = std::min(block_size, len - t0);
-    for (int64_t o = 0; o < count; ++o) {
-      const T* v = block + o * token_stride;
-      for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
-        const T* vh = v + j * dim;
-        for (int64_t g = 0; g < group; ++g, ++h) {
-          const float p = scores[h * len + t0 + o];
-          float* a = acc + h * dim;
+  for_each_position(v_cache, table, len, block_size, token_stride, [&](int64_t t, const T* v) {
+    for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
+      const T* vh = v + j * dim;
+      for (int64_t g = 0; g < group; ++g, ++h) {
+        const float p = scores[h * len + t];
+        float* a = acc + h * dim;
 #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(vh[d]);
-        }
+        for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(vh[d]);
       }
     }
-  }
+  });
   for (int64_t i = 0; i < heads * dim; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
