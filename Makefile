@@ -9,7 +9,7 @@ NB_SOURCES := $(sort $(wildcard notebooks/[0-9][0-9]-*.md))
 NB_TIMEOUT ?= 120
 
 .PHONY: venv test lint unit nbval book lab notebooks notebook bench clean site-check lab-check \
-	browser student
+	browser student toolchain
 
 venv: $(VENV)/.installed
 
@@ -23,10 +23,10 @@ $(VENV)/.installed: pyproject.toml
 lint: venv
 	$(VENV)/bin/ruff check .
 
-unit: venv
+unit: venv toolchain
 	$(PY) -m pytest -n 2 tests
 
-nbval: venv
+nbval: venv toolchain
 	$(PY) -m pytest -p no:randomly --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=$(NB_TIMEOUT) notebooks/
 
@@ -53,6 +53,15 @@ lab: venv
 	$(VENV)/bin/jupyter trust notebooks/*.ipynb
 	$(VENV)/bin/jupyter lab notebooks/ --LabApp.app_settings_dir=$(LAB_SETTINGS) \
 		$(if $(filter 0,$(shell id -u)),--allow-root,)
+
+# A C++ compiler for the engine's CPU attention kernel (kvlab/engine/cpu_kernels.py; Debian's g++
+# is installed when missing and run as root). Without one the engine warns and uses its torch
+# path, and the stored notebook outputs would gain that warning.
+toolchain:
+	@command -v c++ >/dev/null || \
+	{ if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && apt-get install -y -q g++; \
+	  else echo "note: no C++ compiler; kvlab's CPU attention kernel falls back to torch"; fi; }
 
 # Headless Chromium for the browser checks (Debian; installed when missing and run as root).
 browser:
