@@ -4,7 +4,7 @@ The torch path of :func:`kvlab.engine.attention.paged_attention` gathers each de
 blocks into a workspace and multiplies: the context is read, written and read again, and the
 matmuls are tiny (``G = H // KV`` query rows per KV head). This kernel walks the block tables
 straight from the cache instead, one request per iteration, with a float32 softmax; on this
-project's CPU it is 1.7-2.6x faster than the gather path (``benchmarks/bench_decode_attention.py``).
+project's CPU it is 1.5-3.5x faster than the gather path (``benchmarks/bench_decode_attention.py``).
 
 It is built on first use with :func:`torch.utils.cpp_extension.load_inline` (a C++ compiler and
 ``ninja`` are needed; about 20 s once, then cached by torch under ``~/.cache/torch_extensions``)

