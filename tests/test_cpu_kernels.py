@@ -189,3 +189,71 @@ def test_float64_attention_keeps_full_precision():
     got = paged_attention(q[order], None, None, kc, vc, meta, 32 ** -0.5)
     ref = paged_attention(q[order], None, None, kc, vc, meta, 32 ** -0.5, cpu_kernel=False)
     assert got.dtype == torch.float64 and torch.equal(got, ref)
+
+
+@needs_kernel
+def test_verification_chunks_run_as_kernel_rows_and_match_the_sdpa_paths(monkeypatch):
+    # speculative verification: k + 1 tokens behind a cached prefix, one kernel row per token
+    from kvlab.engine import attention, prefill_groups
+    from kvlab.engine.llm import LLM
+    from kvlab.engine.params import SamplingParams
+
+    rows_seen = []
+    real = prefill_groups.kernel_rows
+    monkeypatch.setattr(prefill_groups, "kernel_rows",
+                        lambda meta: (rows_seen.append(int(real(meta).rows.numel())),
+                                      real(meta))[1])
+    prompts = ["The town of", "Once upon a time, the river", "Question: where does",
+               "The town of Harrow is", "In the Vale, the people", "A storm came to"]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(attention, "CPU_KERNEL", on)
+        rows_seen.clear()
+        llm = LLM("kvlab-tiny", num_blocks=512, max_num_seqs=8, speculative_config={
+            "method": "draft_model", "model": "kvlab-tiny-draft", "num_speculative_tokens": 3})
+        runs[on] = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert (sum(rows_seen) > 0) == on
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert a.token_ids == b.token_ids
+        for da, db in zip(a.logprobs, b.logprobs, strict=True):
+            assert da.keys() == db.keys()
+            assert all(abs(da[t] - db[t]) < 1e-4 for t in da)
+
+
+@needs_kernel
+def test_kernel_rows_equal_dense_attention_for_short_chunks_behind_a_prefix():
+    from kvlab.engine.prefill_groups import KERNEL_MAX_TOKENS
+
+    gen = torch.Generator().manual_seed(5)
+    bs, kv_heads, heads, dim = 8, 2, 6, 32
+    specs = [(13, 4), (40, 1 + KERNEL_MAX_TOKENS), (7, 2), (0, 5), (21, KERNEL_MAX_TOKENS)]
+    num_blocks = 64
+    kc = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
+    vc = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    chunks, at = [], 0
+    for start, n in specs:
+        nb = -(-(start + n) // bs)
+        chunks.append(ChunkSpec(list(range(n)), start, perm[at:at + nb]))
+        at += nb
+    meta = build_metadata(chunks, bs)
+    total = sum(n for _, n in specs)
+    q = torch.randn(total, heads, dim, generator=gen)
+    k = torch.randn(total, kv_heads, dim, generator=gen)
+    v = torch.randn(total, kv_heads, dim, generator=gen)
+    from kvlab.engine.attention import write_kv
+
+    write_kv(kc, vc, k, v, meta.slot_mapping)
+    got = paged_attention(q, k, v, kc, vc, meta, dim ** -0.5, cpu_kernel=True)
+    assert meta.kernel_plan is not None
+    assert int(meta.kernel_plan.rows.numel()) == 4 + 2 + KERNEL_MAX_TOKENS  # short, prefixed
+    flat_k, flat_v = kc.view(-1, kv_heads, dim), vc.view(-1, kv_heads, dim)
+    for c, pc in zip([c for c in chunks if len(c.token_ids) > 1], meta.prefills, strict=True):
+        end = c.start_pos + len(c.token_ids)
+        slots = torch.tensor([c.block_table[p // bs] * bs + p % bs for p in range(end)])
+        qq = torch.zeros(end, heads, dim)
+        qq[c.start_pos:] = q[pc.offset:pc.offset + pc.num_tokens]
+        dense = dense_causal_attention(qq, flat_k[slots], flat_v[slots], dim ** -0.5)
+        assert torch.allclose(got[pc.offset:pc.offset + pc.num_tokens], dense[c.start_pos:],
+                              atol=2e-6, rtol=1e-5)

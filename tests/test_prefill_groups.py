@@ -114,6 +114,7 @@ def test_speculative_engine_groups_verification_and_matches_the_per_chunk_path(m
     from kvlab.engine.llm import LLM
     from kvlab.engine.params import SamplingParams
 
+    monkeypatch.setattr(attention, "CPU_KERNEL", False)   # the kernel takes short chunks first
     calls = []
     real = prefill_groups.attend_groups
     monkeypatch.setattr(prefill_groups, "attend_groups",

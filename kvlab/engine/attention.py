@@ -35,7 +35,7 @@ from . import cpu_kernels, triton_kernels
 from .bucket_attention import attend_bucket
 
 if TYPE_CHECKING:
-    from .prefill_groups import PrefillGroup
+    from .prefill_groups import KernelRows, PrefillGroup
 
 #: default of :func:`paged_attention`'s ``batch_prefills`` (benchmarks switch it off to compare)
 BATCH_PREFILLS = True
@@ -152,6 +152,8 @@ class AttentionMetadata:
     #: ``prefills`` split into padded groups and the chunks attended alone (filled on first use
     #: by :func:`~kvlab.engine.prefill_groups.group_prefills`; every layer reuses it)
     prefill_plan: tuple[list[PrefillGroup], list[PrefillChunk]] | None = None
+    #: the short chunks the CPU kernel attends (:func:`~kvlab.engine.prefill_groups.kernel_rows`)
+    kernel_plan: KernelRows | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -297,9 +299,9 @@ def paged_attention(
     out = torch.empty_like(q)
     ws = meta.workspace or Workspace(q.device, q.dtype)
     fused = q.is_cuda and triton_kernels.available()
-    compiled = (not q.is_cuda and meta.decode_tables is not None and q.dtype in cpu_kernels.DTYPES
+    compiled = (not q.is_cuda and q.dtype in cpu_kernels.DTYPES
                 and (CPU_KERNEL if cpu_kernel is None else cpu_kernel) and cpu_kernels.available())
-    if compiled:  # every single-token row in one call: the kernel needs no buckets
+    if compiled and meta.decode_tables is not None:  # every single-token row in one call
         rows = slice(0, meta.num_single)
         cpu_kernels.decode_attention(q[rows], k_cache, v_cache, meta.decode_tables,
                                      meta.decode_lens, scale, out=out[rows])
@@ -313,11 +315,20 @@ def paged_attention(
             out[rows] = attend_bucket(q[rows], k_cache, v_cache, b, scale, ws)
     flat_k = k_cache.view(-1, kv_heads, dim)
     flat_v = v_cache.view(-1, kv_heads, dim)
-    alone = meta.prefills
-    if meta.prefills and (BATCH_PREFILLS if batch_prefills is None else batch_prefills):
+    prefills = meta.prefills
+    if compiled and prefills:  # short chunks behind a cached prefix: one kernel row per token
+        from .prefill_groups import kernel_rows
+
+        plan = kernel_rows(meta)
+        if plan.rows.numel():
+            out.index_copy_(0, plan.rows, cpu_kernels.decode_attention(
+                q.index_select(0, plan.rows), k_cache, v_cache, plan.tables, plan.lens, scale))
+        prefills = plan.rest
+    alone = prefills
+    if prefills and (BATCH_PREFILLS if batch_prefills is None else batch_prefills):
         from .prefill_groups import attend_groups, group_prefills
 
-        groups, alone = group_prefills(meta)
+        groups, alone = group_prefills(meta, chunks=prefills)
         attend_groups(q, flat_k, flat_v, groups, scale, out)
     for c in alone:
         rows = slice(c.offset, c.offset + c.num_tokens)

@@ -19,7 +19,11 @@ import torch.nn.functional as F
 
 from .attention import AttentionMetadata, PrefillChunk, _split_buckets
 
-__all__ = ["PrefillGroup", "attend_groups", "group_prefills"]
+__all__ = ["KernelRows", "PrefillGroup", "attend_groups", "group_prefills", "kernel_rows"]
+
+#: chunks with a cached prefix up to this long go to the CPU kernel, one row per query token
+#: (each row re-reads the context, so long chunks stay with SDPA's matmuls)
+KERNEL_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -42,18 +46,62 @@ class PrefillGroup:
 
 
 
-def group_prefills(meta: AttentionMetadata, min_size: int = 2
+@dataclass(frozen=True)
+class KernelRows:
+    """Short chunks with a cached prefix (speculative verification) as rows of the CPU decode
+    kernel (:mod:`kvlab.engine.cpu_kernels`): query token ``i`` of a chunk at ``start_pos``
+    attends ``start_pos + i + 1`` positions through its chunk's block table.
+
+    ``rows``: ``[R]`` flat rows; ``tables``: ``[R, W]`` block ids (padded with 0); ``lens``:
+    ``[R]``; ``rest``: the step's other multi-token chunks, left to SDPA.
+    """
+
+    rows: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+    rest: list[PrefillChunk]
+
+
+def kernel_rows(meta: AttentionMetadata) -> KernelRows:
+    """Split the step's multi-token chunks into :class:`KernelRows` (those with a cached prefix
+    and at most :data:`KERNEL_MAX_TOKENS` tokens) and the rest. Cached on ``meta``."""
+    if meta.kernel_plan is not None:
+        return meta.kernel_plan
+    bs = meta.block_size
+    fits = [c.start_pos > 0 and c.num_tokens <= KERNEL_MAX_TOKENS for c in meta.prefills]
+    short = [c for c, f in zip(meta.prefills, fits, strict=True) if f]
+    rest = [c for c, f in zip(meta.prefills, fits, strict=True) if not f]
+    dev = meta.positions.device
+    tabs = [c.slots[::bs] // bs for c in short]   # the block of positions 0, bs, 2 bs, ...
+    total = sum(c.num_tokens for c in short)
+    tables = torch.zeros(total, max((t.numel() for t in tabs), default=0), dtype=torch.long,
+                         device=dev)
+    at = 0
+    for c, t in zip(short, tabs, strict=True):
+        tables[at:at + c.num_tokens, :t.numel()] = t
+        at += c.num_tokens
+    rows = [torch.arange(c.offset, c.offset + c.num_tokens) for c in short]
+    lens = [torch.arange(c.start_pos + 1, c.start_pos + c.num_tokens + 1) for c in short]
+    empty = torch.zeros(0, dtype=torch.long)
+    meta.kernel_plan = KernelRows(torch.cat(rows).to(dev) if rows else empty.to(dev), tables,
+                                  torch.cat(lens).to(dev) if lens else empty.to(dev), rest)
+    return meta.kernel_plan
+
+
+def group_prefills(meta: AttentionMetadata, min_size: int = 2,
+                   chunks: list[PrefillChunk] | None = None
                    ) -> tuple[list[PrefillGroup], list[PrefillChunk]]:
     """Batch the step's multi-token chunks that read a cached prefix (``start_pos > 0``) by
     length: chunks of equal ``num_tokens`` are sorted by context and split like the decode
     buckets (little padding), and each group of >= ``min_size`` becomes one
     :class:`PrefillGroup`; the rest (fresh prompts, lone lengths) are returned as they are.
+    ``chunks``: a subset of ``meta.prefills`` to plan (default all; the same one every layer).
     Cached on ``meta`` (every layer reuses the plan)."""
     if meta.prefill_plan is not None:
         return meta.prefill_plan
     by_len: dict[int, list[PrefillChunk]] = {}
     alone: list[PrefillChunk] = []
-    for c in meta.prefills:
+    for c in meta.prefills if chunks is None else chunks:
         if c.start_pos > 0:
             by_len.setdefault(c.num_tokens, []).append(c)
         else:

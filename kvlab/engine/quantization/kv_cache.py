@@ -118,7 +118,7 @@ class QuantizedPagedKVCache:
         # remap to 0, a valid id that the length never lets a kernel read
         tables = None if meta.decode_tables is None else remap[meta.decode_tables]
         small = dataclasses.replace(meta, buckets=buckets, prefills=prefills,
-                                    decode_tables=tables)
+                                    decode_tables=tables, prefill_plan=None, kernel_plan=None)
         self._step = (meta, small, blocks)
         return small, blocks
 
