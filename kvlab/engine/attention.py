@@ -7,11 +7,15 @@ single token (a decode, or a one-token prefill chunk) attending to positions ``0
 
 :func:`build_metadata` turns the chunks into index tensors once per step (every layer reuses
 them). Tokens are reordered so that all single-token chunks come first, sorted by context
-length and split into a few buckets; each bucket is attended together in one padded batch
-``[B, T, kv_heads, D]`` gathered block by block through the block tables into a reusable
-workspace, with an additive length mask. Multi-token chunks are attended one by one (a Python
-loop per *chunk*, never per token); a chunk with no cached prefix attends to its own fresh K/V
-with a causal mask and never
+length. On CPU they are attended in one call of the compiled kernel
+(:mod:`kvlab.engine.cpu_kernels`), which reads K/V through the block tables where they lie; on
+CUDA by the Triton kernel; otherwise they are split into a few buckets, each attended as one
+padded batch gathered block by block into a reusable workspace
+(:mod:`kvlab.engine.bucket_attention`). Short chunks behind a cached prefix (speculative
+verification) also go to the CPU kernel, one row per token. Other multi-token chunks go
+through SDPA: equal-length ones behind a cached prefix in padded groups
+(:mod:`kvlab.engine.prefill_groups`), the rest one by one (a Python loop per *chunk*, never per
+token); a chunk with no cached prefix attends to its own fresh K/V with a causal mask and never
 touches the cache for reading.
 
 KV layout per layer: ``k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim]``; a
@@ -284,14 +288,15 @@ def paged_attention(
     The new K/V must already be written to the cache (:func:`write_kv`): single-token chunks and
     chunks with a cached prefix read their whole context from the cache. On CUDA with Triton
     installed the decode buckets run :func:`kvlab.engine.triton_kernels.decode_attention` on the
-    same metadata (tables from ``block_index``, lengths from ``positions``); on CPU they run
-    the compiled kernel of :mod:`kvlab.engine.cpu_kernels` where it built (``cpu_kernel=False``:
-    the torch gather path; None: the module's :data:`CPU_KERNEL`).
+    same metadata (tables from ``block_index``, lengths from ``positions``); on CPU all of them
+    run in one call of the compiled kernel of :mod:`kvlab.engine.cpu_kernels` where it built,
+    with the short chunks behind a cached prefix (``cpu_kernel=False``: the torch gather path
+    and SDPA; None: the module's :data:`CPU_KERNEL`).
 
-    Multi-token chunks with a cached prefix and equal length (speculative verification) are
-    attended in padded groups (:mod:`kvlab.engine.prefill_groups`), one call per group, not per
-    chunk; ``batch_prefills=False`` attends every chunk alone (the reference it is tested
-    against; None: the module's :data:`BATCH_PREFILLS`).
+    Other multi-token chunks with a cached prefix and equal length are attended in padded
+    groups (:mod:`kvlab.engine.prefill_groups`), one call per group, not per chunk;
+    ``batch_prefills=False`` attends every chunk alone (the reference it is tested against;
+    None: the module's :data:`BATCH_PREFILLS`).
     """
     _, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
