@@ -192,36 +192,6 @@ def test_float64_attention_keeps_full_precision():
 
 
 @needs_kernel
-def test_verification_chunks_run_as_kernel_rows_and_match_the_sdpa_paths(monkeypatch):
-    # speculative verification: k + 1 tokens behind a cached prefix, one kernel row per token
-    from kvlab.engine import attention, prefill_groups
-    from kvlab.engine.llm import LLM
-    from kvlab.engine.params import SamplingParams
-
-    rows_seen = []
-    real = prefill_groups.kernel_rows
-    monkeypatch.setattr(prefill_groups, "kernel_rows",
-                        lambda meta: (rows_seen.append(int(real(meta).rows.numel())),
-                                      real(meta))[1])
-    prompts = ["The town of", "Once upon a time, the river", "Question: where does",
-               "The town of Harrow is", "In the Vale, the people", "A storm came to"]
-    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
-    runs = {}
-    for on in (True, False):
-        monkeypatch.setattr(attention, "CPU_KERNEL", on)
-        rows_seen.clear()
-        llm = LLM("kvlab-tiny", num_blocks=512, max_num_seqs=8, speculative_config={
-            "method": "draft_model", "model": "kvlab-tiny-draft", "num_speculative_tokens": 3})
-        runs[on] = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
-        assert (sum(rows_seen) > 0) == on
-    for a, b in zip(runs[True], runs[False], strict=True):
-        assert a.token_ids == b.token_ids
-        for da, db in zip(a.logprobs, b.logprobs, strict=True):
-            assert da.keys() == db.keys()
-            assert all(abs(da[t] - db[t]) < 1e-4 for t in da)
-
-
-@needs_kernel
 def test_kernel_rows_equal_dense_attention_for_short_chunks_behind_a_prefix():
     from kvlab.engine.prefill_groups import KERNEL_MAX_TOKENS
 

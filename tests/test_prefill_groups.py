@@ -105,31 +105,41 @@ def test_bfloat16_grouped_prefills_match_the_per_chunk_path():
     torch.testing.assert_close(fast, ref, rtol=2e-2, atol=2e-2)
 
 
-def test_speculative_engine_groups_verification_and_matches_the_per_chunk_path(monkeypatch):
-    """End to end: with a draft model, verification chunks are attended in groups, and the
-    engine generates the same greedy tokens (and logprobs up to float rounding) as with every
-    chunk attended alone."""
+@pytest.mark.parametrize("path", ["groups", "kernel"])
+def test_speculative_engine_verification_paths_match_the_per_chunk_path(monkeypatch, path):
+    """End to end with a draft model: verification chunks attended in SDPA groups (CPU kernel
+    off), or as rows of the CPU kernel, give the same greedy tokens (and logprobs up to float
+    rounding) as every chunk attended alone by SDPA; the path under test really ran."""
     import kvlab.engine.attention as attention
     import kvlab.engine.prefill_groups as prefill_groups
+    from kvlab.engine import cpu_kernels
     from kvlab.engine.llm import LLM
     from kvlab.engine.params import SamplingParams
 
-    monkeypatch.setattr(attention, "CPU_KERNEL", False)   # the kernel takes short chunks first
-    calls = []
-    real = prefill_groups.attend_groups
-    monkeypatch.setattr(prefill_groups, "attend_groups",
-                        lambda *a: (calls.append(len(a[3])), real(*a))[1])
+    if path == "kernel" and not cpu_kernels.available():
+        pytest.skip(f"no CPU kernel here: {cpu_kernels.build_error()}")
+    used = []
+    if path == "groups":
+        real_groups = prefill_groups.attend_groups
+        monkeypatch.setattr(prefill_groups, "attend_groups",
+                            lambda *a: (used.append(len(a[3])), real_groups(*a))[1])
+    else:
+        real_rows = prefill_groups.kernel_rows
+        monkeypatch.setattr(prefill_groups, "kernel_rows",
+                            lambda m: (used.append(int(real_rows(m).rows.numel())),
+                                       real_rows(m))[1])
     prompts = ["The town of", "Once upon a time, the river", "Question: where does",
                "The town of Harrow is", "In the Vale, the people", "A storm came to"]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     runs = {}
-    for on in (False, True):
-        monkeypatch.setattr(attention, "BATCH_PREFILLS", on)
-        calls.clear()
+    for tested in (False, True):   # the reference: CPU kernel off, every chunk alone
+        monkeypatch.setattr(attention, "BATCH_PREFILLS", tested)
+        monkeypatch.setattr(attention, "CPU_KERNEL", tested and path == "kernel")
+        used.clear()
         llm = LLM("kvlab-tiny", num_blocks=512, max_num_seqs=8, speculative_config={
             "method": "draft_model", "model": "kvlab-tiny-draft", "num_speculative_tokens": 3})
-        runs[on] = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
-        assert (sum(calls) > 0) == on          # groups were formed only when switched on
+        runs[tested] = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert (sum(used) > 0) == tested       # the path ran only when switched on
     for a, b in zip(runs[True], runs[False], strict=True):
         assert a.token_ids == b.token_ids
         for da, db in zip(a.logprobs, b.logprobs, strict=True):
