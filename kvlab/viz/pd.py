@@ -67,10 +67,15 @@ def protocol_timeline_figure(rows: Sequence[Mapping[str, Any]], *, producer: str
 
 
 def fault_run_caption(run: Any) -> str:
+    """One line: the fault, the consumer's decision, and the outcome against a single engine.
+    A log-probability difference below 1e-5 (float rounding, whose last digits depend on the
+    attention path that ran) is shown as a bound, a larger one as its value."""
     verdict = ("tokens equal the single engine" if run.tokens_equal else
                "request did not complete" if not run.finished else "TOKENS DIFFER")
+    diff = run.max_logprob_diff
+    shown = "< 1e-5" if diff < 1e-5 else f"= {diff:.1e}"
     return (f"fault={run.fault}: decision {run.decision} -> {run.action}; {verdict}; "
-            f"max |logprob diff| = {run.max_logprob_diff:.1e}; request table {list(run.table)}")
+            f"max |logprob diff| {shown}; request table {list(run.table)}")
 
 
 def fault_run_figure(run: Any, *, per_row: int = 20):
