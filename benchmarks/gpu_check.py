@@ -22,6 +22,7 @@ import random
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -152,11 +153,19 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     result = {"benchmark": "gpu_check", "torch": torch.__version__,
               "device": torch.cuda.get_device_name()}
-    result["triton_vs_torch"] = check_triton()
-    result["hf_parity_cuda"] = check_hf_parity()
-    result["decode"] = decode_throughput([1, 16, 64], args.steps, args.prompt)
-    result["ok"] = (all(r["ok"] for r in result["triton_vs_torch"].values())
-                    and result["hf_parity_cuda"]["ok"])
+    sections = {"triton_vs_torch": check_triton, "hf_parity_cuda": check_hf_parity,
+                "decode": lambda: decode_throughput([1, 16, 64], args.steps, args.prompt)}
+    for key, run in sections.items():
+        try:
+            result[key] = run()
+        except Exception as error:  # record it and go on: one GPU run reports every section
+            result[key] = {"error": f"{type(error).__name__}: {error}",
+                           "traceback": traceback.format_exc()[-3000:]}
+            print(f"gpu_check: {key} failed: {result[key]['traceback']}", file=sys.stderr)
+    triton = result["triton_vs_torch"]
+    result["ok"] = ("error" not in triton and all(r["ok"] for r in triton.values())
+                    and result["hf_parity_cuda"].get("ok", False)
+                    and "error" not in result["decode"])
     result["wall_s"] = time.perf_counter() - t0
     write_results("gpu_check", result)
     return result
