@@ -20,6 +20,7 @@ from kvlab.engine.attention import (
     dense_causal_attention,
     paged_attention,
 )
+from kvlab.engine.triton_parity import scattered_tables
 
 
 def _toolchain() -> bool:
@@ -39,15 +40,10 @@ def test_the_kernel_builds_where_a_toolchain_exists():
 
 def _case(seed, rows, heads, kv_heads, dim, block_size, lengths, dtype):
     gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(blocks) + 3
+    tables, num_blocks = scattered_tables(lengths, block_size, 3, gen)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    chunks, at = [], 0
-    for n, nb in zip(lengths, blocks, strict=True):
-        chunks.append(ChunkSpec([0], n - 1, perm[at:at + nb]))
-        at += nb
+    chunks = [ChunkSpec([0], n - 1, t) for n, t in zip(lengths, tables, strict=True)]
     q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
     return q, k_cache, v_cache, chunks
 

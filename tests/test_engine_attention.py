@@ -13,6 +13,7 @@ from kvlab.engine.attention import (
     write_kv,
 )
 from kvlab.engine.kv_cache import PagedKVCache
+from kvlab.engine.triton_parity import scattered_tables
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
@@ -26,13 +27,7 @@ def _run_schedule(block_size: int, lengths: list[int], seed: int) -> float:
         k = torch.randn(t, KV_HEADS, DIM, generator=gen)
         v = torch.randn(t, KV_HEADS, DIM, generator=gen)
         seqs.append((q, k, v, dense_causal_attention(q, k, v, DIM ** -0.5)))
-    need = [-(-t // block_size) for t in lengths]
-    num_blocks = sum(need) + 3
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(perm[at:at + n])
-        at += n
+    tables, num_blocks = scattered_tables(lengths, block_size, 3, gen)
     cache = PagedKVCache(1, num_blocks, block_size, KV_HEADS, DIM)
     kc, vc = cache.layers[0]
     done = [0] * len(lengths)

@@ -20,7 +20,7 @@ from . import triton_kernels
 from .attention import ChunkSpec, Workspace, build_metadata
 from .bucket_attention import attend_bucket
 
-__all__ = ["CASES", "Case", "compare"]
+__all__ = ["CASES", "Case", "compare", "scattered_tables"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,21 @@ CASES: dict[str, Case] = {
 }
 
 
+def scattered_tables(lengths: list[int] | tuple[int, ...], block_size: int, spare: int,
+                     generator: torch.Generator) -> tuple[list[list[int]], int]:
+    """Block tables covering ``lengths`` tokens each, cut in order from one shuffle of
+    ``sum(blocks needed) + spare`` block ids (so tables are scattered, never shared); returns
+    the tables and that number of blocks."""
+    need = [-(-t // block_size) for t in lengths]
+    num_blocks = sum(need) + spare
+    perm = torch.randperm(num_blocks, generator=generator).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at:at + n])
+        at += n
+    return tables, num_blocks
+
+
 def compare(case: Case, device: str | torch.device = "cpu", seed: int = 0) -> dict:
     """Max abs differences Triton vs torch for one case (``store_exact`` must be True)."""
     if not triton_kernels.available():
@@ -51,13 +66,7 @@ def compare(case: Case, device: str | torch.device = "cpu", seed: int = 0) -> di
     dtype = getattr(torch, case.dtype)
     gen = torch.Generator().manual_seed(seed)
     bs, kvh, dim = case.block_size, case.kv_heads, case.head_dim
-    need = [-(-t // bs) for t in case.lengths]
-    num_blocks = sum(need) + 5
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(perm[at:at + n])
-        at += n
+    tables, num_blocks = scattered_tables(case.lengths, bs, 5, gen)
     shape = (num_blocks, bs, kvh, dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
     v_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
