@@ -75,6 +75,29 @@ def test_cost_model_validates():
     assert CM.step_cost([chunk], [(1, 9)]).flops == CM.cost([(3, 5, True), (1, 9, False)]).flops
 
 
+def test_step_cost_prices_lookahead_tokens():
+    """A decode chunk with k lookahead slots is verified in the same forward: k + 1 query
+    tokens, k + 1 LM-head rows and k + 1 KV writes, not the single token it feeds."""
+    k, start = 4, 700
+    plain = ScheduledChunk("a", (7,), start, (0,), True, False)
+    spec = ScheduledChunk("a", (7,), start, (0,), True, False, num_lookahead=k)
+    got, base = CM.step_cost([spec]), CM.step_cost([plain])
+    assert got == CM.cost([(k + 1, start, k + 1)])
+    m = CM.model
+    dense = 2.0 * CM.dense_params * k
+    lm_head = 2.0 * m.hidden * m.vocab * k
+    attn = 4.0 * m.layers * m.heads * m.head_dim * sum(p + 1 for p in range(start + 1,
+                                                                             start + k + 1))
+    assert got.flops - base.flops == pytest.approx(dense + lm_head + attn)
+    assert got.bytes - base.bytes == pytest.approx(2 * k * CM.kv_bytes_per_token)
+    batch = [ScheduledChunk(str(i), (7,), start, (0,), True, False, num_lookahead=k)
+             for i in range(256)]
+    assert CM.step_cost(batch).bound == "compute"       # 1,280 verified tokens
+    assert CM.step_cost([plain] * 256).bound == "memory"
+    with pytest.raises(ValueError, match="sampled positions"):
+        CM.cost([(2, 0, 3)])
+
+
 def test_workload_generators():
     rng = random.Random(0)
     times = poisson_arrivals(10.0, 5000, rng)

@@ -8,11 +8,17 @@ A step runs the model once over every scheduled token. Its time is modelled as
 with, for a batch of chunks (``n`` tokens of a request at positions ``[s, s + n)``):
 
 * FLOPs: ``2 * P_dense * n`` for the weight matrices of every layer (``P_dense`` = parameters
-  without the embedding/LM head), ``2 * hidden * vocab`` per *sampled* token for the LM head, and
-  ``4 * layers * heads * head_dim * sum(context)`` for attention (QK^T and AV over each token's
-  context ``p + 1``);
+  without the embedding/LM head), ``2 * hidden * vocab`` per position whose logits are computed
+  (the LM head), and ``4 * layers * heads * head_dim * sum(context)`` for attention (QK^T and AV
+  over each token's context ``p + 1``);
 * bytes: all weights once per step, plus the KV cache each chunk reads (its whole context,
   ``2 * layers * kv_heads * head_dim * dtype_bytes`` per token) and writes (its ``n`` tokens).
+
+A scheduled chunk with ``num_lookahead = L`` lookahead slots (speculative decoding,
+:mod:`kvlab.core.spec_plan`) is verified in the same forward: it runs ``n + L`` query tokens
+and computes logits at its last ``L + 1`` positions (:meth:`RooflineCostModel.step_cost`).
+The proposer's own forwards are not part of the target's step; price them with the draft
+model's cost model.
 
 With tensor parallelism over ``tp`` GPUs (Megatron-style: every weight matrix split ``tp``
 ways, KV heads split across GPUs) the FLOPs and bytes are shared by ``tp`` GPUs, so both roofs
@@ -121,8 +127,14 @@ class RooflineCostModel:
 
     # -- costs --------------------------------------------------------------------------------
 
-    def cost(self, work: Iterable[tuple[int, int, bool]]) -> StepCost:
-        """Cost of chunks given as ``(num_tokens, start_pos, samples)`` triples."""
+    def cost(self, work: Iterable[tuple[int, int, bool | int]]) -> StepCost:
+        """Cost of chunks given as ``(num_tokens, start_pos, samples)`` triples.
+
+        ``samples``: how many of the chunk's last positions compute logits (the LM head):
+        ``False``/``True`` for 0/1, or an int in ``0 .. num_tokens`` (a verification chunk of
+        ``k`` drafts computes ``k + 1``). ValueError for an empty chunk, a negative position
+        or a ``samples`` outside that range.
+        """
         m = self.model
         tokens = sampled = 0
         context_sum = 0
@@ -130,8 +142,10 @@ class RooflineCostModel:
         for n, start, samples in work:
             if n <= 0 or start < 0:
                 raise ValueError(f"bad chunk: {n} tokens at position {start}")
+            if not 0 <= int(samples) <= n:
+                raise ValueError(f"bad chunk: {samples!r} sampled positions of {n} tokens")
             tokens += n
-            sampled += bool(samples)
+            sampled += int(samples)
             # sum over p in [start, start + n) of (p + 1)
             context_sum += n * start + n * (n + 1) // 2
             kv_tokens_read += start + n
@@ -151,8 +165,14 @@ class RooflineCostModel:
     def step_cost(self, chunks: Sequence[ScheduledChunk],
                   padding: Sequence[tuple[int, int]] = ()) -> StepCost:
         """Cost of a scheduler step; ``padding`` adds ``(num_tokens, start_pos)`` dummy work
-        (slots a static batch computes for requests that already finished)."""
-        work = [(c.num_tokens, c.start_pos, c.sample) for c in chunks]
+        (slots a static batch computes for requests that already finished).
+
+        A chunk's lookahead slots are verified in this step's forward, so a chunk costs its
+        :attr:`~kvlab.core.scheduler_api.ScheduledChunk.num_query_tokens` (tokens plus
+        lookahead) and, when it samples, ``num_lookahead + 1`` LM-head rows.
+        """
+        work = [(c.num_query_tokens, c.start_pos, (c.num_lookahead + 1) if c.sample else 0)
+                for c in chunks]
         work += [(n, s, False) for n, s in padding if n > 0]
         return self.cost(work)
 
