@@ -215,41 +215,85 @@ def test_radix_figure_highlights_the_hit_path():
 
 def test_chapter4_exercise_checks():
     from kvlab.exercises.ch04 import (
+        CONVERSATION,
         FEW_SHOT,
-        check_last_token,
+        check_conversation_hit,
         check_saved_prefill,
-        check_tenant_scopes,
+        conversation_hit,
         saved_prefill,
     )
 
-    assert "Correct" in check_last_token(32, "b")
-    for wrong in ((48, "b"), (32, "a")):
+    # 40 + 24 tokens, the last sampled one without KV: 63 with KV, three full blocks
+    assert conversation_hit(**CONVERSATION) == 48
+    assert conversation_hit(40, 25, 10, 16) == 64          # one more token fills block four
+    assert "Correct" in check_conversation_hit(48, "c")
+    for wrong in ((64, "c"), (32, "c"), (48, "a"), (48, "b"), (48, "d"), (48, "z")):
         with pytest.raises(AssertionError):
-            check_last_token(*wrong)
-    acme = dataclasses.replace(BASE, security_domain="acme")
-    assert "Correct" in check_tenant_scopes(acme, dataclasses.replace(acme,
-                                                                      security_domain="globex"))
-    with pytest.raises(AssertionError):
-        check_tenant_scopes(acme, dataclasses.replace(acme, security_domain="globex",
-                                                      adapter="lora-1"))
+            check_conversation_hit(*wrong)
+    with pytest.raises(AssertionError, match="integer"):
+        check_conversation_hit("48", "c")
     off, on = saved_prefill(**FEW_SHOT)
     assert off == 20 * 640 and on == 640 + 19 * (640 - 592)
     assert "Correct" in check_saved_prefill(off, on)
 
 
 def test_chapter4_checks_do_not_print_the_answer():
-    from kvlab.exercises.ch04 import FEW_SHOT, check_last_token, check_saved_prefill, saved_prefill
+    from kvlab.exercises.ch04 import (
+        FEW_SHOT,
+        check_conversation_hit,
+        check_saved_prefill,
+        saved_prefill,
+    )
 
-    with pytest.raises(AssertionError, match="too high") as err:
-        check_last_token(48, "b")
-    assert "32" not in str(err.value)
-    with pytest.raises(AssertionError, match="too low") as err:
-        check_last_token(16, "b")
-    assert "32" not in str(err.value)
+    for wrong, direction in ((64, "too high"), (32, "too low")):
+        with pytest.raises(AssertionError, match=direction) as err:
+            check_conversation_hit(wrong, "c")
+        assert "48" not in str(err.value)
+    for letter in "abd":  # a wrong letter says why it fails, never which letter is right
+        with pytest.raises(AssertionError) as err:
+            check_conversation_hit(48, letter)
+        assert "(c)" not in str(err.value) and "never fed" not in str(err.value)
     off, on = saved_prefill(**FEW_SHOT)
     with pytest.raises(AssertionError, match=r"with: .* is too high") as err:
         check_saved_prefill(off, on + 16)
     assert f"{on}" not in str(err.value).replace(f"{on + 16}", "")
+    assert "block" not in str(err.value)                  # no method in the message
+
+
+def test_chapter4_block_index_debug_check():
+    from kvlab.exercises.ch04 import BlockHashIndex, check_block_index
+
+    index = BlockHashIndex(2)
+    index.insert("s", [1, 2, 3, 4], [10, 11])
+    assert index.match("s", [1, 2, 3, 4, 5]) == (4, (10, 11))
+    assert index.match("s", [1, 2, 3, 4]) == (2, (10,))      # the last token is never covered
+    assert index.match("t", [1, 2, 3, 4, 5]) == (0, ())      # scopes apart
+    # the class as shipped: a lookup of [9, 9, 3, 4, 5] once [9, 9] is cached
+    assert index.match("s", [9, 9, 3, 4, 5]) == (0, ())
+    index.insert("s", [9, 9], [12])
+    assert index.match("s", [9, 9, 3, 4, 5]) == (4, (12, 11))  # 11 holds [1, 2, 3, 4]
+    with pytest.raises(AssertionError, match="another prefix"):
+        check_block_index(BlockHashIndex)
+
+    class Fixed(BlockHashIndex):
+        def block_hash(self, parent, block_tokens, scope):
+            return hash((parent, scope, block_tokens))
+
+    class NoScope(BlockHashIndex):
+        def block_hash(self, parent, block_tokens, scope):
+            return hash((parent, block_tokens))
+
+    class Forgetful(Fixed):
+        def insert(self, scope, tokens, blocks):
+            super().insert(scope, tokens, list(blocks)[:1])
+
+    assert "Correct" in check_block_index(Fixed)
+    with pytest.raises(AssertionError, match="another scope"):
+        check_block_index(NoScope)
+    with pytest.raises(AssertionError, match="missed"):
+        check_block_index(Forgetful)
+    with pytest.raises(AssertionError, match="derived from BlockHashIndex"):
+        check_block_index(Fixed(2))
 
 
 def test_chapter4_request_order_check():

@@ -1,88 +1,77 @@
-"""Chapter 4 exercises: the recomputed last token, scope isolation, saved prefill, and a
-cache-aware request order.
+"""Chapter 4 exercises: a conversation's second turn, saved prefill, a cache-aware request
+order, and a block-hash prefix index to debug.
 
 Each check computes the truth with :mod:`kvlab.core` and raises ``AssertionError`` saying what
-is wrong (too high, too low, which rule), never the expected answer.
+is wrong (too high, too low, why the chosen option fails), never the expected answer.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import random
+from collections.abc import Sequence
 
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scope import SCOPE_FIELDS, CacheScope
 
 from ._common import require_answer
 
-#: The lookup of :func:`check_last_token`: a fully cached prompt of this many tokens.
-LAST_TOKEN = {"prompt_tokens": 48, "block_size": 16}
+#: Exercise 1: a conversation's first turn, then its second turn sent as one prompt.
+CONVERSATION = {"prompt_tokens": 40, "output_tokens": 24, "new_tokens": 10, "block_size": 16}
+
+#: Why a wrong letter of exercise 1 fails (the right one is never described here).
+_TURN_REASONS = {
+    "a": "the cap is one token short of the *new* prompt, which is longer than the cached "
+         "conversation: it removes nothing from this match",
+    "b": "a finished request's table is freed, but its full blocks stay in the cache until "
+         "something evicts them, and this pool is far from full",
+    "d": "generated tokens are committed to the cache as their blocks fill, exactly like "
+         "prompt tokens; if they were not, the hit would be shorter still",
+}
+
+
+def conversation_hit(prompt_tokens: int, output_tokens: int, new_tokens: int,
+                     block_size: int) -> int:
+    """Run turn one on a real scheduler, then look up turn two (history + new tokens)."""
+    from kvlab.core.scheduler import ProductionScheduler, SchedulerConfig
+    from kvlab.core.scheduler_api import RuntimeRequest
+    from kvlab.sim.tokens import drive
+
+    total = prompt_tokens + output_tokens + new_tokens
+    kv = KVCacheManager(4 * (-(-total // block_size)) + 4, block_size)
+    budget = max(prompt_tokens, 1)
+    sched = ProductionScheduler(kv, SchedulerConfig(max_num_seqs=1, prefill_chunk=budget,
+                                                    max_num_batched_tokens=budget))
+    prompt = tuple(range(1, prompt_tokens + 1))
+    drive(sched, arrivals={1: [RuntimeRequest("turn1", prompt, max_tokens=output_tokens)]})
+    history = list(prompt) + list(sched.get_request("turn1").output_token_ids)
+    return kv.lookup((), history + [50_000 + i for i in range(new_tokens)])
+
+
+def check_conversation_hit(cached_tokens, reason) -> str:
+    """Exercise 1: how many tokens of turn two (:data:`CONVERSATION`) ``lookup`` reports, and
+    a letter for why that is fewer than the whole first turn (options in the chapter)."""
+    require_answer(cached_tokens, "cached tokens")
+    require_answer(reason, "your letter")
+    if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int):
+        raise AssertionError("give the number of cached tokens as an integer")
+    truth = conversation_hit(**CONVERSATION)
+    if cached_tokens != truth:
+        raise AssertionError(
+            f"{cached_tokens} is {'too high' if cached_tokens > truth else 'too low'}.")
+    letter = str(reason).strip().lower()
+    if letter in _TURN_REASONS:
+        raise AssertionError(f"the number is right, but ({letter}) is not why: "
+                             f"{_TURN_REASONS[letter]}.")
+    if letter != "c":
+        raise AssertionError(f"{reason!r} is not one of the letters a-d")
+    first_turn = CONVERSATION["prompt_tokens"] + CONVERSATION["output_tokens"]
+    return (f"Correct: {truth} of the {first_turn} tokens of turn one. The last sampled token "
+            "is returned to the client but never fed through the model, so its KV does not "
+            "exist until the next turn computes it; the block it would complete stays partial "
+            "and never enters the cache.")
+
 
 #: The workload of :func:`check_saved_prefill`.
 FEW_SHOT = {"shared_tokens": 600, "question_tokens": 40, "requests": 20, "block_size": 16}
-
-
-def _cached_tokens_for_full_hit(prompt_tokens: int, block_size: int) -> int:
-    kv = KVCacheManager(2 * (-(-prompt_tokens // block_size)) + 2, block_size)
-    prompt = list(range(prompt_tokens))
-    kv.admit("first", ("s",), prompt, prompt_tokens)
-    kv.commit("first", prompt)
-    kv.free("first")
-    return kv.lookup(("s",), prompt)
-
-
-def check_last_token(cached_tokens, reason) -> str:
-    """How many tokens of a fully cached :data:`LAST_TOKEN` prompt ``lookup`` reports, and why.
-
-    ``reason`` is a letter: (a) the last block is never cached, (b) the first output token is
-    sampled from the logits at the last prompt position, which only a forward pass over that
-    token produces, (c) to keep the hit rate below 100%, (d) the last token's KV is invalid.
-    """
-    require_answer(cached_tokens, "cached tokens")
-    require_answer(reason, "your letter")
-    truth = _cached_tokens_for_full_hit(**LAST_TOKEN)
-    if cached_tokens != truth:
-        raise AssertionError(
-            f"{cached_tokens} is {'too high' if cached_tokens > truth else 'too low'}. "
-            "The match is capped at len(prompt) - 1 tokens and "
-            "then rounded down to whole blocks.")
-    if str(reason).strip().lower() != "b":
-        raise AssertionError(
-            f"{reason!r} is not the reason. The cache stores K and V, not logits: to sample the "
-            "first output token the model must run a forward pass at the last prompt position.")
-    return (f"Correct: {truth} of {LAST_TOKEN['prompt_tokens']} tokens. With whole-block "
-            "matching the capped token drags its whole block along: up to block_size tokens are "
-            "recomputed for one logit row (engines that match token-granular avoid that).")
-
-
-def check_tenant_scopes(scope_a, scope_b) -> str:
-    """Two :class:`CacheScope` objects for tenants ``acme`` and ``globex`` on one deployment.
-
-    They must differ in ``security_domain`` only, and a prompt cached for one must not hit for
-    the other.
-    """
-    require_answer(scope_a, "scope for acme")
-    require_answer(scope_b, "scope for globex")
-    for scope, tenant in ((scope_a, "acme"), (scope_b, "globex")):
-        if not isinstance(scope, CacheScope):
-            raise AssertionError("build kvlab.core.scope.CacheScope objects")
-        if scope.security_domain != tenant:
-            raise AssertionError(f"the security_domain of {tenant}'s scope must be {tenant!r}")
-    differing = [f for f in SCOPE_FIELDS if getattr(scope_a, f) != getattr(scope_b, f)]
-    if differing != ["security_domain"]:
-        raise AssertionError(f"the scopes differ in {differing}; same deployment means every "
-                             "other field is equal")
-    kv = KVCacheManager(8, 4)
-    prompt = list(range(13))
-    kv.admit("a", scope_a, prompt, 13)
-    kv.commit("a", prompt)
-    assert kv.lookup(scope_a, prompt) == 12
-    if kv.lookup(scope_b, prompt) != 0:  # pragma: no cover - guarded by the radix cache
-        raise AssertionError("a hit across security domains")
-    same = dataclasses.replace(scope_b, security_domain="acme")
-    assert kv.lookup(same, prompt) == 12
-    return ("Correct: the same prompt hits for acme again but never for globex. Without the "
-            "domain in the key, globex could learn from its time to first token whether acme "
-            "recently sent a given prefix: a timing side channel on other tenants' prompts.")
 
 
 def saved_prefill(shared_tokens: int, question_tokens: int, requests: int,
@@ -110,10 +99,7 @@ def check_saved_prefill(tokens_without, tokens_with) -> str:
         wrong = "; ".join(f"{what}: {got} is {'too high' if got > want else 'too low'}"
                           for what, got, want in (("without", tokens_without, truth[0]),
                                                   ("with", tokens_with, truth[1])) if got != want)
-        raise AssertionError(
-            f"{wrong}. The first request computes "
-            "everything; later ones reuse the shared prefix rounded down to whole blocks, and "
-            "recompute the partial block that straddles the prefix and the question.")
+        raise AssertionError(f"{wrong}.")
     return f"Correct: {truth[0]} vs {truth[1]} tokens ({truth[0] / truth[1]:.1f}x less prefill)."
 
 
@@ -151,8 +137,9 @@ def prefill_for_order(order) -> int:
 
 
 def longest_prefix_first_order() -> list[str]:
-    """SGLang's policy, greedily: always run the waiting request with the longest cached
-    prefix next (ties in arrival order)."""
+    """Longest-prefix-match, greedily: always run the waiting request with the longest cached
+    prefix next (ties in arrival order); SGLang's opt-in ``--schedule-policy lpm`` sorts its
+    waiting queue this way."""
     requests = ordering_requests()
     kv = KVCacheManager(ORDERING["num_blocks"], ORDERING["block_size"])
     waiting, order = list(requests), []
@@ -186,4 +173,105 @@ def check_request_order(order) -> str:
                              f"cache-aware order computes fewer.{better}")
     return (f"Correct: {yours:,} prefill tokens against {arrival:,} in arrival order. Running "
             "requests that share a prefix back to back keeps that prefix from being evicted "
-            "between them: SGLang's longest-prefix-match scheduling does it automatically.")
+            "between them. Sorting the waiting queue by cached prefix length does it "
+            "automatically (SGLang's opt-in 'lpm' policy); nothing in that sort stops a "
+            "request that matches nothing from being passed over while hits keep arriving.")
+
+
+# -- exercise 4: a prefix index keyed by block hashes --------------------------------------------
+
+class BlockHashIndex:
+    """A prefix index in the style of vLLM v1: a dictionary from block hashes to block ids.
+
+    ``insert(scope, tokens, blocks)`` records ``blocks[i]`` as holding the KV of the ``i``-th
+    full block of ``tokens``; ``match(scope, tokens)`` walks the full blocks of ``tokens``,
+    stops at the first hash it does not know, never covers the last token, and returns
+    ``(cached_tokens, blocks)``. Its contract is :class:`kvlab.PrefixCache`'s: a block may be
+    served only for the exact tokens, at the exact position, that its KV was computed for.
+    """
+
+    def __init__(self, block_size: int):
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.block_size = block_size
+        self.table: dict = {}
+
+    def block_hash(self, parent, block_tokens: tuple, scope) -> int:
+        """The key of one full block, given the key of the block before it (None first)."""
+        return hash((scope, block_tokens))
+
+    def _hashes(self, scope, tokens: Sequence[int], limit: int):
+        parent = None
+        bs = self.block_size
+        for start in range(0, limit - limit % bs, bs):
+            parent = self.block_hash(parent, tuple(tokens[start:start + bs]), scope)
+            yield parent
+
+    def insert(self, scope, tokens: Sequence[int], blocks: Sequence[int]) -> None:
+        for h, block in zip(self._hashes(scope, tokens, len(tokens)), blocks, strict=False):
+            self.table.setdefault(h, block)
+
+    def match(self, scope, tokens: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+        found = []
+        for h in self._hashes(scope, tokens, max(len(tokens) - 1, 0)):
+            if h not in self.table:
+                break
+            found.append(self.table[h])
+        return len(found) * self.block_size, tuple(found)
+
+
+def _differential(index_cls, rounds: int = 400, seed: int = 0) -> str | None:
+    """Drive ``index_cls`` and an exact oracle with random prompts; describe the first
+    disagreement in words that name its kind only, or return None."""
+    rng = random.Random(seed)
+    bs = 2
+    for _ in range(rounds // 20):
+        index = index_cls(bs)
+        truth: dict = {}                         # (scope, exact prefix) -> block id
+        content: dict = {}                       # block id -> (scope, exact prefix)
+        next_block = 0
+        for _ in range(20):
+            scope = rng.choice(("a", "b"))
+            tokens = [rng.randrange(2) for _ in range(rng.randrange(1, 9))]
+            if rng.random() < 0.5:
+                n_full = len(tokens) // bs
+                blocks = list(range(next_block, next_block + n_full))
+                next_block += n_full
+                index.insert(scope, tokens, blocks)
+                for i, block in enumerate(blocks):
+                    key = (scope, tuple(tokens[:(i + 1) * bs]))
+                    truth.setdefault(key, block)
+                    content[block] = key
+                continue
+            got_tokens, got_blocks = index.match(scope, tokens)
+            want = 0
+            limit = len(tokens) - 1
+            while want + bs <= limit and (scope, tuple(tokens[:want + bs])) in truth:
+                want += bs
+            if got_tokens != len(got_blocks) * bs:
+                return "match returned a token count that is not its blocks' worth of tokens"
+            for i, block in enumerate(got_blocks):
+                owner = content.get(block)
+                if owner is not None and owner[0] != scope:
+                    return "a lookup was served a block cached under another scope"
+                if owner != (scope, tuple(tokens[:(i + 1) * bs])):
+                    return "a lookup was served a block whose KV belongs to another prefix"
+            if got_tokens < want:
+                return "a lookup missed blocks that were cached for exactly its prefix"
+    return None
+
+
+def check_block_index(index_cls) -> str:
+    """Exercise 4: ``index_cls`` (a :class:`BlockHashIndex` subclass, built with
+    ``index_cls(block_size)``) must agree with an exact prefix cache on random workloads."""
+    require_answer(index_cls, "your index class")
+    if not (isinstance(index_cls, type) and issubclass(index_cls, BlockHashIndex)):
+        raise AssertionError("pass a class derived from BlockHashIndex (the class, not an "
+                             "instance)")
+    problem = _differential(index_cls)
+    if problem is not None:
+        raise AssertionError(f"not yet: {problem}.")
+    if index_cls is BlockHashIndex:  # pragma: no cover - the unfixed class always fails above
+        raise AssertionError("that is the class as shipped")
+    return ("Correct: your index serves a block only for the exact prefix its KV was computed "
+            "for, on every random workload tried.")
