@@ -162,9 +162,16 @@ def test_llama3_8b_h100_as_vllm_sizes_it():
     assert plan.max_requests == 13
     fp8 = plan_capacity(LLAMA8, H100, context_len=32768, reserve_bytes=4 * GiB, kv_dtype="fp8")
     assert fp8.max_requests == 26
-    # a GPU without a recorded CUDA total falls back to the datasheet
+    # the H200's CUDA total (139.81 GiB) is recorded too; a GPU without one falls back to
+    # its label read as decimal GB
     h200 = get_gpu("H200-141GB SXM")
-    assert h200.cuda_total_bytes is None and h200.engine_memory_bytes == 141 * GB
+    assert h200.cuda_total_bytes == round(139.81 * GiB) == h200.engine_memory_bytes
+    assert plan_capacity(LLAMA8, h200, context_len=32768,
+                         reserve_bytes=4 * GiB).max_requests == 26
+    assert plan_capacity(LLAMA8, h200, context_len=32768, reserve_bytes=4 * GiB,
+                         kv_dtype="fp8").max_requests == 53
+    a100 = get_gpu("A100-80GB SXM")
+    assert a100.cuda_total_bytes is None and a100.engine_memory_bytes == 80 * GB
     with pytest.raises(ValueError, match="total_memory"):
         plan_capacity(LLAMA8, H100, total_memory="nvidia-smi")
 
@@ -323,29 +330,72 @@ def test_chapter1_exercise_checks():
         check_tp_kv_per_rank,
     )
 
-    assert "320 KiB" in check_kv_bytes_per_token(327_680)
-    assert "13 requests" in check_max_requests_h100(13, 26)
-    assert "40,960" in check_tp_kv_per_rank(40_960, 40_960)
-    with pytest.raises(AssertionError, match="factor 2") as err:
-        check_kv_bytes_per_token(163_840)
-    assert "327,680" not in str(err.value)
-    with pytest.raises(AssertionError, match="GQA"):
-        check_kv_bytes_per_token(327_680 * 8)
-    with pytest.raises(AssertionError, match="fp8: 12 is too low") as err:
-        check_max_requests_h100(13, 12)
-    assert "26" not in str(err.value)
-    with pytest.raises(AssertionError, match="datasheet") as err:   # the 74.5 GiB plan
-        check_max_requests_h100(12, 24)
-    assert "13" not in str(err.value) and "26" not in str(err.value)
-    with pytest.raises(AssertionError, match="bf16: 14 is too high"):
-        check_max_requests_h100(14, 26)
-    with pytest.raises(AssertionError, match="replicated") as err:
-        check_tp_kv_per_rank(40_960, 20_480)
-    assert "40,960" not in str(err.value)
+    # Llama 3.1 405B, int4 + one fp16 scale per 32: 2 x 126 x 8 x 128 x (0.5 + 2/32) bytes
+    truth = 2 * 126 * 8 * 128 * 0.5625
+    assert truth == 145_152
+    assert "145,152" in check_kv_bytes_per_token(145_152)
+    for wrong, word in ((truth / 2, "too low"), (2 * 126 * 8 * 128 * 0.5, "too low"),
+                        (2 * 126 * 8 * 128 * 2, "too high"), (truth * 16, "too high")):
+        with pytest.raises(AssertionError) as err:
+            check_kv_bytes_per_token(wrong)
+        assert str(err.value).endswith(f"is {word}.") and "145" not in str(err.value)
+    # Qwen2.5-7B on an H100 (79.11 GiB x 0.9 - 2 x 7,615,616,512 - 4 GiB) at 32k
+    budget = 0.9 * round(79.11 * GiB) - 2 * 7_615_616_512 - 4 * GiB
+    block = 2 * 28 * 16 * 4 * 128 * 2
+    bf16 = int(budget // block) // 2048
+    assert (bf16, int(budget // (block // 2)) // 2048) == (30, 60)
+    assert "30 requests" in check_max_requests_h100(30, 60)
+    with pytest.raises(AssertionError) as err:
+        check_max_requests_h100(30, 59)
+    assert str(err.value) == "fp8: 59 is too low."
+    with pytest.raises(AssertionError) as err:           # the 74.5 GiB (decimal) plan
+        check_max_requests_h100(27, 55)
+    assert "30" not in str(err.value) and "60" not in str(err.value)
+    assert "too low" in str(err.value) and "GiB" not in str(err.value)
+    with pytest.raises(AssertionError, match="bf16: 31 is too high"):
+        check_max_requests_h100(31, 60)
+    # Qwen2.5-7B has 4 KV heads: 2 per rank at TP=2, 1 (replicated) at TP=8
+    assert "28,672 and 14,336" in check_tp_kv_per_rank(28_672, 14_336)
+    for answers in ((28_672, 7_168), (57_344, 14_336), (28_672, 28_672)):
+        with pytest.raises(AssertionError) as err:
+            check_tp_kv_per_rank(*answers)
+        message = str(err.value)
+        assert "replicated" not in message and "head" not in message
+        assert "14,336" not in message.replace(f"{answers[1]:,}", "")
     with pytest.raises(NotYetAnswered):
         check_max_requests_h100(..., 24)
     with pytest.raises(AssertionError, match="whole number"):
-        check_kv_bytes_per_token(1.5)
+        check_max_requests_h100(1.5, 2)
+    with pytest.raises(AssertionError, match="a number"):
+        check_kv_bytes_per_token("145152")
+
+
+def test_chapter1_suspect_capacity_debug_check():
+    from kvlab.exercises.ch01 import check_suspect_counterexample, suspect_max_requests
+
+    # the suspect agrees with plan_capacity whenever the context is a multiple of the block size
+    for name in ("Llama-3-8B", "Llama-3-70B", "Qwen2.5-7B"):
+        for tp in (1, 4, 16):
+            for ctx in (4096, 8192, 32768):
+                plan = plan_capacity(MODELS[name], H100, tp=tp, context_len=ctx,
+                                     reserve_bytes=4 * GiB)
+                assert suspect_max_requests(MODELS[name], H100, tp=tp,
+                                            context_len=ctx) == plan.max_requests
+    case = {"model": "Llama-3-8B", "gpu": "H100-80GB SXM", "kv_dtype": "bf16",
+            "context_len": 1000, "tp": 1}
+    plan = plan_capacity(LLAMA8, H100, context_len=1000, reserve_bytes=4 * GiB)
+    assert plan.max_requests == plan.num_blocks // 63            # 1000 tokens need 63 blocks
+    message = check_suspect_counterexample(case)
+    assert message.startswith("Correct") and f"where {plan.max_requests} fit" in message
+    for word in ("block", "round", "whole", "ceil"):              # the bug stays unnamed
+        assert word not in message.lower()
+    with pytest.raises(AssertionError, match="does not show") as err:
+        check_suspect_counterexample({**case, "context_len": 1024})
+    assert "block" not in str(err.value)
+    with pytest.raises(AssertionError, match="exactly the keys"):
+        check_suspect_counterexample({"model": "Llama-3-8B"})
+    with pytest.raises(AssertionError, match="not valid"):
+        check_suspect_counterexample({**case, "gpu": "B200"})
 
 
 def test_chapter1_kv_overtakes_weights_check():
@@ -358,9 +408,9 @@ def test_chapter1_kv_overtakes_weights_check():
     assert truth == 30                  # 16.06e9 / (4097 x 128 KiB) = 29.9
     assert "Correct" in check_kv_overtakes_weights(truth)
     for wrong, word in ((truth - 1, "too low"), (1, "too low"), (truth + 1, "too high")):
-        with pytest.raises(AssertionError, match=word) as err:
+        with pytest.raises(AssertionError) as err:
             check_kv_overtakes_weights(wrong)
-        assert str(truth) not in str(err.value).replace(str(wrong), "")
+        assert str(err.value) == f"{wrong} is {word}."
 
 
 def test_chapter1_tp_design_check():
@@ -375,8 +425,8 @@ def test_chapter1_tp_design_check():
         assert "Correct" in check_tp_design(4, dtype)
     with pytest.raises(AssertionError, match="fewer than 40") as err:
         check_tp_design(4, "bf16")
-    assert "fp8" not in str(err.value)
-    with pytest.raises(AssertionError, match="fewer GPUs suffice") as err:
+    assert "fp8" not in str(err.value) and "smaller element" not in str(err.value)
+    with pytest.raises(AssertionError, match="not the fewest GPUs") as err:
         check_tp_design(8, "bf16")
     assert "TP=4" not in str(err.value)
     with pytest.raises(AssertionError, match="do not even fit"):

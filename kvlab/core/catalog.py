@@ -4,12 +4,16 @@ Model shapes are copied from each model's Hugging Face ``config.json`` (URL in `
 ``params`` is the published parameter count and :func:`dense_param_count` recomputes it from
 the shape, so the two checking each other guards against a mistyped field (tests do this).
 
-GPU figures come from NVIDIA's datasheets (URL in ``source``). Memory is stated the way the
-datasheet states it, in **decimal gigabytes** (1 GB = 10**9 bytes): an "80GB" part is recorded
-as ``80 * 10**9`` bytes = 74.5 GiB. CUDA reports more (79.11 GiB on an H100 80GB); where that
-total has been observed it is recorded as ``cuda_total_bytes``, and capacity plans use it by
-default, as vLLM does. Peak tensor throughput is the *dense* BF16 figure (datasheets often print the
-2:4-sparse figure, twice as large); bandwidth is HBM bandwidth in bytes per second.
+GPU figures come from NVIDIA's datasheets (URL in ``source``). HBM capacities are binary: an
+"80GB" H100 carries 80 GiB (80 * 2**30 bytes) of HBM3, and the "GB" of a memory label means
+GiB. CUDA reports a little less than the physical size, because the driver and firmware keep
+some for themselves: 79.11 GiB on an H100 80GB, 139.81 GiB on an H200. That observed total is
+recorded as ``cuda_total_bytes``, and capacity plans use it by default, as vLLM does.
+``memory_bytes`` is the label's number read as *decimal* gigabytes (``80 * 10**9`` bytes =
+74.5 GiB): a lower bound, kept because planners that misread the label use it (and for GPUs
+without an observed total), not the physical size. Peak tensor throughput is the *dense* BF16
+figure (datasheets often print the 2:4-sparse figure, twice as large); bandwidth is HBM
+bandwidth in bytes per second (decimal: 3.35 TB/s = 3.35 * 10**12 B/s).
 """
 
 from __future__ import annotations
@@ -108,7 +112,8 @@ class GPUSpec:
 
     Attributes:
         name: product name.
-        memory_bytes: HBM capacity in bytes, from the datasheet's decimal GB figure.
+        memory_bytes: the datasheet label's number read as decimal GB (a lower bound on
+            the physical HBM, which is binary: "80GB" is 80 GiB).
         memory_label: how the datasheet writes it (e.g. ``"80GB HBM3"``).
         bf16_tflops: peak dense BF16 tensor-core throughput, in 10**12 FLOP/s.
         hbm_bandwidth: peak HBM bandwidth in bytes per second.
@@ -187,7 +192,11 @@ GPUS: dict[str, GPUSpec] = {
                 cuda_total_bytes=round(79.11 * GiB)),
         GPUSpec("H200-141GB SXM", memory_bytes=141 * GB, memory_label="141GB HBM3e",
                 bf16_tflops=989.5, hbm_bandwidth=4800 * GB,
-                source="https://www.nvidia.com/en-us/data-center/h200/"),
+                source="https://www.nvidia.com/en-us/data-center/h200/",
+                # CUDA's total on an H200: "GPU 0 has a total capacity of 139.81 GiB" in
+                # PyTorch's out-of-memory message; TensorRT-LLM logs "device total memory
+                # 139.81 GiB".
+                cuda_total_bytes=round(139.81 * GiB)),
     )
 }
 

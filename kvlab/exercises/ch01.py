@@ -1,29 +1,37 @@
-"""Chapter 1 exercises: KV bytes per token, requests that fit on one GPU, where the KV traffic
-overtakes the weights, the TP rule, and a TP/dtype design for Llama 3 70B.
+"""Chapter 1 exercises: KV bytes per token of a quantised cache, requests that fit on one GPU,
+where the KV traffic overtakes the weights, the TP rule, a TP/dtype design for Llama 3 70B, and
+a capacity estimate to debug.
 
 Every check computes the truth with :mod:`kvlab.core.capacity` (and the roofline cost model)
 under the assumptions the exercise states, and raises ``AssertionError`` saying what is wrong
-(too high, too low, which rule) without printing the expected value.
+(a numeric answer: only too high or too low) without printing the expected value.
 """
 
 from __future__ import annotations
 
-from kvlab.core.capacity import DTYPE_BYTES, GiB, plan_capacity
+from kvlab.core.capacity import DTYPE_BYTES, GiB, kv_heads_per_rank, plan_capacity
 from kvlab.core.catalog import get_gpu, get_model
 from kvlab.reference import kv_bytes
 
 from ._common import require_answer
 
-#: Assumptions of :func:`check_max_requests_h100` (also printed in the chapter).
+#: The cache of :func:`check_kv_bytes_per_token` (exercise 1).
+KV_TOKEN_CASE = {"model": "Llama-3.1-405B", "kv_dtype": "int4", "scale_group": 32,
+                 "scale_bytes": 2, "tp": 1}
+
+#: Assumptions of :func:`check_max_requests_h100` (exercise 2, also printed in the chapter).
 H100_ASSUMPTIONS = {
-    "model": "Llama-3-8B",
-    "gpu": "H100-80GB SXM",          # total as CUDA reports it: 79.11 GiB, as vLLM uses it
-    "weight_dtype": "bf16",          # 2 bytes x 8,030,261,248 parameters
+    "model": "Qwen2.5-7B",
+    "gpu": "H100-80GB SXM",          # total as CUDA reports it (79.11 GiB), as vLLM uses it
+    "weight_dtype": "bf16",          # 2 bytes x 7,615,616,512 parameters
     "gpu_memory_utilization": 0.9,
     "reserve_bytes": 4 * GiB,        # activations and workspace
     "block_size": 16,
     "context_len": 32768,
 }
+
+#: The model and TP sizes of :func:`check_tp_kv_per_rank` (exercise 4).
+TP_RANK_CASE = {"model": "Qwen2.5-7B", "kv_dtype": "bf16", "tp": (2, 8)}
 
 #: The requirement of :func:`check_tp_design` (exercise 5).
 TP_DESIGN = {
@@ -35,6 +43,9 @@ TP_DESIGN = {
     "tp_choices": (1, 2, 4, 8, 16),
 }
 
+#: The keys a case of :func:`check_suspect_counterexample` (exercise 6) must give.
+SUSPECT_CASE_KEYS = ("model", "gpu", "kv_dtype", "context_len", "tp")
+
 
 def _int_answer(value, what: str) -> int:
     require_answer(value, what)
@@ -44,31 +55,34 @@ def _int_answer(value, what: str) -> int:
     return int(value)
 
 
-def _direction(got: int, truth: int) -> str:
+def _float_answer(value, what: str) -> float:
+    require_answer(value, what)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AssertionError(f"{what}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _direction(got: float, truth: float) -> str:
     return "too high" if got > truth else "too low"
 
 
 def check_kv_bytes_per_token(answer) -> str:
-    """Bytes of K and V that one token of Llama-3-70B needs in bf16, all layers, one GPU."""
-    answer = _int_answer(answer, "KV bytes per token")
-    m = get_model("Llama-3-70B")
-    truth = kv_bytes(m.layers, 1, 1, m.kv_heads, m.head_dim, 2)
-    if answer != truth:
-        hint = ""
-        if answer == truth // 2:
-            hint = " Did you forget that both K and V are cached (the factor 2)?"
-        elif answer == truth * m.gqa_group:
-            hint = " Use the KV heads, not the query heads: that is GQA."
-        raise AssertionError(f"{answer:,} is {_direction(answer, truth)}.{hint}")
-    return f"Correct: {truth:,} bytes = {truth // 1024} KiB per token."
+    """Exercise 1: bytes of K and V one token of :data:`KV_TOKEN_CASE`'s model needs, all
+    layers, one GPU, in its int4 cache with one fp16 scale per ``scale_group`` elements."""
+    answer = _float_answer(answer, "KV bytes per token")
+    c = KV_TOKEN_CASE
+    plan = plan_capacity(get_model(c["model"]), 10**15, kv_dtype=c["kv_dtype"], tp=c["tp"],
+                         scale_group=c["scale_group"], scale_bytes=c["scale_bytes"])
+    truth = plan.kv_bytes_per_token
+    if abs(answer - truth) > 0.5:
+        raise AssertionError(f"{answer:,} is {_direction(answer, truth)}.")
+    return (f"Correct: {truth:,.0f} bytes per token, scales included "
+            f"({truth / 1024:.1f} KiB).")
 
 
 def check_max_requests_h100(bf16_answer, fp8_answer) -> str:
-    """Concurrent 32k-token requests of Llama-3-8B on one H100-80GB, bf16 vs fp8 KV cache.
-
-    Assumptions: :data:`H100_ASSUMPTIONS` (CUDA's total, 90% usable, bf16 weights, 4 GiB
-    reserve, blocks of 16 tokens, each request needs whole blocks for 32,768 tokens).
-    """
+    """Exercise 2: concurrent 32k-token requests of :data:`H100_ASSUMPTIONS`'s model on one
+    H100-80GB, with a bf16 and with an fp8 KV cache (each request needs whole blocks)."""
     bf16 = _int_answer(bf16_answer, "bf16 answer")
     fp8 = _int_answer(fp8_answer, "fp8 answer")
     a = H100_ASSUMPTIONS
@@ -78,16 +92,10 @@ def check_max_requests_h100(bf16_answer, fp8_answer) -> str:
     model, gpu = get_model(a["model"]), get_gpu(a["gpu"])
     truth = {d: plan_capacity(model, gpu, kv_dtype=d, **common).max_requests
              for d in ("bf16", "fp8")}
-    datasheet = {d: plan_capacity(model, gpu, kv_dtype=d, total_memory="datasheet",
-                                  **common).max_requests for d in ("bf16", "fp8")}
     wrong = [f"{d}: {got} is {_direction(got, truth[d])}" for d, got in (("bf16", bf16),
              ("fp8", fp8)) if got != truth[d]]
     if wrong:
-        hint = " Budget = 0.9 x total - weights - 4 GiB; divide by one 32k request; round down."
-        if (bf16, fp8) == (datasheet["bf16"], datasheet["fp8"]):
-            hint = (" You planned from the datasheet's 80e9 bytes; vLLM multiplies the total"
-                    " CUDA reports (79.11 GiB on an H100) by gpu_memory_utilization.")
-        raise AssertionError("; ".join(wrong) + "." + hint)
+        raise AssertionError("; ".join(wrong) + ".")
     return (f"Correct: {truth['bf16']} requests with bf16 KV, {truth['fp8']} with fp8 "
             "(halving the element size doubles the concurrency).")
 
@@ -106,32 +114,29 @@ def check_kv_overtakes_weights(answer) -> str:
         return cm.cost([(1, 4095, True)] * b).bytes - cm.weight_bytes >= cm.weight_bytes
 
     if not kv_at_least_weights(batch):
-        raise AssertionError(f"At batch {batch} the weights still move more bytes than the "
-                             "KV: too low. Each request reads its 4,096 cached tokens and "
-                             "writes one.")
+        raise AssertionError(f"{batch} is too low.")
     if kv_at_least_weights(batch - 1):
-        raise AssertionError(f"{batch} is too high: a smaller batch already reads as many KV "
-                             "bytes as weight bytes.")
+        raise AssertionError(f"{batch} is too high.")
     return (f"Correct: from batch {batch} on the KV cache, not the weights, is most of a "
             "decode step's memory traffic.")
 
 
-def check_tp_kv_per_rank(tp8_answer, tp16_answer) -> str:
-    """Per-rank KV bytes per token of Llama-3-70B (bf16, sharded cache) at TP=8 and TP=16."""
-    tp8 = _int_answer(tp8_answer, "TP=8 answer")
-    tp16 = _int_answer(tp16_answer, "TP=16 answer")
-    m = get_model("Llama-3-70B")
-    truth = {tp: int(plan_capacity(m, 10**15, tp=tp).kv_bytes_per_token) for tp in (8, 16)}
-    problems = [f"TP={tp}: {got:,} is {_direction(got, truth[tp])}"
-                for tp, got in ((8, tp8), (16, tp16)) if got != truth[tp]]
+def check_tp_kv_per_rank(first_answer, second_answer) -> str:
+    """Exercise 4: per-rank KV bytes per token of :data:`TP_RANK_CASE`'s model (sharded
+    cache) at its two TP sizes, in that order."""
+    c = TP_RANK_CASE
+    answers = (_int_answer(first_answer, f"TP={c['tp'][0]} answer"),
+               _int_answer(second_answer, f"TP={c['tp'][1]} answer"))
+    m = get_model(c["model"])
+    truth = [int(plan_capacity(m, 10**15, tp=tp, kv_dtype=c["kv_dtype"]).kv_bytes_per_token)
+             for tp in c["tp"]]
+    problems = [f"TP={tp}: {got:,} is {_direction(got, want)}"
+                for tp, got, want in zip(c["tp"], answers, truth, strict=True) if got != want]
     if problems:
-        hint = ""
-        if tp8 == truth[8] and tp16 < truth[16]:
-            hint = (" With 16 ranks and 8 KV heads a rank cannot hold half a head: the heads"
-                    " are replicated.")
-        raise AssertionError("; ".join(problems) + "." + hint)
-    return (f"Correct: {truth[8]:,} bytes at both TP=8 and TP=16; beyond TP = KV heads the "
-            "cache is replicated, not divided.")
+        raise AssertionError("; ".join(problems) + ".")
+    return (f"Correct: {truth[0]:,} and {truth[1]:,} bytes per rank: {c['tp'][1] // c['tp'][0]}"
+            f" times the ranks divide the per-rank cache by only {truth[0] // truth[1]}, "
+            "because a KV head cannot be split: past TP = KV heads it is replicated.")
 
 
 def _design_plan(tp: int, kv_dtype: str):
@@ -156,13 +161,47 @@ def check_tp_design(tp, kv_dtype) -> str:
         raise AssertionError(f"At TP={tp} the weights and reserve do not even fit on one GPU.")
     if plan.max_requests < d["min_requests"]:
         raise AssertionError(f"TP={tp} with a {kv_dtype} cache holds fewer than "
-                             f"{d['min_requests']} requests of {d['context_len']:,} tokens: "
-                             "more GPUs or a smaller element.")
+                             f"{d['min_requests']} requests of {d['context_len']:,} tokens.")
     smaller = [t for t in d["tp_choices"] if t < tp
                and any(_design_plan(t, x).max_requests >= d["min_requests"] for x in dtypes)]
     if smaller:
-        raise AssertionError(f"TP={tp} works, but a smaller TP also does with some KV dtype: "
-                             "fewer GPUs suffice.")
+        raise AssertionError(f"TP={tp} works, but it is not the fewest GPUs.")
     return (f"Correct: TP={tp} with a {kv_dtype} cache holds {plan.max_requests} requests "
             f"of {d['context_len']:,} tokens; no smaller group can. (Measure the accuracy of "
             "a quantised cache before you ship it.)")
+
+
+def suspect_max_requests(model, gpu, *, kv_dtype="bf16", context_len=8192, tp=1,
+                         block_size=16, gpu_memory_utilization=0.9, reserve_bytes=4 * GiB):
+    """Exercise 6: a colleague's quick capacity estimate. It matches ``plan_capacity`` on
+    every example of the chapter."""
+    per_token = kv_bytes(model.layers, 1, 1, kv_heads_per_rank(model.kv_heads, tp),
+                         model.head_dim, DTYPE_BYTES[kv_dtype])
+    budget = (gpu_memory_utilization * gpu.engine_memory_bytes
+              - model.weight_bytes("bf16") / tp - reserve_bytes)
+    blocks = int(max(budget, 0) // (per_token * block_size))
+    return blocks * block_size // context_len
+
+
+def check_suspect_counterexample(case) -> str:
+    """Exercise 6: a case (dict with :data:`SUSPECT_CASE_KEYS`) on which
+    :func:`suspect_max_requests` promises more requests than ``plan_capacity`` holds."""
+    require_answer(case, "case")
+    if not isinstance(case, dict) or set(case) != set(SUSPECT_CASE_KEYS):
+        raise AssertionError(f"give a dict with exactly the keys {SUSPECT_CASE_KEYS}")
+    try:
+        model, gpu = get_model(case["model"]), get_gpu(case["gpu"])
+        args = dict(kv_dtype=case["kv_dtype"], context_len=case["context_len"], tp=case["tp"])
+        truth = plan_capacity(model, gpu, reserve_bytes=4 * GiB, **args).max_requests
+    except (KeyError, ValueError) as err:
+        raise AssertionError(f"that case is not valid: {err}") from None
+    promised = suspect_max_requests(model, gpu, **args)
+    if promised == truth:
+        raise AssertionError(f"both give {truth} requests here: the bug does not show on "
+                             "this case.")
+    if promised < truth:
+        raise AssertionError(f"the suspect promises fewer requests ({promised}) than fit "
+                             f"({truth}) here: safe, if wasteful. Find a case where it "
+                             "promises more.")
+    return (f"Correct: the suspect promises {promised} requests where {truth} fit. An engine "
+            "that admitted them would run out of KV memory while they are all still running.")

@@ -142,7 +142,7 @@ KERNEL_FREE_GRID = {
 
 def capacity_kernel_free(model: str = "Llama-3-8B", gpu: str = "H100-80GB SXM", *,
                          context_len: int = 8192, gpu_memory_utilization: float = 0.9,
-                         reserve_gib: float = 2.0):
+                         reserve_gib: float = 4.0):
     """The explorer without a kernel: :data:`KERNEL_FREE_GRID` precomputed (the other controls
     fixed at the explorer's defaults), each frame with its plan summary beneath."""
     from .kernel_free import dropdown, slider, static_widget
