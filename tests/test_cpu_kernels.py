@@ -223,3 +223,69 @@ def test_kernel_rows_equal_dense_attention_for_short_chunks_behind_a_prefix():
         dense = dense_causal_attention(qq, flat_k[slots], flat_v[slots], dim ** -0.5)
         assert torch.allclose(got[pc.offset:pc.offset + pc.num_tokens], dense[c.start_pos:],
                               atol=2e-6, rtol=1e-5)
+
+
+def test_build_name_is_keyed_to_the_environment(monkeypatch):
+    # two venvs (another sys.prefix, another torch) get their own build directory, so they
+    # never rewrite each other's build.ninja; the same environment always finds its own
+    from torch.utils import cpp_extension
+
+    name = cpu_kernels.build_name("AVX2")
+    assert name == cpu_kernels.build_name("AVX2") and name.startswith(
+        "kvlab_paged_attention_cpu_avx2_")
+    assert cpu_kernels.build_name("AVX512") != name
+    monkeypatch.setattr(sys, "prefix", "/some/other/venv")
+    other_venv = cpu_kernels.build_name("AVX2")
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "0.0.0+other")
+    other_torch = cpu_kernels.build_name("AVX2")
+    monkeypatch.undo()
+    monkeypatch.setattr(cpp_extension, "include_paths", lambda *a, **k: ["/elsewhere/include"])
+    other_include = cpu_kernels.build_name("AVX2")
+    assert len({name, other_venv, other_torch, other_include}) == 4
+
+
+_BUILD = "from kvlab.engine import cpu_kernels; print(cpu_kernels.available(), " \
+         "cpu_kernels.build_error())"
+
+
+@needs_kernel
+def test_a_build_killed_midway_and_stale_lock_files_never_block_the_next(tmp_path):
+    """SIGKILL a first build while it compiles (and leave torch's old-layout ``lock`` file, which
+    made the next process wait forever): the next process builds and loads the kernel, and the
+    one after it loads that build without compiling again."""
+    import signal
+    import time
+
+    legacy = tmp_path / "py311_cpu" / "kvlab_paged_attention_cpu_avx2"
+    legacy.mkdir(parents=True)
+    (legacy / "lock").write_text("")
+    root = tmp_path / "kvlab"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "KVLAB_CPU_ATTENTION": "1"}
+    first = subprocess.Popen([sys.executable, "-c", _BUILD], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(root.glob("*.tmp-*/build.ninja")):   # the compiler is running
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "the first build never started"
+            time.sleep(0.05)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    killed = list(root.glob("*.tmp-*"))
+    assert len(killed) == 1 and not [p for p in root.iterdir() if ".tmp-" not in p.name]
+    done = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0 and done.stdout.split() == ["True", "None"], done.stderr[-3000:]
+    final = [p for p in root.iterdir() if ".tmp-" not in p.name]
+    assert len(final) == 1 and not (final[0] / "lock").exists()
+    assert (final[0] / f"{final[0].name}.so").is_file()
+    assert killed[0].exists()          # a recent leftover is left alone (it may be live) ...
+    os.utime(killed[0], (0, 0))        # ... an old one is removed by the next process
+    ninja = (final[0] / "build.ninja").stat().st_mtime_ns
+    again = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert again.stdout.split() == ["True", "None"], again.stderr[-3000:]
+    assert (final[0] / "build.ninja").stat().st_mtime_ns == ninja    # loaded, not rebuilt
+    assert not killed[0].exists()

@@ -7,24 +7,37 @@ straight from the cache instead, one request per iteration, with a float32 softm
 project's CPU it is 1.5-3.5x faster than the gather path (``benchmarks/bench_decode_attention.py``).
 
 It is built on first use with :func:`torch.utils.cpp_extension.load_inline` (a C++ compiler and
-``ninja`` are needed; about 20 s once, then cached by torch under ``~/.cache/torch_extensions``)
-for the CPU's vector width (``torch.backends.cpu.get_cpu_capability()``). Where the build fails,
-or with ``KVLAB_CPU_ATTENTION=0``, :func:`available` is False and the engine keeps the torch path,
-which computes the same attention (tested against each other in ``tests/test_cpu_kernels.py``).
+``ninja`` are needed; about 20 s once) for the CPU's vector width
+(``torch.backends.cpu.get_cpu_capability()``), and cached under ``$TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``) in ``kvlab/<name>_<key>``: the key hashes the source, the flags, the
+compiler, Python, torch's version and include paths and ``sys.prefix``, so two virtual
+environments on one machine keep one build each instead of rebuilding each other's. A build runs
+in a private temporary directory that is renamed into place only once it succeeded: a process
+killed mid-build leaves a stray temporary directory (removed by a later process after an hour),
+never a half-built cache or a ``lock`` file that would make the next process wait forever.
+Where the build fails, or with ``KVLAB_CPU_ATTENTION=0``, :func:`available` is False and the
+engine keeps the torch path, which computes the same attention (tested against each other in
+``tests/test_cpu_kernels.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib.util
 import os
 import shutil
+import sys
+import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "available", "build_error", "decode_attention"]
+__all__ = ["DTYPES", "available", "build_error", "build_name", "decode_attention"]
 
 #: what the kernel computes in (it accumulates in float32, so float64 stays on the torch path)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -39,18 +52,81 @@ _module: Any = None
 _error: str | None = None
 
 
+#: a temporary build directory older than this is a killed build's leftover (seconds)
+STALE_BUILD_S = 3600.0
+
+
+def _build_root() -> Path:
+    """Where kvlab's builds live: ``$TORCH_EXTENSIONS_DIR/kvlab`` (torch's default root)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "kvlab"
+
+
+def _cflags(capability: str) -> list[str]:
+    return ["-O3", "-ffast-math", "-fopenmp-simd", *_FLAGS.get(capability, [])]
+
+
+def build_name(capability: str | None = None) -> str:
+    """The module (and directory) name of this environment's build: ``..._<capability>_<key>``
+    with ``key`` a hash of everything the binary depends on (see the module docstring)."""
+    from torch.utils.cpp_extension import include_paths
+
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    parts = [_SOURCE.read_text(), " ".join(_cflags(capability)), torch.__version__,
+             sys.version, sys.prefix, *include_paths(), os.environ.get("CXX", "c++")]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+    return f"kvlab_paged_attention_cpu_{capability.lower()}_{key}"
+
+
+def _import(name: str, directory: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(name, directory / f"{name}.so")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {directory / name}.so")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _remove_stale(root: Path, name: str) -> None:
+    """Delete temporary build directories of killed builds (older than ``STALE_BUILD_S``)."""
+    for tmp in root.glob(f"{name}.tmp-*"):
+        try:
+            if time.time() - tmp.stat().st_mtime > STALE_BUILD_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
+
+
 def _build() -> Any:
+    """Load this environment's build, or build it in a temporary directory and rename that
+    into place (atomic: another process sees the whole build or none; if two build at once,
+    the first rename wins and the other's copy is discarded)."""
     from torch.utils.cpp_extension import load_inline
 
+    capability = torch.backends.cpu.get_cpu_capability()
+    name = build_name(capability)
+    root = _build_root()
+    final = root / name
+    _remove_stale(root, name)
+    if (final / f"{name}.so").is_file():
+        return _import(name, final)
     if shutil.which("ninja") is None:   # the pip package's binary, when its bin dir is off PATH
         import ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    capability = torch.backends.cpu.get_cpu_capability()
-    return load_inline(
-        f"kvlab_paged_attention_cpu_{capability.lower()}",
-        cpp_sources=_SOURCE.read_text(), functions=["decode_attention"],
-        extra_cflags=["-O3", "-ffast-math", "-fopenmp-simd", *_FLAGS.get(capability, [])])
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-", dir=root))
+    try:
+        module = load_inline(name, cpp_sources=_SOURCE.read_text(), functions=["decode_attention"],
+                             extra_cflags=_cflags(capability), build_directory=str(tmp))
+        # the loaded .so stays mapped whatever happens to tmp; OSError: another process
+        # renamed its build into place first
+        with contextlib.suppress(OSError):
+            os.rename(tmp, final)
+        return module
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def available() -> bool:
