@@ -12,7 +12,7 @@ from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.lifecycle import RUNNING_STATUSES
 from kvlab.core.recovery import replay
 from kvlab.core.scheduler import BaselineScheduler, SchedulerConfig, default_order_key
-from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest
+from kvlab.core.scheduler_api import RuntimeRequest
 from kvlab.exercises import ch05, ch06
 from kvlab.exercises._common import NotYetAnswered, try_check
 from kvlab.sim.tokens import drive
@@ -91,50 +91,42 @@ def test_timeline_widget_draws_headless():
     plt.close(batch_timeline_figure(one, 4))
 
 
-def test_ch05_checks():
-    with pytest.raises(NotYetAnswered):
-        ch05.check_legal_moves(...)
-    legal = [RequestStatus(d) in ch05.TRANSITIONS[RequestStatus(s)] for s, d in ch05.MOVES]
-    assert "Correct" in ch05.check_legal_moves(legal)
-    with pytest.raises(AssertionError):
-        ch05.check_legal_moves([not x for x in legal])
-    truth = {s.value: s in RUNNING_STATUSES for s in RequestStatus}
-    assert "Correct" in ch05.check_holds_kv(truth)
-    with pytest.raises(AssertionError):
-        ch05.check_holds_kv({**truth, "preempted": True})
+def test_ch05_crash_scenario_orphans():
     events, kv = ch05.crash_scenario()
     state = replay(events)
     orphans = {rid for rid, e in state.items()
                if kv.has(rid) and e.request.status not in RUNNING_STATUSES}
     assert orphans == {"q3"}
-    assert "Correct" in ch05.check_orphans(orphans)
-    with pytest.raises(AssertionError, match="missed 1 orphan") as err:
-        ch05.check_orphans(set())
-    assert "q3" not in str(err.value)
-    with pytest.raises(AssertionError, match="'q0' is not an orphan") as err:
-        ch05.check_orphans({"q0", "q3"})
-    assert "missed" not in str(err.value)
-    assert "Not answered" in try_check(ch05.check_orphans, ...)
 
 
-def test_ch05_status_path_check():
+def test_ch05_abort_prediction_check():
     from kvlab.core.lifecycle import EventLog
 
     log = EventLog()
     sched = ch05.tight_scheduler(log=log)
-    drive(sched, arrivals=ch05.tight_arrivals(), aborts={ch05.ABORT_STEP: ["q2"]})
+    drive(sched, arrivals=ch05.tight_arrivals(), aborts={ch05.ABORT["step"]: ["q1"]})
     truth = ["waiting"] + [e.data[1] for e in log.events
-                           if e.request_id == "q2" and e.kind == "transition"]
-    assert truth == ["waiting", "running", "preempted", "cancelled"]
-    assert "Correct" in ch05.check_status_path(truth, "abort")
-    with pytest.raises(AssertionError, match="entry 3") as err:
-        ch05.check_status_path(["waiting", "running", "preempted", "running"], "abort")
+                           if e.request_id == "q1" and e.kind == "transition"]
+    assert truth == ["waiting", "running", "cancelled"]
+    assert sum(r.num_preemptions for r in sched.requests()) == 0
+    assert "Correct" in ch05.check_abort_prediction(truth, "abort", 0)
+    with pytest.raises(NotYetAnswered):
+        ch05.check_abort_prediction(truth, "abort", ...)
+    with pytest.raises(AssertionError, match="entry 2") as err:
+        ch05.check_abort_prediction(["waiting", "running", "preempted"], "abort", 0)
     assert "cancelled" not in str(err.value)
     with pytest.raises(AssertionError, match="stops too early"):
-        ch05.check_status_path(truth[:3], "abort")
+        ch05.check_abort_prediction(truth[:2], "abort", 0)
+    with pytest.raises(AssertionError, match="goes on"):
+        ch05.check_abort_prediction([*truth, "running"], "abort", 0)
     with pytest.raises(AssertionError, match="not the finish reason") as err:
-        ch05.check_status_path(truth, "length")
+        ch05.check_abort_prediction(truth, "length", 0)
     assert "'abort'" not in str(err.value).split("the reasons are")[0]
+    with pytest.raises(AssertionError, match="too many") as err:
+        ch05.check_abort_prediction(truth, "abort", 1)
+    assert "0" not in str(err.value).replace("1 preemptions", "")
+    with pytest.raises(AssertionError, match="integer"):
+        ch05.check_abort_prediction(truth, "abort", "none")
 
 
 def test_ch05_no_preemption_blocks_check():
@@ -162,14 +154,48 @@ def test_ch05_crash_design_check():
             drive(sched, arrivals=ch05.tight_arrivals())
         _, report = recover(log.events, sched.kv,
                             lambda kv, lg: ch05.ProductionScheduler(kv, ch05.TIGHT_CONFIG, log=lg))
-        if report.freed and report.resumed:
+        if report.finished and report.resumed:
             good.append(k)
-    assert good
+    assert good == [36]                          # after q0's last progress, q1 still running
     assert "Correct" in ch05.check_crash_design(good[0])
-    with pytest.raises(AssertionError, match="no orphan"):
+    with pytest.raises(AssertionError, match="finishes no request"):
         ch05.check_crash_design(0)
+    with pytest.raises(AssertionError, match="resumes none"):
+        ch05.check_crash_design(37)               # both running requests got their last token
     with pytest.raises(AssertionError, match="event index"):
         ch05.check_crash_design(len(full.events))
+
+
+def test_ch05_planner_bug_check():
+    from kvlab.core.recovery import plan_recovery
+
+    n = ch05._tight_event_count()
+    wrong = {k: ch05.planner_mistakes(k) for k in range(n)}
+    wrong = {k: v for k, v in wrong.items() if v}
+    # every mistake is an orphan left to nobody: a waiting or preempted request holding a table
+    assert wrong and all(m == ("nothing", "free") for v in wrong.values() for m in v.values())
+    statuses = set()
+    for k, v in wrong.items():
+        events, _ = ch05._crash_tight(k)
+        statuses |= {replay(events)[rid].request.status.value for rid in v}
+    assert statuses == {"waiting", "preempted"}
+    (k, mistakes), *_ = wrong.items()
+    (rid,) = mistakes
+    assert "Correct" in ch05.check_planner_bug(k, rid)
+    other = next(r for r in ("q0", "q1", "q2") if r != rid)
+    with pytest.raises(AssertionError, match="but not") as err:
+        ch05.check_planner_bug(k, other)
+    assert rid not in str(err.value)
+    clean = next(k for k in range(n) if k not in wrong)
+    with pytest.raises(AssertionError, match="exactly as the real planner"):
+        ch05.check_planner_bug(clean, rid)
+    with pytest.raises(AssertionError, match="event index"):
+        ch05.check_planner_bug(n, rid)
+    assert "Not answered" in try_check(ch05.check_planner_bug, ..., rid)
+    # the planner agrees with the real one on the chapter's own crash point
+    events, kv = ch05._crash_tight(38)
+    tables = {r: kv.num_slots(r) for r in kv.requests()}
+    assert ch05.compact_plan(replay(events), tables) == plan_recovery(replay(events), tables)
 
 
 def test_ch06_checks():

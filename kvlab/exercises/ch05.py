@@ -1,9 +1,9 @@
-"""Chapter 5 exercises: predict a request's path, derive the pool that avoids preemption,
-find orphans after a crash, and design a crash test.
+"""Chapter 5 exercises: predict what an abort changes, derive the pool that avoids preemption,
+debug a recovery planner, and design a crash test.
 
 Each check computes the truth with :mod:`kvlab.core.lifecycle` / :mod:`kvlab.core.recovery`
 on a real scheduler and raises ``AssertionError`` saying what is wrong (which entry diverges,
-too high or too low, which request was missed or wrongly named), never the answer.
+too high or too low, that a named request is not the one), never the answer.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.lifecycle import TRANSITIONS, EventLog, SimulatedCrash, holds_kv
-from kvlab.core.recovery import recover
+from kvlab.core.lifecycle import RUNNING_STATUSES, EventLog, SimulatedCrash
+from kvlab.core.recovery import RecoveryPlan, plan_recovery, recover, replay
+from kvlab.core.replay import met_stop
 from kvlab.core.scheduler import ProductionScheduler, SchedulerConfig
 from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
 from kvlab.sim.tokens import drive
@@ -20,42 +21,6 @@ from kvlab.sim.tokens import drive
 from ._common import require_answer
 
 S = RequestStatus
-
-#: The moves of :func:`check_legal_moves`, as (from, to) status names.
-MOVES = (
-    ("waiting", "running"), ("waiting", "finished"), ("running", "finished"),
-    ("running", "preempted"), ("preempted", "finished"), ("preempted", "running"),
-    ("finished", "cancelled"), ("rejected", "waiting"), ("waiting", "rejected"),
-    ("running", "waiting"),
-)
-
-
-def check_legal_moves(answer) -> str:
-    """``answer``: a list of booleans, one per pair in :data:`MOVES`: is the move allowed?"""
-    require_answer(answer, "a list of True/False, one per move in MOVES")
-    answer = list(answer)
-    if len(answer) != len(MOVES):
-        raise AssertionError(f"expected {len(MOVES)} booleans, got {len(answer)}")
-    for (src, dst), got in zip(MOVES, answer, strict=True):
-        want = S(dst) in TRANSITIONS[S(src)]
-        if bool(got) != want:
-            hint = ("a preempted request recomputes: it must run again before it can finish"
-                    if src == "preempted" else "look at TRANSITIONS[RequestStatus(...)]")
-            raise AssertionError(f"{src} -> {dst} is {'allowed' if want else 'illegal'} ({hint})")
-    return f"Correct: {sum(answer)} of the {len(MOVES)} moves are legal."
-
-
-def check_holds_kv(answer) -> str:
-    """``answer``: dict status name -> bool: does a request in that status own KV blocks?"""
-    require_answer(answer, "a dict {status name: True/False} for all seven statuses")
-    want = {s.value: holds_kv(s) for s in S}
-    if set(answer) != set(want):
-        raise AssertionError(f"give exactly these keys: {sorted(want)}")
-    wrong = sorted(k for k in want if bool(answer[k]) != want[k])
-    if wrong:
-        raise AssertionError(f"wrong for {wrong}: only running requests (prefilling or "
-                             "decoding) hold a block table; preempted ones gave theirs back")
-    return "Correct: only RUNNING holds KV."
 
 
 CONFIG = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=8, prefill_chunk=4,
@@ -80,23 +45,6 @@ def crash_scenario(crash_at: int = 37):
     return list(log.events), kv
 
 
-def check_orphans(answer, crash_at: int = 37) -> str:
-    """``answer``: the set of request ids whose KV recovery must free in ``crash_scenario``."""
-    require_answer(answer, "a set of request ids")
-    events, kv = crash_scenario(crash_at)
-    _, report = recover(events, kv, lambda kv, log: ProductionScheduler(kv, CONFIG, log=log))
-    want = set(report.freed)
-    got = set(answer)
-    if got != want:
-        extra, missed = sorted(got - want), len(want - got)
-        parts = [f"{rid!r} is not an orphan" for rid in extra]
-        if missed:
-            parts.append(f"you missed {missed} orphan{'s' if missed > 1 else ''}")
-        raise AssertionError("; ".join(parts) + ". An orphan is a request the manager still "
-                             "holds KV for while its last logged status is not running.")
-    return f"Correct: {sorted(want) or 'nothing'} to free; {report.summary()}."
-
-
 # -- the tight run of the chapter --------------------------------------------------------------
 
 TIGHT = {"num_blocks": 9, "block_size": 4, "requests": 3, "prompt_tokens": 8, "max_tokens": 8}
@@ -115,8 +63,8 @@ def tight_scheduler(num_blocks: int | None = None, log: EventLog | None = None):
     return ProductionScheduler(kv, TIGHT_CONFIG, log=log)
 
 
-#: Exercise 1: the tight run, with request "q2" aborted just before this step.
-ABORT_STEP = 8
+#: Exercise 1: the tight run, with this request aborted by its client just before this step.
+ABORT = {"request": "q1", "step": 3}
 
 
 def _status_path(rid: str, log: EventLog) -> list[str]:
@@ -127,16 +75,23 @@ def _status_path(rid: str, log: EventLog) -> list[str]:
     return path
 
 
-def check_status_path(path, finish_reason) -> str:
-    """Exercise 1: the statuses ``q2`` passes through in the tight run when its client aborts
-    it just before step :data:`ABORT_STEP`, starting with ``"waiting"``, and its finish
-    reason."""
-    require_answer(path, "the list of statuses")
-    require_answer(finish_reason, "the finish reason")
+def run_with_abort(request: str, step: int):
+    """The tight run with ``request`` aborted just before ``step``: (scheduler, log)."""
     log = EventLog()
     sched = tight_scheduler(log=log)
-    drive(sched, arrivals=tight_arrivals(), aborts={ABORT_STEP: ["q2"]}, check=True)
-    truth = _status_path("q2", log)
+    drive(sched, arrivals=tight_arrivals(), aborts={step: [request]}, check=True)
+    return sched, log
+
+
+def check_abort_prediction(path, finish_reason, preemptions) -> str:
+    """Exercise 1: in the tight run with :data:`ABORT`, the statuses the aborted request passes
+    through (from ``"waiting"``), its finish reason, and the run's number of preemptions."""
+    require_answer(path, "the list of statuses")
+    require_answer(finish_reason, "the finish reason")
+    require_answer(preemptions, "the number of preemptions")
+    rid = ABORT["request"]
+    sched, log = run_with_abort(rid, ABORT["step"])
+    truth = _status_path(rid, log)
     path = [str(p).strip().lower() for p in path]
     for i, (got, want) in enumerate(zip(path, truth, strict=False)):
         if got != want:
@@ -146,12 +101,19 @@ def check_status_path(path, finish_reason) -> str:
         raise AssertionError("your path is right as far as it goes but "
                              + ("stops too early." if len(path) < len(truth)
                                 else "goes on after the request ended."))
-    reason = sched.get_request("q2").finish_reason
+    reason = sched.get_request(rid).finish_reason
     if str(finish_reason).strip().lower() != reason.value:
         raise AssertionError(f"{finish_reason!r} is not the finish reason; the reasons are "
                              f"{[f.value for f in FinishReason]}.")
-    return (f"Correct: {' -> '.join(truth)}, finish reason {reason.value!r}. A preempted "
-            "request holds no KV, so the abort has nothing to release.")
+    count = sum(r.num_preemptions for r in sched.requests())
+    if isinstance(preemptions, bool) or not isinstance(preemptions, int):
+        raise AssertionError("give the number of preemptions as an integer")
+    if preemptions != count:
+        raise AssertionError(f"{preemptions} preemptions is "
+                             f"{'too many' if preemptions > count else 'too few'}.")
+    return (f"Correct: {' -> '.join(truth)}, finish reason {reason.value!r}, {count} "
+            "preemption(s). The abort ends a running request and releases its table; with "
+            "one request fewer, the other two fit in the pool to the end.")
 
 
 def preemptions_with(num_blocks: int) -> int:
@@ -172,31 +134,121 @@ def check_no_preemption_blocks(num_blocks) -> str:
     if preemptions_with(num_blocks - 1) == 0:
         raise AssertionError(f"{num_blocks} blocks avoid preemption, but so does one fewer: "
                              "too high.")
-    return (f"Correct: {num_blocks} blocks. Every request ends holding prompt + outputs "
-            "rounded up to whole blocks, and all three run at once.")
+    return (f"Correct: {num_blocks} blocks. Every request ends holding the KV of its prompt "
+            "and of all but its last output token, rounded up to whole blocks, and all three "
+            "run at once.")
 
 
-def check_crash_design(crash_at) -> str:
-    """Exercise 4: a crash point of the tight run at which recovery (the manager survives) both
-    frees at least one orphan and resumes at least one request, and the run then completes."""
-    require_answer(crash_at, "the crash point")
-    full = EventLog()
-    drive(tight_scheduler(log=full), arrivals=tight_arrivals())
-    n = len(full.events)
-    if isinstance(crash_at, bool) or not isinstance(crash_at, int) or not 0 <= crash_at < n:
-        raise AssertionError(f"crash_at must be an event index from 0 to {n - 1}")
+def _crash_tight(crash_at: int):
+    """The tight run crashed before event ``crash_at``: (durable events, surviving manager)."""
     log = EventLog(crash_at=crash_at)
     sched = tight_scheduler(log=log)
     with contextlib.suppress(SimulatedCrash):
         drive(sched, arrivals=tight_arrivals())
-    recovered, report = recover(log.events, sched.kv,
+    return list(log.events), sched.kv
+
+
+def _tight_event_count() -> int:
+    full = EventLog()
+    drive(tight_scheduler(log=full), arrivals=tight_arrivals())
+    return len(full.events)
+
+
+def _require_crash_point(crash_at) -> None:
+    n = _tight_event_count()
+    if isinstance(crash_at, bool) or not isinstance(crash_at, int) or not 0 <= crash_at < n:
+        raise AssertionError(f"crash_at must be an event index from 0 to {n - 1}")
+
+
+# -- exercise 3: a recovery planner to debug ------------------------------------------------------
+
+def compact_plan(state, tables) -> RecoveryPlan:
+    """A shorter recovery planner with the signature of
+    :func:`kvlab.core.recovery.plan_recovery`: ``state`` from ``replay``, ``tables`` mapping
+    the id of every table the manager holds to its number of slots."""
+    resume, requeue, finish, free = [], [], [], []
+    for rid, entry in state.items():
+        request = entry.request
+        held = rid in tables
+        if request.status in RUNNING_STATUSES:
+            reason = met_stop(request)
+            if reason is not None:
+                finish.append((rid, reason))
+            elif (held and request.num_uncomputed_tokens > 0
+                  and tables[rid] >= request.num_computed_tokens):
+                resume.append(rid)
+            else:
+                requeue.append(rid)
+        elif request.status.is_terminal and held:
+            free.append(rid)
+    resume.sort(key=lambda rid: state[rid].admit_index)
+    return RecoveryPlan(resume=tuple(resume), requeue=tuple(requeue), finish=tuple(finish),
+                        free=tuple(free),
+                        unaccounted=tuple(sorted(rid for rid in tables if rid not in state)))
+
+
+def _decisions(plan: RecoveryPlan) -> dict[str, str]:
+    out = {rid: "resume" for rid in plan.resume}
+    out.update({rid: "requeue" for rid in plan.requeue})
+    out.update({rid: "finish" for rid, _ in plan.finish})
+    out.update({rid: "free" for rid in plan.free})
+    out.update({rid: "free (unaccounted)" for rid in plan.unaccounted})
+    return out
+
+
+def planner_mistakes(crash_at: int) -> dict[str, tuple[str, str]]:
+    """Requests on which :func:`compact_plan` and ``plan_recovery`` decide differently when the
+    tight run crashes before event ``crash_at``: id -> (compact decision, correct decision)."""
+    events, kv = _crash_tight(crash_at)
+    state = replay(events)
+    tables = {rid: kv.num_slots(rid) for rid in kv.requests()}
+    got, want = _decisions(compact_plan(state, tables)), _decisions(plan_recovery(state, tables))
+    return {rid: (got.get(rid, "nothing"), want.get(rid, "nothing"))
+            for rid in sorted(set(got) | set(want)) if got.get(rid) != want.get(rid)}
+
+
+def check_planner_bug(crash_at, request_id) -> str:
+    """Exercise 3: a crash point of the tight run at which :func:`compact_plan` decides wrongly,
+    and the id of a request it gets wrong there."""
+    require_answer(crash_at, "the crash point")
+    require_answer(request_id, "the request id")
+    _require_crash_point(crash_at)
+    mistakes = planner_mistakes(crash_at)
+    if not mistakes:
+        raise AssertionError(f"crashing before event {crash_at}, compact_plan decides exactly "
+                             "as the real planner does for every request.")
+    if request_id not in mistakes:
+        raise AssertionError(f"crashing before event {crash_at}, compact_plan does decide one "
+                             f"request wrongly, but not {request_id!r}.")
+    got, want = mistakes[request_id]
+    events, _ = _crash_tight(crash_at)
+    status = replay(events)[request_id].request.status.value
+    return (f"Correct: the log calls {request_id} {status!r} and the manager still holds its "
+            f"table; compact_plan decides {got!r} where recovery must {want!r}, so nobody "
+            "would ever free those blocks. Every request that holds a table but is not "
+            "running is an orphan, whatever its status: waiting (crashed between 'acquired' "
+            "and the transition to running), preempted or ended (crashed between the "
+            "transition and the release).")
+
+
+# -- exercise 4: a crash test that takes two branches at once -----------------------------------
+
+def check_crash_design(crash_at) -> str:
+    """Exercise 4: a crash point of the tight run at which recovery (the manager survives)
+    both finishes a request whose last token already met its stop rule and resumes a running
+    one, and the run then completes with the uninterrupted outputs."""
+    require_answer(crash_at, "the crash point")
+    _require_crash_point(crash_at)
+    events, kv = _crash_tight(crash_at)
+    recovered, report = recover(events, kv,
                                 lambda kv, lg: ProductionScheduler(kv, TIGHT_CONFIG, log=lg))
     drive(recovered, check=True)
-    if not report.freed:
-        raise AssertionError(f"crashing before event {crash_at} leaves no orphan: every table "
-                             "the manager holds belongs to a request the log calls running.")
+    if not report.finished:
+        raise AssertionError(f"crashing before event {crash_at}, recovery finishes no request "
+                             "whose last token had already met its stop rule.")
     if not report.resumed:
-        raise AssertionError(f"crashing before event {crash_at} frees an orphan, but no request "
-                             "is left running to resume.")
-    return (f"Correct: recovery {report.summary()}. The crash fell between a transition out "
-            "of RUNNING and the release it implies, while another request was running.")
+        raise AssertionError(f"crashing before event {crash_at}, recovery finishes a request, "
+                             "but resumes none.")
+    return (f"Correct: recovery {report.summary()}. The crash fell after one request's last "
+            "'progress' record and before its FINISHED transition, while another still had "
+            "tokens to generate.")
