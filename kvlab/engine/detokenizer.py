@@ -1,0 +1,173 @@
+"""Incremental detokenization and stop strings: token ids in, text deltas out, never resent.
+
+A byte-level tokenizer splits one character into several tokens (a CJK character is three
+UTF-8 bytes, an emoji four), so the text of a prefix of the tokens can end in half a character,
+which decodes to U+FFFD. Sending that and later the real character would corrupt the stream.
+:class:`IncrementalDetokenizer` holds such an incomplete tail back until it completes, and
+decodes only a short window of tokens per update (the idea of vLLM's
+``detokenize_incrementally``, ``vllm/transformers_utils/detokenizer_utils.py``): the text of
+the window minus the text of its first, already-sent tokens is the new text. Decoding a window
+instead of everything keeps each update O(1) in the length of the output, and decoding the
+already-sent tokens with it keeps decoders that treat the first token specially (sentencepiece's
+leading space) exact.
+
+Contract: the deltas of :meth:`IncrementalDetokenizer.push` and then :meth:`~.flush`,
+concatenated, equal ``decode(all token ids)`` for any decoder whose lossy UTF-8 decoding restarts
+at a complete character (``tokenizers``' byte-level, sentencepiece and BPE decoders do).
+
+:class:`StopStringMatcher` finds stop strings in a stream of text deltas. It returns the text
+before the first match (the match itself is excluded, as in vLLM and OpenAI), and holds back the
+longest tail that could still become a stop string, so streamed text never contains a prefix of
+a stop string that later completes. :class:`TextStream` chains the two for one sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+__all__ = ["IncrementalDetokenizer", "StopStringMatcher", "TextStream", "check_stop"]
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """The text of a growing list of token ids, one stable delta at a time.
+
+    ``decode(ids) -> str`` decodes a list of token ids (special tokens skipped or not, as the
+    caller wants). Tokens ``[prefix, read)`` are the window's already-sent part; ``[read, end)``
+    the part whose text is still held back (it ends in an incomplete character).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.token_ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def push(self, new_ids: Iterable[int]) -> str:
+        """Append ``new_ids``; return the text they complete ('' while it is incomplete)."""
+        self.token_ids.extend(new_ids)
+        if len(self.token_ids) == self._read:
+            return ""
+        sent = self.decode(self.token_ids[self._prefix:self._read])
+        window = self.decode(self.token_ids[self._prefix:])
+        if len(window) <= len(sent) or window.endswith(REPLACEMENT):
+            return ""          # nothing new yet, or half a character: wait for more tokens
+        self._prefix, self._read = self._read, len(self.token_ids)
+        return window[len(sent):]
+
+    def flush(self) -> str:
+        """At the end: the text still held back, as ``decode`` renders it (an incomplete last
+        character becomes U+FFFD, exactly as in the text of all tokens)."""
+        if self._read == len(self.token_ids):
+            return ""
+        sent = self.decode(self.token_ids[self._prefix:self._read])
+        window = self.decode(self.token_ids[self._prefix:])
+        self._prefix = self._read = len(self.token_ids)
+        return window[len(sent):]
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose text is held back."""
+        return len(self.token_ids) - self._read
+
+
+def check_stop(stop: str | Sequence[str] | None, name: str = "stop") -> tuple[str, ...]:
+    """``stop`` (None, a str, or a list of str) as a tuple; ValueError naming ``name`` for
+    anything else or an empty string (it would match before the first character)."""
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+        raise ValueError(f"{name} must be a string or a list of strings, got {stop!r}")
+    if any(not s for s in items):
+        raise ValueError(f"{name} may not contain an empty string")
+    return tuple(dict.fromkeys(items))
+
+
+class StopStringMatcher:
+    """Feed text deltas; get back what may be sent and the stop string once one matched.
+
+    The occurrence that is complete first (the one ending leftmost; of two ending at the same
+    place, the longer) ends the text: ``matched`` is that stop string and the text from its start
+    on is dropped. This rule does not depend on how the text was cut into deltas.
+    """
+
+    def __init__(self, stop: str | Sequence[str] | None) -> None:
+        self.stop = check_stop(stop)
+        self._longest = max((len(s) for s in self.stop), default=0)
+        self._held = ""
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> str:
+        """The part of ``self._held + text`` that can be sent now ('' after a match)."""
+        if self.matched is not None:
+            return ""
+        if not self.stop:
+            return text
+        buf = self._held + text
+        best: tuple[int, int, str] | None = None
+        for s in self.stop:
+            at = buf.find(s)
+            if at >= 0 and (best is None or (at + len(s), at) < best[:2]):
+                best = (at + len(s), at, s)
+        if best is not None:
+            self.matched = best[2]
+            self._held = ""
+            return buf[:best[1]]
+        keep = self._partial_tail(buf)
+        self._held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep]
+
+    def _partial_tail(self, buf: str) -> int:
+        """Length of the longest tail of ``buf`` that is a proper prefix of a stop string."""
+        for n in range(min(len(buf), self._longest - 1), 0, -1):
+            tail = buf[len(buf) - n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
+
+    def flush(self) -> str:
+        """At an end that is not a stop: the held-back tail (it never became a stop string)."""
+        out, self._held = self._held, ""
+        return "" if self.matched is not None else out
+
+    @property
+    def held(self) -> str:
+        return self._held
+
+
+class TextStream:
+    """One sample's text: token ids in (:meth:`push`), sendable text deltas out, until a stop
+    string matches (``stop_reason`` is then that string and :attr:`stopped` is True).
+    ``text`` is everything returned so far."""
+
+    def __init__(self, decode: Callable[[list[int]], str],
+                 stop: str | Sequence[str] | None = None) -> None:
+        self.detok = IncrementalDetokenizer(decode)
+        self.matcher = StopStringMatcher(stop)
+        self.text = ""
+
+    @property
+    def stopped(self) -> bool:
+        return self.matcher.matched is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self.matcher.matched
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.detok.token_ids
+
+    def push(self, new_ids: Iterable[int]) -> str:
+        out = self.matcher.feed(self.detok.push(new_ids))
+        self.text += out
+        return out
+
+    def finish(self) -> str:
+        """The rest of the text at the sample's end (a stop string may still match in it)."""
+        out = self.matcher.feed(self.detok.flush())
+        out += self.matcher.flush()
+        self.text += out
+        return out
