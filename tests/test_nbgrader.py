@@ -1,0 +1,170 @@
+"""The nbgrader course (``tools/course.py``) drives real nbgrader: generate → submit → autograde.
+
+Chapter 2 is built, released with nbgrader's ``generate_assignment`` and two submissions are
+autograded with its ``autograde`` (nbgrader's API, as its command line calls it): alice answers
+every exercise with the chapter's own worked solution, bob answers one exercise right, one wrong
+and leaves the rest unanswered. The gradebook must give alice every point and bob exactly the
+points of his right answer; the student version
+must hold no solution, no hidden test and no output. Chapter 10 checks the hand-graded answer
+cell of an open-ended exercise. (About a minute: nbgrader executes each submission.)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+AUTO = "02-page-tables"
+MANUAL = "10-pd-disaggregation"
+# bob's submission: one exercise right, one wrong (its answer one token too high), rest blank
+RIGHT_FOR_BOB, WRONG_FOR_BOB = "check_slot_mapping", "check_tail_waste"
+WRONG_EDIT = "waste_16 = waste_16 + 1"
+
+pytest.importorskip("nbgrader")
+pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")  # nbgrader internals
+
+
+def _api(course: Path):
+    """nbgrader's own API on ``course``, configured by the course's nbgrader_config.py."""
+    from nbgrader.apps import NbGraderAPI
+    from nbgrader.coursedir import CourseDirectory
+    from traitlets.config.loader import PyFileConfigLoader
+
+    config = PyFileConfigLoader("nbgrader_config.py", path=str(course)).load_config()
+    config.CourseDirectory.root = str(course)
+    return NbGraderAPI(coursedir=CourseDirectory(config=config), config=config)
+
+
+def _ok(result: dict) -> None:
+    assert result["success"], result.get("error", "") + result.get("log", "")
+
+
+def _strip_markers(source: str) -> str:
+    return "\n".join(line for line in source.splitlines()
+                     if line.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION"))
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory):
+    import course as builder
+
+    root = tmp_path_factory.mktemp("course")
+    built = dict((s.stem, ex) for s, ex in builder.write_course(root, ["02", "10"]))
+    # nbgrader runs the `alembic` script of its environment to create the gradebook
+    path = os.environ["PATH"]
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{path}"
+    try:
+        api = _api(root)
+        _ok(api.generate_assignment(AUTO))
+        _ok(api.generate_assignment(MANUAL))
+        yield root, built, api
+    finally:
+        os.environ["PATH"] = path
+
+
+def _notebook(root: Path, folder: str, name: str):
+    return nbformat.read(root / folder / name / f"{name}.ipynb", as_version=4)
+
+
+def test_source_marks_answers_tests_and_points(course):
+    root, built, _ = course
+    exercises = built[AUTO]
+    assert [e.number for e in exercises] == list(range(1, len(exercises) + 1))
+    assert all(e.check and e.mapped for e in exercises), "every answer comes from the solution"
+    source = _notebook(root, "source", AUTO)
+    graded = [c.metadata["nbgrader"] for c in source.cells if "nbgrader" in c.metadata]
+    tests = [g for g in graded if g["grade"]]
+    answers = [g for g in graded if g["solution"]]
+    assert len(tests) == len(answers) == len(exercises)
+    assert all(g["locked"] and not g["solution"] and g["points"] > 0 for g in tests)
+    assert [g["points"] for g in tests] == [e.points for e in exercises]
+    # no demo cell is graded: only the exercises' cells carry nbgrader metadata
+    demo = [c for c in source.cells if "check_invariants()" in c.source]
+    assert all("nbgrader" not in c.metadata for c in demo)
+
+
+def test_student_version_has_no_solution_hidden_test_or_output(course):
+    root, built, _ = course
+
+    release = _notebook(root, "release", AUTO)
+    text = "\n".join(c.source for c in release.cells)
+    assert "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text
+    assert "_ = check_" not in text, "the grading call is hidden from students"
+    assert not any(c.get("outputs") for c in release.cells if c.cell_type == "code")
+    for exercise in built[AUTO]:
+        for line in exercise.solution.splitlines():
+            line = line.strip()
+            if len(line) > 12 and not line.startswith(("#", "print(", "from ", "import ")) \
+                    and "= ..." not in line:
+                assert line not in text, f"solution line leaked: {line}"
+    # the feedback line stays, so a student sees right / wrong / not answered yet
+    assert text.count("_ = try_check(check_") == len(built[AUTO])
+
+
+def test_open_ended_exercise_gets_a_hand_graded_answer_cell(course):
+    root, built, _ = course
+    manual = [e for e in built[MANUAL] if not e.check]
+    assert [e.number for e in manual] == [4] and manual[0].points == 3
+    source = _notebook(root, "source", MANUAL)
+    release = _notebook(root, "release", MANUAL)
+    for nb, expect in ((source, "first bad block"), (release, "YOUR ANSWER HERE")):
+        cell = next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id")
+                    == f"{MANUAL}-ex4-answer")
+        meta = cell.metadata["nbgrader"]
+        assert cell.cell_type == "markdown" and meta["solution"] and meta["grade"]
+        assert meta["points"] == 3 and expect in cell.source
+
+
+def test_autograde_scores_a_right_and_a_wrong_submission(course):
+    from nbgrader.api import Gradebook
+
+    root, built, api = course
+    source, release = _notebook(root, "source", AUTO), _notebook(root, "release", AUTO)
+    solutions = {c.metadata["nbgrader"]["grade_id"]: _strip_markers(c.source)
+                 for c in source.cells if c.metadata.get("nbgrader", {}).get("solution")}
+    number = {e.check: e.number for e in built[AUTO]}
+    right, wrong = (f"{AUTO}-ex{number[c]}-answer" for c in (RIGHT_FOR_BOB, WRONG_FOR_BOB))
+    submissions = {"alice": dict(solutions),
+                   "bob": {right: solutions[right],
+                           wrong: solutions[wrong] + f"\n{WRONG_EDIT}  # one off"}}
+    for student, answers in submissions.items():
+        nb = nbformat.from_dict(release)
+        for cell in nb.cells:
+            gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+            if gid in answers:
+                cell.source = answers[gid]
+        folder = root / "submitted" / student / AUTO
+        folder.mkdir(parents=True)
+        nbformat.write(nb, folder / f"{AUTO}.ipynb")
+    for student in submissions:
+        _ok(api.autograde(AUTO, student))
+
+    points = {e.number: e.points for e in built[AUTO]}
+    with Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
+        assert gb.find_assignment(AUTO).max_score == sum(points.values())
+        alice, bob = (gb.find_submission(AUTO, s) for s in ("alice", "bob"))
+        assert alice.score == sum(points.values())
+        assert bob.score == points[number[RIGHT_FOR_BOB]]
+        bob_grades = {g.name: g.score for g in bob.notebooks[0].grades}
+        assert bob_grades == {f"{AUTO}-ex{n}-test": (p if n == number[RIGHT_FOR_BOB] else 0)
+                              for n, p in points.items()}
+
+    graded = _notebook(root / "autograded", "bob", AUTO)
+    failed = next(c for c in graded.cells if c.metadata.get("nbgrader", {}).get("grade_id")
+                  == f"{AUTO}-ex{number[WRONG_FOR_BOB]}-test")
+    (error,) = [o for o in failed.outputs if o.output_type == "error"]
+    assert error.ename == "WrongAnswer" and len(error.traceback) == 1
+    assert "too high" in error.evalue
+    # bob's unanswered exercises printed the hint first, then failed the hidden test
+    left = min(set(number.values()) - {number[RIGHT_FOR_BOB], number[WRONG_FOR_BOB]})
+    unanswered = next(c for c in graded.cells if c.metadata.get("nbgrader", {}).get("grade_id")
+                      == f"{AUTO}-ex{left}-test")
+    shown = "".join(o.get("text", "") for o in unanswered.outputs)
+    assert "Not answered yet" in shown
+    assert [o.ename for o in unanswered.outputs if o.output_type == "error"] == ["NotYetAnswered"]
