@@ -1,5 +1,5 @@
-"""Chapter 2 exercises: debug an unchecked slot function, count block-tail waste, map a
-batch, design a block size.
+"""Chapter 2 exercises: debug a block-count shortcut, count block-tail waste, map a batch,
+predict what a smaller arena changes, design a block size.
 
 Each check computes the truth with :mod:`kvlab.core.paging` (or the fragmentation simulation)
 and raises ``AssertionError`` saying what is wrong without printing the expected answer.
@@ -7,6 +7,7 @@ and raises ``AssertionError`` saying what is wrong without printing the expected
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 from kvlab.core.fragmentation import sharegpt_like_workload, simulate
@@ -23,9 +24,47 @@ BATCH = {"block_tables": [[3, 7], [1], [0, 2, 5]], "block_size": 4,
          "positions": [[4, 5], [2], [9]]}
 
 
+#: The workload and arenas of :func:`check_smaller_arena` (exercise 4; the chapter's own).
+ARENA_PREDICT = {"requests": 1000, "seed": 0, "arena_tokens": 16384, "smaller_arena": 8192,
+                 "block_size": 16}
+
 #: The workload and arena of :func:`check_block_size_design` (the chapter's own).
 BLOCK_DESIGN = {"requests": 1000, "seed": 0, "arena_tokens": 16384, "min_token_states": 0.95,
                 "block_sizes": (4, 8, 16, 32, 64, 128, 256, 512)}
+
+
+def blocks_to_add(num_tokens: int, new_tokens: int, num_blocks: int, block_size: int) -> int:
+    """Exercise 1: a colleague's shortcut for how many blocks a table of ``num_blocks`` blocks
+    holding ``num_tokens`` tokens must take to append ``new_tokens`` more. It passes their
+    tests (a 37-token prompt in blocks of 16, then 10 decode steps)."""
+    return (num_tokens + new_tokens) // block_size + 1 - num_blocks
+
+
+def _blocks_to_add_truth(num_tokens: int, new_tokens: int, block_size: int) -> int:
+    """What :class:`~kvlab.core.paging.BlockTable` takes: whole blocks for the new total."""
+    return -(-(num_tokens + new_tokens) // block_size) - (-(-num_tokens // block_size))
+
+
+def check_blocks_to_add_counterexample(case) -> str:
+    """Exercise 1: ``(num_tokens, new_tokens, block_size)`` on which :func:`blocks_to_add`
+    (given the table a real ``BlockTable`` would hold) differs from what it takes."""
+    require_answer(case, "counterexample")
+    if not isinstance(case, (tuple, list)) or len(case) != 3 or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in case):
+        raise AssertionError("give a tuple of three whole numbers "
+                             "(num_tokens, new_tokens, block_size)")
+    num_tokens, new_tokens, block_size = case
+    if num_tokens < 0 or new_tokens < 1 or block_size < 1:
+        raise AssertionError("need num_tokens >= 0, new_tokens >= 1 and block_size >= 1")
+    held = -(-num_tokens // block_size)
+    want = _blocks_to_add_truth(num_tokens, new_tokens, block_size)
+    got = blocks_to_add(num_tokens, new_tokens, held, block_size)
+    if got == want:
+        raise AssertionError(f"both take {want} block{'s' * (want != 1)} here: the bug does "
+                             "not show on this input.")
+    return (f"Correct: the shortcut takes {got} where {want} suffice"
+            ". Say what that costs a server that runs many "
+            "requests at once.")
 
 
 def fast_slot(block_table, block_size, token_pos):
@@ -81,8 +120,7 @@ def check_tail_waste(answer16, answer256) -> str:
              for q, got, want in ((16, answer16, truth[0]), (256, answer256, truth[1]))
              if got != want]
     if wrong:
-        raise AssertionError("; ".join(wrong) + ". Each request wastes ceil(n / q) * q - n "
-                             "slots; sum over the requests.")
+        raise AssertionError("; ".join(wrong) + ".")
     total = sum(TAIL_LENGTHS)
     return (f"Correct: {truth[0]} vs {truth[1]} wasted slots ({100 * truth[0] / total:.1f}% "
             f"vs {100 * truth[1] / total:.1f}% of {total} tokens). Small blocks waste less; "
@@ -101,8 +139,7 @@ def check_slot_mapping(answer) -> str:
     wrong = [f"request {r} position {p}" for (r, p), g, t in zip(tokens, got, truth,
                                                                  strict=True) if g != t]
     if wrong:
-        raise AssertionError("wrong slot for " + ", ".join(wrong) + ": slot = block_size * "
-                             "table[pos // block_size] + pos % block_size.")
+        raise AssertionError("wrong slot for " + ", ".join(wrong) + ".")
     return f"Correct: {truth}."
 
 
@@ -128,6 +165,50 @@ def check_fast_slot_counterexample(case) -> str:
             "engine would write that token's K/V into a slot it does not own.")
 
 
+@functools.lru_cache(maxsize=16)
+def _paged_run(requests: int, seed: int, arena_tokens: int, block_size: int):
+    """The paged simulation of the chapter's workload (cached: the checks reuse runs)."""
+    workload = sharegpt_like_workload(requests, seed=seed)
+    return simulate(workload, "paged", arena_tokens, block_size=block_size)
+
+
+#: Exercise 4's options, each a claim about (mean batch, share of token states) when the arena
+#: halves: "half" or "same" for each.
+ARENA_OPTIONS = {"a": ("half", "half"), "b": ("half", "same"), "c": ("same", "half"),
+                 "d": ("same", "same")}
+
+
+def _how(ratio: float) -> str:
+    return "half" if 0.35 <= ratio <= 0.65 else "same" if ratio >= 0.9 else "other"
+
+
+def check_smaller_arena(answer) -> str:
+    """Exercise 4: what halving :data:`ARENA_PREDICT`'s arena does to the paged run's mean batch
+    and to the share of the arena holding token states (a letter of :data:`ARENA_OPTIONS`)."""
+    require_answer(answer, "your letter")
+    letter = str(answer).strip().lower()
+    if letter not in ARENA_OPTIONS:
+        raise AssertionError(f"answer with one of {sorted(ARENA_OPTIONS)}, got {answer!r}")
+    d = ARENA_PREDICT
+    big = _paged_run(d["requests"], d["seed"], d["arena_tokens"], d["block_size"])
+    small = _paged_run(d["requests"], d["seed"], d["smaller_arena"], d["block_size"])
+    seen = (_how(small.mean_running / big.mean_running),
+            _how(small.token_states / big.token_states))
+    claim = ARENA_OPTIONS[letter]
+    if claim != seen:
+        wrong = [what for what, c, s in zip(("the mean batch", "the share of token states"),
+                                            claim, seen, strict=True) if c != s]
+        raise AssertionError(f"({letter}) fails: " + " and ".join(
+            f"{what} does not {'fall to about half' if c == 'half' else 'stay about the same'}"
+            for what, c in zip(("the mean batch", "the share of token states"), claim,
+                               strict=True) if what in wrong) + ".")
+    return (f"Correct: the mean batch goes from {big.mean_running:.1f} to "
+            f"{small.mean_running:.1f}, the token states from {big.token_states:.1%} to "
+            f"{small.token_states:.1%}. Paging's waste is a few slots per running request, so "
+            "it shrinks with the batch: the share is a property of the block size, not of the "
+            "arena.")
+
+
 def check_block_size_design(block_size) -> str:
     """Exercise 4: the largest block size in :data:`BLOCK_DESIGN` whose paged run keeps at
     least ``min_token_states`` of the arena holding token states."""
@@ -135,18 +216,18 @@ def check_block_size_design(block_size) -> str:
     d = BLOCK_DESIGN
     if block_size not in d["block_sizes"]:
         raise AssertionError(f"choose one of {d['block_sizes']}, got {block_size!r}")
-    workload = sharegpt_like_workload(d["requests"], seed=d["seed"])
-
     def good(q: int) -> bool:
-        return simulate(workload, "paged", d["arena_tokens"], block_size=q).token_states >= (
-            d["min_token_states"])
+        run = _paged_run(d["requests"], d["seed"], d["arena_tokens"], q)
+        return run.token_states >= d["min_token_states"]
 
     if not good(block_size):
         raise AssertionError(f"at block size {block_size} less than "
                              f"{d['min_token_states']:.0%} of the arena holds token states: "
                              "too large.")
-    larger = [q for q in d["block_sizes"] if q > block_size]
-    if larger and any(good(q) for q in larger):
+    # the share falls as the block grows (the tests check it over every size), so the next
+    # size up decides whether a larger one also meets the target
+    larger = [q for q in d["block_sizes"] if q > block_size][:1]
+    if larger and good(larger[0]):
         raise AssertionError(f"block size {block_size} meets the target, but a larger one "
                              "does too: too small.")
     return (f"Correct: {block_size} is the largest block size that keeps "
