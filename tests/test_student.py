@@ -2,7 +2,10 @@
 
 Each chapter's student notebook is executed top to bottom in a real kernel: the exercises run
 unsolved, their checks answer "not answered yet" (never "Correct"), and nothing raises — so no
-later cell depended on a removed solution.
+later cell depended on a removed solution. Also here: how a check's verdict looks in a kernel
+(one sentence, no traceback), the chapter-source conventions for Lab (labelled solutions, the
+kernelspec Lab writes back), the collapsed-solution metadata ``tools/execute_notebook.py``
+writes, and the site sources without solutions (``make book-student``).
 """
 
 from __future__ import annotations
@@ -57,9 +60,119 @@ def test_every_exercise_runs_unsolved(edition, source):
     # widget); every cell of a chapter runs in seconds, so a 60 s poll bounds the stall.
     NotebookClient(nb, timeout=60, kernel_name="python3",
                    resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
-    graded = [c for c in nb.cells if "nbgrader" in c.metadata]
-    assert graded, "no exercise cell marked"
     shown = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", [])
                     if o.get("output_type") == "stream")
     assert shown.count("Not answered yet") >= 2
     assert "Correct" not in shown
+
+
+def test_a_wrong_answer_is_one_sentence_and_an_unanswered_one_lets_run_all_go_on():
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in (
+        "from kvlab.exercises._common import try_check\n"
+        "from kvlab.exercises.ch03 import check_double_release",
+        "_ = try_check(check_double_release, ...)",   # unanswered: a hint, the run goes on
+        "_ = try_check(check_double_release, 'a')",   # wrong: one sentence, the cell fails
+        "print('still running')",
+    )])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    NotebookClient(nb, timeout=60, kernel_name="python3", allow_errors=True).execute()
+    hint, wrong, after = nb.cells[1].outputs, nb.cells[2].outputs, nb.cells[3].outputs
+    assert [o.output_type for o in hint] == ["stream"] and "Not answered yet" in hint[0].text
+    (error,) = wrong
+    assert error.output_type == "error" and error.ename == "WrongAnswer"
+    assert len(error.traceback) == 1, "a wrong answer shows its sentence, not a traceback"
+    assert error.evalue in error.traceback[0] and "Traceback" not in error.traceback[0]
+    assert "ch03.py" not in error.traceback[0], "the check's own code stays out of sight"
+    assert after[0].text == "still running\n"   # allow_errors: the cell after still ran
+
+
+def test_a_check_error_that_is_not_a_verdict_keeps_its_traceback():
+    from kvlab.exercises._common import NotYetAnswered, WrongAnswer, try_check
+
+    def check(fn):
+        return fn()
+
+    with pytest.raises(ZeroDivisionError):
+        try_check(check, lambda: 1 / 0)
+    with pytest.raises(WrongAnswer, match="is too high") as err:
+        try_check(lambda x: (_ for _ in ()).throw(AssertionError(f"{x} is too high.")), 7)
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    assert isinstance(err.value, AssertionError) and not isinstance(err.value, NotYetAnswered)
+
+
+MYST = """---
+jupytext:
+  text_representation:
+    format_name: myst
+kernelspec:
+  display_name: Python 3
+  language: python
+  name: python3
+---
+
+```{code-cell} ipython3
+x = ...
+```
+
+```{code-cell} ipython3
+:tags: [hide-cell]
+
+print(check(3))
+```
+
+```{code-cell} ipython3
+---
+tags: [remove-output, hide-cell]
+---
+y = 4
+```
+"""
+
+
+def test_source_conventions_label_every_solution_and_set_the_lab_kernelspec():
+    import student
+
+    fixed = student.with_conventions(MYST)
+    assert student.with_conventions(fixed) == fixed
+    nb = jupytext.reads(fixed, fmt="md:myst")
+    assert nb.metadata["kernelspec"]["display_name"] == student.KERNEL_DISPLAY_NAME
+    plain, first, second = (c for c in nb.cells if c.cell_type == "code")
+    assert plain.source == "x = ..."
+    assert first.source.splitlines() == [student.SOLUTION_LABEL, "print(check(3))"]
+    assert second.source.splitlines() == [student.SOLUTION_LABEL, "y = 4"]
+    assert second.metadata["tags"] == ["remove-output", "hide-cell"]
+
+
+def test_execute_notebook_collapses_solutions_and_writes_the_kernel_lab_uses():
+    import execute_notebook
+
+    nb = jupytext.reads(MYST, fmt="md:myst")
+    nb.cells[0].metadata["execution"] = {"iopub.status.busy": "2026-01-01T00:00:00Z"}
+    spec = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+    done = execute_notebook.finish(nb, spec)
+    assert done.metadata["kernelspec"] == spec
+    hidden = [c for c in done.cells if c.metadata.get("jupyter")]
+    assert len(hidden) == 2 and all(c.metadata["jupyter"] == {"source_hidden": True,
+                                                              "outputs_hidden": True}
+                                    for c in hidden)
+    assert "execution" not in done.cells[0].metadata
+    assert execute_notebook.kernelspec()["name"] == "python3"
+
+
+def test_student_site_sources_drop_solutions_and_keep_outputs(tmp_path):
+    import student
+
+    out = student.write_site_sources(tmp_path / "site")
+    for source in SOURCES:
+        chapter = nbformat.read(source.with_suffix(".ipynb"), as_version=4)
+        site = nbformat.read(out / "notebooks" / f"{source.stem}.ipynb", as_version=4)
+        assert not any(student.is_solution(c) for c in site.cells)
+        kept = [c for c in chapter.cells if not student.is_solution(c)]
+        assert [c.source for c in site.cells] == [c.source for c in kept]
+        assert [c.get("outputs") for c in site.cells] == [c.get("outputs") for c in kept]
+    assert (out / "book.yml").exists() and (out / "notebooks" / "glossary.md").exists()
+    with pytest.raises(ValueError, match="not a student site"):
+        student.write_site_sources(ROOT / "notebooks")
