@@ -12,7 +12,7 @@ import pytest
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
 from kvlab.core.scheduler_api import ScheduledChunk
-from kvlab.sim.costmodel import RooflineCostModel
+from kvlab.sim.costmodel import RooflineCostModel, speculative_step_cost
 from kvlab.sim.executor import SimClock, simulate
 from kvlab.sim.static_batching import StaticBatchScheduler
 from kvlab.sim.workload import (
@@ -96,6 +96,37 @@ def test_step_cost_prices_lookahead_tokens():
     assert CM.step_cost([plain] * 256).bound == "memory"
     with pytest.raises(ValueError, match="sampled positions"):
         CM.cost([(2, 0, 3)])
+
+
+def test_speculative_step_cost_is_priced_from_step_cost():
+    target = RooflineCostModel.named("Llama-3-70B", "H100-80GB SXM", tp=4)
+    draft = RooflineCostModel.named("Llama-3-8B", "H100-80GB SXM", tp=4)
+    one = speculative_step_cost(target, draft, batch=1, k=4, alpha=0.6, context=1024)
+    assert one.expected_tokens == pytest.approx((1 - 0.6 ** 5) / (1 - 0.6))
+    chunk = ScheduledChunk("r", (0,), 1024, (), True, False, num_lookahead=4)
+    assert one.verify_s == target.step_cost([chunk]).seconds == target.cost(
+        [(5, 1024, 5)]).seconds
+    assert one.decode_s == target.cost([(1, 1024, True)]).seconds
+    assert one.draft_forwards == 5
+    vllm_like = speculative_step_cost(target, draft, batch=1, k=4, alpha=0.6, context=1024,
+                                      draft_forwards=4)
+    assert one.draft_s - vllm_like.draft_s == pytest.approx(
+        draft.cost([(1, 1028, False)]).seconds)      # the forward that only writes KV
+    assert one.speedup == pytest.approx(one.expected_tokens * one.decode_s
+                                        / (one.verify_s + one.draft_s))
+    speedups = [speculative_step_cost(target, draft, batch=b, k=4, alpha=0.6,
+                                      context=1024).speedup for b in (1, 16, 128, 512)]
+    assert speedups == sorted(speedups, reverse=True)   # batching eats the free tokens
+    assert speedups[0] > 1 > speedups[-1]
+    big = speculative_step_cost(target, draft, batch=512, k=4, alpha=0.6, context=1024)
+    assert big.verify_bound == "compute" and one.verify_bound == "memory"
+    assert speculative_step_cost(target, draft, batch=2, k=3, alpha=1.0,
+                                 context=0).expected_tokens == 4
+    for bad in ({"batch": 0}, {"k": 0}, {"alpha": 1.5}, {"context": -1},
+                {"draft_forwards": 3}):
+        kw = {"batch": 1, "k": 4, "alpha": 0.5, "context": 10} | bad
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            speculative_step_cost(target, draft, **kw)
 
 
 def test_workload_generators():

@@ -1,123 +1,213 @@
-"""Chapter 9 exercises: speculative decoding's arithmetic and its exactness.
+"""Chapter 9 exercises: where speculation pays, the distribution of a step, a point-mass
+proposer, a colleague's verifier, and a deployment choice on the roofline.
 
-Each check computes the truth itself (the verifier of :mod:`kvlab.engine.spec_decode`, or the
-formulas of Leviathan et al. 2023) and raises ``AssertionError`` with a hint that says what is
-wrong — too high, too low, which property fails — without printing the expected answer.
+Each check computes the truth itself (the roofline cost model of :mod:`kvlab.sim.costmodel`, or
+exact probabilities) and raises ``AssertionError`` saying what is wrong — which property fails,
+or the direction of a number — without printing the expected answer, the right option or the
+method.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable, Sequence
 
 from ._common import require_answer
 
-__all__ = ["EXAMPLE_P", "EXAMPLE_Q", "check_acceptance_probability", "check_best_k",
-           "check_buggy_tv", "check_expected_length", "check_residual"]
+__all__ = ["CONTEXT_CHOICES", "DESIGN", "PREDICT", "check_context_effect",
+           "check_deployment_k", "check_emitted_pmf", "check_fixed_step",
+           "check_point_mass_residual", "colleague_step", "deployment_cost_models"]
 
-#: The target and draft distributions of exercises 3 and 5 (five tokens).
-EXAMPLE_P = (0.40, 0.25, 0.20, 0.10, 0.05)
-EXAMPLE_Q = (0.20, 0.45, 0.05, 0.25, 0.05)
+#: Exercise 1: the setting of the prediction (batch, drafts, acceptance, the two contexts).
+PREDICT = {"batch": 16, "k": 4, "alpha": 0.6, "contexts": (1024, 32768)}
+CONTEXT_CHOICES = ("rises", "falls", "unchanged")
+
+#: Exercise 5: the deployment (4 x H100, Llama-3-70B target, Llama-3-8B draft).
+DESIGN = {"batch": 32, "context": 8192, "alpha": 0.8, "k_choices": tuple(range(0, 9)),
+          "tolerance": 0.02}
 
 
-def _direction(got: float, want: float) -> str:
-    return "too high" if got > want else "too low"
+def deployment_cost_models():
+    """The ``(target, draft)`` cost models of exercises 1 and 5: Llama-3-70B and Llama-3-8B in
+    bf16 on four H100s each (tensor parallel 4; vLLM requires the draft's TP to equal the
+    target's)."""
+    from kvlab.sim.costmodel import RooflineCostModel
+
+    return (RooflineCostModel.named("Llama-3-70B", "H100-80GB SXM", tp=4),
+            RooflineCostModel.named("Llama-3-8B", "H100-80GB SXM", tp=4))
 
 
-def check_expected_length(fn) -> str:
-    """``fn(alpha, k) -> float``: expected tokens emitted per verification when each of ``k``
-    drafts is accepted independently with probability ``alpha`` (the bonus token included)."""
-    require_answer(fn, "your expected-length function")
+def _speedup(batch: int, k: int, alpha: float, context: int) -> float:
+    from kvlab.sim.costmodel import speculative_step_cost
+
+    if k == 0:
+        return 1.0
+    target, draft = deployment_cost_models()
+    return speculative_step_cost(target, draft, batch=batch, k=k, alpha=alpha,
+                                 context=context, draft_forwards=k).speedup
+
+
+def check_context_effect(answer) -> str:
+    """Exercise 1: at :data:`PREDICT`'s batch, ``k`` and ``alpha``, does the roofline speedup of
+    speculation rise, fall or stay (within 1 %) when every request's context grows from the
+    first to the second of ``PREDICT["contexts"]``? ``answer``: one of
+    :data:`CONTEXT_CHOICES`."""
+    require_answer(answer, "one of " + ", ".join(repr(c) for c in CONTEXT_CHOICES))
+    if answer not in CONTEXT_CHOICES:
+        raise AssertionError(f"answer one of {CONTEXT_CHOICES}, got {answer!r}")
+    b, k, a = PREDICT["batch"], PREDICT["k"], PREDICT["alpha"]
+    short, long = (_speedup(b, k, a, c) for c in PREDICT["contexts"])
+    truth = ("unchanged" if abs(long / short - 1) <= 0.01
+             else "rises" if long > short else "falls")
+    if answer == truth:
+        return ("Right. Now run the cost model at both contexts and find which forward's "
+                "time grew the most.")
+    why = {
+        "rises": "no: a longer context makes every forward read more KV bytes; compare what "
+                 "that adds to a plain decode step and to a speculative step",
+        "falls": "no: check which forwards of a step read the context, and how often",
+        "unchanged": "no: the speedup moves by more than 1 % between the two contexts; the "
+                     "KV bytes a forward reads grow with the context",
+    }[answer]
+    raise AssertionError(why)
+
+
+def check_emitted_pmf(fn: Callable[[float, int], Sequence[float]]) -> str:
+    """Exercise 2: ``fn(alpha, k)`` -> ``k + 1`` probabilities, entry ``j - 1`` the probability
+    that one verification emits exactly ``j`` tokens when each draft is kept independently
+    with probability ``alpha`` (the bonus token included)."""
+    require_answer(fn, "your function (alpha, k) -> list of k + 1 probabilities")
     if not callable(fn):
-        raise AssertionError("pass a function (alpha, k) -> expected tokens per step")
+        raise AssertionError("pass a function (alpha, k) -> list of k + 1 probabilities")
     rng = random.Random(9)
-    cases = [(0.0, 3), (0.5, 0), (0.999999, 4)] + [(rng.random(), rng.randint(1, 10))
-                                                   for _ in range(100)]
+    cases = [(0.0, 3), (1.0, 4), (0.5, 1)] + [(rng.random(), rng.randint(1, 10))
+                                              for _ in range(60)]
     for alpha, k in cases:
-        want = sum(alpha ** i for i in range(k + 1))
-        got = float(fn(alpha, k))
-        if not math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9):
-            hint = ("with alpha = 0 only the token after the first rejection is emitted"
-                    if alpha == 0 else "with k = 0 a step emits exactly one token" if k == 0
-                    else "as alpha -> 1 every draft and the bonus token are emitted"
-                    if alpha > 0.99 else "count the bonus token; draft i survives with "
-                    "probability alpha^i")
-            raise AssertionError(f"alpha={alpha:.3f}, k={k}: your value is "
-                                 f"{_direction(got, want)} ({hint}).")
-    return "Correct: your formula matches on 103 (alpha, k) pairs."
+        got = fn(alpha, k)
+        try:
+            got = [float(x) for x in got]
+        except TypeError:
+            raise AssertionError(f"alpha={alpha:.3f}, k={k}: return a list of numbers, got "
+                                 f"{type(got).__name__}") from None
+        if len(got) != k + 1:
+            raise AssertionError(f"k={k}: {len(got)} entries; a step emits between 1 and "
+                                 f"k + 1 tokens, one entry each")
+        if any(x < -1e-12 for x in got) or not math.isclose(sum(got), 1.0, abs_tol=1e-9):
+            raise AssertionError(f"alpha={alpha:.3f}, k={k}: not a distribution (negative "
+                                 "entries, or they do not sum to 1)")
+        want = [alpha ** (j - 1) * (1 - alpha) for j in range(1, k + 1)] + [alpha ** k]
+        for j, (g, w) in enumerate(zip(got, want, strict=True), start=1):
+            if not math.isclose(g, w, rel_tol=1e-6, abs_tol=1e-9):
+                raise AssertionError(f"alpha={alpha:.3f}, k={k}: P(emit {j} tokens) is "
+                                     f"too {'high' if g > w else 'low'}")
+    return "Correct on 63 (alpha, k) pairs. Its mean is the expected length of the chapter."
 
 
-def check_residual(fn) -> str:
-    """``fn(p, q) -> list[float]``: the distribution a rejection samples from."""
-    require_answer(fn, "your residual function")
+def check_point_mass_residual(fn: Callable[[Sequence[float], int], Sequence[float]]) -> str:
+    """Exercise 3: ``fn(p, x)`` -> the distribution a rejection samples from when the proposer
+    put all its probability on the draft ``x`` (an n-gram match, or an argmax draft)."""
+    require_answer(fn, "your function (p, x) -> list of probabilities")
     if not callable(fn):
-        raise AssertionError("pass a function (p, q) -> list of probabilities")
+        raise AssertionError("pass a function (p, x) -> list of probabilities")
     rng = random.Random(5)
     for trial in range(100):
         v = rng.randint(2, 8)
-        p = [rng.random() ** 2 for _ in range(v)]
-        q = [rng.random() ** 2 for _ in range(v)]
-        p = [x / sum(p) for x in p]
-        q = [x / sum(q) for x in q]
-        raw = [max(a - b, 0.0) for a, b in zip(p, q, strict=True)]
-        want = [x / sum(raw) for x in raw]
-        got = [float(x) for x in fn(list(p), list(q))]
+        p = [rng.random() ** 2 + 1e-3 for _ in range(v)]
+        p = [a / sum(p) for a in p]
+        x = rng.randrange(v)
+        want = [0.0 if i == x else a / (1 - p[x]) for i, a in enumerate(p)]
+        got = [float(a) for a in fn(list(p), x)]
         if len(got) != v:
             raise AssertionError(f"trial {trial}: {len(got)} entries for a vocabulary of {v}")
-        if any(x < -1e-12 for x in got) or not math.isclose(sum(got), 1.0, abs_tol=1e-9):
+        if any(a < -1e-12 for a in got) or not math.isclose(sum(got), 1.0, abs_tol=1e-9):
             raise AssertionError(f"trial {trial}: not a distribution (negative entries, or it "
                                  "does not sum to 1)")
-        if any(g > 1e-12 and a <= b for g, a, b in zip(got, p, q, strict=True)):
-            raise AssertionError(f"trial {trial}: mass on a token where q >= p: a rejection "
-                                 "must never produce a token the draft already over-proposes")
+        if got[x] > 1e-12:
+            raise AssertionError(f"trial {trial}: a rejection must never emit the token it "
+                                 "just rejected")
         if any(not math.isclose(g, w, abs_tol=1e-9) for g, w in zip(got, want, strict=True)):
-            raise AssertionError(f"trial {trial}: right support, wrong weights: they should be "
-                                 "proportional to how much p exceeds q")
-    return "Correct: your residual is exact on 100 random pairs (p, q)."
+            raise AssertionError(f"trial {trial}: right support, wrong weights (compare with "
+                                 "the residual rule for this q)")
+    return "Correct on 100 random (p, x): the same rule as the residual, for a one-hot q."
 
 
-def check_acceptance_probability(answer) -> str:
-    """The probability that a draft sampled from ``EXAMPLE_Q`` is accepted against
-    ``EXAMPLE_P`` (one position)."""
-    require_answer(answer, "the acceptance probability")
-    want = sum(min(a, b) for a, b in zip(EXAMPLE_P, EXAMPLE_Q, strict=True))
-    got = float(answer)
-    if not math.isclose(got, want, abs_tol=1e-6):
-        raise AssertionError(f"Your value is {_direction(got, want)}. Sum over tokens: "
-                             "P(draft x) * P(accept x | x).")
-    return "Correct: and 1 minus it is the total-variation distance between p and q."
+def colleague_step(p: Sequence[float], q: Sequence[float], x: int, rng: random.Random) -> int:
+    """A colleague's one-position verifier (exercise 4): keep the draft ``x`` with probability
+    ``min(1, p[x] / q[x])``, otherwise sample the residual. ``rng``: a ``random.Random``."""
+    u = rng.random()
+    if u < min(1.0, p[x] / q[x]):
+        return x
+    residual = [max(a - b, 0.0) for a, b in zip(p, q, strict=True)]
+    total = sum(residual)
+    acc = 0.0
+    for token, r in enumerate(residual):
+        acc += r / total
+        if u < acc:
+            return token
+    return max(range(len(p)), key=residual.__getitem__)
 
 
-def check_buggy_tv(answer) -> str:
-    """A buggy verifier resamples from ``p`` (not the residual) after a rejection. Its output
-    distribution differs from ``EXAMPLE_P``: give the total-variation distance."""
-    require_answer(answer, "the total-variation distance")
-    accept = [min(a, b) for a, b in zip(EXAMPLE_P, EXAMPLE_Q, strict=True)]
-    reject = 1 - sum(accept)
-    out = [a + reject * p for a, p in zip(accept, EXAMPLE_P, strict=True)]
-    want = 0.5 * sum(abs(o - p) for o, p in zip(out, EXAMPLE_P, strict=True))
-    got = float(answer)
-    if not math.isclose(got, want, abs_tol=1e-6):
-        raise AssertionError(f"Your value is {_direction(got, want)}. Output(x) = "
-                             "q(x)·min(1, p/q) + P(reject)·p(x); TV = half the L1 distance.")
-    return "Correct: small, but a χ² test with a few thousand samples sees it."
+_PAIRS = (
+    ((0.40, 0.25, 0.20, 0.10, 0.05), (0.20, 0.45, 0.05, 0.25, 0.05)),
+    ((0.05, 0.50, 0.20, 0.15, 0.10), (0.30, 0.30, 0.10, 0.10, 0.20)),
+    ((0.30, 0.30, 0.20, 0.10, 0.10), (0.10, 0.10, 0.20, 0.30, 0.30)),
+)
 
 
-def check_best_k(alpha: float, c: float, k) -> str:
-    """Open design question: with acceptance ``alpha`` and draft/target cost ratio ``c``, which
-    ``k`` maximises Leviathan et al.'s speedup ``(1 - alpha^(k+1)) / ((1 - alpha)(c k + 1))``?
-    Any answer within 1 % of the best speedup passes."""
-    require_answer(k, "your choice of k")
-    if not isinstance(k, int) or k < 1:
-        raise AssertionError("k must be an int >= 1")
+def _measure(fn, p, q, trials: int, seed: int) -> tuple[list[float], float]:
+    draws, verify = random.Random(seed), random.Random(seed + 1)
+    counts = [0] * len(p)
+    kept = 0
+    for _ in range(trials):
+        x = draws.choices(range(len(q)), weights=q)[0]
+        token = fn(list(p), list(q), x, verify)
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < len(p):
+            raise AssertionError(f"return a token id in 0..{len(p) - 1}, got {token!r}")
+        counts[token] += 1
+        kept += token == x
+    return [c / trials for c in counts], kept / trials
 
-    def speedup(n: int) -> float:
-        return sum(alpha ** i for i in range(n + 1)) / (c * n + 1)
 
-    best = max(speedup(n) for n in range(1, 65))
-    got = speedup(k)
-    if got < 0.99 * best:
-        better = "larger" if speedup(k + 1) > got else "smaller"
-        raise AssertionError(f"k={k} gives {got:.3f}x, {100 * (1 - got / best):.1f} % below "
-                             f"the best k: try a {better} one.")
-    return f"Good: k={k} gives {got:.3f}x, within 1 % of the best."
+def check_fixed_step(fn) -> str:
+    """Exercise 4: ``fn(p, q, x, rng) -> token`` with :func:`colleague_step`'s signature. It
+    passes when, over 20,000 seeded trials on each of three pairs ``(p, q)`` with drafts
+    ``x ~ q``, its output frequencies match ``p`` (chi-squared below the 0.01 % critical
+    value) and it keeps the draft as often as the exact rule does."""
+    require_answer(fn, "your corrected step function (p, q, x, rng) -> token")
+    if not callable(fn):
+        raise AssertionError("pass a function (p, q, x, rng) -> token")
+    trials = 20_000
+    for n, (p, q) in enumerate(_PAIRS):
+        freq, kept = _measure(fn, p, q, trials, seed=100 + n)
+        chi2 = trials * sum((f - a) ** 2 / a for f, a in zip(freq, p, strict=True))
+        if chi2 > 25.0:                    # chi-squared, 4 degrees of freedom, p = 1e-4
+            worst = max(range(len(p)), key=lambda i: abs(freq[i] - p[i]))
+            raise AssertionError(
+                f"pair {n}: the output is not distributed as p (chi-squared {chi2:.0f} over "
+                f"{trials:,} trials); token {worst} comes out too "
+                f"{'often' if freq[worst] > p[worst] else 'rarely'}")
+        beta = sum(min(a, b) for a, b in zip(p, q, strict=True))
+        if abs(kept - beta) > 4 * math.sqrt(beta * (1 - beta) / trials):
+            raise AssertionError(f"pair {n}: the output follows p, but the draft is kept too "
+                                 f"{'often' if kept > beta else 'rarely'}: a verifier "
+                                 "should keep every draft the rule accepts")
+    return "Fixed: exact on all three pairs, and it keeps drafts at the rule's rate."
+
+
+def check_deployment_k(k) -> str:
+    """Exercise 5: the ``k`` (0 = no speculation) for :data:`DESIGN`'s deployment whose
+    roofline throughput is within ``DESIGN["tolerance"]`` of the best choice in
+    ``DESIGN["k_choices"]`` (a proposer of ``k`` draft forwards per step)."""
+    require_answer(k, "your k (an int; 0 turns speculation off)")
+    if isinstance(k, bool) or not isinstance(k, int) or k not in DESIGN["k_choices"]:
+        raise AssertionError(f"choose an int k in {DESIGN['k_choices'][0]}.."
+                             f"{DESIGN['k_choices'][-1]}")
+    b, c, a = DESIGN["batch"], DESIGN["context"], DESIGN["alpha"]
+    best = max(_speedup(b, n, a, c) for n in DESIGN["k_choices"])
+    got = _speedup(b, k, a, c)
+    if got < (1 - DESIGN["tolerance"]) * best:
+        raise AssertionError(f"k={k} is not within {DESIGN['tolerance']:.0%} of the best "
+                             "throughput for this deployment")
+    return (f"Good: k={k} is within {DESIGN['tolerance']:.0%} of the best. Now say at which "
+            "batch you would turn speculation off.")

@@ -184,3 +184,61 @@ class RooflineCostModel:
             raise ValueError(f"{self.model.name} weights do not fit on {self.tp} x "
                              f"{self.gpu.name}")
         return int(free // (self.kv_bytes_per_token * block_size))
+
+
+@dataclass(frozen=True)
+class SpecStepCost:
+    """One speculative step of ``batch`` decoding requests with ``k`` drafts each, against a
+    plain decode step of the same batch. Times in seconds."""
+
+    batch: int
+    k: int
+    alpha: float
+    draft_forwards: int
+    decode_s: float          # the target's plain decode step (1 token per request)
+    verify_s: float          # the target's verification step (1 + k tokens per request)
+    draft_s: float           # the proposer's forwards, all of them
+    verify_bound: str        # "compute" or "memory": the roof the verification hits
+
+    @property
+    def expected_tokens(self) -> float:
+        """Tokens a request emits per step if each draft is kept independently with
+        probability ``alpha`` (Leviathan et al. 2023, eq. 1): ``sum_{i=0..k} alpha^i``."""
+        return sum(self.alpha ** i for i in range(self.k + 1))
+
+    @property
+    def speedup(self) -> float:
+        """Tokens per second with speculation over tokens per second without."""
+        return self.expected_tokens * self.decode_s / (self.verify_s + self.draft_s)
+
+
+def speculative_step_cost(target: RooflineCostModel, draft: RooflineCostModel, *, batch: int,
+                          k: int, alpha: float, context: int,
+                          draft_forwards: int | None = None) -> SpecStepCost:
+    """Price one speculative step on the roofline: ``batch`` requests at ``context`` tokens of
+    context, each verifying ``k`` drafts (a decode chunk with ``k`` lookahead slots, priced by
+    :meth:`RooflineCostModel.step_cost`) after the ``draft`` model ran ``draft_forwards``
+    batched single-token forwards (default ``k + 1``, kvlab's proposer: the last one only
+    writes the final draft's KV; a proposer that leaves that write to the next step runs
+    ``k``). ValueError for a batch or ``k`` below 1, ``alpha`` outside ``[0, 1]``, a negative
+    context or fewer than ``k`` draft forwards.
+    """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise ValueError(f"context must be an int >= 0, got {context!r}")
+    forwards = k + 1 if draft_forwards is None else draft_forwards
+    if isinstance(forwards, bool) or not isinstance(forwards, int) or forwards < k:
+        raise ValueError(f"draft_forwards must be an int >= k = {k}, got {draft_forwards!r}")
+    decode = target.cost([(1, context, True)] * batch)
+    chunks = [ScheduledChunk(str(i), (0,), context, (), True, False, num_lookahead=k)
+              for i in range(batch)]
+    verify = target.step_cost(chunks)
+    draft_s = sum(draft.cost([(1, context + j, j < k)] * batch).seconds
+                  for j in range(forwards))
+    return SpecStepCost(batch, k, float(alpha), forwards, decode.seconds, verify.seconds,
+                        draft_s, verify.bound)

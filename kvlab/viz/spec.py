@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ._widgets import figure_widget
@@ -11,8 +12,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
     from kvlab.engine.spec_decode.acceptance import AcceptanceData
+    from kvlab.sim.costmodel import SpecStepCost
 
-__all__ = ["AcceptanceView", "acceptance_caption", "acceptance_figure"]
+__all__ = ["AcceptanceView", "acceptance_caption", "acceptance_figure", "speedup_figure"]
 
 
 def acceptance_figure(data: AcceptanceData) -> Figure:
@@ -44,6 +46,36 @@ def acceptance_figure(data: AcceptanceData) -> Figure:
     c.plot([0, 1], [0, 1], color="grey", lw=0.8)
     c.set(xlabel="draft q(x)", ylabel="target p(x)", xlim=(0, 1.02), ylim=(0, 1.02),
           title=f"{len(data.rejected)} rejected drafts")
+    fig.tight_layout()
+    return fig
+
+
+def speedup_figure(curves: Mapping[str, Sequence[SpecStepCost]], title: str = "") -> Figure:
+    """Speedup of speculation against batch size, one line per labelled curve of
+    :class:`~kvlab.sim.costmodel.SpecStepCost` (same batches, ascending); filled markers where
+    the verification step is compute-bound, hollow where it is memory-bound."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for j, (label, costs) in enumerate(curves.items()):
+        if not costs:
+            raise ValueError(f"curve {label!r} has no points")
+        xs = [c.batch for c in costs]
+        if xs != sorted(xs):
+            raise ValueError(f"curve {label!r}: batches must ascend, got {xs}")
+        ys = [c.speedup for c in costs]
+        color = request_color(j)
+        ax.plot(xs, ys, "-", color=color, label=label)
+        for c, y in zip(costs, ys, strict=True):
+            ax.plot(c.batch, y, "o", ms=5, color=color,
+                    mfc=color if c.verify_bound == "compute" else "white")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="batch size (decoding requests)", ylabel="speedup over plain decoding",
+           title=title or "speculation on the roofline")
+    ax.plot([], [], "o", color="grey", label="verification compute-bound")
+    ax.plot([], [], "o", color="grey", mfc="white", label="verification memory-bound")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 
