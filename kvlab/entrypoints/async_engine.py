@@ -2,11 +2,19 @@
 
 One background thread steps the :class:`~kvlab.engine.llm_engine.LLMEngine` whenever it has
 work and sleeps on an event otherwise. Request handlers run on the asyncio event loop: they add
-requests with :meth:`LLMEngine.add_request` (thread-safe) and read the request's outputs from an
-``asyncio.Queue`` that the engine thread fills through ``loop.call_soon_threadsafe``. Nothing
-else crosses threads. Leaving :meth:`AsyncEngine.generate` before the request finished (the
-client went away, the handler was cancelled) aborts it, which frees its KV at the next step
-boundary.
+requests with :meth:`AsyncEngine.add` (which registers a :class:`RequestStream`, then calls the
+thread-safe :meth:`LLMEngine.add_request`) and read the request's :class:`StreamDelta` objects
+from the stream's ``asyncio.Queue``, which the engine thread fills through
+``loop.call_soon_threadsafe``. Nothing else crosses threads.
+
+**Deltas, not snapshots.** The engine's outputs are cumulative (every token so far); the engine
+thread turns each into the tokens that are new since the last one, so a stream's queue holds
+each token once and a slow reader costs memory linear in what it owes, not quadratic.
+**Bounded.** A stream whose reader falls more than ``max_backlog_tokens`` tokens behind is
+aborted (its KV freed) and ended with ``error="client_too_slow"``.
+
+Closing a stream before the request finished (the client went away, a stop string matched)
+aborts the request, which frees its KV at the next step boundary.
 
 :class:`~kvlab.entrypoints.server_metrics.ServerMetrics` is updated by the engine thread after
 every step and read by ``/metrics``.
@@ -16,9 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 
 from kvlab.engine.llm_engine import LLMEngine, Prompt
 from kvlab.engine.outputs import RequestOutput
@@ -26,23 +36,92 @@ from kvlab.engine.params import SamplingParams
 
 from .server_metrics import ServerMetrics
 
-__all__ = ["AsyncEngine"]
+__all__ = ["AsyncEngine", "ChoiceDelta", "RequestStream", "StreamDelta"]
 
 log = logging.getLogger("kvlab.serve")
+
+#: default bound of one stream's unread tokens before the server gives up on its reader
+MAX_BACKLOG_TOKENS = 4096
+
+
+@dataclass
+class ChoiceDelta:
+    """What one sample gained in one step: new token ids and, at its end, the finish reason."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class StreamDelta:
+    """One step's news for a request. ``finished``: the last delta of the stream; ``error``:
+    why the server ended it early (``"client_too_slow"``), else None."""
+
+    choices: list[ChoiceDelta]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+
+@dataclass
+class RequestStream:
+    """The consumer side of one request: ``await stream.next()`` until a delta is
+    ``finished``; :meth:`close` (always, e.g. in ``finally``) aborts it if it is not."""
+
+    request_id: str
+    engine: AsyncEngine
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sent: dict[int, int] = field(default_factory=dict)   # sample -> tokens delivered
+    backlog: int = 0            # tokens queued and not yet read (engine thread adds, loop takes)
+    finished: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    async def next(self) -> StreamDelta:
+        delta = await self.queue.get()
+        with self.lock:
+            self.backlog -= delta.num_tokens
+        if delta.finished:
+            self.finished = True
+        return delta
+
+    async def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        while not self.finished:
+            yield await self.next()
+
+    def close(self, reasons: Mapping[int, str] | None = None) -> bool:
+        """Abort the request unless it finished; ``reasons`` relabels samples for the metrics
+        (a stop string that matched is a ``"stop"``, not an ``"abort"``). True if aborted."""
+        if self.finished:
+            return False
+        self.finished = True
+        return self.engine.abort(self.request_id, reasons)
 
 
 class AsyncEngine:
     """See the module docstring. ``start()`` launches the engine thread, ``shutdown()`` stops
     it (aborting what is left)."""
 
-    def __init__(self, engine: LLMEngine, *, model_name: str = "kvlab-tiny") -> None:
+    def __init__(self, engine: LLMEngine, *, model_name: str = "kvlab-tiny",
+                 max_backlog_tokens: int = MAX_BACKLOG_TOKENS) -> None:
+        if not isinstance(max_backlog_tokens, int) or max_backlog_tokens < 1:
+            raise ValueError(f"max_backlog_tokens must be an int >= 1, got {max_backlog_tokens!r}")
         self.engine = engine
         self.metrics = ServerMetrics(engine, model_name)
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.max_backlog_tokens = max_backlog_tokens
+        self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.step_errors = 0
+        self.slow_aborts = 0            # streams aborted for their slow reader ...
+        self.last_slow_backlog = 0      # ... and the last one's unread tokens at that moment
 
     # ------------------------------------------------------------------ the engine thread
     def start(self) -> None:
@@ -81,29 +160,49 @@ class AsyncEngine:
                 self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
+        """Turn a cumulative output into a delta for its stream (engine thread)."""
         self.metrics.observe_output(out)
-        entry = self._streams.get(out.request_id)
-        if entry is None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
             return          # aborted meanwhile
-        if out.finished:
+        choices = []
+        for c in out.outputs:
+            done = stream.sent.get(c.index, 0)
+            new = c.token_ids[done:]
+            if new or c.finish_reason is not None:
+                stream.sent[c.index] = done + len(new)
+                choices.append(ChoiceDelta(c.index, new, c.finish_reason))
+        delta = StreamDelta(choices, out.finished, len(out.prompt_token_ids),
+                            out.num_cached_tokens)
+        with stream.lock:
+            stream.backlog += delta.num_tokens
+            too_slow = not out.finished and stream.backlog > self.max_backlog_tokens
+        if too_slow:
+            self.slow_aborts += 1
+            self.last_slow_backlog = stream.backlog
+            self.abort(out.request_id)
+            delta.finished, delta.error = True, "client_too_slow"
+            for c in delta.choices:
+                c.finish_reason = c.finish_reason or "abort"
+        elif out.finished:
             self._streams.pop(out.request_id, None)
-        loop, queue = entry
         with contextlib.suppress(RuntimeError):  # the loop is closed (server shutting down)
-            loop.call_soon_threadsafe(queue.put_nowait, out)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
 
     # ------------------------------------------------------------------ the asyncio side
     def validate(self, prompt: Prompt, params: SamplingParams):
-        """The engine's own checks (ValueError/TypeError naming the problem), nothing queued."""
+        """The engine's own checks (ValueError/TypeError naming the problem), nothing queued.
+        Returns ``(text or None, token ids, params)``; tokenizes a str prompt (call it off the
+        event loop, then pass the ids on)."""
         return self.engine.validate_request(prompt, params)
 
-    async def generate(self, request_id: str, prompt: Prompt,
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Add the request and yield its (cumulative) outputs until it finishes. Raises what
-        :meth:`LLMEngine.add_request` raises, with nothing queued. Abandoning the iterator
-        early aborts the request."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, queue)
+    def add(self, request_id: str, prompt: Prompt, params: SamplingParams,
+            loop: asyncio.AbstractEventLoop) -> RequestStream:
+        """Register a stream and add the request (thread-safe: call it in a worker thread so
+        the event loop never waits on the engine). Raises what :meth:`LLMEngine.add_request`
+        raises, with nothing queued."""
+        stream = RequestStream(request_id, self, loop)
+        self._streams[request_id] = stream
         try:
             self.engine.add_request(request_id, prompt, params)
         except BaseException:
@@ -111,25 +210,35 @@ class AsyncEngine:
             raise
         self.metrics.observe_arrival(request_id)
         self._wake.set()
-        finished = False
-        try:
-            while True:
-                out = await queue.get()
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return stream
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a request if it is still in the engine; True when it was."""
+    async def generate(self, request_id: str, prompt: Prompt,
+                       params: SamplingParams) -> AsyncIterator[StreamDelta]:
+        """Add the request and yield its deltas until it finishes; leaving early aborts it."""
+        loop = asyncio.get_running_loop()
+        stream = await asyncio.to_thread(self.add, request_id, prompt, params, loop)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+
+    def queued_tokens(self) -> int:
+        """Tokens queued for all streams and not yet read by their handlers."""
+        return sum(s.backlog for s in list(self._streams.values()))
+
+    def abort(self, request_id: str, reasons: Mapping[int, str] | None = None) -> bool:
+        """Abort a request if it is still in the engine; True when it was. ``reasons`` (sample
+        index -> finish reason) relabels aborted samples in the metrics."""
         self._streams.pop(request_id, None)
         try:
             out = self.engine.abort_request(request_id)
         except KeyError:
             return False
+        if reasons:
+            out = dataclasses.replace(out, outputs=[
+                dataclasses.replace(c, finish_reason=reasons.get(c.index, c.finish_reason))
+                if c.finish_reason == "abort" else c for c in out.outputs])
         self.metrics.observe_output(out)
         self._wake.set()
         return True

@@ -10,17 +10,22 @@ with the HTTP status the OpenAI API (and vLLM) use: 400 for a malformed or inval
 (overload), 500 when it failed while running it.
 
 Accepted fields are OpenAI's plus vLLM's extensions that kvlab implements (``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``seed``); an unknown field is an error, not silently
-ignored, so a client never believes a setting took effect when it did not.
+``ignore_eos``, ``stop_token_ids``, ``seed``, ``structured_outputs`` and the older
+``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``). A field OpenAI or
+vLLM define but kvlab does not implement (:data:`NEUTRAL`: tools, logit_bias, logprobs, ...) is
+accepted only with its "off" value; otherwise, and for a field nobody defines, the answer is a
+400 naming it, so a client never believes a setting took effect when it did not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvlab.engine.detokenizer import check_stop
 from kvlab.engine.params import SamplingParams
 
 __all__ = ["APIError", "ParsedRequest", "chat_prompt", "error_body", "parse_request"]
@@ -51,26 +56,73 @@ def error_body(message: str, kind: str, param: str | None = None,
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream",
           "stream_options", "ignore_eos", "stop_token_ids", "stop", "user", "logprobs",
-          "presence_penalty", "frequency_penalty"}
-COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
+          "presence_penalty", "frequency_penalty", "response_format", "structured_outputs",
+          "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+#: fields OpenAI or vLLM define that kvlab does not implement: accepted only with the value
+#: that means "off", else a 400 naming the field
+NEUTRAL: dict[str, tuple] = {
+    "logprobs": (None, False), "echo": (None, False), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0), "logit_bias": (None, {}), "best_of": (None, 1),
+    "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None,),
+    "suffix": (None, ""), "include_stop_str_in_output": (None, False),
+}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"} | set(NEUTRAL)
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"} | set(NEUTRAL)
+ROLES = ("system", "developer", "user", "assistant")
+STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+              "guided_choice", "guided_grammar")
+#: completions' default ``max_tokens`` when the field is absent (OpenAI's); ``null`` and chat's
+#: default mean the rest of the context (vLLM's)
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass
 class ParsedRequest:
-    """A validated request: what to send the engine and how to answer."""
+    """A validated request: what to send the engine and how to answer.
+
+    ``prompts``: one entry per prompt (``/v1/completions`` takes an array); ``params`` carries
+    every sampling field; its ``max_tokens`` is replaced by :meth:`params_for` once the prompt
+    length is known when ``max_tokens`` is None (the rest of the context). ``structured_param``
+    names the field that set ``params.structured_outputs`` (for a 400 if it does not compile).
+    """
 
     chat: bool
     model: str
-    prompt: str | list[int]
+    prompts: list[str | list[int]]
     params: SamplingParams
+    max_tokens: int | None
     stream: bool
     include_usage: bool
+    stop: tuple[str, ...] = ()
+    structured_param: str | None = None
+
+    @property
+    def prompt(self) -> str | list[int]:
+        return self.prompts[0]
+
+    def params_for(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        """The sampling parameters for a prompt of ``prompt_len`` tokens; APIError 400 naming
+        the limit when ``max_tokens`` does not fit the context (vLLM refuses it too)."""
+        room = max_model_len - prompt_len
+        param = "max_completion_tokens" if self.chat else "max_tokens"
+        if self.max_tokens is None:
+            return dataclasses.replace(self.params, max_tokens=room)
+        if self.max_tokens > room:
+            raise APIError(400, f"{param}={self.max_tokens} is too large: this model's maximum "
+                                f"context length is {max_model_len} tokens and the prompt has "
+                                f"{prompt_len}, so at most {room} tokens can be generated",
+                           param=param, code="context_length_exceeded")
+        return self.params
 
 
 def _json_object(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply to parse",
+                       code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise APIError(400, f"request body is not valid JSON: {err}",
                        code="invalid_json") from None
@@ -80,10 +132,35 @@ def _json_object(raw: bytes) -> dict:
     return body
 
 
-def _check_null_or_zero(body: dict, name: str, neutral: tuple = (None,)) -> None:
-    if name in body and body[name] not in neutral:
+def _check_neutral(body: dict, name: str) -> None:
+    value = body.get(name)
+    if name in body and not any(value == v and type(value) is type(v) for v in NEUTRAL[name]):
         raise APIError(400, f"{name}={body[name]!r} is not supported by kvlab's server",
                        param=name, code="unsupported_parameter")
+
+
+def _content(i: int, m: dict) -> str:
+    """The text of message ``i``: a str, a list of ``{"type": "text", "text": ...}`` parts
+    (joined with newlines, as vLLM does), or null for an assistant turn."""
+    content = m.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and m["role"] == "assistant":
+        return ""
+    if isinstance(content, list) and content:
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise APIError(400, f"messages[{i}].content[{j}]: only text parts "
+                                    f"{{\"type\": \"text\", \"text\": str}} are supported, got "
+                                    f"{kind!r}", param="messages", code="invalid_value")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise APIError(400, f"messages[{i}].content must be a string or a non-empty list of text "
+                        "parts" + (" (null only for assistant turns)" if content is None else ""),
+                   param="messages", code="invalid_value")
 
 
 def chat_prompt(messages: Any) -> str:
@@ -94,15 +171,68 @@ def chat_prompt(messages: Any) -> str:
                        param="messages", code="invalid_value")
     lines = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) - {"role", "content", "name"} \
-                or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise APIError(400, f"messages[{i}] must be an object with string role and content",
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, f"messages[{i}] must be an object with a string role",
                            param="messages", code="invalid_value")
-        if m["role"] not in ("system", "user", "assistant"):
-            raise APIError(400, f"messages[{i}].role {m['role']!r} is not system, user or "
-                                "assistant", param="messages", code="invalid_value")
-        lines.append(f"{m['role']}: {m['content']}")
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise APIError(400, f"messages[{i}].{extra[0]} is not supported by kvlab's server",
+                           param="messages", code="unsupported_parameter")
+        if m["role"] not in ROLES:
+            raise APIError(400, f"messages[{i}].role {m['role']!r} is not one of "
+                                f"{', '.join(ROLES)}", param="messages", code="invalid_value")
+        lines.append(f"{m['role']}: {_content(i, m)}")
     return "\n".join(lines) + "\nassistant:"
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """``prompt`` of ``/v1/completions``: a str, token ids, or a non-empty array of either."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p)
+                                                   for p in prompt):
+        return list(prompt)
+    raise APIError(400, "prompt must be a string, a non-empty list of token ids, or a "
+                        "non-empty array of those", param="prompt", code="invalid_value")
+
+
+def _structured(body: dict) -> tuple[dict | None, str | None]:
+    """vLLM's ``structured_outputs`` dict (and the field that set it) from ``response_format``,
+    ``structured_outputs`` or the older ``guided_*`` fields (at most one of them)."""
+    given = [k for k in STRUCTURED if body.get(k) is not None]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise APIError(400, f"at most one of {', '.join(given)} may be set", param=given[1],
+                       code="invalid_value")
+    name = given[0]
+    value = body[name]
+    if name == "response_format":
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "text" and set(value) == {"type"}:
+            return None, None
+        if kind == "json_object" and set(value) == {"type"}:
+            return {"json": {"type": "object"}}, name
+        if kind == "json_schema" and set(value) == {"type", "json_schema"}:
+            spec = value["json_schema"]
+            if isinstance(spec, dict) and isinstance(spec.get("schema"), dict) \
+                    and not set(spec) - {"name", "schema", "strict", "description"}:
+                return {"json": spec["schema"]}, name
+            raise APIError(400, "response_format.json_schema must be {name, schema: object, "
+                                "strict?, description?}", param=name, code="invalid_value")
+        raise APIError(400, f"response_format must be {{\"type\": \"text\"}}, {{\"type\": "
+                            f"\"json_object\"}} or {{\"type\": \"json_schema\", \"json_schema\": "
+                            f"...}}; got {value!r}"[:300], param=name, code="invalid_value")
+    if name == "structured_outputs":
+        if isinstance(value, dict) and value.get("json_object") is True and len(value) == 1:
+            return {"json": {"type": "object"}}, name
+        return value, name
+    return {name.removeprefix("guided_"): value}, name
 
 
 def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest:
@@ -120,21 +250,9 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest
     if model != served_model:
         raise APIError(404, f"The model `{model}` does not exist; this server serves "
                             f"`{served_model}`", param="model", code="model_not_found")
-    for name in ("stop", "logprobs", "echo"):
-        _check_null_or_zero(body, name, (None, False))
-    for name in ("presence_penalty", "frequency_penalty"):
-        _check_null_or_zero(body, name, (None, 0, 0.0))
-    if chat:
-        prompt: str | list[int] = chat_prompt(body.get("messages"))
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
-            raise APIError(400, "prompt must be a string or a non-empty list of token ids "
-                                "(one prompt per request)", param="prompt",
-                           code="invalid_value")
+    for name in NEUTRAL:
+        _check_neutral(body, name)
+    prompts = [chat_prompt(body.get("messages"))] if chat else _prompts(body.get("prompt"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(400, f"stream must be a boolean, got {stream!r}", param="stream",
@@ -146,15 +264,32 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest
             raise APIError(400, "stream_options must be {\"include_usage\": bool} and only "
                                 "with stream=true", param="stream_options", code="invalid_value")
         include_usage = bool(opts.get("include_usage", False))
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16))
-    kw = {"max_tokens": max_tokens}
+    try:
+        stop = check_stop(body.get("stop"))
+    except ValueError as err:
+        raise APIError(400, str(err), param="stop", code="invalid_value") from None
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens, limit_param = body["max_completion_tokens"], "max_completion_tokens"
+    elif chat or "max_tokens" in body:
+        max_tokens, limit_param = body.get("max_tokens"), "max_tokens"
+    else:
+        max_tokens, limit_param = COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens"
+    kw: dict[str, Any] = {"max_tokens": 1 if max_tokens is None else max_tokens}
     for name in ("temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "stop_token_ids"):
         if body.get(name) is not None:
             kw[name] = body[name]
+    structured, structured_param = _structured(body)
+    if structured is not None:
+        kw["structured_outputs"] = structured
     try:
         params = SamplingParams(**kw)
     except (ValueError, TypeError) as err:
         m = re.search(r"SamplingParams\.(\w+)", str(err))
-        raise APIError(400, str(err), param=m.group(1) if m else None,
-                       code="invalid_value") from None
-    return ParsedRequest(chat, model, prompt, params, stream, include_usage)
+        field_name = m.group(1) if m else None
+        if field_name == "max_tokens":
+            field_name = limit_param
+        elif field_name == "structured_outputs":
+            field_name = structured_param
+        raise APIError(400, str(err), param=field_name, code="invalid_value") from None
+    return ParsedRequest(chat, model, prompts, params, max_tokens, stream, include_usage,
+                         stop, structured_param)
