@@ -255,14 +255,66 @@ def test_fork_scenario_and_pool_figure():
     assert view.widget() is not None
 
 
+def test_fork_scenario_abort_mid_copy_and_explorer(monkeypatch):
+    import itertools
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlab.viz.blocks import (
+        FORK_GRID,
+        FORK_STEPS,
+        fork_explorer,
+        fork_kernel_free,
+        fork_scenario,
+        pool_size,
+    )
+    from kvlab.viz.kernel_free import EXPORT_ENV
+
+    steps = fork_scenario(n=3, abort_mid_copy=True)
+    caption, aborted = steps[4]
+    assert caption.startswith("s2 aborted mid-copy")
+    (src, first), (_, second) = aborted.pending_copies
+    assert src == 2 and aborted.refcounts[first] == 0             # s2's target: no owner ...
+    assert aborted.block_states[first] == "pending_copy"          # ... but still fenced
+    assert "s2" not in aborted.tables
+    _, done = steps[5]
+    assert done.block_states[first] == "free" and not done.pending_copies
+    assert done.block_states[second] == "exclusive"
+    assert set(steps[-1][1].block_states) == {"free"}
+    with pytest.raises(ValueError, match="abort_mid_copy"):
+        fork_scenario(n=1, abort_mid_copy=True)
+    # every setting the explorer offers runs, in the same number of steps
+    for n, prompt, bs, abort in itertools.product(range(2, 7), range(1, 25), (2, 4, 8),
+                                                 (False, True)):
+        run = fork_scenario(n=n, prompt_len=prompt, block_size=bs, abort_mid_copy=abort,
+                            num_blocks=pool_size(n, prompt, bs))
+        assert len(run) == FORK_STEPS
+        copies = next(s for _, s in run if "first token" in _).pending_copies
+        assert len(copies) == (0 if prompt % bs == 0 else n - 1)   # a full last block: no copy
+    box = fork_explorer()
+    controls = [c for row in box.children[:2] for c in row.children]
+    assert [c.description for c in controls] == ["n", "prompt", "block size",
+                                                 "abort a child mid-copy", "step"]
+    controls[3].value = True                                      # redraws, no error
+    controls[4].value = FORK_STEPS - 1
+    monkeypatch.setenv(EXPORT_ENV, "1")
+    kf = fork_kernel_free()
+    frames = len(FORK_GRID["n"]) * len(FORK_GRID["abort_mid_copy"]) * FORK_STEPS
+    assert len(kf.frames) == frames and frames <= 48
+
+
 def test_chapter3_exercise_checks():
     from kvlab.exercises._common import NotYetAnswered
     from kvlab.exercises.ch03 import (
         SAMPLING,
+        WRITE_ORDER,
         check_cow,
         check_double_release,
         check_sampling_blocks,
+        check_write_order,
         sampling_blocks,
+        write_order_outcome,
     )
     from kvlab.reference import BlockAllocator
 
@@ -281,14 +333,42 @@ def test_chapter3_exercise_checks():
         check_cow(decrement_first)
     with pytest.raises(NotYetAnswered):
         check_cow(...)
-    assert sampling_blocks(**SAMPLING) == (114, 300)
-    assert "Correct" in check_sampling_blocks(114, 300)
-    with pytest.raises(AssertionError, match="with sharing: 75 is too low") as err:
-        check_sampling_blocks(75, 300)
-    assert "114" not in str(err.value)
+    # 730 // 16 = 45 full prompt blocks once + 5 x (ceil(820 / 16) - 45) private; 5 x 52 without
+    assert sampling_blocks(**SAMPLING) == (45 + 5 * 7, 5 * 52) == (80, 260)
+    assert "Correct" in check_sampling_blocks(80, 260)
+    with pytest.raises(AssertionError) as err:
+        check_sampling_blocks(75, 260)
+    assert str(err.value) == "with sharing: 75 is too low."
+    with pytest.raises(AssertionError) as err:
+        check_sampling_blocks(80, 261)
+    assert str(err.value) == "without: 261 is too high."
+    # the printed table of the chapter does not hold this case
+    from kvlab.exercises.ch03 import sampling_blocks as blocks
+    assert all(blocks(n, p, o, 16) != (80, 260) for p, o in ((1000, 200), (161, 338), (20, 60))
+               for n in (2, 4, 6))
+    # exercise 3: parent first -> p and s1 copy, s2 (last owner) writes in place
+    assert write_order_outcome(**WRITE_ORDER) == (2, "s2")
+    assert write_order_outcome(3, 10, 4, ("s2", "s1", "p")) == (2, "p")   # the chapter's order
+    with pytest.raises(ValueError, match="partial block"):                # full block: no copy
+        write_order_outcome(3, 8, 4, ("p", "s1", "s2"))
+    assert "Correct" in check_write_order(2, "s2")
+    for copies, who in ((3, "s2"), (1, "s2"), (2, "p"), (2, "s1")):
+        with pytest.raises(AssertionError) as err:
+            check_write_order(copies, who)
+        message = str(err.value)
+        assert "s2" not in message and "2 copies" not in message.replace(f"{copies} copies", "")
+    with pytest.raises(AssertionError, match="not one of"):
+        check_write_order(2, "s3")
+    with pytest.raises(NotYetAnswered):
+        check_write_order(..., "p")
+    # check_double_release (kept for teachers): a wrong letter says why it fails, never "c"
     assert "Correct" in check_double_release("c")
-    with pytest.raises(AssertionError):
-        check_double_release("b")
+    for wrong in "abd":
+        with pytest.raises(AssertionError, match=rf"\({wrong}\) fails") as err:
+            check_double_release(wrong)
+        assert "(c)" not in str(err.value) and "no-op" not in str(err.value)
+    with pytest.raises(AssertionError, match="one of the letters"):
+        check_double_release("e")
 
 
 def test_chapter3_cow_counterexample_check():
@@ -334,9 +414,10 @@ def test_chapter3_max_samples_check():
     with pytest.raises(AssertionError, match="too high") as err:
         check_max_samples(7)
     assert "6" not in str(err.value)
-    with pytest.raises(AssertionError, match="too low") as err:
-        check_max_samples(3)
-    assert "6" not in str(err.value)
+    for low in (3, 5):
+        with pytest.raises(AssertionError) as err:
+            check_max_samples(low)
+        assert str(err.value) == f"n = {low} is too low."         # nothing about n + 1
     with pytest.raises(AssertionError, match="positive whole number"):
         check_max_samples(0)
 

@@ -1,5 +1,6 @@
 """Chapter 3 exercises: debug a copy-on-write, count the blocks parallel sampling needs,
-release twice, and size parallel sampling on a real KV manager.
+predict the copies of a fork written in another order, and size parallel sampling on a real
+KV manager.
 
 Each check computes the truth with :mod:`kvlab.core` (the reference ``BlockAllocator`` or a real
 ``KVCacheManager``) and raises ``AssertionError`` saying what is wrong, never the answer.
@@ -15,8 +16,11 @@ from kvlab.reference import BlockAllocator
 
 from ._common import require_answer
 
-#: Parallel sampling of :func:`check_sampling_blocks`.
-SAMPLING = {"n": 4, "prompt_tokens": 1000, "output_tokens": 200, "block_size": 16}
+#: Parallel sampling of :func:`check_sampling_blocks` (exercise 2).
+SAMPLING = {"n": 5, "prompt_tokens": 730, "output_tokens": 90, "block_size": 16}
+
+#: The fork of :func:`check_write_order` (exercise 3): the parent writes first.
+WRITE_ORDER = {"n": 3, "prompt_tokens": 10, "block_size": 4, "order": ("p", "s1", "s2")}
 
 #: The pool and request of :func:`check_max_samples` (exercise 4).
 SAMPLES_DESIGN = {"num_blocks": 64, "block_size": 16, "prompt_tokens": 300,
@@ -138,38 +142,93 @@ def check_sampling_blocks(with_sharing, without_sharing) -> str:
                           for what, got, want in (("with sharing", with_sharing, truth[0]),
                                                   ("without", without_sharing, truth[1]))
                           if got != want)
-        raise AssertionError(
-            f"{wrong}. Without sharing every sequence "
-            "holds ceil((prompt + output) / q) blocks. With sharing the full prompt blocks are "
-            "held once; the partial last prompt block is copied by every sequence that writes "
-            "into it except the last owner.")
+        raise AssertionError(f"{wrong}.")
     return (f"Correct: {truth[0]} blocks instead of {truth[1]} "
             f"({100 * (1 - truth[0] / truth[1]):.0f}% less KV memory).")
 
 
+#: Why each wrong option of :func:`check_double_release` fails (the right one has no entry).
+_DOUBLE_RELEASE_WRONG = {
+    "a": "(a) fails: the second call returns normally; it raises nothing.",
+    "b": "(b) fails: b's reference is untouched after the second call; refcount is unchanged.",
+    "d": "(d) fails: the block is still held after the second call; nothing is freed.",
+}
+
+
 def check_double_release(answer) -> str:
-    """What a second ``BlockPool.release(table, owner)`` by the same owner does.
+    """What a second ``BlockPool.release(table, owner)`` by the same owner does (kept for
+    teachers' own exercises; the chapter prints the answer in its demo).
 
     Answer with a letter: (a) raises ValueError, (b) decrements the refcounts again,
-    (c) is a no-op and returns ``[]``, (d) frees the blocks.
+    (c) is a no-op and returns ``[]``, (d) frees the blocks. A wrong letter is told why it
+    fails, from the pool's observed behaviour.
     """
     require_answer(answer, "your letter")
     from kvlab.core.block_pool import BlockPool
 
+    letter = str(answer).strip().lower()
+    if letter not in ("a", "b", "c", "d"):
+        raise AssertionError(f"answer with one of the letters a, b, c, d, got {answer!r}")
     pool = BlockPool(2)
     table = pool.allocate(1, "a")
     pool.share(table, "b")
     pool.release(table, "a")
     before = pool.state_tuple()
     second = pool.release(table, "a")
-    truth = "c" if second == [] and pool.state_tuple() == before else "?"
-    if str(answer).strip().lower() != truth:
-        raise AssertionError(
-            f"{answer!r} is not right. The pool tracks owners, not only counts: owner 'a' no "
-            "longer holds the block, so there is nothing of a's to drop, and b's reference "
-            "must survive.")
+    assert second == [] and pool.state_tuple() == before, "BlockPool.release changed"
+    if letter != "c":
+        raise AssertionError(_DOUBLE_RELEASE_WRONG[letter])
     return ("Correct: releasing is idempotent per owner. A plain counter cannot tell a second "
             "release from another owner's, which is how double frees corrupt shared blocks.")
+
+
+def write_order_outcome(n: int, prompt_tokens: int, block_size: int,
+                        order: tuple[str, ...]) -> tuple[int, str]:
+    """Fork ``n`` sequences (``p``, ``s1``, ...) after a prefill of ``prompt_tokens`` on a real
+    ``KVCacheManager`` and let each write its first token in ``order``: the number of copies
+    made, and the sequence that writes into the shared partial block in place."""
+    if prompt_tokens % block_size == 0:
+        raise ValueError("the prompt must end in a partial block (else nothing is copied)")
+    kv = KVCacheManager(4 * n * (-(-(prompt_tokens + 1) // block_size)), block_size,
+                        enable_prefix_caching=False)
+    kv.admit("p", (), list(range(prompt_tokens)), prompt_tokens)
+    seqs = ["p"] + [f"s{i}" for i in range(1, n)]
+    if sorted(order) != sorted(seqs):
+        raise ValueError(f"order must name each of {seqs} once, got {order!r}")
+    for child in seqs[1:]:
+        kv.fork("p", child)
+    partial = kv.block_table("p")[prompt_tokens // block_size]
+    copies = []
+    for rid in order:
+        copies += kv.grow(rid, prompt_tokens + 1, prompt_tokens)
+    kv.complete_copies(copies)
+    in_place = [rid for rid in seqs if kv.block_table(rid)[prompt_tokens // block_size]
+                == partial]
+    assert len(in_place) == 1
+    return len(copies), in_place[0]
+
+
+def check_write_order(copies, in_place) -> str:
+    """Exercise 3: the fork of :data:`WRITE_ORDER` written parent first: how many copies, and
+    which sequence writes in place."""
+    require_answer(copies, "number of copies")
+    require_answer(in_place, "the sequence that writes in place")
+    if isinstance(copies, bool) or not isinstance(copies, int):
+        raise AssertionError(f"the number of copies is a whole number, got {copies!r}")
+    truth_copies, truth_in_place = write_order_outcome(**WRITE_ORDER)
+    problems = []
+    if copies != truth_copies:
+        problems.append(f"{copies} copies is {'too many' if copies > truth_copies else 'too few'}")
+    seqs = WRITE_ORDER["order"]
+    if in_place not in seqs:
+        problems.append(f"{in_place!r} is not one of the sequences {seqs}")
+    elif in_place != truth_in_place:
+        problems.append(f"{in_place!r} cannot write in place: when it writes, the partial "
+                        "block still has another owner")
+    if problems:
+        raise AssertionError("; ".join(problems) + ".")
+    return (f"Correct: {truth_copies} copies, and {truth_in_place} writes in place. Whatever "
+            "the order, every writer but the last owner of the partial block copies it.")
 
 
 def check_cow_counterexample(make_case) -> str:
@@ -227,10 +286,10 @@ def check_max_samples(n) -> str:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise AssertionError(f"n must be a positive whole number, got {n!r}")
     if not samples_fit(n, **SAMPLES_DESIGN):
-        raise AssertionError(f"n = {n} runs out of blocks before every sample has its "
-                             f"{SAMPLES_DESIGN['output_tokens']} tokens: too high.")
+        raise AssertionError(f"n = {n} is too high: it runs out of blocks before every sample "
+                             f"has its {SAMPLES_DESIGN['output_tokens']} tokens.")
     if samples_fit(n + 1, **SAMPLES_DESIGN):
-        raise AssertionError(f"n = {n} fits, and so does n + 1: too low.")
+        raise AssertionError(f"n = {n} is too low.")
     d = SAMPLES_DESIGN
     private = d["num_blocks"] // -(-(d["prompt_tokens"] + d["output_tokens"]) // d["block_size"])
     return (f"Correct: {n} samples fit and {n + 1} do not. Without sharing only {private} "

@@ -4,9 +4,12 @@
   pool is drawn one cell per physical block, coloured by state (free / exclusive / shared /
   cached / pending copy), with its refcount; below it, every request's block table.
 * :func:`fork_scenario` — a scripted run of a real :class:`KVCacheManager`: parallel sampling
-  with n=3 (prefill, fork, copy-on-write of the partial last block, decode, release), returning
-  ``(caption, snapshot)`` pairs.
-* :class:`RefcountView` — a slider over those steps (thin ipywidgets glue over pool_figure).
+  (prefill, fork, copy-on-write of the partial last block, optionally an abort mid-copy, decode,
+  release), returning ``(caption, snapshot)`` pairs.
+* :func:`fork_explorer` — chapter 3's widget: n, prompt length, block size and an abort
+  mid-copy switch over :func:`fork_scenario`, with a step slider (kernel-free twin:
+  :func:`fork_kernel_free`).
+* :class:`RefcountView` — a slider over a fixed list of steps (thin glue over pool_figure).
 
 Patches carry a ``gid`` (``"block-7"``, ``"table-p-1"``) so tests can find them.
 """
@@ -89,17 +92,25 @@ def pool_figure(snapshot: KVSnapshot, *, per_row: int = 12, title: str | None = 
 
 def fork_scenario(*, n: int = 3, num_blocks: int = 12, block_size: int = 4,
                   prompt_len: int = 10, decode_steps: int = 3,
-                  enable_prefix_caching: bool = False) -> list[tuple[str, KVSnapshot]]:
+                  enable_prefix_caching: bool = False,
+                  abort_mid_copy: bool = False) -> list[tuple[str, KVSnapshot]]:
     """Parallel sampling on a real KVCacheManager; the snapshot after every step.
 
     Steps: admit and prefill the prompt; fork ``n - 1`` children; each sequence writes its first
     token (children copy-on-write the shared partial last block, the parent, last owner, writes
     in place); the copies complete; decode; one child finishes; all finish. With
-    ``enable_prefix_caching`` (chapter 4) full blocks also go to the prefix cache, which holds
-    a reference of its own, and the cached blocks stay, evictable, when all have finished.
+    ``abort_mid_copy`` the last child is aborted while its copy is still pending (its new block
+    stays fenced until the copy completes, then returns to the pool) and takes the place of the
+    "one child finishes" step. With ``enable_prefix_caching`` (chapter 4) full blocks also go
+    to the prefix cache, which holds a reference of its own, and the cached blocks stay,
+    evictable, when all have finished. Raises ``ValueError`` for ``n < 2`` with
+    ``abort_mid_copy``, and :class:`~kvlab.core.block_pool.OutOfBlocks` when the pool is too
+    small for the run.
     """
-    if n < 1 or prompt_len < 1:
-        raise ValueError("need n >= 1 and a non-empty prompt")
+    if n < 1 or prompt_len < 1 or decode_steps < 0:
+        raise ValueError("need n >= 1, a non-empty prompt and decode_steps >= 0")
+    if abort_mid_copy and n < 2:
+        raise ValueError("abort_mid_copy needs a child to abort: n >= 2")
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
     scope = ("demo-model", "tenant-a")
     prompt = list(range(100, 100 + prompt_len))
@@ -121,10 +132,18 @@ def fork_scenario(*, n: int = 3, num_blocks: int = 12, block_size: int = 4,
     for rid in reversed(seqs):  # children first: the parent ends as the last owner
         pending += kv.grow(rid, prompt_len + 1, prompt_len)
         tokens[rid].append(sample[rid] + len(tokens[rid]))
-    steps.append((f"first token: copy-on-write of the partial block, copies {pending}",
+    steps.append((f"first token: copy-on-write of the partial block, copies {pending}"
+                  if pending else "first token: nothing shared is written, no copy",
                   kv.snapshot()))
+    if abort_mid_copy:
+        victim = seqs.pop()
+        kv.free(victim)
+        steps.append((f"{victim} aborted mid-copy: its copy target stays fenced, not free",
+                      kv.snapshot()))
     kv.complete_copies(pending)
-    steps.append(("copies complete: fences lifted", kv.snapshot()))
+    steps.append(("copies complete: fences lifted"
+                  + (", the aborted copy's block freed" if abort_mid_copy else ""),
+                  kv.snapshot()))
     for _ in range(decode_steps):
         for rid in seqs:
             length = len(tokens[rid])
@@ -133,18 +152,99 @@ def fork_scenario(*, n: int = 3, num_blocks: int = 12, block_size: int = 4,
             if enable_prefix_caching:
                 kv.commit(rid, tokens[rid])
     steps.append((f"{decode_steps} decode steps: private tails grow", kv.snapshot()))
-    if n > 1:
+    if len(seqs) > 1 and not abort_mid_copy:
         kv.free(seqs[-1])
         steps.append((f"{seqs[-1]} finishes: its private blocks freed"
                       + (", its cached ones stay" if enable_prefix_caching else ""),
                       kv.snapshot()))
-    for rid in seqs[:-1] if n > 1 else seqs:
+        seqs.pop()
+    for rid in seqs:
         kv.free(rid)
     steps.append(("all finish: " + ("cached blocks evictable, everything else free"
                                     if enable_prefix_caching else "every block free"),
                   kv.snapshot()))
     kv.check_invariants()
     return steps
+
+
+def pool_size(n: int, prompt_len: int, block_size: int, decode_steps: int = 3) -> int:
+    """Blocks :func:`fork_scenario` needs (every sequence's whole table, unshared), plus a
+    spare row's worth, and at least 12: what :func:`fork_explorer` sizes its pool to."""
+    per_sequence = -(-(prompt_len + 1 + decode_steps) // block_size)
+    return max(12, n * per_sequence + 2)
+
+
+#: The kernel-free explorer's grid (prompt length and block size at the live defaults).
+FORK_GRID = {"n": (2, 3), "abort_mid_copy": (False, True)}
+
+#: Steps of every :func:`fork_scenario` run without the prefix cache (``n >= 2``).
+FORK_STEPS = 8
+
+
+def fork_explorer(*, n: int = 3, prompt_len: int = 10, block_size: int = 4,
+                  abort_mid_copy: bool = False):
+    """Chapter 3's widget: set ``n``, the prompt length and the block size, choose whether a
+    child is aborted mid-copy, and step through the run (:func:`fork_scenario` on a real
+    ``KVCacheManager``, prefix cache off; pool sized by :func:`pool_size`)."""
+    import ipywidgets as w
+
+    runs: dict[tuple, list] = {}
+
+    def run(n, prompt_len, block_size, abort_mid_copy):
+        key = (n, prompt_len, block_size, abort_mid_copy)
+        if key not in runs:
+            runs[key] = fork_scenario(n=n, prompt_len=prompt_len, block_size=block_size,
+                                      abort_mid_copy=abort_mid_copy,
+                                      num_blocks=pool_size(n, prompt_len, block_size))
+        return runs[key]
+
+    def draw(step, **setting):
+        steps = run(**setting)
+        i = min(step, len(steps) - 1)
+        return pool_figure(steps[i][1], title=f"step {i}: {steps[i][0]}")
+
+    start = next(i for i, (_, s) in enumerate(run(n, prompt_len, block_size, abort_mid_copy))
+                 if s.pending_copies)
+    controls = {
+        "n": w.IntSlider(value=n, min=2, max=6, description="n"),
+        "prompt_len": w.IntSlider(value=prompt_len, min=1, max=24, description="prompt"),
+        "block_size": w.Dropdown(options=[2, 4, 8], value=block_size, description="block size"),
+        "abort_mid_copy": w.Checkbox(value=abort_mid_copy, description="abort a child mid-copy"),
+        "step": w.IntSlider(value=start, min=0, max=FORK_STEPS - 1, description="step",
+                            continuous_update=False),
+    }
+    row = list(controls.values())
+    return figure_widget(controls, draw, header=[w.HBox(row[:3]), w.HBox(row[3:])],
+                         what="fork explorer (n, prompt length, block size, abort mid-copy, "
+                              "step)",
+                         kernel_free=lambda: fork_kernel_free(prompt_len=prompt_len,
+                                                              block_size=block_size,
+                                                              start=start))
+
+
+def fork_kernel_free(*, prompt_len: int = 10, block_size: int = 4, start: int = 3):
+    """The explorer without a kernel: :data:`FORK_GRID` x every step, precomputed."""
+    from .kernel_free import dropdown, slider, static_widget
+
+    runs = {(k, a): fork_scenario(n=k, prompt_len=prompt_len, block_size=block_size,
+                                  abort_mid_copy=a,
+                                  num_blocks=pool_size(k, prompt_len, block_size))
+            for k in FORK_GRID["n"] for a in FORK_GRID["abort_mid_copy"]}
+    assert all(len(r) == FORK_STEPS for r in runs.values())
+
+    def draw(n, abort_mid_copy, step):
+        caption, snap = runs[n, abort_mid_copy][step]
+        return pool_figure(snap, title=f"step {step}: {caption}")
+
+    return static_widget(
+        draw,
+        {"n": dropdown(FORK_GRID["n"], label="n"),
+         "abort_mid_copy": dropdown(FORK_GRID["abort_mid_copy"], label="abort a child mid-copy",
+                                    labels=("no", "yes")),
+         "step": slider(range(FORK_STEPS), label="step")},
+        default={"n": 3, "abort_mid_copy": False, "step": start},
+        title=f"forks for parallel sampling ({prompt_len}-token prompt, blocks of "
+              f"{block_size})")
 
 
 class RefcountView:
