@@ -335,3 +335,26 @@ def test_a_stalled_reader_is_aborted_with_bounded_queue():
     text = aeng.metrics.render()
     assert parse_metrics(text)[("vllm:request_success_total",
                                 (("finished_reason", "abort"), ("model_name", MODEL)))] == 1
+
+
+# ---------------------------------------------------------------- kvlab bench as a client
+
+def test_bench_counts_tokens_from_usage_and_fails_loudly(server, capsys, tmp_path):
+    from kvlab.entrypoints import bench
+
+    out = tmp_path / "b.json"
+    rc = bench.main(["--base-url", server.url, "--model", MODEL, "--num-prompts", "4",
+                     "--text-prompts", "--input-len", "fixed:6", "--output-len", "fixed:4",
+                     "--no-progress", "--result-json", str(out)])
+    assert rc == 0
+    reqs = json.loads(out.read_text())["requests"]
+    # text prompts: the token counts are the server's (usage), not 0
+    assert all(r["prompt_tokens"] > 0 and r["output_tokens"] == 4 for r in reqs)
+    shown = re.search(r"Total input tokens:\s+(\d+)", capsys.readouterr().out)
+    assert int(shown.group(1)) == sum(r["prompt_tokens"] for r in reqs)
+    # every request refused (prompts longer than the context): exit 2, the server's message
+    rc = bench.main(["--base-url", server.url, "--model", MODEL, "--num-prompts", "3",
+                     "--input-len", "fixed:200", "--output-len", "fixed:4", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "3 of 3 requests failed" in err and "maximum context length" in err

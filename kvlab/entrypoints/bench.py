@@ -11,7 +11,10 @@ Arrivals are open-loop (Poisson, or gamma with ``--burstiness``). Lengths come f
 workload generators (``fixed:N``, ``uniform:LO,HI``, ``lognormal:MEDIAN,SIGMA``) or from a JSONL
 ``--dataset``. The summary table follows vLLM's ``benchmark_serving``; goodput, SLO attainment
 and failures by kind follow :mod:`kvlab.core.slo`. ``--result-json`` writes the report and
-every request's record; ``--scrape-metrics`` adds the server's own ``/metrics`` deltas.
+every request's record; ``--scrape-metrics`` adds the server's own ``/metrics`` deltas. Token
+counts come from the server's ``usage`` (``stream_options.include_usage``). When more than half
+the requests fail (client cancels aside) the exit status is 2 and the server's first error is
+printed, with the flag that usually fixes it (``--text-prompts``, ``--no-ignore-eos``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from kvlab.core.slo import SLO, GoodputReport, evaluate_slo
 from .load_client import LoadConfig, plan_requests, run_load
 from .prometheus import parse_metrics
 
-__all__ = ["format_summary", "length_dist", "main", "scrape_metrics"]
+__all__ = ["failure_message", "format_summary", "length_dist", "main", "scrape_metrics"]
 
 
 def length_dist(spec: str):
@@ -191,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     prompt_tokens = sum(r.prompt_tokens for r in records if r.finished)
     print(format_summary(rep, duration, prompt_tokens))
+    failed = [r for r in records if not r.finished and r.status != "cancelled"]
     if a.result_json:
         out = {"config": {k: v for k, v in vars(a).items()}, "duration_s": duration,
                "report": rep.as_dict(),
@@ -198,4 +202,20 @@ def main(argv: list[str] | None = None) -> int:
                "requests": [r.__dict__ | {"itl": list(r.itl)} for r in records]}
         Path(a.result_json).write_text(json.dumps(out, indent=1, default=str) + "\n")
         print(f"wrote {a.result_json}")
+    if 2 * len(failed) > len(records):
+        print(failure_message(failed, len(records), a), file=sys.stderr)
+        return 2
     return 0
+
+
+def failure_message(failed: list, total: int, a: argparse.Namespace) -> str:
+    """Why most requests failed: the count, the server's first error, and the flag that
+    usually helps against a server that is not vLLM-compatible."""
+    first = next((r.error for r in failed if r.error), "no error message")
+    lines = [f"kvlab bench: {len(failed)} of {total} requests failed; the first error: {first}"]
+    low = first.lower()
+    if not (a.text_prompts or a.endpoint == "chat") and ("token" in low or "prompt" in low):
+        lines.append("  hint: the server may refuse token-id prompts; try --text-prompts")
+    if not a.no_ignore_eos and "ignore_eos" in low:
+        lines.append("  hint: the server does not know vLLM's ignore_eos; try --no-ignore-eos")
+    return "\n".join(lines)

@@ -8,7 +8,8 @@ and timed on the client's monotonic clock:
 * **ITL**: the gaps between later chunks that carry text (one per engine step on kvlab and
   vLLM, so one per token or per speculative burst);
 * **TPOT**: ``(E2E - TTFT) / (output tokens - 1)`` with the token count from the server's
-  ``usage`` (requested with ``stream_options``), else the number of text chunks;
+  ``usage`` (requested with ``stream_options``), else the number of text chunks (prompt
+  tokens too come from ``usage``, else the number of token ids sent);
 * **E2E**: from sending to the end of the stream.
 
 Failures are classified (:class:`~kvlab.core.slo.FailureKind`) and never enter latency
@@ -165,6 +166,7 @@ async def _one(client, cfg: LoadConfig, req: PlannedRequest, t0: float,
     chunks = 0
     pieces: list[str] = []
     usage_tokens = None
+    usage_prompt = None
     reason = None
 
     def failed(kind: FailureKind, error: str) -> LatencyRecord:
@@ -173,7 +175,7 @@ async def _one(client, cfg: LoadConfig, req: PlannedRequest, t0: float,
                              e2e=max(now - sent, ttft or 0.0), output_tokens=chunks, error=error)
 
     async def stream() -> LatencyRecord | None:
-        nonlocal ttft, last, chunks, usage_tokens, reason
+        nonlocal ttft, last, chunks, usage_tokens, usage_prompt, reason
         async with client.stream("POST", path, json=_body(cfg, req)) as resp:
             if resp.status_code != 200:
                 raw = await resp.aread()
@@ -195,6 +197,7 @@ async def _one(client, cfg: LoadConfig, req: PlannedRequest, t0: float,
                     return failed(FailureKind.ENGINE_ERROR, str(chunk["error"])[:200])
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
+                    usage_prompt = chunk["usage"].get("prompt_tokens")
                 text, finish = _chunk_text(chunk, chat)
                 now = time.monotonic()
                 if text:
@@ -231,7 +234,8 @@ async def _one(client, cfg: LoadConfig, req: PlannedRequest, t0: float,
     tpot = (e2e - ttft) / (tokens - 1) if tokens > 1 else None
     text = "".join(pieces)
     ok = True if cfg.quality_check is None else bool(cfg.quality_check(req.prompt, text))
-    prompt_tokens = len(req.prompt) if isinstance(req.prompt, list) else 0
+    prompt_tokens = usage_prompt if usage_prompt is not None else (
+        len(req.prompt) if isinstance(req.prompt, list) else 0)
     return LatencyRecord(req.request_id, arrival, ttft=ttft, tpot=tpot, e2e=e2e,
                          output_tokens=tokens, prompt_tokens=prompt_tokens, quality_ok=ok,
                          itl=tuple(itl))
