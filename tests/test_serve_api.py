@@ -358,3 +358,21 @@ def test_bench_counts_tokens_from_usage_and_fails_loudly(server, capsys, tmp_pat
     err = capsys.readouterr().err
     assert rc == 2
     assert "3 of 3 requests failed" in err and "maximum context length" in err
+
+
+def test_stop_token_sets_stop_reason_to_its_id(server):
+    prompt = "Once upon a time the shepherd"
+    ref = LLMEngine(MODEL, max_model_len=128)
+    ref.add_request("r", prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    while ref.has_unfinished_requests():
+        outs = ref.step()
+    ids = outs[0].outputs[0].token_ids
+    stop_id = ids[4]
+    first = ids.index(stop_id)
+    got = httpx.post(server.url + "/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0,
+        "ignore_eos": True, "stop_token_ids": [stop_id]}, timeout=60).json()
+    c = got["choices"][0]
+    assert c["finish_reason"] == "stop" and c["stop_reason"] == stop_id
+    assert got["usage"]["completion_tokens"] == first + 1     # the stop token is kept
+    assert c["text"] == ref.tokenizer.decode(ids[:first + 1])
