@@ -1,10 +1,11 @@
 """BatchTimeline: what each scheduler step put in the batch (chapter 6).
 
-Per step, a stacked bar of the tokens each request got, coloured per request; prefill chunks
-are hatched, decode tokens solid. A dashed line marks the token budget. Markers above the bars
-show admissions (▲), preemptions (✕) and finishes (●). The figure function is pure: plain
-:class:`TimelineStep` records in, a matplotlib Figure out. :class:`BatchTimeline` is a thin
-ipywidgets wrapper (a slider over steps) around it.
+Per step, a stacked bar of the tokens each request got, coloured per request (a legend on the
+right names the colours); prefill chunks are hatched, decode tokens solid. A dashed line marks
+the token budget. Markers above the bars show admissions (▲), preemptions (✕) and finishes (●).
+Pass the same ``order`` to several figures and each request keeps its colour in all of them.
+The figure function is pure: plain :class:`TimelineStep` records in, a matplotlib Figure out.
+:class:`BatchTimeline` is a thin ipywidgets wrapper (a slider over steps) around it.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def batch_timeline_figure(
 ) -> Figure:
     """Stacked bars of ``steps[start:end]`` against the token ``budget``.
 
-    ``order``: request ids in colour order (default: first appearance), so a request keeps its
-    colour across figures. ``highlight``: index into ``steps`` of a step to outline.
+    ``order``: request ids in colour order (default: first appearance in ``steps``); pass the
+    same list to several figures and a request keeps its colour across them. It must name every
+    request of ``steps``. ``highlight``: index into ``steps`` of a step to outline. The legend
+    on the right lists the requests that appear in the window, in ``order``.
     """
     if budget <= 0:
         raise ValueError("budget must be positive")
@@ -87,7 +90,12 @@ def batch_timeline_figure(
                 seen.setdefault(rid, None)
         order = list(seen)
     order = list(order)
-    fig, ax = plt.subplots(figsize=(9.0, 4.2))
+    shown = {rid for s in window for rid, _, _ in s.chunks}
+    shown |= {rid for s in window for rid in s.admitted + s.preempted + s.finished}
+    missing = sorted({rid for s in steps for rid, _, _ in s.chunks} - set(order))
+    if missing:
+        raise ValueError(f"order does not name requests {missing}")
+    fig, ax = plt.subplots(figsize=(10.0, 4.2))
     top = max([budget, *(s.num_tokens for s in window)])
     mark_y = top * 1.08
     for x, s in enumerate(window):
@@ -124,11 +132,24 @@ def batch_timeline_figure(
         plt.Line2D([], [], marker="x", linestyle="", color="#c44e52", label="preempted"),
         plt.Line2D([], [], marker="o", linestyle="", color=INK, label="finished"),
     ]
-    ax.legend(handles=handles, loc="upper center", ncol=5, fontsize=8,
-              bbox_to_anchor=(0.5, -0.18))
+    kinds = ax.legend(handles=handles, loc="upper center", ncol=5, fontsize=8,
+                      bbox_to_anchor=(0.5, -0.18))
+    ax.add_artist(kinds)
+    kinds.set_clip_on(False)   # add_artist clips to the axes; this legend sits below them
+    names = [rid for rid in order if rid in shown]
+    limit = 14
+    request_handles = [Patch(facecolor=request_color(rid, order), edgecolor="white", label=rid)
+                       for rid in names[:limit]]
+    if len(names) > limit:
+        request_handles.append(Patch(facecolor="white", edgecolor="white",
+                                     label=f"+{len(names) - limit} more"))
+    if request_handles:
+        ax.legend(handles=request_handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  fontsize=8, title="request", title_fontsize=8, frameon=False)
     if title:
         ax.set_title(title)
-    fig.tight_layout()
+    # room for the two legends outside the axes: the kinds below, the requests on the right
+    fig.tight_layout(rect=(0.0, 0.07, 0.89, 1.0))
     return fig
 
 
@@ -148,13 +169,13 @@ class BatchTimeline:
     """Slider over steps; shows a window of ``width`` steps ending at the selected one."""
 
     def __init__(self, steps: Sequence[TimelineStep], budget: int, *, width: int = 30,
-                 title: str | None = None) -> None:
+                 title: str | None = None, order: Sequence[str] | None = None) -> None:
         import ipywidgets as widgets
 
         if not steps:
             raise ValueError("no steps to show")
         self.steps, self.budget, self.width, self.title = list(steps), budget, width, title
-        self.order = None
+        self.order = None if order is None else list(order)
         self.slider = widgets.IntSlider(value=min(width, len(steps)) - 1, min=0,
                                         max=len(steps) - 1, description="step index",
                                         continuous_update=False)
@@ -182,7 +203,7 @@ class BatchTimeline:
         start = max(0, i - self.width + 1)
         end = min(len(self.steps), start + self.width)
         return batch_timeline_figure(self.steps, self.budget, start=start, end=end,
-                                     highlight=i, title=self.title)
+                                     highlight=i, title=self.title, order=self.order)
 
     def draw(self) -> None:
         """Redraw the output: the figure at the slider's step, that step described beneath."""
