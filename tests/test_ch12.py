@@ -96,10 +96,16 @@ def test_budget_checker_grading_rejects_false_alarms_and_misses():
     def crashes(output, config):
         raise KeyError("oops")
 
+    def ignores_drafts(output, config):   # counts the chunks' own tokens, not their lookahead
+        assert len(output.chunks) <= config.max_num_seqs
+        assert sum(c.num_tokens for c in output.chunks) <= config.max_num_batched_tokens
+
     with pytest.raises(AssertionError, match="never fired"):
         check_budget_checker(silent)
     with pytest.raises(AssertionError, match="false alarm"):
         check_budget_checker(strict)
+    with pytest.raises(AssertionError, match="mutant 3 .* never fired"):
+        check_budget_checker(ignores_drafts)
     with pytest.raises(AssertionError, match="KeyError"):
         check_budget_checker(crashes)
     with pytest.raises(AssertionError, match="function"):

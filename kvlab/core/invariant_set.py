@@ -119,7 +119,8 @@ class InvariantMonitor:
 
 # ----------------------------------------------------------------------------- 1
 @invariant(1, "refcount", "every block's refcount equals the number of its live owners "
-           "(request tables, the prefix cache)")
+           "(request tables, the prefix cache), its owner set is exactly those owners, and a "
+           "block is on the free list exactly when it has no owner and no fence")
 def _refcounts(view: EngineView, monitor: InvariantMonitor) -> None:
     pool = view.kv.pool
     expected = live_owners(view.kv)
@@ -164,8 +165,10 @@ def check_writes(view: EngineView, output: SchedulerOutput) -> None:
                     "partial write")
 
 
-@invariant(2, "copy-on-write", "a shared block is copied before any partial write, and the "
-           "copy is fenced until it is done")
+@invariant(2, "copy-on-write", "a shared block is copied before any partial write: every "
+           "block a step writes (its tokens and lookahead slots) belongs to the writing request "
+           "alone; each copy is pending and fenced at both ends until it is done, and a block "
+           "with a pending copy is never free")
 def _fences(view: EngineView, monitor: InvariantMonitor) -> None:
     pool = view.kv.pool
     touching: dict[int, int] = {}
@@ -181,7 +184,8 @@ def _fences(view: EngineView, monitor: InvariantMonitor) -> None:
 
 # ----------------------------------------------------------------------------- 3
 @invariant(3, "idempotent end", "finish, cancel and resource release are idempotent: one "
-           "terminal transition, one release that frees, one final report per request")
+           "terminal transition (never left again), one release that frees, one final report "
+           "per request, and a request that has ended holds no KV")
 def _idempotent(view: EngineView, monitor: InvariantMonitor) -> None:
     log = getattr(view.scheduler, "log", None)
     if log is not None:
@@ -214,7 +218,8 @@ def _idempotent(view: EngineView, monitor: InvariantMonitor) -> None:
 
 
 # ----------------------------------------------------------------------------- 4
-@invariant(4, "one state", "every request is in exactly one queue or execution state")
+@invariant(4, "one state", "every request is in exactly one queue or execution state, the "
+           "one its status names; a running request holds KV, a waiting one holds none")
 def _one_state(view: EngineView, monitor: InvariantMonitor) -> None:
     sched = view.scheduler
     waiting, running, parked = list(sched.waiting), list(sched.running), view.parked()
@@ -244,8 +249,10 @@ def _one_state(view: EngineView, monitor: InvariantMonitor) -> None:
 
 
 # ----------------------------------------------------------------------------- 5
-@invariant(5, "monotonic counters", "token counters are monotonic: outputs only grow (earlier "
-           "tokens never change), preemption counts and the step counter never go back")
+@invariant(5, "monotonic counters", "token counters are monotonic and bounded: outputs only "
+           "grow (earlier tokens never change) and never exceed max_tokens, computed tokens "
+           "stay within the request's tokens, preemption counts and the step counter never go "
+           "back")
 def _monotonic(view: EngineView, monitor: InvariantMonitor) -> None:
     require(view.step >= monitor.last_step, "engine",
             f"step counter went back from {monitor.last_step} to {view.step}")
@@ -270,7 +277,8 @@ def _monotonic(view: EngineView, monitor: InvariantMonitor) -> None:
 
 # ----------------------------------------------------------------------------- 6
 @invariant(6, "scope isolation", "a cached block is only ever reused within its scope (model "
-           "version, tokenizer, adapter, dtype, security domain, ...) and for the same tokens")
+           "version, tokenizer, adapter, dtype, security domain, ...) and for the same tokens, "
+           "and a request's table is registered under the request's own scope")
 def _scopes(view: EngineView, monitor: InvariantMonitor) -> None:
     kv, cache = view.kv, view.kv.prefix_cache
     if cache is None:
@@ -308,7 +316,8 @@ def _domain(scope: Any) -> str:
 
 # ----------------------------------------------------------------------------- 7
 @invariant(7, "speculative rollback", "after a speculative rejection, KV, RNG and grammar state "
-           "have rolled back to the accepted prefix")
+           "have rolled back to the accepted prefix: a running request holds no more blocks "
+           "than its computed tokens need (plus its step's slack)")
 def _rollback(view: EngineView, monitor: InvariantMonitor) -> None:
     kv = view.kv
     for r in view.requests():
@@ -333,7 +342,8 @@ def _installs(view: EngineView, monitor: InvariantMonitor) -> None:
 
 # ----------------------------------------------------------------------------- 9
 @invariant(9, "admission", "admission reserves KV for the output limit (production 'reserve'), "
-           "and overload is explicit: rejected with a reason, never a silent stall")
+           "and overload is explicit: a rejected or failed request has a reason, and no step "
+           "schedules nothing while requests wait and nothing runs")
 def _admission(view: EngineView, monitor: InvariantMonitor) -> None:
     sched, kv = view.scheduler, view.kv
     for r in view.requests():

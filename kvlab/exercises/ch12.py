@@ -99,11 +99,21 @@ def _over_seqs(config: SchedulerConfig) -> SchedulerConfig:
     return dataclasses.replace(config, max_num_seqs=3 * config.max_num_seqs)
 
 
+class _FreeLookahead(ProductionScheduler):
+    """Fills the step's token budget first, then grants draft slots on top of it."""
+
+    def _schedule_into(self, plan) -> None:
+        super()._schedule_into(plan)
+        plan.token_budget += self.config.num_lookahead_tokens * self.config.max_num_seqs
+
+
 #: The implementations the grader runs: the declared config, and what the scheduler really uses.
 BUDGET_IMPLEMENTATIONS: dict[str, Callable[[SchedulerConfig], SchedulerConfig] | None] = {
     "correct": None, "correct, no speculation": None,
-    "mutant 1": _over_tokens, "mutant 2": _over_seqs,
+    "mutant 1": _over_tokens, "mutant 2": _over_seqs, "mutant 3": None,
 }
+#: The scheduler class each implementation runs (ProductionScheduler unless named here).
+_BUDGET_SCHEDULERS: dict[str, type[ProductionScheduler]] = {"mutant 3": _FreeLookahead}
 
 
 def run_budget(checker: Callable[[SchedulerOutput, SchedulerConfig], None],
@@ -112,7 +122,8 @@ def run_budget(checker: Callable[[SchedulerOutput, SchedulerConfig], None],
     Returns ``(error text, step)`` of the first ``AssertionError`` it raised, or None."""
     declared = BUDGET if implementation != "correct, no speculation" else \
         dataclasses.replace(BUDGET, num_lookahead_tokens=0)
-    sched = ProductionScheduler(KVCacheManager(96, 4), declared)
+    cls = _BUDGET_SCHEDULERS.get(implementation, ProductionScheduler)
+    sched = cls(KVCacheManager(96, 4), declared)
     mutate = BUDGET_IMPLEMENTATIONS[implementation]
     if mutate is not None:
         sched.config = mutate(declared)          # the bug: the limits it really schedules by
@@ -156,4 +167,4 @@ def check_budget_checker(checker) -> str:
                                  f"{fired[1]}; count what the budget really limits")
         if not name.startswith("correct") and fired is None:
             raise AssertionError(f"{name} breaks the budget and your checker never fired")
-    return "Correct: no false alarm on the correct engine, and both mutants are caught."
+    return ("Correct: no false alarm on the correct engine, and every mutant is caught.")
