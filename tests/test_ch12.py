@@ -104,7 +104,7 @@ def test_budget_checker_grading_rejects_false_alarms_and_misses():
         check_budget_checker(silent)
     with pytest.raises(AssertionError, match="false alarm"):
         check_budget_checker(strict)
-    with pytest.raises(AssertionError, match="mutant 3 .* never fired"):
+    with pytest.raises(AssertionError, match=r"mutant 3 .* never fired"):
         check_budget_checker(ignores_drafts)
     with pytest.raises(AssertionError, match="KeyError"):
         check_budget_checker(crashes)
