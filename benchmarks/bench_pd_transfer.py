@@ -7,17 +7,25 @@ For kvlab-tiny (float32, 4 layers, 2 KV heads of 32) and prompts of 64, 256 and 
 * **transfer time** of one entry over each real connector: shared storage (atomic write with
   fsync + read back) and loopback TCP (connect, send, parse into the consumer's inbox);
 * **install time**: decode + check + write of the payload into the consumer's paged cache;
-* the **prefill it replaces**: the producer's prefill of the same prompt on this CPU, so the
-  ratio says whether shipping KV beats recomputing it here.
+* the **prefill it replaces**: the producer's prefill of a prompt of the same length on this CPU
+  (median of several, each a fresh prompt so no prefix-cache hit), so the ratio says whether
+  shipping KV beats recomputing it here; ``shipping_loses`` marks the lengths where it does not.
+
+Torch's intra-op thread count is pinned (``--threads``, default 1) and recorded: left unset,
+torch starts one thread per core, and on a machine shared with other processes the prefill
+column then measures the oversubscription (an earlier run without pinning was 16-55x slow).
 
 Then the book's arithmetic: seconds per request for the catalogue models' KV (bf16) at NVLink,
 InfiniBand/RoCE and PCIe Gen5 bandwidths (:mod:`kvlab.core.transfer_cost`).
 
-Run: ``python benchmarks/bench_pd_transfer.py``. Writes ``benchmarks/results/pd_transfer.json``.
+Run: ``python benchmarks/bench_pd_transfer.py [--threads N]``. Writes
+``benchmarks/results/pd_transfer.json``.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import platform
 import statistics
 import tempfile
@@ -64,7 +72,11 @@ def measure(ckpt, fields, n: int) -> dict:
             engine.step()
         return time.perf_counter() - t0
     prefill("warm", [(17 * i) % 1000 + 2 for i in range(n)])   # this engine's first-step costs
-    prefill_s = prefill("p", prompt)
+    # fresh prompts of the same length (no prefix-cache hit), then the one that is shipped
+    prefill_s = statistics.median(
+        [prefill(f"q{k}", [(31 * i + 7 * k) % 1000 + 2 for i in range(n)])
+         for k in range(REPEATS)])
+    prefill("p", prompt)
     tokens = n // BLOCK * BLOCK
     blocks = list(range(tokens // BLOCK))     # the bytes do not depend on which blocks
     codec = KVPayloadCodec(engine.cache)
@@ -108,6 +120,7 @@ def measure(ckpt, fields, n: int) -> dict:
         "prefill_s": prefill_s, "export_s": export_s,
         "storage_round_trip_s": storage_s, "tcp_loopback_s": tcp_s, "install_s": install_s,
         "ship_over_recompute": (export_s + tcp_s + install_s) / prefill_s,
+        "shipping_loses": export_s + tcp_s + install_s > prefill_s,
         "tcp_MB_per_s": len(frame) / tcp_s / 1e6,
         "storage_MB_per_s": len(frame) / storage_s / 1e6,
     }
@@ -120,6 +133,13 @@ def measure(ckpt, fields, n: int) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (pinned and recorded; default 1)")
+    args = parser.parse_args()
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     ckpt = load_checkpoint("kvlab-tiny")
     cfg = ckpt.config
@@ -139,7 +159,9 @@ def main() -> None:
             print(f"{row['model']:>16s} {t:>5s} tok: {row['kv_bytes'] / 1e9:6.3f} GB  {secs}")
     write_results("pd_transfer", {
         "benchmark": "pd_transfer", "model": "kvlab-tiny", "dtype": "float32",
-        "block_size": BLOCK, "platform": platform.platform(), "rows": rows,
+        "block_size": BLOCK, "platform": platform.platform(),
+        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "ship_path": "export + tcp loopback + install", "rows": rows,
         "links": {k: {"bandwidth_bytes_per_s": v.bandwidth, "latency_s": v.latency,
                       "source": v.source} for k, v in LINKS.items()},
         "book_arithmetic_bf16": book,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvlab.core.catalog import get_model
 from kvlab.core.kv_transfer import (
+    REJECT_KINDS,
     Delivery,
     check_delivery,
     decode_frame,
@@ -23,21 +24,26 @@ from ._common import require_answer
 
 # ------------------------------------------------------------------ 1. arithmetic
 TRANSFER_MODEL, TRANSFER_TOKENS, TRANSFER_LINK = "Llama-3-70B", 4096, "InfiniBand NDR 400G"
+#: The deployment of exercise 1: KV stored in FP8 (1 byte per element), tensor parallelism 4,
+#: each GPU sending its own share of the KV heads over its own port.
+TRANSFER_ELEMENT_BYTES, TRANSFER_TP = 1.0, 4
 
 
 def check_transfer_ms(answer) -> str:
-    """``answer``: milliseconds to ship the bf16 prefill KV of a :data:`TRANSFER_TOKENS`-token
-    prompt of :data:`TRANSFER_MODEL` over :data:`TRANSFER_LINK` (nominal bandwidth plus the
-    link's latency, see ``kvlab.core.transfer_cost.LINKS``). Within 2 %."""
+    """``answer``: milliseconds for one GPU to ship its share of the FP8 prefill KV of a
+    :data:`TRANSFER_TOKENS`-token prompt of :data:`TRANSFER_MODEL` at tensor parallelism
+    :data:`TRANSFER_TP`, over its own :data:`TRANSFER_LINK` port (nominal bandwidth plus the
+    link's latency, ``kvlab.core.transfer_cost.LINKS``). Within 2 %; a wrong answer is told
+    only its direction."""
     require_answer(answer, "milliseconds")
-    want = 1e3 * transfer_seconds(kv_transfer_bytes(get_model(TRANSFER_MODEL), TRANSFER_TOKENS),
-                                  LINKS[TRANSFER_LINK])
     got = float(answer)
+    if not got > 0 or got != got:
+        raise AssertionError("give a positive number of milliseconds")
+    nbytes = kv_transfer_bytes(get_model(TRANSFER_MODEL), TRANSFER_TOKENS,
+                               TRANSFER_ELEMENT_BYTES) / TRANSFER_TP
+    want = 1e3 * transfer_seconds(nbytes, LINKS[TRANSFER_LINK])
     if abs(got - want) > 0.02 * want:
-        hint = ("too high: K and V, every layer, kv_heads (not query heads) x head_dim, 2 bytes"
-                if got > want else
-                "too low: did you count both K and V, and every layer?")
-        raise AssertionError(f"{got:.3g} ms is {hint}")
+        raise AssertionError(f"{got:.3g} ms is too {'high' if got > want else 'low'}")
     return f"Correct: {want:.2f} ms."
 
 
@@ -71,16 +77,27 @@ def check_classification(answer) -> str:
     got = list(answer)
     if len(got) != len(want):
         raise AssertionError(f"give one kind per entry ({len(want)}), got {len(got)}")
-    wrong = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
+    unknown = sorted({repr(g) for g in got if g is not None and g not in REJECT_KINDS})
+    if unknown:
+        raise AssertionError(f"{', '.join(unknown)}: not a kind the consumer records (see "
+                             "kvlab.core.kv_transfer.REJECT_KINDS)")
+    if None in got:
+        raise AssertionError("every one of these entries was damaged; the consumer installs "
+                             "none of them")
+    wrong = sum(g != w for g, w in zip(got, want, strict=True))
     if wrong:
-        raise AssertionError(f"entries {wrong} are classified wrong: the checks run in the order "
-                             "header seal, descriptor fields, length, checksum")
+        raise AssertionError(f"{wrong} of {len(want)} kinds are wrong: for each entry, ask "
+                             "which check runs first and whether that check can see what the "
+                             "fault changed")
     return "Correct: every damaged entry is refused, each for its own reason."
 
 
 # ------------------------------------------------------------------ 3. design: install order
-INSTALL_STEPS = ("record begin", "allocate", "record allocated", "write payload",
-                 "record written", "commit to cache", "record committed")
+#: kvlab's consumer's order (``RemoteKVScheduler``'s install, described in chapter 10).
+_KVLAB_ORDER = ("record begin", "allocate", "record allocated", "write payload",
+                "record written", "commit to cache", "record committed")
+#: The seven steps, in alphabetical order (not an order to run them in).
+INSTALL_STEPS = tuple(sorted(_KVLAB_ORDER))
 
 
 def _simulate(order: list[str], crash: int) -> dict:
@@ -99,11 +116,15 @@ def check_install_order(order) -> str:
     """``order``: the seven :data:`INSTALL_STEPS` in the order a consumer should run them so
     that a crash before *any* step leaves (1) no leaked table, (2) no half-written block visible
     in the prefix cache, and (3) a journal from which recovery answers "installed?" correctly.
-    Several orders are right; the check simulates a crash before every step."""
+    Several orders are right; the exercise asks for one that is not kvlab's own (the chapter
+    describes that one). The check simulates a crash before every step."""
     require_answer(order, "a list of the seven steps")
     order = list(order)
     if sorted(order) != sorted(INSTALL_STEPS):
         raise AssertionError("use each of INSTALL_STEPS exactly once")
+    if tuple(order) == _KVLAB_ORDER:
+        raise AssertionError("that is kvlab's own order, described in the chapter: find "
+                             "another order that is just as safe")
     pos = {s: i for i, s in enumerate(order)}
     if pos["write payload"] < pos["allocate"] or pos["commit to cache"] < pos["allocate"]:
         raise AssertionError("there are no blocks to write or commit before 'allocate'")
@@ -118,4 +139,4 @@ def check_install_order(order) -> str:
             raise AssertionError(f"{after}: recovery reads the journal wrongly ('installed' is "
                                  "claimed for blocks that never reached the cache, or missed)")
     return ("Correct: every crash point is safe. kvlab's consumer uses: " +
-            " → ".join(s for s in INSTALL_STEPS) + ".")
+            " → ".join(_KVLAB_ORDER) + ".")
