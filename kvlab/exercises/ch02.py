@@ -33,10 +33,11 @@ BLOCK_DESIGN = {"requests": 1000, "seed": 0, "arena_tokens": 16384, "min_token_s
                 "block_sizes": (4, 8, 16, 32, 64, 128, 256, 512)}
 
 
-def blocks_to_add(num_tokens: int, new_tokens: int, num_blocks: int, block_size: int) -> int:
-    """Exercise 1: a colleague's shortcut for how many blocks a table of ``num_blocks`` blocks
-    holding ``num_tokens`` tokens must take to append ``new_tokens`` more. It passes their
-    tests (a 37-token prompt in blocks of 16, then 10 decode steps)."""
+def blocks_to_add(num_tokens: int, new_tokens: int, num_blocks: int,
+                  block_size: int) -> int:
+    """Exercise 1: a colleague's shortcut: how many blocks a table of ``num_blocks``
+    blocks holding ``num_tokens`` tokens must take to append ``new_tokens`` more.
+    It passes their tests (a 37-token prompt in blocks of 16, then 10 decodes)."""
     return (num_tokens + new_tokens) // block_size + 1 - num_blocks
 
 
