@@ -10,6 +10,7 @@ writes, and the site sources without solutions (``make book-student``).
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -157,7 +158,7 @@ def test_execute_notebook_collapses_solutions_and_writes_the_kernel_lab_uses():
     hidden = [c for c in done.cells if c.metadata.get("jupyter")]
     assert len(hidden) == 2 and all(c.metadata["jupyter"] == {"source_hidden": True,
                                                               "outputs_hidden": True}
-                                    for c in hidden)
+                                    and c.metadata["collapsed"] for c in hidden)
     assert "execution" not in done.cells[0].metadata
     assert execute_notebook.kernelspec()["name"] == "python3"
 
@@ -176,3 +177,28 @@ def test_student_site_sources_drop_solutions_and_keep_outputs(tmp_path):
     assert (out / "book.yml").exists() and (out / "notebooks" / "glossary.md").exists()
     with pytest.raises(ValueError, match="not a student site"):
         student.write_site_sources(ROOT / "notebooks")
+
+
+def test_lab_check_compares_notebooks_as_lab_saves_them():
+    import lab_check
+
+    widget = {"output_type": "display_data", "metadata": {}, "data": {
+        "application/vnd.jupyter.widget-view+json": {"model_id": "m", "version_major": 2},
+        "text/html": ["<div class=\"kvlab-kf\">", "frames</div>"], "text/plain": "[widget]"}}
+    stored = {"metadata": {"widgets": {"state": {"m": {}}}}, "cells": [
+        {"cell_type": "code", "metadata": {}, "source": ["x = 1\n", "x"], "outputs": [widget]}]}
+    as_lab = json.loads(json.dumps(stored))
+    as_lab["cells"][0]["source"] = "x = 1\nx"                 # one string instead of lines
+    as_lab["cells"][0]["metadata"]["trusted"] = True          # transient, never written
+    assert lab_check._differences(stored, as_lab) == []
+    assert lab_check.widget_twins(stored) == (1, 1)
+    dropped = json.loads(json.dumps(stored))
+    dropped["metadata"]["widgets"] = {"state": {}}
+    del dropped["cells"][0]["outputs"][0]["data"]["text/html"]
+    assert lab_check._differences(stored, dropped) == ["notebook metadata 'widgets' changed",
+                                                       "cell 0: outputs changed"]
+    assert lab_check.widget_twins(dropped) == (1, 0)
+    settings = json.loads((lab_check.check_settings() / "overrides.json").read_text())
+    shipped = json.loads((ROOT / ".jupyter/lab/settings/overrides.json").read_text())
+    assert settings["@jupyterlab/notebook-extension:tracker"] == {"windowingMode": "none"}
+    assert shipped["@jupyter-widgets/jupyterlab-manager:plugin"] == {"saveState": False}

@@ -1,16 +1,38 @@
-"""Start JupyterLab the way ``make lab`` does and check, in headless Chromium, that a chapter's
-``.md`` source opens as a notebook (the shipped ``.jupyter/lab/settings/overrides.json`` makes
-Jupytext Notebook the default viewer for Markdown).
+"""Start JupyterLab the way ``make lab`` does and check a chapter in headless Chromium, as a
+student meets it.
 
-    python tools/lab_check.py [notebooks/04-prefix-reuse.md]
+    python tools/lab_check.py [notebooks/04-prefix-reuse.md] [--no-run]
 
-Exit status 0 when the file opens in a notebook panel with code cells, 1 when it opens as text
-(or not at all), 2 when no browser or server can be started.
+1. **Opens as a notebook**: the ``.md`` source opens in a notebook panel with code cells (the
+   shipped ``.jupyter/lab/settings/overrides.json`` makes Jupytext Notebook the default viewer).
+2. **MyST renders** (jupyterlab-myst), in the ``.md`` and in the trusted ``.ipynb``: every
+   markdown cell is rendered by MyST, admonitions are boxes, citations are rendered, and no raw
+   ``{term}``/``{cite}``/``{ref}`` role or ``:::`` fence is left in the text. (jupyterlab-myst
+   2.7 loads no BibTeX file: a citation shows its key with a "Citation Not Found" mark, which
+   counts as rendered; myst-nb's ``glue`` roles have no renderer in Lab at all.)
+3. **Opens unmodified and saves unchanged**: a copy of the stored ``.ipynb`` is not marked
+   modified once its kernel is idle, and saving it from Lab writes the same notebook (cells,
+   outputs, metadata, widget state) back. (Two settings make this hold: the kernelspec that
+   ``tools/execute_notebook.py`` writes, and ``saveState: false`` in the book's Lab settings —
+   with it on, the widget manager marks every notebook with widgets modified as it restores
+   them, and a save before the cells run writes an empty widget state over the stored one.)
+4. **Solutions collapsed**: every solution cell (tag ``hide-cell``) shows as a collapsed bar,
+   and the bar says "Solution" (its first line) instead of the start of the answer.
+5. **Run All, then save, keeps the site's widgets**: Run All in Lab finishes without an error,
+   and in the saved notebook every widget output still carries its kernel-free twin
+   (``text/html``), which the published site shows (``make lab`` starts the kernels with
+   ``KVLAB_KERNEL_FREE=1``; without it a saved widget output has no twin and the site would show
+   the "Run this cell in Jupyter" text). ``--no-run`` skips this step.
+
+Exit status 0 when every check holds, 1 when one fails (each is printed), 2 when no browser or
+server can be started.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,6 +42,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = Path(os.environ.get("KVLAB_LAB_SETTINGS", ROOT / ".jupyter" / "lab" / "settings"))
+WORK = ROOT / "_build" / "lab-check"   # copies the check may save over (git-ignored)
+RAW_ROLES = ("term", "cite", "cite:p", "cite:t", "ref", "numref", "doc", "abbr", "eq")
+GLUE_ROLES = ("glue:text", "glue:any", "glue:", "glue")
 
 
 def free_port() -> int:
@@ -28,26 +53,161 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def lab_command(port: int) -> list[str]:
-    """The server ``make lab`` starts, headless and without a token, on ``port``."""
+def check_settings() -> Path:
+    """The book's Lab settings, plus one for the check only: every cell is kept in the page
+    (Lab's default windowing renders the cells near the viewport only, so a check could not see
+    the rest). Returns the settings folder."""
+    folder = WORK / "settings"
+    folder.mkdir(parents=True, exist_ok=True)
+    overrides = json.loads((SETTINGS / "overrides.json").read_text())
+    overrides.setdefault("@jupyterlab/notebook-extension:tracker", {})["windowingMode"] = "none"
+    (folder / "overrides.json").write_text(json.dumps(overrides, indent=2))
+    return folder
+
+
+def lab_command(port: int, settings: Path = SETTINGS) -> list[str]:
+    """The server ``make lab`` starts, headless and without a token, on ``port`` (with the app
+    object exposed, so the check can read the document model and save through Lab itself)."""
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
            "--ServerApp.ip=127.0.0.1", "--IdentityProvider.token=", "--ServerApp.password=",
-           f"--LabApp.app_settings_dir={SETTINGS}", f"--ServerApp.root_dir={ROOT}"]
+           f"--LabApp.app_settings_dir={settings}", f"--ServerApp.root_dir={ROOT}",
+           "--LabApp.expose_app_in_browser=True"]
     if hasattr(os, "getuid") and os.getuid() == 0:
         cmd.append("--allow-root")
     return cmd
 
 
-def check(chapter: str = "notebooks/04-prefix-reuse.md", timeout: float = 120) -> bool:
+# What the open notebook panel shows: rendered markdown, raw MyST left over, collapsed cells.
+_INSPECT = r"""
+const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+const md = [...panel.querySelectorAll('.jp-MarkdownCell')];
+const rendered = md.filter(c => c.querySelector('.myst'));
+const text = md.map(c => (c.querySelector('.jp-RenderedMarkdown, .myst') || c).innerText)
+  .join('\n');
+const role = new RegExp('\\{(' + arguments[0].map(r => r.replace(':', '\\:')).join('|') +
+                        ')\\}`', 'g');
+const glue = /\{glue(:[a-z]+)?\}`/g;
+const raw = (text.match(role) || []);
+const fences = (text.match(/^(:::|```\{)/mg) || []);
+const cells = [...panel.querySelectorAll('.jp-Cell')];
+const collapsed = cells.filter(c => c.classList.contains('jp-CodeCell') &&
+  c.querySelector('.jp-InputPlaceholder') &&
+  getComputedStyle(c.querySelector('.jp-InputPlaceholder')).display !== 'none')
+  .map(c => c.querySelector('.jp-PlaceholderText').innerText);
+const tab = [...document.querySelectorAll('.lm-TabBar-tab.lm-mod-current')]
+  .find(t => t.innerText.trim() === arguments[1]);
+return {markdown: md.length, rendered: rendered.length, raw: raw, fences: fences.length,
+        glue: (text.match(glue) || []).length,
+        admonitions: panel.querySelectorAll('aside.myst-admonition').length,
+        citations: panel.querySelectorAll('.myst cite, .myst [data-cite], .myst a.cite').length,
+        unresolved: panel.querySelectorAll('.myst [title="Citation Not Found"]').length,
+        code: panel.querySelectorAll('.jp-CodeCell').length, collapsed: collapsed,
+        dirty: !!(tab && tab.classList.contains('jp-mod-dirty'))};
+"""
+
+_KERNEL_IDLE = """
+const w = window.jupyterapp.shell.currentWidget;
+return !!(w && w.sessionContext && w.sessionContext.session &&
+          w.sessionContext.session.kernel && w.sessionContext.session.kernel.status === 'idle');
+"""
+
+_BUSY = """
+const p = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+const w = window.jupyterapp.shell.currentWidget;
+const k = w && w.sessionContext.session && w.sessionContext.session.kernel;
+return (k && k.status !== 'idle') ||
+  [...p.querySelectorAll('.jp-InputPrompt')].some(e => e.innerText.includes('*'));
+"""
+
+_RUN_ALL = """
+const done = arguments[arguments.length - 1];
+window.jupyterapp.commands.execute('notebook:run-all-cells').then(() => done('ran'),
+                                                                   e => done('error: ' + e));
+"""
+
+_SAVE = """
+const done = arguments[arguments.length - 1];
+window.jupyterapp.commands.execute('docmanager:save').then(() => done('saved'),
+                                                            e => done('error: ' + e));
+"""
+
+
+def _open(driver, base: str, path: str, timeout: float) -> dict:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(f"{base}/lab/tree/{path}")
+    WebDriverWait(driver, timeout).until(ec.presence_of_element_located(
+        (By.CSS_SELECTOR, ".jp-NotebookPanel .jp-Cell, .jp-FileEditor")))
+    deadline = time.monotonic() + timeout
+    while not driver.execute_script(_KERNEL_IDLE) and time.monotonic() < deadline:
+        time.sleep(1)
+    time.sleep(3)   # let a metadata update after the kernel's start land, if there is one
+    while True:     # MyST renders cell by cell; on a busy machine that takes a while
+        view = driver.execute_script(_INSPECT, list(RAW_ROLES), Path(path).name)
+        if view["rendered"] >= view["markdown"] or time.monotonic() > deadline:
+            return view
+        time.sleep(2)
+
+
+def _comparable(nb: dict) -> dict:
+    """A notebook as Lab keeps it: ``trusted`` is transient, sources as one string."""
+    nb = json.loads(json.dumps(nb))
+    for cell in nb["cells"]:
+        cell["metadata"].pop("trusted", None)
+        if isinstance(cell.get("source"), list):
+            cell["source"] = "".join(cell["source"])
+        for out in cell.get("outputs", []):
+            if isinstance(out.get("text"), list):
+                out["text"] = "".join(out["text"])
+            for mime, value in out.get("data", {}).items():
+                if isinstance(value, list):
+                    out["data"][mime] = "".join(value)
+    return nb
+
+
+def _differences(before: dict, after: dict) -> list[str]:
+    a, b = _comparable(before), _comparable(after)
+    found = [f"notebook metadata {k!r} changed" for k in sorted(set(a["metadata"]) |
+             set(b["metadata"])) if a["metadata"].get(k) != b["metadata"].get(k)]
+    if len(a["cells"]) != len(b["cells"]):
+        found.append(f"{len(a['cells'])} cells became {len(b['cells'])}")
+    for i, (x, y) in enumerate(zip(a["cells"], b["cells"], strict=False)):
+        found += [f"cell {i}: {key} changed" for key in sorted(set(x) | set(y))
+                  if x.get(key) != y.get(key)]
+    return found
+
+
+def widget_twins(nb: dict) -> tuple[int, int]:
+    """(widget outputs, those with a kernel-free twin) in notebook ``nb``."""
+    widgets = [o for c in nb["cells"] for o in c.get("outputs", [])
+               if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    twins = [o for o in widgets if "kvlab-kf" in "".join(o["data"].get("text/html", ""))]
+    return len(widgets), len(twins)
+
+
+def check(chapter: str = "notebooks/04-prefix-reuse.md", timeout: float = 180,
+          run: bool = True) -> bool:
     from site_check import start_browser
 
+    ipynb = Path(chapter).with_suffix(".ipynb")
+    WORK.mkdir(parents=True, exist_ok=True)
+    copy, md_copy = WORK / ipynb.name, WORK / Path(chapter).name   # a save cannot touch the book
+    shutil.copy2(ROOT / ipynb, copy)
+    shutil.copy2(ROOT / chapter, md_copy)
+    subprocess.run([sys.executable, "-m", "jupyter", "trust", str(copy)], check=True,
+                   capture_output=True)   # as `make lab` trusts the stored notebooks
+    stored = json.loads(copy.read_text())
+    solutions = sum(1 for c in stored["cells"] if c["cell_type"] == "code"
+                    and {"hide-cell", "solution"} & set(c["metadata"].get("tags", [])))
+
     port = free_port()
-    server = subprocess.Popen(lab_command(port), cwd=ROOT, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(lab_command(port, check_settings()), cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "KVLAB_KERNEL_FREE": "1"})   # as `make lab`
     base = f"http://127.0.0.1:{port}"
+    failures: list[str] = []
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -60,27 +220,97 @@ def check(chapter: str = "notebooks/04-prefix-reuse.md", timeout: float = 120) -
                 time.sleep(1)
         driver = start_browser()
         try:
-            driver.get(f"{base}/lab/tree/{chapter}")
-            wait = WebDriverWait(driver, timeout)
-            panel = wait.until(ec.presence_of_element_located(
-                (By.CSS_SELECTOR, ".jp-NotebookPanel, .jp-FileEditor")))
-            time.sleep(3)
-            kind = "notebook" if "jp-NotebookPanel" in panel.get_attribute("class") else "text"
-            cells = len(driver.find_elements(By.CSS_SELECTOR, ".jp-NotebookPanel .jp-CodeCell"))
-            print(f"lab-check: {chapter} opened as {kind} ({cells} code cells)")
-            return kind == "notebook" and cells > 0
+            views = {"md": _open(driver, base, str(md_copy.relative_to(ROOT)), timeout),
+                     "ipynb": _open(driver, base, str(copy.relative_to(ROOT)), timeout)}
+            for name, v in views.items():
+                print(f"lab-check: {chapter} ({name}): {v['code']} code cells, "
+                      f"{v['rendered']}/{v['markdown']} markdown cells rendered by MyST, "
+                      f"{v['admonitions']} admonitions, {v['citations']} citations "
+                      f"(+{v['unresolved']} shown as keys: jupyterlab-myst loads no BibTeX), "
+                      f"{len(v['raw'])} raw roles, {v['fences']} raw fences, "
+                      f"{v['glue']} glue roles (no Lab renderer), "
+                      f"{len(v['collapsed'])} collapsed cells, modified: {v['dirty']}")
+                if not v["code"]:
+                    failures.append(f"{name}: did not open as a notebook")
+                if v["rendered"] < v["markdown"]:
+                    failures.append(f"{name}: {v['markdown'] - v['rendered']} markdown cells "
+                                    "not rendered by MyST (is jupyterlab-myst installed?)")
+                if v["raw"] or v["fences"]:
+                    failures.append(f"{name}: raw MyST shown: {sorted(set(v['raw']))} "
+                                    f"{v['fences']} fences")
+                if not v["admonitions"]:
+                    failures.append(f"{name}: no admonition rendered")
+            if "{cite" in (ROOT / chapter).read_text():
+                failures += [f"{name}: the chapter cites, but no citation is rendered"
+                             for name, v in views.items()
+                             if not v["citations"] + v["unresolved"]]
+            ipv = views["ipynb"]
+            if ipv["dirty"]:
+                failures.append("ipynb: opened already marked modified")
+            if views["md"]["dirty"]:   # known: Lab adds language_info, which jupytext's text
+                print("lab-check: note: the .md opens marked modified (Lab writes "   # drops
+                      "language_info into the model; the MyST file never stores it)")
+            labelled = [t for t in ipv["collapsed"] if t.lstrip().startswith("# Solution")]
+            if len(labelled) < solutions:
+                failures.append(f"ipynb: {solutions} solution cells, {len(ipv['collapsed'])} "
+                                f"collapsed, {len(labelled)} labelled 'Solution': "
+                                f"{ipv['collapsed'][:3]}")
+            saved = driver.execute_async_script(_SAVE)
+            time.sleep(2)
+            if saved != "saved":
+                failures.append(f"ipynb: save from Lab failed ({saved})")
+            else:
+                diff = _differences(stored, json.loads(copy.read_text()))
+                if diff:
+                    failures.append(f"ipynb: saving from Lab changed it: {diff[:6]}")
+                else:
+                    print(f"lab-check: {ipynb.name} saved from Lab unchanged")
+            if run:
+                failures += _run_all_and_save(driver, copy, timeout)
         finally:
             driver.quit()
     finally:
         server.terminate()
         server.wait(timeout=30)
+    for failure in failures:
+        print(f"lab-check FAIL: {failure}")
+    return not failures
+
+
+def _run_all_and_save(driver, copy: Path, timeout: float) -> list[str]:
+    """Step 5: Run All in Lab, save, and look at the saved widget outputs."""
+    started = time.monotonic()
+    ran = driver.execute_async_script(_RUN_ALL)
+    deadline = started + 10 * timeout
+    time.sleep(5)
+    while driver.execute_script(_BUSY) and time.monotonic() < deadline:
+        time.sleep(2)
+    if ran != "ran" or driver.execute_script(_BUSY):
+        return [f"ipynb: Run All did not finish ({ran})"]
+    saved = driver.execute_async_script(_SAVE)
+    time.sleep(2)
+    if saved != "saved":
+        return [f"ipynb: save after Run All failed ({saved})"]
+    nb = json.loads(copy.read_text())
+    errors = [f"cell {i}: {o.get('ename')}" for i, c in enumerate(nb["cells"])
+              for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    widgets, twins = widget_twins(nb)
+    print(f"lab-check: Run All in {time.monotonic() - started:.0f} s, {len(errors)} errors; "
+          f"saved: {twins} of {widgets} widget outputs carry their kernel-free twin")
+    found = [f"ipynb: Run All raised in {', '.join(errors[:3])}"] if errors else []
+    if twins < widgets:
+        found.append(f"ipynb: saved after Run All, {widgets - twins} of {widgets} widget "
+                     "outputs lost their kernel-free twin (the site would show no widget)")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     argv = sys.argv[1:] if argv is None else argv
+    run = "--no-run" not in argv
+    argv = [a for a in argv if a != "--no-run"]
     try:
-        return 0 if check(*argv[:1]) else 1
+        return 0 if check(*argv[:1], run=run) else 1
     except RuntimeError as exc:
         print(f"lab-check: {exc}", file=sys.stderr)
         return 2
