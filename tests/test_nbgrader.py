@@ -168,3 +168,31 @@ def test_autograde_scores_a_right_and_a_wrong_submission(course):
     shown = "".join(o.get("text", "") for o in unanswered.outputs)
     assert "Not answered yet" in shown
     assert [o.ename for o in unanswered.outputs if o.output_type == "error"] == ["NotYetAnswered"]
+
+
+def test_every_chapter_builds_an_assignment_without_grading_its_demo_cells():
+    import student
+
+    import course as builder
+
+    demos = manual = 0
+    for source in student.chapter_sources()[1:]:
+        nb, exercises = builder.instructor_notebook(source)
+        assert exercises, f"{source.stem}: no exercise found"
+        assert [e.number for e in exercises] == list(range(1, len(exercises) + 1)), source.stem
+        unmapped = [e.number for e in exercises if e.check and not e.mapped]
+        assert not unmapped, f"{source.stem}: solutions of {unmapped} do not give the answers"
+        graded = [c for c in nb.cells if "nbgrader" in c.metadata]
+        tests = [c for c in graded if not c.metadata["nbgrader"]["solution"]]
+        assert len(tests) == sum(1 for e in exercises if e.check)
+        assert all(c.metadata["nbgrader"]["locked"] and c.metadata["nbgrader"]["points"] > 0
+                   for c in tests)
+        assert not any(student.is_solution(c) for c in nb.cells)
+        demo = [c for c in nb.cells if "check_invariants()" in c.source]
+        assert all("nbgrader" not in c.metadata for c in demo), source.stem
+        demos += len(demo)
+        manual += sum(1 for e in exercises if not e.check)
+        by_hand = {e.number for e in exercises if not e.check}
+        if source.stem.startswith(("10-", "11-")):
+            assert 4 in by_hand, f"{source.stem} #4 is open-ended: graded by hand"
+    assert demos >= 1 and manual >= 2
