@@ -5,7 +5,19 @@ figure for every point of a small control grid (the product of each control's va
 the frames as palette PNGs inside one self-contained HTML fragment, and adds plain ``<select>``
 and ``<input type="range">`` controls with a few lines of inline JavaScript that show the frame
 of the current selection. No CDN, no require.js, no kernel: the fragment works in the built site
-and in any trusted notebook front end; without JavaScript it still shows the default frame.
+and in any trusted notebook front end.
+
+Where scripts do not run (an untrusted notebook in JupyterLab, GitHub: the HTML is sanitized, no
+``<script>`` and no styles), the fragment shows one frame (the default), its caption and one line
+saying how to get the live widget: the controls and the other frames travel inside
+``<script type="text/html">`` blocks, which a sanitizer drops whole and a browser never runs;
+the widget's own script moves them into the page.
+
+Frames are sized for the book's column: :data:`CSS_DPI` CSS pixels per figure inch, narrowed to
+:data:`COLUMN_PX` when the figure is wider, and rendered at :data:`SCALE` times that resolution
+so they stay sharp on high-density screens. Each ``<img>`` carries ``data-min-text-px``, the
+font size of the smallest text of its figure in image pixels, which ``tools/site_check.py``
+turns into the size a reader sees (it fails under 9 CSS pixels).
 
     from kvlab.viz.kernel_free import static_widget
     static_widget(lambda step: my_figure(step), {"step": range(8)}, default={"step": 3})
@@ -22,6 +34,7 @@ import html
 import io
 import itertools
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -96,19 +109,115 @@ def spread(n: int, k: int, include: Iterable[int] = ()) -> list[int]:
     return sorted(picked)
 
 
-def figure_png(fig, *, dpi: int = 80, colors: int = 96) -> bytes:
-    """PNG bytes of a matplotlib figure, quantized to a ``colors`` palette (flat-colour charts
-    lose nothing visible and shrink several-fold). The figure is closed."""
-    import matplotlib.pyplot as plt
-    from PIL import Image
+#: CSS pixels per figure inch (the CSS inch): a figure's text is shown at its point size.
+CSS_DPI = 96
+#: The widest a frame is shown: the book's text column at 1280 px, less the frame's padding.
+COLUMN_PX = 880
+#: Image pixels per CSS pixel: frames are rendered at twice their display size.
+SCALE = 2
 
+
+@dataclass(frozen=True)
+class Rendered:
+    """A rendered figure: PNG bytes, the CSS size to show it at, its smallest text and a
+    description of what it shows (for ``alt``)."""
+
+    png: bytes
+    width: int
+    height: int
+    min_text_px: float
+    description: str
+
+    @property
+    def min_text_css_px(self) -> float:
+        """The smallest text's size, in CSS pixels, when shown at ``width`` x ``height``."""
+        return self.min_text_px / SCALE
+
+
+def min_display_width(width: int, min_text_px: float, *, scale: int = SCALE,
+                      min_css_px: float = 9.0) -> int:
+    """The narrowest a figure shown ``width`` CSS px wide (rendered at ``scale`` x, smallest text
+    ``min_text_px`` image pixels) may be drawn and keep that text at ``min_css_px`` or more;
+    0 when either size is unknown."""
+    if width <= 0 or min_text_px <= 0:
+        return 0
+    # one pixel to spare: the image is round(width * scale) pixels wide, not exactly that
+    return min(width, math.ceil(width * min_css_px * scale / min_text_px) + 1)
+
+
+def display_dpi(fig, column_px: int = COLUMN_PX) -> float:
+    """CSS pixels per inch for ``fig``: :data:`CSS_DPI`, or less when that is wider than
+    ``column_px`` (the browser would scale the image down anyway; this way it is not)."""
+    width_in = fig.get_size_inches()[0]
+    return min(float(CSS_DPI), column_px / width_in)
+
+
+def smallest_text_pt(fig) -> float:
+    """Font size in points of the smallest visible, non-empty text of ``fig`` (0 if none).
+    Tick labels get their text when the figure is drawn: call it after a draw or save."""
+    from matplotlib.text import Text
+
+    sizes = [t.get_fontsize() for t in fig.findobj(Text)
+             if t.get_visible() and t.get_text().strip()]
+    return min(sizes, default=0.0)
+
+
+def describe_figure(fig) -> str:
+    """What ``fig`` shows, from its titles and axis labels, on one line (for alt text)."""
+    parts = []
+    suptitle = getattr(fig, "_suptitle", None)
+    if suptitle is not None and suptitle.get_text().strip():
+        parts.append(suptitle.get_text().strip())
+    for ax in fig.get_axes():
+        if not ax.get_visible():
+            continue
+        title = " ".join(t.get_text().strip() for t in (ax.title, ax._left_title, ax._right_title)
+                         if t.get_text().strip())
+        axes = [label for label in (ax.get_xlabel().strip(), ax.get_ylabel().strip()) if label]
+        text = title + (f" ({' against '.join(reversed(axes))})" if axes else "")
+        if text.strip():
+            parts.append(text.strip())
+    return " ".join("; ".join(dict.fromkeys(parts)).split())
+
+
+#: PNG text keys: what the figure shows, and its smallest text in image pixels.
+PNG_DESCRIPTION = "Description"
+PNG_MIN_TEXT = "kvlab:min-text-px"
+
+
+def render_figure(fig, *, column_px: int = COLUMN_PX, colors: int = 96, close: bool = True,
+                  tight: bool = False) -> Rendered:
+    """Render ``fig`` for the book's column at :data:`SCALE` x, palette-quantized to ``colors``
+    (flat-colour charts lose nothing visible and shrink several-fold). ``tight`` crops to the
+    drawn content (as notebook outputs do). The PNG carries the description and the smallest
+    text size as text chunks (:data:`PNG_DESCRIPTION`, :data:`PNG_MIN_TEXT`). ``close``
+    closes the figure."""
+    import matplotlib.pyplot as plt
+    from PIL import Image, PngImagePlugin
+
+    dpi = display_dpi(fig, column_px)
+    description = describe_figure(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    plt.close(fig)
+    fig.savefig(buf, format="png", dpi=dpi * SCALE, **({"bbox_inches": "tight"} if tight else {}))
+    min_text = smallest_text_pt(fig) * dpi * SCALE / 72   # after drawing: tick labels exist
+    if close:
+        plt.close(fig)
     image = Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+    info = PngImagePlugin.PngInfo()
+    if description:
+        info.add_text(PNG_DESCRIPTION, description)
+    info.add_text(PNG_MIN_TEXT, f"{min_text:.1f}")
     out = io.BytesIO()
-    image.quantize(colors=colors, method=Image.Quantize.MEDIANCUT).save(out, "PNG", optimize=True)
-    return out.getvalue()
+    image.quantize(colors=colors, method=Image.Quantize.MEDIANCUT).save(
+        out, "PNG", optimize=True, pnginfo=info)
+    width, height = image.size
+    return Rendered(out.getvalue(), round(width / SCALE), round(height / SCALE), min_text,
+                    description)
+
+
+def figure_png(fig, *, column_px: int = COLUMN_PX, colors: int = 96) -> bytes:
+    """PNG bytes of ``fig`` as a frame shows it (see :func:`render_figure`). Closes ``fig``."""
+    return render_figure(fig, column_px=column_px, colors=colors).png
 
 
 @dataclass
@@ -116,6 +225,10 @@ class Frame:
     key: str
     png: bytes
     caption: str = ""
+    width: int = 0          # CSS pixels to show the image at (0: its own size)
+    height: int = 0
+    min_text_px: float = 0.0  # smallest text, image pixels
+    alt: str = ""
 
 
 @dataclass
@@ -154,23 +267,38 @@ class KernelFreeWidget:
         return (f'<label>{label} <select data-kf-control="{html.escape(name)}">{options}'
                 "</select></label>")
 
+    def _frame_html(self, frame: Frame, shown: bool) -> str:
+        data = base64.b64encode(frame.png).decode()
+        size = (f' width="{frame.width}" height="{frame.height}"' if frame.width else "")
+        floor = min_display_width(frame.width, frame.min_text_px)
+        if floor:
+            # never narrower than where the smallest text would drop below 9 CSS pixels: on a
+            # phone the frame scrolls sideways instead of shrinking into unreadable text
+            size += f' style="min-width: {floor}px"'
+        text = f' data-min-text-px="{frame.min_text_px:.1f}"' if frame.min_text_px else ""
+        alt = html.escape(frame.alt or self.alt or self.title)
+        caption = (f'<pre class="kvlab-kf-caption">{html.escape(frame.caption)}</pre>'
+                   if frame.caption else "")
+        hidden = "" if shown else " hidden"
+        return (f'<div class="kvlab-kf-frame" data-kf-key="{frame.key}"{hidden}>'
+                f'<img src="data:image/png;base64,{data}"{size}{text} alt="{alt}">'
+                f"{caption}</div>")
+
     def to_html(self) -> str:
+        """The fragment: the default frame and a one-line note as plain HTML; the controls and
+        the other frames inside ``<script type="text/html">`` (see the module docstring)."""
         defaults = [int(i) for i in self.default_key.split("-")]
         controls = "".join(self._control_html(name, c, i)
                            for (name, c), i in zip(self.controls.items(), defaults, strict=True))
-        frames = []
-        for frame in self.frames:
-            data = base64.b64encode(frame.png).decode()
-            hidden = "" if frame.key == self.default_key else " hidden"
-            caption = (f'<pre class="kvlab-kf-caption">{html.escape(frame.caption)}</pre>'
-                       if frame.caption else "")
-            frames.append(f'<div class="kvlab-kf-frame" data-kf-key="{frame.key}"{hidden}>'
-                          f'<img src="data:image/png;base64,{data}" '
-                          f'alt="{html.escape(self.alt or self.title)}">{caption}</div>')
-        return (f'<div class="kvlab-kf" id="{self.uid}" data-kf-frames="{len(self.frames)}">'
-                f'<div class="kvlab-kf-controls">{controls}</div>{"".join(frames)}'
-                f'<div class="kvlab-kf-note">Precomputed views ({len(self.frames)}); run the '
-                "notebook for the live widget.</div>"
+        shown = next(f for f in self.frames if f.key == self.default_key)
+        others = "".join(self._frame_html(f, False) for f in self.frames if f is not shown)
+        n = len(self.frames)
+        return (f'<div class="kvlab-kf" id="{self.uid}" data-kf-frames="{n}">'
+                '<div class="kvlab-kf-controls"></div>'
+                f"{self._frame_html(shown, True)}"
+                f'<p class="kvlab-kf-note">{html.escape(STATIC_NOTE.format(n=n))}</p>'
+                f'<script type="text/html" data-kf-part="controls">{controls}</script>'
+                f'<script type="text/html" data-kf-part="frames">{others}</script>'
                 f"<script>{_JS.replace('__UID__', self.uid)}</script></div>")
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
@@ -178,8 +306,21 @@ class KernelFreeWidget:
                 "text/plain": FALLBACK_TEXT.format(what=self.title)}
 
 
-# Shows the frame whose key matches the controls; plain DOM, no library, ES5 for old browsers.
+#: The note under a kernel-free widget where its script does not run (sanitized HTML).
+STATIC_NOTE = ("One of {n} precomputed views, without its controls: run this cell in Jupyter "
+               "(trusted notebook) for the live widget.")
+#: The note once the script has run (the published site).
+LIVE_NOTE = "Precomputed views ({n}); run the notebook in Jupyter for the live widget."
+
+# Moves the controls and the other frames out of their text/html script blocks, then shows the
+# frame whose key matches the controls; plain DOM, no library, ES5 for old browsers.
 _JS = """(function(){var root=document.getElementById("__UID__");if(!root)return;
+function part(name){var s=root.querySelector('script[data-kf-part="'+name+'"]');
+if(!s)return "";var t=s.textContent;s.parentNode.removeChild(s);return t;}
+root.querySelector(".kvlab-kf-controls").innerHTML=part("controls");
+var note=root.querySelector(".kvlab-kf-note");var box=document.createElement("div");
+box.innerHTML=part("frames");while(box.firstChild){root.insertBefore(box.firstChild,note);}
+note.textContent=__LIVE__.replace("{n}",root.getAttribute("data-kf-frames"));
 var ctl=root.querySelectorAll("[data-kf-control]");
 function show(){var key=[];for(var i=0;i<ctl.length;i++){key.push(ctl[i].value);
 var out=ctl[i].parentNode.querySelector("output");
@@ -187,7 +328,8 @@ if(out){out.textContent=JSON.parse(ctl[i].getAttribute("data-kf-labels"))[+ctl[i
 key=key.join("-");var fr=root.querySelectorAll(".kvlab-kf-frame");
 for(var j=0;j<fr.length;j++){fr[j].hidden=fr[j].getAttribute("data-kf-key")!==key;}}
 for(var i=0;i<ctl.length;i++){ctl[i].addEventListener("input",show);
-ctl[i].addEventListener("change",show);}root.setAttribute("data-kf-ready","1");})();"""
+ctl[i].addEventListener("change",show);}root.setAttribute("data-kf-ready","1");})();""".replace(
+    "__LIVE__", json.dumps(LIVE_NOTE))
 
 
 def static_widget(
@@ -198,16 +340,21 @@ def static_widget(
     caption: Callable[..., str] | None = None,
     title: str = "kernel-free view",
     alt: str = "",
-    dpi: int = 80,
+    column_px: int = COLUMN_PX,
     max_frames: int = 48,
+    dpi: int | None = None,
 ) -> KernelFreeWidget:
     """Render ``render(**point)`` (a matplotlib Figure) at every point of the control grid.
 
     ``controls`` maps each keyword of ``render`` to a :class:`Control` (or a sequence of values:
     numbers become a slider, anything else a dropdown). ``default`` picks the frame shown first
     (each control's first value when absent). ``caption(**point)``, when given, is printed under
-    its frame. A grid of more than ``max_frames`` points raises ``ValueError`` before anything is
-    drawn; so does a default value that is not among its control's values.
+    its frame. Each frame's alt text is ``alt`` (default: what the figure's titles and axis
+    labels say, else ``title``) followed by the controls' settings. Frames are shown at most
+    ``column_px`` CSS pixels wide (see :func:`render_figure`); ``dpi`` is accepted for older
+    callers and ignored (the column decides the size). A grid of more than ``max_frames`` points
+    raises ``ValueError`` before anything is drawn; so does a default value that is not among its
+    control's values.
     """
     specs = {name: _as_control(name, spec) for name, spec in controls.items()}
     if not specs:
@@ -235,7 +382,11 @@ def static_widget(
     for indices in itertools.product(*(range(len(s.values)) for s in specs.values())):
         point = {name: spec.values[i] for (name, spec), i in zip(specs.items(), indices,
                                                                   strict=True)}
-        png = figure_png(render(**point), dpi=dpi)
-        frames.append(Frame("-".join(map(str, indices)), png,
-                            caption(**point) if caption is not None else ""))
+        shot = render_figure(render(**point), column_px=column_px)
+        setting = ", ".join(f"{spec.label or name} {spec.text(i)}"
+                            for (name, spec), i in zip(specs.items(), indices, strict=True))
+        what = alt or shot.description or title
+        frames.append(Frame("-".join(map(str, indices)), shot.png,
+                            caption(**point) if caption is not None else "",
+                            shot.width, shot.height, shot.min_text_px, f"{what} ({setting})"))
     return KernelFreeWidget(title, specs, frames, "-".join(map(str, start)), alt)

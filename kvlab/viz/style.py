@@ -92,8 +92,31 @@ RC_PARAMS = {
 
 
 def use_style() -> None:
-    """Apply the book's matplotlib style globally (idempotent)."""
+    """Apply the book's matplotlib style globally (idempotent); in an IPython kernel, figures
+    are also displayed as :func:`figure_output_png` renders them."""
     mpl.rcParams.update(RC_PARAMS)
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython comes with the book extras
+        return
+    shell = get_ipython()
+    if shell is not None and hasattr(shell, "display_formatter"):
+        from matplotlib.figure import Figure
+
+        shell.display_formatter.formatters["image/png"].for_type(Figure, figure_output_png)
+
+
+def figure_output_png(fig) -> tuple[str, dict[str, int]]:
+    """A figure as a notebook output shows it: rendered for the book's column at twice its
+    display size, with the display size as output metadata (so the site shows it sharp, not
+    twice as large) and, inside the PNG, what it shows and its smallest text
+    (:func:`kvlab.viz.kernel_free.render_figure`). Returns IPython's ``(base64, metadata)``."""
+    import base64
+
+    from .kernel_free import render_figure
+
+    shot = render_figure(fig, colors=256, close=False, tight=True)
+    return (base64.b64encode(shot.png).decode(), {"width": shot.width, "height": shot.height})
 
 
 def legend_figure(request_ids: list[str] | None = None):
