@@ -10,15 +10,25 @@ Loaded through ``book.yml`` (``sphinx.local_extensions``). On every HTML page it
   (once with ``defer``, once without), and sphinx-thebe declares ``THEBE_JS_URL`` twice;
 * defines the theme's colour mode (pydata-sphinx-theme logs a console error without it);
 * hides the nbval markers (``# NBVAL_IGNORE_OUTPUT`` and friends) from rendered code cells: they
-  steer the notebook tests and mean nothing to a reader.
+  steer the notebook tests and mean nothing to a reader;
+* gives a notebook's output figure the alt text its PNG carries (what the figure shows, written
+  by :func:`kvlab.viz.kernel_free.render_figure`) where the page would otherwise use its file
+  path, and a ``min-width`` at which its smallest text (also in the PNG) is still 9 CSS px: on
+  a phone the figure then scrolls sideways instead of shrinking into unreadable text;
+* lets long inline code in table cells (file paths, dotted names) break after ``/``, ``.`` and
+  ``_``, so the "In real systems" tables fit the column instead of scrolling sideways.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from docutils import nodes
+from PIL import Image
+
+from kvlab.viz.kernel_free import PNG_DESCRIPTION, PNG_MIN_TEXT, min_display_width
 
 NBVAL_MARKER = re.compile(r"^[ \t]*# NBVAL_[A-Z_]+[ \t]*\n", re.M)
 _REMOTE = re.compile(r"^(?:[a-z]+:)?//", re.I)
@@ -66,12 +76,56 @@ def clean_scripts(scripts: list) -> list:
     return kept
 
 
+_TABLE = re.compile(r"<table\b.*?</table>", re.S)
+_PRE_SPAN = re.compile(r'(<span class="pre">)([^<]{13,})(</span>)')
+_BREAK_AFTER = re.compile(r"([/._])(?=[^/._])")
+
+
+def break_table_literals(body: str) -> str:
+    """``body`` with a ``<wbr>`` after each ``/``, ``.`` and ``_`` of the long inline-code words
+    inside its tables (only there: code blocks keep their lines)."""
+
+    def literal(match: re.Match) -> str:
+        return match[1] + _BREAK_AFTER.sub(r"\1<wbr>", match[2]) + match[3]
+
+    return _TABLE.sub(lambda table: _PRE_SPAN.sub(literal, table[0]), body)
+
+
+def png_text(path: str | Path) -> dict[str, str]:
+    """The text chunks of the PNG at ``path`` (empty when it has none or cannot be read)."""
+    try:
+        with Image.open(path) as image:
+            return {str(k): str(v) for k, v in getattr(image, "text", {}).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+# image file name -> min-width in CSS px, filled while a page's doctree is resolved and used
+# when its HTML is written (both happen in the process that writes the page)
+_MIN_WIDTH: dict[str, int] = {}
+_IMG_SRC = re.compile(r'<img\b[^>]*?\bsrc="[^"]*?/([^"/]+\.png)"[^>]*?>')
+
+
+def add_min_widths(body: str, widths: dict[str, int]) -> str:
+    """``body`` with ``style="min-width: Npx"`` on each ``<img>`` whose file has an entry."""
+
+    def img(match: re.Match) -> str:
+        tag, name = match[0], match[1]
+        if name not in widths or "style=" in tag:
+            return tag
+        return tag[:4] + f' style="min-width: {widths[name]}px"' + tag[4:]
+
+    return _IMG_SRC.sub(img, body)
+
+
 def _page_context(app, pagename, templatename, context, doctree) -> None:
     # pydata-sphinx-theme reads the colour mode from this template variable; left undefined,
     # every first visit logs "Got invalid theme mode" as a console error.
     context.setdefault("default_mode", "auto")
     if "script_files" in context:
         context["script_files"] = clean_scripts(context["script_files"])
+    if "body" in context:
+        context["body"] = add_min_widths(break_table_literals(context["body"]), _MIN_WIDTH)
 
 
 def _doctree_resolved(app, doctree, docname) -> None:
@@ -82,6 +136,22 @@ def _doctree_resolved(app, doctree, docname) -> None:
             block.children = []
             block.append(nodes.Text(stripped))
             block.rawsource = stripped
+    for image in doctree.findall(nodes.image):
+        uri = image.get("uri", "")
+        if not uri.lower().endswith(".png") or "://" in uri:
+            continue
+        # myst-nb's output images: ``candidates`` holds the path relative to the source folder
+        source = image.get("candidates", {}).get("*", uri)
+        text = png_text(Path(app.srcdir) / source)
+        if text.get(PNG_DESCRIPTION) and (not image.get("alt") or image["alt"] == uri):
+            image["alt"] = text[PNG_DESCRIPTION]
+        try:
+            width = int(str(image.get("width", "0")).removesuffix("px"))
+            floor = min_display_width(width, float(text.get(PNG_MIN_TEXT, 0)))
+        except ValueError:
+            continue
+        if floor:
+            _MIN_WIDTH[Path(uri).name] = floor
 
 
 def setup(app) -> dict[str, Any]:
