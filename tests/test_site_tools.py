@@ -137,3 +137,145 @@ def test_site_extension_cleans_scripts_and_nbval_markers():
     assert kept[0].attributes == {"defer": "defer"}
     text = "# NBVAL_IGNORE_OUTPUT\nimport json\n  # NBVAL_SKIP\nx = 1  # NBVAL_ not a marker\n"
     assert kvlab_site.strip_nbval_markers(text) == "import json\nx = 1  # NBVAL_ not a marker\n"
+
+
+def _sanitize(fragment: str) -> str:
+    """What JupyterLab's sanitizer leaves of untrusted HTML, for this test: ``<script>`` and
+    ``<style>`` elements go with their content, and so do ``style`` attributes and event
+    handlers (JupyterLab keeps ``hidden``, ``class``, ``alt``, ``width``, ``height``)."""
+    from html.parser import HTMLParser
+
+    out: list[str] = []
+    dropping = []
+
+    class Sanitizer(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            if tag in ("script", "style"):
+                dropping.append(tag)
+                return
+            if dropping:
+                return
+            kept = "".join(f' {k}="{v}"' if v is not None else f" {k}" for k, v in attrs
+                           if k != "style" and not k.startswith("on"))
+            out.append(f"<{tag}{kept}>")
+
+        def handle_endtag(self, tag):
+            if dropping and tag == dropping[-1]:
+                dropping.pop()
+            elif not dropping:
+                out.append(f"</{tag}>")
+
+        def handle_data(self, data):
+            if not dropping:
+                out.append(data)
+
+    Sanitizer(convert_charrefs=False).feed(fragment)
+    return "".join(out)
+
+
+def test_twin_sanitized_shows_one_frame_and_how_to_get_the_live_widget():
+    import json
+
+    from kvlab.viz.kernel_free import LIVE_NOTE, STATIC_NOTE, dropdown, static_widget
+
+    kf = static_widget(lambda n, c: _bars(n), {"n": [1, 2, 3], "c": dropdown(["a", "b"])},
+                       default={"n": 3, "c": "a"}, caption=lambda n, c: f"n={n} c={c}")
+    full = kf.to_html()
+    assert full.count('class="kvlab-kf-frame"') == 6 and full.count("<img") == 6
+    assert json.dumps(LIVE_NOTE) in full                   # the note once the script has run
+    clean = _sanitize(full)
+    assert clean.count("<img") == 1 and clean.count('class="kvlab-kf-frame"') == 1
+    assert 'data-kf-key="2-0"' in clean                    # the default frame, n=3 c=a
+    assert "n=3 c=a" in clean and "n=1 c=a" not in clean   # its caption only
+    assert "<select" not in clean and "<input" not in clean  # no controls that do nothing
+    assert STATIC_NOTE.format(n=6) in clean and "run this cell in Jupyter" in clean
+    assert "function" not in clean                          # no script text leaks as text
+
+
+def test_frames_are_sized_for_the_column_at_twice_their_display_size():
+    import struct
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvlab.viz import kernel_free as kf
+
+    def draw(width):
+        fig, ax = plt.subplots(figsize=(width, 2))
+        ax.plot([0, 1], [0, 1])
+        ax.set(title="a line", xlabel="time", ylabel="value")
+        ax.tick_params(labelsize=8)
+        return fig
+
+    small = kf.render_figure(draw(4))
+    assert (small.width, small.height) == (4 * kf.CSS_DPI, 2 * kf.CSS_DPI)  # the CSS inch
+    w, h = struct.unpack(">II", small.png[16:24])                          # the IHDR size
+    assert (w, h) == (small.width * kf.SCALE, small.height * kf.SCALE)
+    assert small.min_text_css_px == pytest.approx(8 * 96 / 72)             # 8 pt ticks
+    assert small.description == "a line (value against time)"
+    wide = kf.render_figure(draw(20))
+    assert wide.width == kf.COLUMN_PX                       # narrowed to the column
+    assert wide.min_text_css_px == pytest.approx(8 * kf.COLUMN_PX / 20 / 72)
+    floor = kf.min_display_width(wide.width, wide.min_text_px)
+    assert floor == wide.width                              # already under 9 px: no shrinking
+    floor = kf.min_display_width(small.width, small.min_text_px)
+    assert 9 <= small.min_text_css_px * floor / small.width < 9.1
+    widget = kf.static_widget(lambda n: draw(4), {"n": [1, 2]}, title="lines")
+    html = widget.to_html()
+    assert f'width="{small.width}" height="{small.height}"' in html
+    assert f'style="min-width: {floor}px"' in html and 'data-min-text-px="21.3"' in html
+    assert 'alt="a line (value against time) (n 1)"' in html
+
+
+def test_figure_output_png_carries_display_size_alt_and_text_size(tmp_path):
+    import base64
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import kvlab_site
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from kvlab.viz.kernel_free import PNG_DESCRIPTION, PNG_MIN_TEXT
+    from kvlab.viz.style import figure_output_png
+
+    fig, ax = plt.subplots(figsize=(5, 2))
+    ax.bar([0, 1], [2, 3])
+    ax.set_title("two bars", fontsize=12)
+    ax.tick_params(labelsize=9)
+    data, meta = figure_output_png(fig)
+    assert plt.fignum_exists(fig.number)                   # the notebook's figure stays open
+    path = tmp_path / "f.png"
+    path.write_bytes(base64.b64decode(data))
+    with Image.open(path) as image:
+        assert all(abs(n - 2 * m) <= 1 for n, m in zip(image.size, (meta["width"],
+                                                                     meta["height"]), strict=True))
+        assert meta["width"] <= 5 * 96                      # cropped to the drawing
+    text = kvlab_site.png_text(path)
+    assert text[PNG_DESCRIPTION] == "two bars"
+    assert float(text[PNG_MIN_TEXT]) == pytest.approx(9 * 96 / 72 * 2, abs=0.06)
+    assert kvlab_site.png_text(tmp_path / "missing.png") == {}
+    plt.close(fig)
+
+
+def test_site_extension_breaks_table_literals_and_sets_figure_min_widths():
+    import kvlab_site
+
+    body = ('<p><code class="docutils literal notranslate"><span class="pre">'
+            'vllm/v1/core/kv_cache_manager.py</span></code></p>'
+            '<table class="table"><tr><td><code class="docutils literal notranslate">'
+            '<span class="pre">vllm/v1/core/kv_cache_manager.py</span></code> '
+            '<span class="pre">short_name</span></td></tr></table>')
+    out = kvlab_site.break_table_literals(body)
+    assert out.startswith('<p><code class="docutils literal notranslate"><span class="pre">'
+                          "vllm/v1/core/kv_cache_manager.py</span>")  # prose: untouched
+    assert "vllm/<wbr>v1/<wbr>core/<wbr>kv_<wbr>cache_<wbr>manager.<wbr>py" in out
+    assert '<span class="pre">short_name</span>' in out              # short words kept
+    html = ('<img alt="x" src="../_images/abc.png" style="width: 800px" />'
+            '<img alt="y" src="../_images/def.png" />')
+    out = kvlab_site.add_min_widths(html, {"abc.png": 700, "def.png": 500})
+    assert '<img style="min-width: 500px" alt="y" src="../_images/def.png" />' in out
+    assert out.count("min-width") == 1                    # an existing style is left alone

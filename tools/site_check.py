@@ -1,16 +1,32 @@
 """Load every page of the built book in headless Chromium and fail on what a reader would see.
 
-    python tools/site_check.py [_build/html] [--width 1280] [--page notebooks/01-kv-capacity.html]
+    python tools/site_check.py [_build/html] [--width 1280 --width 390]
+                               [--page notebooks/01-kv-capacity.html]
 
-The site is served from a local HTTP server; each page is loaded with console and network
-logging on (``goog:loggingPrefs``). A page fails on
+The site is served from a local HTTP server; each page is loaded at each width (1280 and 390 CSS
+px by default: a laptop and a phone, light mode) with console and network logging on
+(``goog:loggingPrefs``). A page fails on
 
 * ``console``: any console message of level SEVERE (a JavaScript error, a failed resource);
 * ``request``: a response with status >= 400, a request that failed, or any request that left
   the local server (the book must load offline: no CDN);
 * ``math``: a math element MathJax did not render (no ``mjx-container``), or a MathJax error;
 * ``image``: an image that did not load;
-* ``clipped``: a code or output box whose content is wider than the box (hidden sideways);
+* ``clipped``: a table, code or output box, figure or widget whose content is cut off sideways:
+  wider than its box with overflow hidden, or spilling past the text column with nothing to
+  scroll it; the page itself scrolling sideways; and, at 1200 px and wider, a table wider than
+  the column (it would hide behind a scrollbar on a laptop);
+* ``wrapped``: a code or output line that the browser broke over two lines (code scrolls
+  sideways; wrapped lines break printed tables and put continuations at column 0);
+* ``figure``: a figure whose smallest text is under 9 CSS px as displayed (from the text size
+  its PNG declares: ``data-min-text-px`` on kernel-free frames, the ``kvlab:min-text-px`` text
+  chunk in output PNGs), or that declares none;
+* ``alt``: a figure without alt text (missing, empty, or a file path / data URI);
+* ``menu``: the ☰ button that does not open the chapter list, or the page-contents button that
+  does not open the page's contents (a real click; the panel's first link must then be visible
+  and on top), or neither button nor panel to reach them;
+* ``twin``: a widget output shown as its text fallback (``[interactive widget: … Run this cell
+  in Jupyter …]``): its kernel-free twin is missing from the notebook;
 * ``nbval``: an nbval marker comment visible in a rendered cell;
 * ``duplicate``: the same figure shown twice on one page;
 * ``widget``: a kernel-free widget (``.kvlab-kf``) whose script did not run, or whose visible
@@ -28,15 +44,27 @@ import contextlib
 import functools
 import http.server
 import json
+import re
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 CHROMIUM_ARGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage")
-CLIPPABLE = "div.highlight pre, div.cell_output pre, div.output pre, div.cell_output img"
+WIDTHS = (1280, 390)
+#: Boxes that must not be cut off sideways (their content scrolls, fits, or wraps as prose).
+CLIPPABLE = ("div.highlight pre, div.cell_output pre, div.output pre, div.cell_output img, "
+             "article table, .kvlab-kf, .kvlab-kf-frame img")
+#: Boxes whose lines must not wrap: code and printed output.
+UNWRAPPED = "div.highlight pre, div.cell_output pre, div.output pre"
+#: Figures: images in cell outputs and kernel-free widget frames.
+FIGURES = "div.cell_output img, .kvlab-kf-frame img"
+MIN_TEXT_CSS_PX = 9.0
+#: The text/plain fallback of a widget output (kvlab.viz.kernel_free.FALLBACK_TEXT).
+NO_TWIN = re.compile(r"\[interactive widget: .{0,200}?Run this cell in Jupyter[^\]]{0,40}\]", re.S)
 
 
 @dataclass(frozen=True)
@@ -68,6 +96,17 @@ def serve(root: Path) -> Iterator[str]:
         server.server_close()
 
 
+def set_viewport(driver, width: int, height: int = 900, *, dark: bool = False,
+                 scale: float = 1.0) -> None:
+    """Emulate a ``width`` x ``height`` CSS-px viewport (a phone below 600 px: touch, mobile
+    layout), ``scale`` device pixels per CSS pixel, and the OS colour scheme. Chromium's
+    window cannot be made narrower than 500 px; the emulation can."""
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+        "width": width, "height": height, "deviceScaleFactor": scale, "mobile": width < 600})
+    driver.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": [
+        {"name": "prefers-color-scheme", "value": "dark" if dark else "light"}]})
+
+
 def start_browser(width: int = 1280, height: int = 900):
     """Headless Chromium through the system chromedriver (no driver download)."""
     from selenium import webdriver
@@ -87,6 +126,7 @@ def start_browser(width: int = 1280, height: int = 900):
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
     driver.set_page_load_timeout(60)
     driver.set_script_timeout(60)
+    set_viewport(driver, width, height)
     return driver
 
 
@@ -97,15 +137,41 @@ def pages(root: Path) -> list[str]:
                   if p.relative_to(root).parts[0] not in skip)
 
 
-# Waits for MathJax (when the page loads it) and returns what the DOM shows.
+# Waits for MathJax (when the page loads it), opens every collapsed cell (<details>: solutions
+# are checked too) and returns what the DOM shows. arguments: selectors, then the minimum size.
 _INSPECT = """
 const done = arguments[arguments.length - 1];
-const clip = arguments[0];
+const [clip, unwrapped, figures, minText] = arguments;
 const ready = (window.MathJax && MathJax.startup && MathJax.startup.promise)
   ? MathJax.startup.promise : Promise.resolve();
 const timeout = new Promise(resolve => setTimeout(resolve, 20000));
-Promise.race([ready, timeout]).catch(() => null).then(() => { try {
-  const out = {math: [], mathErrors: 0, images: [], clipped: [], nbval: false, widgets: 0,
+const shown = el => el.offsetParent !== null && el.getBoundingClientRect().width > 0;
+const what = el => (el.tagName + ' ' + ((el.tagName === 'IMG' ? el.alt : el.textContent) || '')
+                    .trim().replace(/\\s+/g, ' ').slice(0, 60));
+const scrolls = el => ['auto', 'scroll'].includes(getComputedStyle(el).overflowX);
+// the kvlab:min-text-px text chunk of a PNG (null when absent)
+const pngMinText = async src => {
+  try {
+    const bytes = new Uint8Array(await (await fetch(src)).arrayBuffer());
+    const view = new DataView(bytes.buffer);
+    for (let at = 8; at + 8 <= bytes.length;) {
+      const length = view.getUint32(at), type = String.fromCharCode(...bytes.slice(at + 4, at + 8));
+      if (type === 'tEXt') {
+        const text = String.fromCharCode(...bytes.slice(at + 8, at + 8 + length));
+        const [key, value] = text.split('\\0');
+        if (key === 'kvlab:min-text-px') return parseFloat(value);
+      }
+      if (type === 'IDAT' || type === 'IEND') break;  // text chunks before the image data
+      at += 12 + length;
+    }
+  } catch (err) { return null; }
+  return null;
+};
+Promise.race([ready, timeout]).catch(() => null).then(async () => { try {
+  document.querySelectorAll('details:not([open])').forEach(d => { d.open = true; });
+  await new Promise(resolve => requestAnimationFrame(() => setTimeout(resolve, 50)));
+  const out = {math: [], mathErrors: 0, images: [], clipped: [], wrapped: [], figures: [],
+               alts: [], nbval: false, widgets: 0, text: '',
                icon: !!document.querySelector('link[rel~="icon"]'), shown: {}};
   document.querySelectorAll('.math, span.math, div.math').forEach(el => {
     if (!el.querySelector('mjx-container')) out.math.push(el.textContent.slice(0, 60));
@@ -118,15 +184,93 @@ Promise.race([ready, timeout]).catch(() => null).then(() => { try {
       out.shown[key] = (out.shown[key] || 0) + 1;
     }
   });
+  const column = document.querySelector('article.bd-article') || document.body;
+  const columnRight = column.getBoundingClientRect().right;
   document.querySelectorAll(clip).forEach(el => {
-    if (el.scrollWidth > el.clientWidth + 1 && el.clientWidth > 0)
-      out.clipped.push(el.tagName + ' ' + el.scrollWidth + '>' + el.clientWidth + ': '
-                       + (el.textContent || el.src || '').trim().slice(0, 50));
+    if (!shown(el)) return;
+    const overflow = getComputedStyle(el).overflowX;
+    const hidden = el.scrollWidth - el.clientWidth;
+    if (hidden > 1 && el.clientWidth > 0 && ['hidden', 'clip'].includes(overflow)) {
+      out.clipped.push(what(el) + ': ' + hidden + ' px cut off (overflow ' + overflow + ')');
+      return;
+    }
+    if (scrolls(el)) return;                 // the box scrolls its own content
+    let box = el.parentElement;
+    while (box && box !== column && !scrolls(box)) box = box.parentElement;
+    const r = el.getBoundingClientRect();
+    const right = r.left + Math.max(r.width, el.scrollWidth);
+    if ((!box || box === column) && right > columnRight + 1)
+      out.clipped.push(what(el) + ': ' + Math.round(right - columnRight)
+                       + ' px past the text column, nothing to scroll it');
+    if (el.tagName === 'TABLE' && innerWidth >= 1200 && box && box !== column
+        && r.width > box.clientWidth + 1)
+      out.clipped.push('table wider than the column (' + Math.round(r.width) + ' > '
+                       + box.clientWidth + ' px), cut off at a scrollbar: ' + what(el));
   });
+  if (document.documentElement.scrollWidth > innerWidth + 1)
+    out.clipped.push('the page scrolls sideways: ' + document.documentElement.scrollWidth
+                     + ' px in a ' + innerWidth + ' px window');
+  document.querySelectorAll(unwrapped).forEach(pre => {
+    if (!shown(pre)) return;
+    const lines = pre.textContent.replace(/\\n$/, '').split('\\n');
+    const range = document.createRange();
+    range.selectNodeContents(pre);
+    const tops = [];
+    for (const rect of range.getClientRects()) {
+      if (rect.width === 0 || rect.height === 0) continue;
+      if (!tops.some(top => Math.abs(top - rect.top) < 3)) tops.push(rect.top);
+    }
+    if (tops.length > lines.length) {
+      const longest = lines.reduce((a, b) => (b.length > a.length ? b : a), '');
+      out.wrapped.push(lines.length + ' lines shown on ' + tops.length + ': '
+                       + longest.trim().slice(0, 60));
+    }
+  });
+  const figs = [...document.querySelectorAll(figures)];
+  for (const [i, img] of figs.entries()) {
+    const alt = (img.getAttribute('alt') || '').trim();
+    const name = 'figure ' + (i + 1) + (alt ? ' (' + alt.slice(0, 50) + ')' : '');
+    const path = /^(data:|\\.\\.?\\/|\\/|https?:)/i.test(alt)
+                 || /\\.(png|svg|jpe?g|gif)$/i.test(alt);
+    if (!alt || path)
+      out.alts.push(name + (alt ? ': the alt text is a file name' : ': no alt text'));
+    if (!shown(img) || !img.naturalWidth) continue;
+    let px = parseFloat(img.getAttribute('data-min-text-px'));
+    if (isNaN(px)) px = await pngMinText(img.currentSrc || img.src);
+    if (px === null || isNaN(px)) {
+      out.figures.push(name + ': declares no text size (re-render it with kvlab.viz)');
+      continue;
+    }
+    const css = px * img.getBoundingClientRect().width / img.naturalWidth;
+    if (css < minText)
+      out.figures.push(name + ': smallest text ' + css.toFixed(1) + ' px as displayed');
+  }
   out.nbval = /# ?NBVAL_[A-Z_]+/.test(document.body.innerText);
+  out.text = document.body.innerText;
   out.widgets = document.querySelectorAll('.kvlab-kf').length;
   done(out);
   } catch (err) { done({error: String(err)}); } });
+"""
+
+# Navigation panels. arguments[0] is "primary" (the chapter list) or "secondary" (the page's
+# contents). _PANEL_LINKS: how many links the panel has at all; _PANEL_OPEN: whether one of
+# them is shown in the viewport and on top (a reader could click it).
+_LINKS = {"primary": "nav.bd-links a", "secondary": "nav.page-toc a, #pst-page-toc-nav a"}
+_PANEL_LINKS = "return document.querySelectorAll(arguments[0]).length;"
+_PANEL_OPEN = """
+for (const a of document.querySelectorAll(arguments[0])) {
+  const r = a.getBoundingClientRect();
+  if (r.width < 1 || r.height < 1) continue;
+  const x = r.left + Math.min(r.width / 2, 20), y = r.top + r.height / 2;
+  if (x < 0 || y < 0 || x >= innerWidth || y >= innerHeight) continue;
+  const hit = document.elementFromPoint(x, y);
+  if (hit && (hit === a || a.contains(hit))) return true;
+}
+return false;
+"""
+_CLOSE_PANELS = """
+document.querySelectorAll('dialog[open]').forEach(d => d.close());
+document.dispatchEvent(new KeyboardEvent('keydown', {key: 'Escape', bubbles: true}));
 """
 
 # For kernel-free widget number arguments[0]: move each control, report whether the visible
@@ -183,21 +327,78 @@ def _network_problems(entries: list[dict], base: str, page: str) -> list[Problem
     return problems
 
 
-def check_page(driver, base: str, page: str) -> list[Problem]:
-    """Load ``base + page`` and return everything wrong with it."""
+def _wait_until(condition, timeout: float = 2.0, step: float = 0.1) -> bool:
+    """Poll ``condition()`` until it is true or ``timeout`` seconds pass; its last value."""
+    end = time.monotonic() + timeout
+    while True:
+        value = bool(condition())
+        if value or time.monotonic() >= end:
+            return value
+        time.sleep(step)
+
+
+def check_panel(driver, page: str, which: str, width: int) -> list[Problem]:
+    """Click the visible ``which`` toggle (``primary``: ☰, ``secondary``: page contents) as a
+    reader would and check that its panel opens (or, where it was open, closes and reopens)."""
+    from selenium.common.exceptions import WebDriverException
+    from selenium.webdriver.common.by import By
+
+    label = {"primary": "the ☰ menu", "secondary": "the page-contents button"}[which]
+    links = _LINKS[which]
+    if not driver.execute_script(_PANEL_LINKS, links):
+        return []                                  # nothing to show (a page without contents)
+
+    def is_open() -> bool:
+        return driver.execute_script(_PANEL_OPEN, links)
+
+    before = is_open()
+    buttons = [b for b in driver.find_elements(By.CSS_SELECTOR, f".{which}-toggle")
+               if b.is_displayed() and b.size["width"] > 0]
+    if not buttons:
+        return [] if before else [Problem(page, "menu", f"{label} at {width}px: no button, "
+                                          "and its panel is not shown")]
+    problems = []
+    try:
+        buttons[0].click()
+        _wait_until(lambda: is_open() != before)
+        after = is_open()
+        if after == before:
+            problems.append(Problem(page, "menu", f"{label} at {width}px does nothing: its "
+                                    f"panel stays {'open' if before else 'closed'}"))
+        elif not after:        # it hid a panel that was open (the ☰ on a wide screen): reopen
+            buttons[0].click()
+            if not _wait_until(is_open):
+                problems.append(Problem(page, "menu", f"{label} at {width}px hides its panel "
+                                        "and does not bring it back"))
+    except WebDriverException as exc:
+        problems.append(Problem(page, "menu", f"{label} at {width}px cannot be clicked: "
+                                f"{exc.msg.splitlines()[0][:120] if exc.msg else exc}"))
+    driver.execute_script(_CLOSE_PANELS)
+    _wait_until(lambda: is_open() == before, timeout=1.0)
+    return problems
+
+
+def check_page(driver, base: str, page: str, width: int = 1280) -> list[Problem]:
+    """Load ``base + page`` in a ``width``-px viewport and return everything wrong with it."""
     if driver.current_url.startswith(base):  # each page as a first visit: no stored theme mode
         driver.execute_script("localStorage.clear(); sessionStorage.clear();")
     driver.get_log("browser")
     driver.get_log("performance")
     driver.get(base + page)
-    seen = driver.execute_async_script(_INSPECT, CLIPPABLE)
+    seen = driver.execute_async_script(_INSPECT, CLIPPABLE, UNWRAPPED, FIGURES, MIN_TEXT_CSS_PX)
     if "error" in seen:
         return [Problem(page, "checker", f"page inspection failed: {seen['error']}")]
+    at = f" at {width}px"
     problems = [Problem(page, "math", f"unrendered: {text!r}") for text in seen["math"]]
     if seen["mathErrors"]:
         problems.append(Problem(page, "math", f"{seen['mathErrors']} MathJax errors"))
     problems += [Problem(page, "image", f"did not load: {src}") for src in seen["images"]]
-    problems += [Problem(page, "clipped", box) for box in seen["clipped"]]
+    problems += [Problem(page, "clipped", box + at) for box in seen["clipped"]]
+    problems += [Problem(page, "wrapped", line + at) for line in seen["wrapped"]]
+    problems += [Problem(page, "figure", text + at) for text in seen["figures"]]
+    problems += [Problem(page, "alt", text) for text in seen["alts"]]
+    problems += [Problem(page, "twin", f"a widget without its kernel-free twin: "
+                         f"{m.group(0)[:100]!r}") for m in NO_TWIN.finditer(seen["text"])]
     if seen["nbval"]:
         problems.append(Problem(page, "nbval", "an NBVAL marker is visible"))
     if not seen["icon"]:
@@ -218,22 +419,32 @@ def check_page(driver, base: str, page: str) -> list[Problem]:
         if entry["level"] == "SEVERE":
             problems.append(Problem(page, "console", entry["message"][:300]))
     problems += _network_problems(driver.get_log("performance"), base, page)
+    driver.execute_script("window.scrollTo(0, 0)")
+    for which in ("primary", "secondary"):
+        problems += check_panel(driver, page, which, width)
     return problems
 
 
-def check_site(root: Path, only: list[str] | None = None, width: int = 1280
-               ) -> tuple[list[str], list[Problem], int]:
-    """(pages checked, problems, kernel-free widgets exercised) for the build under ``root``."""
+def check_site(root: Path, only: list[str] | None = None,
+               widths: tuple[int, ...] | int = WIDTHS) -> tuple[list[str], list[Problem], int]:
+    """(pages checked, problems, kernel-free widgets exercised) for the build under ``root``,
+    every page loaded at each of ``widths``; the same problem found at two widths counts once
+    per width (its detail names the width where it depends on it)."""
     checked = only or pages(root)
+    widths = (widths,) if isinstance(widths, int) else tuple(widths)
     problems: list[Problem] = []
     widgets = 0
     with serve(root) as base:
-        driver = start_browser(width)
+        driver = start_browser(widths[0])
         try:
-            for page in checked:
-                problems += check_page(driver, base, page)
-                widgets += driver.execute_script(
-                    "return document.querySelectorAll('.kvlab-kf').length")
+            for width in widths:
+                set_viewport(driver, width)
+                for page in checked:
+                    found = check_page(driver, base, page, width)
+                    problems += [p for p in found if p not in problems]
+                    if width == widths[0]:
+                        widgets += driver.execute_script(
+                            "return document.querySelectorAll('.kvlab-kf').length")
         finally:
             driver.quit()
     return checked, problems, widgets
@@ -242,20 +453,22 @@ def check_site(root: Path, only: list[str] | None = None, width: int = 1280
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", nargs="?", default="_build/html", type=Path)
-    parser.add_argument("--width", type=int, default=1280, help="window width in CSS pixels")
+    parser.add_argument("--width", type=int, action="append",
+                        help=f"viewport width in CSS pixels (repeatable; default {WIDTHS})")
     parser.add_argument("--page", action="append", help="check only this page (repeatable)")
     args = parser.parse_args(argv)
     if not (args.root / "index.html").exists():
         parser.error(f"{args.root} holds no built site: run `make book` first")
+    widths = tuple(args.width or WIDTHS)
     try:
-        checked, problems, widgets = check_site(args.root, args.page, args.width)
+        checked, problems, widgets = check_site(args.root, args.page, widths)
     except RuntimeError as exc:
         print(f"site-check: {exc}", file=sys.stderr)
         return 2
     for problem in problems:
         print(problem)
-    print(f"site-check: {len(checked)} pages, {widgets} kernel-free widgets moved, "
-          f"{len(problems)} problems at {args.width}px")
+    print(f"site-check: {len(checked)} pages at {', '.join(f'{w}px' for w in widths)}, "
+          f"{widgets} kernel-free widgets moved, {len(problems)} problems")
     return 1 if problems else 0
 
 
