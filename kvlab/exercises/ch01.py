@@ -172,9 +172,10 @@ def check_tp_design(tp, kv_dtype) -> str:
 
 
 def suspect_max_requests(model, gpu, *, kv_dtype="bf16", context_len=8192, tp=1,
-                         block_size=16, gpu_memory_utilization=0.9, reserve_bytes=4 * GiB):
-    """Exercise 6: a colleague's quick capacity estimate. It matches ``plan_capacity`` on
-    every example of the chapter."""
+                         block_size=16, gpu_memory_utilization=0.9,
+                         reserve_bytes=4 * GiB):
+    """Exercise 6: a colleague's quick capacity estimate. It matches
+    ``plan_capacity`` on every example of the chapter."""
     per_token = kv_bytes(model.layers, 1, 1, kv_heads_per_rank(model.kv_heads, tp),
                          model.head_dim, DTYPE_BYTES[kv_dtype])
     budget = (gpu_memory_utilization * gpu.engine_memory_bytes
