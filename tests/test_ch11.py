@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.core.slo import SLO
+from kvlab.core.slo import SLO, evaluate_slo
 from kvlab.exercises import ch11
 from kvlab.exercises._common import NotYetAnswered
 from kvlab.sim.serving import run_colocated
@@ -21,35 +21,71 @@ def test_goodput_by_hand() -> None:
         ch11.check_goodput_by_hand(..., 0.5)
 
 
-def test_max_rate_check_gives_direction_without_the_answer() -> None:
+def test_max_rate_check_needs_the_measurement_and_gives_direction_only() -> None:
     truth = ch11._capacity()
     assert 5 < truth < 30
-    assert ch11.check_max_rate(truth * 1.1).startswith("Correct")
-    with pytest.raises(AssertionError, match="too high") as high:
-        ch11.check_max_rate(truth * 1.5)
-    with pytest.raises(AssertionError, match="too low") as low:
-        ch11.check_max_rate(truth * 0.5)
-    for err in (high, low):
-        assert f"{truth:g}" not in str(err.value) and f"{truth:.1f}" not in str(err.value)
+    near, high, low = truth * 1.1, truth * 1.5, truth * 0.5
+    assert ch11.check_max_rate(near, ch11._attainment(round(near, 3))).startswith("Correct")
+    with pytest.raises(AssertionError, match="too high") as too_high:
+        ch11.check_max_rate(high, ch11._attainment(round(high, 3)))
+    with pytest.raises(AssertionError, match="too low") as too_low:
+        ch11.check_max_rate(low, ch11._attainment(round(low, 3)))
+    for err in (too_high, too_low):
+        text = str(err.value)
+        assert f"{truth:g}" not in text and f"{truth:.1f}" not in text
+    # bisecting without running: a guessed attainment is refused before any direction is given
+    for guess in (0.0, 0.5, 0.9, 1.0):
+        for rate in (high, low):
+            if abs(guess - ch11._attainment(round(rate, 3))) > ch11.ATTAINMENT_TOLERANCE:
+                with pytest.raises(AssertionError, match="run it") as err:
+                    ch11.check_max_rate(rate, guess)
+                assert "too" not in str(err.value)
     with pytest.raises(AssertionError):
-        ch11.check_max_rate(-1)
+        ch11.check_max_rate(-1, 0.5)
+    with pytest.raises(AssertionError, match="fraction"):
+        ch11.check_max_rate(truth, 90)
+    with pytest.raises(NotYetAnswered):
+        ch11.check_max_rate(truth, ...)
 
 
 def test_chunk_check_truth_is_the_largest_budget_within_tpot() -> None:
     rows = {c: ch11._chunk_row(c) for c in ch11.CHUNK_CHOICES}
+    ms = {c: r["tpot_p99_s"] * 1e3 for c, r in rows.items()}
     ok = [c for c, r in rows.items() if r["tpot_p99_s"] <= ch11.TPOT_BUDGET_S]
     best = max(ok)
-    assert ch11.check_chunk_for_tpot(best).startswith("Correct")
+    assert ch11.check_chunk_for_tpot(best, ms[best]).startswith("Correct")
     smaller = [c for c in ok if c < best]
-    if smaller:
-        with pytest.raises(AssertionError, match="larger budget"):
-            ch11.check_chunk_for_tpot(smaller[0])
+    assert smaller, "the exercise needs a budget that fits but is not the largest"
+    with pytest.raises(AssertionError, match="not the largest"):
+        ch11.check_chunk_for_tpot(smaller[0], ms[smaller[0]])
     too_big = [c for c in ch11.CHUNK_CHOICES if c not in ok]
     assert too_big, "the exercise needs a budget that fails"
-    with pytest.raises(AssertionError, match="too large"):
-        ch11.check_chunk_for_tpot(too_big[-1])
+    with pytest.raises(AssertionError, match="too large") as err:
+        ch11.check_chunk_for_tpot(too_big[-1], ms[too_big[-1]])
+    assert f"{ms[too_big[-1]]:.1f}" not in str(err.value)
+    # trying every option against the check without running gets no verdict at all
+    for c in ch11.CHUNK_CHOICES:
+        with pytest.raises(AssertionError, match="run it"):
+            ch11.check_chunk_for_tpot(c, ms[c] * 1.05)
     with pytest.raises(AssertionError, match="one of"):
-        ch11.check_chunk_for_tpot(300)
+        ch11.check_chunk_for_tpot(300, 5.0)
+
+
+def test_chunked_colocated_baseline_beats_the_split_under_the_chapter_slo() -> None:
+    """The chapter's comparison, at two rates per GPU: at 15 req/s per GPU the whole-prompt
+    colocated pair has collapsed, the 1P+1D split still mostly meets the SLO, and the chunked
+    colocated pair meets it for nearly every request."""
+    from kvlab.sim.serving import run_disaggregated
+
+    slo = SLO(ttft=0.2, tpot=0.009)
+    wl = ch11.chat_workload(160, 30.0)
+    whole = evaluate_slo(run_colocated(wl, ch11.COST, ch11.COLOCATED, replicas=2), slo)
+    chunked = evaluate_slo(run_colocated(wl, ch11.COST, ch11.COLOCATED_CHUNKED, replicas=2),
+                           slo)
+    split = evaluate_slo(run_disaggregated(wl, ch11.COST, ch11.COST, ch11.PREFILL,
+                                           ch11.DECODE), slo)
+    assert whole.attainment < 0.5 < split.attainment < chunked.attainment
+    assert chunked.attainment >= 0.95
 
 
 def test_goodput_figure_and_widget_draw() -> None:

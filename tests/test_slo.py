@@ -9,7 +9,14 @@ import random
 import numpy as np
 import pytest
 
-from kvlab.core.slo import SLO, FailureKind, LatencyRecord, evaluate_slo, percentile
+from kvlab.core.slo import (
+    SLO,
+    FailureKind,
+    LatencyRecord,
+    arrival_window,
+    evaluate_slo,
+    percentile,
+)
 from kvlab.reference import goodput as reference_goodput
 
 KINDS = [k.value for k in FailureKind]
@@ -83,6 +90,22 @@ def test_warmup_excluded_and_default_window() -> None:
     assert rep.measured == 7
     assert rep.window_s == pytest.approx(9.5 - 3.0)
     assert rep.goodput == pytest.approx(7 / 6.5)
+
+
+def test_arrival_window_leaves_out_the_final_drain() -> None:
+    # ten arrivals one second apart; the last one takes 20 s to answer (the drain)
+    recs = [LatencyRecord(f"r{i}", float(i), ttft=0.1, e2e=20.0 if i == 9 else 0.5,
+                          output_tokens=1) for i in range(10)]
+    drained = evaluate_slo(recs, SLO(e2e=1.0))
+    offered = evaluate_slo(recs, SLO(e2e=1.0), window_s="arrivals", warmup_s=1.0)
+    assert drained.window_s == pytest.approx(29.0) and drained.goodput == pytest.approx(9 / 29)
+    assert offered.window_s == pytest.approx(8.0) and offered.measured == 9
+    assert offered.goodput == pytest.approx(8 / 8.0)       # r1..r8 met; r9 missed E2E
+    assert arrival_window(recs, 1.0) == pytest.approx(8.0)
+    with pytest.raises(ValueError, match="arrivals"):
+        evaluate_slo(recs, SLO(), window_s="drain")
+    with pytest.raises(ValueError, match="warm-up"):
+        arrival_window(recs, 100.0)
 
 
 def test_single_token_request_meets_tpot_vacuously() -> None:

@@ -7,14 +7,20 @@ stream), the simulator (simulated clock) or an engine's own metrics. The rules:
 * **Open loop, warm-up excluded.** Requests are issued on an arrival schedule that does not wait
   for earlier answers (a closed loop hides overload: a slow server slows its own load). Requests
   that *arrive* before ``warmup_s`` are left out of every count; the measurement window runs
-  from ``warmup_s`` to the end given (by default the last arrival or completion).
+  from ``warmup_s`` to the end given: by default the last arrival or completion, or with
+  ``window_s="arrivals"`` the last arrival, which leaves out the final drain (the time the
+  server spends finishing requests after the load has stopped arriving). Over that window
+  goodput is at most the measured offered rate, and equals it when every request met the SLO.
 * **Failures are counted by kind, never folded into latency.** A request that was rejected at
   admission, answered with an HTTP error, timed out, was cancelled, or failed inside the engine
   has no TTFT/TPOT/E2E; it counts against SLO *attainment* (the fraction of measured requests
   that met every objective) and is reported under its :class:`FailureKind`.
-* **Goodput** is the number of finished requests that met every objective and passed the
+* **Goodput** here (spec rule 10; vLLM's ``bench serve`` reports the same rate as "request
+  goodput") is the number of finished requests that met every objective and passed the
   quality check, per second of the window. **Attainment** is that number over all measured
-  requests (failures included).
+  requests (failures included). DistServe's *goodput* of a deployment is a different number,
+  found from a sweep: the highest request rate per GPU whose attainment still reaches 90%
+  (:func:`kvlab.sim.serving.rate_at_attainment`).
 * **Percentiles** are computed by :func:`percentile`: ``"nearest"`` rank (the value at rank
   ``ceil(q/100 * n)``, an observed value) or ``"linear"`` interpolation between closest ranks
   (NumPy's default). Both are stated in every report.
@@ -35,6 +41,7 @@ __all__ = [
     "FailureKind",
     "GoodputReport",
     "LatencyRecord",
+    "arrival_window",
     "evaluate_slo",
     "percentile",
 ]
@@ -209,14 +216,26 @@ class GoodputReport:
 PERCENTILES = (50, 90, 99)
 
 
-def evaluate_slo(records: Sequence[LatencyRecord], slo: SLO, *, window_s: float | None = None,
+def arrival_window(records: Sequence[LatencyRecord], warmup_s: float = 0.0) -> float:
+    """Seconds from ``warmup_s`` to the last arrival among records arriving after it: the
+    span over which the load was offered (the final drain excluded). ValueError if no record
+    arrives after the warm-up."""
+    arrivals = [r.arrival for r in records if r.arrival >= warmup_s]
+    if not arrivals:
+        raise ValueError(f"no request arrives after the warm-up ({warmup_s} s)")
+    return max(arrivals) - warmup_s
+
+
+def evaluate_slo(records: Sequence[LatencyRecord], slo: SLO, *,
+                 window_s: float | str | None = None,
                  warmup_s: float = 0.0, percentile_method: str = "linear",
                  percentiles: Sequence[float] = PERCENTILES) -> GoodputReport:
     """Goodput, attainment, failures by kind and latency percentiles of ``records``.
 
     Records arriving before ``warmup_s`` are excluded. ``window_s``: the measurement window's
-    length; default from ``warmup_s`` to the latest arrival or end among measured records.
-    ValueError for a non-positive window, a negative warm-up, or records that are not
+    length in seconds; ``"arrivals"`` for :func:`arrival_window` (the drain excluded); default
+    from ``warmup_s`` to the latest arrival or end among measured records. ValueError for a
+    non-positive window or an unknown window name, a negative warm-up, or records that are not
     :class:`LatencyRecord`.
     """
     if not isinstance(slo, SLO):
@@ -225,7 +244,12 @@ def evaluate_slo(records: Sequence[LatencyRecord], slo: SLO, *, window_s: float 
     if not all(isinstance(r, LatencyRecord) for r in records):
         raise TypeError("records must be LatencyRecord objects")
     measured = [r for r in records if r.arrival >= warmup_s]
-    if window_s is None:
+    if isinstance(window_s, str):
+        if window_s != "arrivals":
+            raise ValueError(f"window must be a number of seconds or 'arrivals', got "
+                             f"{window_s!r}")
+        window_s = arrival_window(measured, warmup_s)
+    elif window_s is None:
         window_s = max((r.end for r in measured), default=warmup_s) - warmup_s
     if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) \
             or not window_s > 0 or math.isinf(window_s):

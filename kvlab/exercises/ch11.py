@@ -2,8 +2,10 @@
 
 The chapter's simulated set-up lives here too (:data:`COST`, :func:`chat_workload`, the
 scheduler configurations), so the notebook and the checks use the same one. Checks compute the
-truth with the simulator (memoised) and say what is wrong (too high, too low, which objective
-fails at the reader's answer) without printing it.
+truth with the simulator (memoised) and say only what is wrong (too high, too low) without
+printing it. The two measurement exercises take the reader's measurement with the answer and
+refuse one the simulator does not reproduce, so an answer cannot be found by bisecting
+against the check without running anything.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ COST = RooflineCostModel.named("Llama-3-8B", "H100-80GB SXM", compute_efficiency
                                bandwidth_efficiency=0.8)
 #: A colocated instance that prefills a whole prompt in one step (vLLM before chunked prefill).
 COLOCATED = SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096, prefill_chunk=4096)
+#: A colocated instance with chunked prefill (Sarathi-Serve's design, vLLM v1's default): a
+#: 256-token step budget shared by the running decodes and the prompt chunks.
+COLOCATED_CHUNKED = SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=256,
+                                    prefill_chunk=256)
 PREFILL = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, prefill_chunk=4096)
 DECODE = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, prefill_chunk=8192)
 
@@ -88,22 +94,38 @@ def _capacity() -> float:
     return rate_at_attainment(RATE_GRID, [_attainment(r) for r in RATE_GRID], 0.9)
 
 
-def check_max_rate(rate) -> str:
+#: How close the attainment the reader measured must be to the simulator's (a fraction).
+ATTAINMENT_TOLERANCE = 0.02
+
+
+def check_max_rate(rate, attainment) -> str:
     """``rate``: the highest request rate (req/s) at which one colocated instance
-    (:data:`COST`, :data:`COLOCATED`, :func:`chat_workload` of :data:`RATE_REQUESTS`) meets
-    :data:`RATE_SLO` for at least 90% of requests. Within 15% counts."""
+    (:data:`COST`, :data:`COLOCATED`, :func:`chat_workload` of :data:`RATE_REQUESTS` requests)
+    meets :data:`RATE_SLO` for at least 90% of requests; ``attainment``: the attainment you
+    measured at that rate. Within 15% of the capacity counts.
+
+    The measurement is part of the answer: the check first re-runs the simulator at ``rate``
+    and refuses an attainment that is not what that run gives, so the rate cannot be found by
+    guessing against the check. A wrong rate gets its direction only."""
     require_answer(rate, "a request rate in requests per second")
-    rate = float(rate)
+    require_answer(attainment, "the attainment you measured at that rate (a fraction)")
+    rate, attainment = float(rate), float(attainment)
     if not rate > 0 or math.isinf(rate):
         raise AssertionError("give a positive, finite rate")
+    if not 0 <= attainment <= 1:
+        raise AssertionError("attainment is a fraction between 0 and 1")
+    att = _attainment(round(rate, 3))
+    if abs(attainment - att) > ATTAINMENT_TOLERANCE:
+        raise AssertionError(f"that is not the attainment of chat_workload({RATE_REQUESTS}, "
+                             f"{rate:g}) on COST and COLOCATED under RATE_SLO: run it, and "
+                             "pass the attainment that run gives")
     truth = _capacity()
     if abs(rate - truth) <= RATE_TOLERANCE * truth:
         return "Correct: within 15% of the simulated capacity."
-    att = _attainment(round(rate, 3))
     if rate > truth:
-        raise AssertionError(f"too high: at {rate:g} req/s attainment is {att:.0%}, below 90%")
-    raise AssertionError(f"too low: at {rate:g} req/s attainment is still {att:.0%}; the "
-                         "instance can take more before dropping under 90%")
+        raise AssertionError("too high: past the capacity (look at where attainment crosses "
+                             "90% between the rates you ran)")
+    raise AssertionError("too low: the instance can take more before dropping under 90%")
 
 
 # ------------------------------------------------------------------- 3. chunk for a TPOT budget
@@ -119,22 +141,30 @@ def _chunk_row(chunk: int) -> dict:
     return chunk_sweep(chat_workload(CHUNK_REQUESTS, CHUNK_RATE, seed=2), COST, [chunk])[0]
 
 
-def check_chunk_for_tpot(chunk) -> str:
+def check_chunk_for_tpot(chunk, tpot_p99_ms) -> str:
     """``chunk``: the largest token budget of :data:`CHUNK_CHOICES` (budget = prefill chunk)
-    whose TPOT p99 stays within :data:`TPOT_BUDGET_S` at :data:`CHUNK_RATE` req/s. Larger
-    budgets give lower TTFT and more throughput, so the largest that fits is the one to
-    deploy."""
+    whose TPOT p99 stays within :data:`TPOT_BUDGET_S` at :data:`CHUNK_RATE` req/s;
+    ``tpot_p99_ms``: the TPOT p99 (milliseconds) you measured with that budget. Larger budgets
+    give lower TTFT and more throughput, so the largest that fits is the one to deploy.
+
+    As in :func:`check_max_rate`, the measurement must be the simulator's (within 1%), so the
+    choice cannot be found by trying the options against the check."""
     require_answer(chunk, "a token budget from CHUNK_CHOICES")
+    require_answer(tpot_p99_ms, "the TPOT p99 you measured with it, in milliseconds")
     if chunk not in CHUNK_CHOICES:
         raise AssertionError(f"choose one of {CHUNK_CHOICES}")
     row = _chunk_row(chunk)
+    measured = row["tpot_p99_s"] * 1e3
+    if not math.isclose(float(tpot_p99_ms), measured, rel_tol=0.01):
+        raise AssertionError(f"that is not the TPOT p99 of chunk_sweep(chat_workload("
+                             f"{CHUNK_REQUESTS}, {CHUNK_RATE:g}, seed=2), COST, [{chunk}]): "
+                             "run it, and pass what that run gives, in ms")
     if row["tpot_p99_s"] > TPOT_BUDGET_S:
-        raise AssertionError(f"too large: TPOT p99 is {row['tpot_p99_s'] * 1e3:.1f} ms, over "
-                             f"the {TPOT_BUDGET_S * 1e3:g} ms budget")
+        raise AssertionError(f"too large: this budget's TPOT p99 is over the "
+                             f"{TPOT_BUDGET_S * 1e3:g} ms objective")
     best = max(c for c in CHUNK_CHOICES if _chunk_row(c)["tpot_p99_s"] <= TPOT_BUDGET_S)
     if chunk < best:
-        raise AssertionError(f"meets the budget (TPOT p99 {row['tpot_p99_s'] * 1e3:.1f} ms) but "
-                             "a larger budget does too: you leave TTFT and throughput on the "
-                             "table")
-    return (f"Correct: TPOT p99 {row['tpot_p99_s'] * 1e3:.1f} ms, TTFT p99 "
+        raise AssertionError("meets the objective, but it is not the largest budget that "
+                             "does: you leave TTFT and throughput on the table")
+    return (f"Correct: TPOT p99 {measured:.1f} ms, TTFT p99 "
             f"{row['ttft_p99_s'] * 1e3:.0f} ms.")

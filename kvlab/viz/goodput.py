@@ -3,6 +3,13 @@
 The input is precomputed: for each serving set-up, the request rates tried and, per rate, the
 :class:`~kvlab.core.slo.LatencyRecord` list one run produced (from the simulator or the load
 client). Changing the SLO only re-evaluates those records, so the widget answers instantly.
+
+Goodput per run is counted over the window in which the load was offered (from the start of
+the run to its last arrival, ``evaluate_slo(..., window_s="arrivals")``): the drain after the
+last arrival is left out, so a run's goodput is its attainment times the rate it was offered,
+never more than that rate. A deployment's capacity in DistServe's sense (its *goodput* in the
+paper) is the highest offered rate per GPU whose attainment still reaches the target (90%),
+read off the curve by :func:`~kvlab.sim.serving.rate_at_attainment`.
 """
 
 from __future__ import annotations
@@ -21,14 +28,17 @@ __all__ = ["attainment_curve", "goodput_explorer", "goodput_figure", "goodput_ke
            "goodput_table"]
 
 Curves = Mapping[str, tuple[Sequence[float], Sequence[Sequence[LatencyRecord]]]]
+#: The measurement window of every run: up to its last arrival (see the module docstring).
+WINDOW = "arrivals"
 
 
 def attainment_curve(rates: Sequence[float], runs: Sequence[Sequence[LatencyRecord]],
                      slo: SLO, *, per: float = 1.0) -> tuple[list[float], list[float]]:
-    """(attainment per rate, goodput per rate divided by ``per``, e.g. GPUs)."""
+    """(attainment per rate, goodput per rate divided by ``per``, e.g. GPUs). Goodput is over
+    the offered window (the final drain excluded)."""
     att, good = [], []
     for _, recs in zip(rates, runs, strict=True):
-        rep = evaluate_slo(recs, slo)
+        rep = evaluate_slo(recs, slo, window_s=WINDOW)
         att.append(rep.attainment)
         good.append(rep.goodput / per)
     return att, good
@@ -84,9 +94,8 @@ def goodput_explorer(curves: Curves, *, ttft_ms: float = 200.0, tpot_ms: float =
 
     from ._widgets import figure_widget
 
-    first = next(iter(curves))
-    per = gpus[first] if gpus else 1
-    rates = [r / per for r in curves[first][0]]
+    rates = sorted({r / (gpus[name] if gpus else 1) for name, (rs, _) in curves.items()
+                    for r in rs})
     controls = {
         "ttft_ms": w.FloatSlider(value=ttft_ms, min=20, max=1000, step=10,
                                  description="TTFT ≤ ms", continuous_update=False),
@@ -108,7 +117,7 @@ def goodput_explorer(curves: Curves, *, ttft_ms: float = 200.0, tpot_ms: float =
         for name, (rs, runs) in curves.items():
             n = gpus[name] if gpus else 1
             i = min(range(len(rs)), key=lambda j: abs(rs[j] / n - rate))
-            rep = evaluate_slo(runs[i], slo_of(ttft_ms, tpot_ms))
+            rep = evaluate_slo(runs[i], slo_of(ttft_ms, tpot_ms), window_s=WINDOW)
             lines.append(f"{name} at {rs[i] / n:g}/s{' per GPU' if gpus else ''}: attainment "
                          f"{rep.attainment:.0%}, goodput {rep.goodput / n:.2f}/s")
         return "\n".join(lines)
@@ -132,7 +141,7 @@ def goodput_table(curves: Curves, slo: SLO, *, gpus: Mapping[str, int] | None = 
     lines = []
     for name, (rates, runs) in curves.items():
         n = gpus[name] if gpus else 1
-        reps = [evaluate_slo(recs, slo) for recs in runs]
+        reps = [evaluate_slo(recs, slo, window_s=WINDOW) for recs in runs]
         lines += [f"{name}{' (per GPU)' if gpus else ''}",
                   "  offered   " + "".join(f"{f'{r / n:g}/s':>8}" for r in rates),
                   "  attained  " + "".join(f"{rep.attainment:>8.0%}" for rep in reps),
