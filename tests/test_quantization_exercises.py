@@ -12,55 +12,88 @@ from kvlab.exercises._common import NotYetAnswered
 matplotlib.use("Agg")
 
 
-def test_error_bound():
-    truth = ch08.BOUND_ABSMAX / 7 / 2
-    assert "Correct" in ch08.check_error_bound(truth)
-    for wrong, hint in ((ch08.BOUND_ABSMAX / 15 / 2, "on each side of zero"),
-                        (2 * truth, "whole grid"), (truth * 3, "too high"),
-                        (truth / 3, "too low")):
+def test_error_bounds():
+    sym = max(abs(ch08.ZP_MIN), ch08.ZP_MAX) / 7 / 2
+    zp = (ch08.ZP_MAX - ch08.ZP_MIN) / 15 / 2
+    assert "Correct" in ch08.check_error_bounds(sym, zp)
+    for wrong, hint in (((ch08.ZP_MAX / 15 / 2, zp), "symmetric: too low"),
+                        ((2 * sym, zp), "symmetric: that is a whole grid step"),
+                        ((sym, zp * 3), "zero-point: too high"),
+                        ((sym, ch08.ZP_MAX / 7 / 2), "zero-point: too high"),
+                        ((sym, 2 * zp), "zero-point: that is a whole")):
         with pytest.raises(AssertionError, match=hint) as err:
-            ch08.check_error_bound(wrong)
-        assert f"{truth:.4g}" not in str(err.value)
+            ch08.check_error_bounds(*wrong)
+        assert f"{sym:.4g}" not in str(err.value) and f"{zp:.4g}" not in str(err.value)
     with pytest.raises(NotYetAnswered):
-        ch08.check_error_bound(...)
+        ch08.check_error_bounds(..., zp)
 
 
-def test_group_size():
-    w = ch08.outlier_weights()
-    ok = [g for g in ch08.GROUP_CHOICES if ch08.relative_error(w, 4, g) <= ch08.ERROR_BUDGET]
-    best = max(ok)
-    assert "Correct" in ch08.check_group_size(best)
-    with pytest.raises(AssertionError, match="misses the budget"):
-        ch08.check_group_size(min(g for g in ch08.GROUP_CHOICES if g > best))
-    smaller = [g for g in ok if g < best]
-    if smaller:
-        with pytest.raises(AssertionError, match="a larger group does too") as err:
-            ch08.check_group_size(smaller[0])
-        assert str(best) not in str(err.value).split("group")[-1]
-    with pytest.raises(AssertionError, match="choose one of"):
-        ch08.check_group_size(48)
+def test_greedy_prediction_is_graded_on_the_engine(monkeypatch):
+    n = ch08._greedy_identical()
+    assert 0 <= n < ch08.GREEDY_PROMPTS           # int4 g64 changes some continuation
+    right = "all" if n == 8 else "most" if n >= 5 else "few" if n else "none"
+    monkeypatch.setattr(ch08, "_greedy_identical", lambda: n)
+    assert "Right" in ch08.check_greedy_prediction(right)
+    for option in ch08.GREEDY_CHOICES:
+        if option != right:
+            with pytest.raises(AssertionError, match=r"^no: ") as err:
+                ch08.check_greedy_prediction(option)
+            assert repr(right) not in str(err.value) and f'"{right}"' not in str(err.value)
+    monkeypatch.setattr(ch08, "_greedy_identical", lambda: 8)
+    assert "Right" in ch08.check_greedy_prediction("all")
+    with pytest.raises(AssertionError, match="answer one of"):
+        ch08.check_greedy_prediction("half")
 
 
-def test_capacity_gain():
-    auto = ch08.CAPACITY_MEMORY // (2048 * 16)
-    int8 = ch08.CAPACITY_MEMORY // (544 * 16)
-    assert "Correct" in ch08.check_capacity_gain(auto, int8)
-    with pytest.raises(AssertionError, match="scales take bytes") as err:
-        ch08.check_capacity_gain(auto, ch08.CAPACITY_MEMORY // (2 * 4 * 2 * 32 * 16))
-    assert str(int8) not in str(err.value)
-    with pytest.raises(AssertionError, match=r"float32: .* too high"):
-        ch08.check_capacity_gain(auto + 1, int8)
+def test_colleague_roundtrip_is_caught_and_a_fix_passes():
+    import torch
+
+    from kvlab.engine.quantization import QuantConfig, dequantize, quantize
+
+    def fixed(w, bits, group_size):
+        return dequantize(quantize(w, QuantConfig(bits, group_size)))
+
+    assert "Fixed" in ch08.check_fixed_roundtrip(fixed)
+    with pytest.raises(AssertionError) as err:
+        ch08.check_fixed_roundtrip(ch08.colleague_roundtrip)
+    text = str(err.value)
+    assert "half a grid step" in text
+    for word in ("qmax", "2^(b-1) - 1", "overflow", "wrap", "sign"):
+        assert word not in text
+    with pytest.raises(AssertionError, match="distinct values"):
+        ch08.check_fixed_roundtrip(lambda w, b, g: w.clone())
+    with pytest.raises(AssertionError, match="shape"):
+        ch08.check_fixed_roundtrip(lambda w, b, g: w[:1])
+    # the colleague's fault is real: a group's largest positive weight comes back negative
+    w = torch.randn(4, 64) * 0.02
+    w[0, 3] = 0.5
+    assert float(ch08.colleague_roundtrip(w, 4, 64)[0, 3]) < 0
 
 
-def test_format_design_is_open_ended_and_graded():
+def test_format_design_is_open_ended_and_graded_on_the_ordinary_columns():
+    w, bulk, outl = ch08.outlier_weights(), ch08.bulk_columns(), ch08.outlier_columns()
+    assert len(outl) == 8 and len(bulk) == 504 and not set(outl) & set(bulk)
+    assert float(w[:, outl].abs().mean()) > 10 * float(w[:, bulk].abs().mean())
     assert "Meets the brief" in ch08.check_format_design(3, 32)
     assert "Meets the brief" in ch08.check_format_design(4, 128, symmetric=False)
     with pytest.raises(AssertionError, match="exceeds the budget"):
         ch08.check_format_design(4, 64, symmetric=False)       # 4.375 bits
     with pytest.raises(AssertionError, match="does not beat"):
         ch08.check_format_design(4, 128)
+    with pytest.raises(AssertionError, match="does not beat"):
+        ch08.check_format_design(3, 64)
     with pytest.raises(AssertionError, match="not a valid format"):
         ch08.check_format_design(2, 384)
+
+
+def test_report_fact():
+    assert "Right" in ch08.check_report_fact("kernels_executed")
+    for fact in ch08.REPORT_FACTS[:-1]:
+        with pytest.raises(AssertionError, match=r"^no: ") as err:
+            ch08.check_report_fact(fact)
+        assert "kernels_executed" not in str(err.value)
+    with pytest.raises(AssertionError, match="answer one of"):
+        ch08.check_report_fact("speed")
 
 
 def test_figure_and_summary_agree_on_bytes():

@@ -1,61 +1,70 @@
-"""Chapter 8 exercises: the error bound, a group size under a budget, a KV capacity gain, and
-an open-ended format design.
+"""Chapter 8 exercises: two error bounds, a prediction checked on the engine, a colleague's
+round trip, an open-ended format design, and the report fact behind a slowdown.
 
 Each check computes the truth with :mod:`kvlab` and raises ``AssertionError`` saying what is
-wrong (too high, too low, which budget breaks) without printing the expected value.
+wrong (too high, too low, which budget breaks, why a chosen option fails) without printing the
+expected value, the right option or the method.
 """
 
 from __future__ import annotations
 
 import math
 
-from kvlab.core.kv_dtype import kv_bytes_per_token
 from kvlab.reference import effective_bits
 
 from ._common import require_answer
 
-#: Exercise 1: one group of 4-bit symmetric weights whose largest magnitude is this.
-BOUND_BITS, BOUND_ABSMAX = 4, 0.42
+#: Exercise 1: one group of 4-bit weights spanning [ZP_MIN, ZP_MAX] (largest magnitude ZP_MAX).
+BOUND_BITS, ZP_MIN, ZP_MAX = 4, -0.12, 0.42
 
-#: Exercise 2: group sizes to choose from, and the error budget (relative RMS error).
-GROUP_CHOICES = (8, 16, 32, 64, 128, 256)
-ERROR_BUDGET = 0.10
-
-#: Exercise 3: kvlab-tiny's KV shape and the memory budget.
-CAPACITY_SHAPE = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 32}
-CAPACITY_MEMORY = 8 * 2**20
-CAPACITY_BLOCK = 16
+#: Exercise 2: int4 g64 weights, 8 prompts x 32 greedy tokens against fp32.
+GREEDY_PROMPTS, GREEDY_TOKENS = 8, 32
+GREEDY_CHOICES = ("all", "most", "few", "none")   # 8, 5-7, 1-4, 0 identical continuations
 
 #: Exercise 4: the bits budget of the open-ended design.
 DESIGN_BITS_BUDGET = 4.3
+
+#: Exercise 5: the five facts of the report.
+REPORT_FACTS = ("checkpoint_bits", "runtime_weight_format", "activation_dtype",
+                "accumulator_dtype", "kernels_executed")
 
 
 def _close(a: float, b: float, rel: float = 1e-3) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
 
 
-def check_error_bound(answer) -> str:
-    """``answer``: the largest possible ``|x - deq(q(x))|`` in a group of
-    :data:`BOUND_BITS`-bit symmetric weights whose largest magnitude is :data:`BOUND_ABSMAX`
+def check_error_bounds(symmetric_error, zero_point_error) -> str:
+    """Exercise 1: the largest possible ``|x - deq(q(x))|`` in a group of :data:`BOUND_BITS`-bit
+    weights spanning ``[ZP_MIN, ZP_MAX]``, quantized symmetrically and with a zero point
     (ignore the rounding of the scale to fp16)."""
-    require_answer(answer, "the worst-case error (a number)")
-    truth = BOUND_ABSMAX / (2 ** (BOUND_BITS - 1) - 1) / 2
-    got = float(answer)
-    if _close(got, truth):
-        return "Correct: half a grid step, s/2."
-    if _close(got, BOUND_ABSMAX / (2 ** BOUND_BITS - 1) / 2) or _close(got, truth * 7 / 8):
-        raise AssertionError("the symmetric grid has 2^(b-1) - 1 steps on each side of zero, "
-                             "not 2^b - 1 steps across")
-    if _close(got, 2 * truth):
-        raise AssertionError("that is a whole grid step s; rounding to the nearest level "
-                             "is off by at most half of it")
-    raise AssertionError(f"too {'high' if got > truth else 'low'}: derive s from the group's "
-                         "largest magnitude, then bound the rounding error")
+    require_answer(symmetric_error, "the symmetric worst-case error (a number)")
+    require_answer(zero_point_error, "the zero-point worst-case error (a number)")
+    b = BOUND_BITS
+    sym = max(abs(ZP_MIN), abs(ZP_MAX)) / (2 ** (b - 1) - 1) / 2
+    zp = (ZP_MAX - ZP_MIN) / (2 ** b - 1) / 2
+    problems = []
+    for label, got, want, steps in (("symmetric", float(symmetric_error), sym,
+                                     "2^(b-1) - 1 steps on each side of zero"),
+                                    ("zero-point", float(zero_point_error), zp,
+                                     "2^b - 1 steps between the group's minimum and maximum")):
+        if _close(got, want):
+            continue
+        if _close(got, 2 * want):
+            problems.append(f"{label}: that is a whole grid step; rounding to the nearest level "
+                            "is off by at most half of it")
+        else:
+            problems.append(f"{label}: too {'high' if got > want else 'low'} (its grid has "
+                            f"{steps})")
+    if problems:
+        raise AssertionError("; ".join(problems))
+    return ("Correct: both are half a grid step; the zero point buys a finer grid when the "
+            "group is lopsided.")
 
 
 def outlier_weights(seed: int = 0):
-    """The matrix of exercises 2 and 4: 64 x 512 N(0, 0.02) weights, 8 outlier input columns
-    scaled by 30 (the pattern LLM.int8() found in activations and AWQ in salient channels)."""
+    """A 64 x 512 matrix of N(0, 0.02) weights whose 8 input columns
+    :func:`outlier_columns` are scaled by 30 (the pattern LLM.int8() found in activations and
+    AWQ in the weight channels that meet large activations)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -65,63 +74,129 @@ def outlier_weights(seed: int = 0):
     return w
 
 
-def relative_error(w, bits: int, group_size: int, symmetric: bool = True) -> float:
-    """Relative RMS error ``||W - deq(q(W))|| / ||W||`` of a format on ``w``."""
+def outlier_columns(seed: int = 0) -> list[int]:
+    """The 8 outlier columns of :func:`outlier_weights` (same seed), ascending."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    torch.randn(64, 512, generator=g)
+    return sorted(int(c) for c in torch.randperm(512, generator=g)[:8])
+
+
+def relative_error(w, bits: int, group_size: int, symmetric: bool = True,
+                   columns=None) -> float:
+    """Relative RMS error ``||W - deq(q(W))|| / ||W||`` of a format on ``w``, over all of it
+    or only over the input ``columns`` given (a list of indices)."""
     from kvlab.engine.quantization import QuantConfig, dequantize, quantize
 
     cfg = QuantConfig(bits=bits, group_size=group_size, symmetric=symmetric)
     err = w - dequantize(quantize(w, cfg))
+    if columns is not None:
+        err, w = err[:, list(columns)], w[:, list(columns)]
     return float(err.norm() / w.norm())
 
 
-def check_group_size(answer) -> str:
-    """``answer``: the group size from :data:`GROUP_CHOICES` with the *fewest effective bits*
-    for which int4 symmetric quantization of :func:`outlier_weights` stays within
-    :data:`ERROR_BUDGET` relative RMS error."""
-    require_answer(answer, "a group size")
-    g = int(answer)
-    if g not in GROUP_CHOICES:
-        raise AssertionError(f"choose one of {GROUP_CHOICES}")
-    w = outlier_weights()
-    err = relative_error(w, 4, g)
-    if err > ERROR_BUDGET:
-        raise AssertionError(f"group {g} misses the budget: relative error {err:.4f} > "
-                             f"{ERROR_BUDGET}; smaller groups isolate the outliers")
-    larger = [h for h in GROUP_CHOICES if h > g and relative_error(w, 4, h) <= ERROR_BUDGET]
-    if larger:
-        raise AssertionError(f"group {g} meets the budget (error {err:.4f}), but a larger group "
-                             "does too, with fewer effective bits")
-    return f"Correct: group {g}, {effective_bits(4, g):.4g} effective bits, error {err:.4f}."
+def bulk_columns(seed: int = 0) -> list[int]:
+    """The 504 ordinary columns of :func:`outlier_weights`."""
+    out = set(outlier_columns(seed))
+    return [c for c in range(512) if c not in out]
 
 
-def check_capacity_gain(blocks_auto, blocks_int8) -> str:
-    """``blocks_auto``, ``blocks_int8``: KV blocks of :data:`CAPACITY_BLOCK` tokens that
-    :data:`CAPACITY_MEMORY` bytes hold for kvlab-tiny (:data:`CAPACITY_SHAPE`) with float32 KV
-    and with int8 KV (one fp16 scale per token and KV head)."""
-    require_answer(blocks_auto, "blocks with float32 KV")
-    require_answer(blocks_int8, "blocks with int8 KV")
-    want_auto = CAPACITY_MEMORY // (kv_bytes_per_token(**CAPACITY_SHAPE, model_dtype_bytes=4)
-                                    * CAPACITY_BLOCK)
-    want_int8 = CAPACITY_MEMORY // (kv_bytes_per_token(**CAPACITY_SHAPE, kv_cache_dtype="int8")
-                                    * CAPACITY_BLOCK)
-    problems = []
-    for label, got, want in (("float32", blocks_auto, want_auto), ("int8", blocks_int8,
-                                                                    want_int8)):
-        if int(got) != want:
-            problems.append(f"{label}: {int(got)} is too {'high' if int(got) > want else 'low'}")
-    if int(blocks_int8) == CAPACITY_MEMORY // (2 * 4 * 2 * 32 * CAPACITY_BLOCK):
-        problems.append("int8: the scales take bytes too (2 per token, KV head, K and V)")
-    if problems:
-        raise AssertionError("; ".join(problems) + " (K and V, every layer and KV head; "
-                             "whole blocks only)")
-    return (f"Correct: {want_auto} vs {want_int8} blocks, a gain of "
-            f"{want_int8 / want_auto:.2f}x, not 4x.")
+def _greedy_identical() -> int:
+    from kvlab import LLM, SamplingParams
+    from kvlab.models.corpus import sample_prompts
+
+    prompts = sample_prompts(1, GREEDY_PROMPTS)
+    sp = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True)
+    runs = [[o.outputs[0].token_ids for o in LLM("kvlab-tiny", num_blocks=256, **kw).generate(
+        prompts, sp, use_tqdm=False)] for kw in ({}, {"quantization": "int4"})]
+    return sum(a == b for a, b in zip(*runs, strict=True))
+
+
+def check_greedy_prediction(answer) -> str:
+    """Exercise 2: of :data:`GREEDY_PROMPTS` greedy continuations of :data:`GREEDY_TOKENS`
+    tokens (``sample_prompts(1, 8)``), how many does kvlab-tiny with int4 g64 weights produce
+    token for token as fp32 does? ``answer``: one of :data:`GREEDY_CHOICES` ("all" 8, "most"
+    5-7, "few" 1-4, "none" 0). Graded by running both engines."""
+    require_answer(answer, "one of " + ", ".join(repr(c) for c in GREEDY_CHOICES))
+    if answer not in GREEDY_CHOICES:
+        raise AssertionError(f"answer one of {GREEDY_CHOICES}, got {answer!r}")
+    n = _greedy_identical()
+    truth = ("all" if n == GREEDY_PROMPTS else "most" if n >= 5 else "few" if n >= 1
+             else "none")
+    if answer == truth:
+        return (f"Right: {n} of {GREEDY_PROMPTS} continuations are identical. Compare with the "
+                "perplexity change the chapter printed.")
+    why = {"all": "no: at least one continuation departs from fp32's",
+           "most": "no: fewer than 5 continuations are identical" if n < 5
+                   else "no: every continuation is identical",
+           "few": "no: none is identical" if n == 0 else "no: 5 or more are identical",
+           "none": "no: at least one continuation is identical"}[answer]
+    raise AssertionError(why + "; run the engine and compare token by token")
+
+
+def colleague_roundtrip(w, bits: int = 4, group_size: int = 64):
+    """A colleague's round trip of a ``[rows, cols]`` weight (exercise 3): symmetric
+    quantization per group of ``group_size`` along each row, ``bits``-bit codes (offset
+    binary, as stored), then back to floats."""
+    import torch
+
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // group_size, group_size)
+    qmax = 2 ** (bits - 1)
+    s = g.abs().amax(-1, keepdim=True) / qmax
+    q = torch.round(g / s)
+    codes = (q + 2 ** (bits - 1)).to(torch.int64) % 2 ** bits        # what is stored
+    return ((codes - 2 ** (bits - 1)) * s).reshape(rows, cols)
+
+
+def _roundtrip_cases():
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    for bits, group in ((4, 64), (3, 32), (8, 64), (4, 16)):
+        w = torch.randn(16, 128, generator=gen) * 0.02
+        yield bits, group, w
+    w = torch.randn(16, 128, generator=gen) * 0.02
+    w[:, 5] = 0.5                                   # a positive outlier in every row
+    yield 4, 64, w
+
+
+def check_fixed_roundtrip(fn) -> str:
+    """Exercise 3: ``fn(w, bits, group_size)`` -> the dequantized weight, with
+    :func:`colleague_roundtrip`'s contract. It passes when, on five matrices, every element is
+    within half a grid step (``s = max|x| / (2^(b-1) - 1)`` per group, up to fp16 rounding of
+    ``s``) and every group holds at most ``2^b - 1`` distinct values."""
+    import torch
+
+    require_answer(fn, "your round-trip function (w, bits, group_size) -> tensor")
+    if not callable(fn):
+        raise AssertionError("pass a function (w, bits, group_size) -> tensor")
+    for n, (bits, group, w) in enumerate(_roundtrip_cases()):
+        got = fn(w.clone(), bits, group)
+        if not isinstance(got, torch.Tensor) or got.shape != w.shape:
+            raise AssertionError(f"case {n}: return a tensor of shape {tuple(w.shape)}")
+        got = got.float()
+        gw, gq = (t.reshape(w.shape[0], -1, group) for t in (w, got))
+        s = gw.abs().amax(-1, keepdim=True) / (2 ** (bits - 1) - 1)
+        bad = (gw - gq).abs() > s / 2 * (1 + 2e-3) + 1e-9
+        if bool(bad.any()):
+            r, j, i = (int(v) for v in bad.nonzero()[0])
+            raise AssertionError(f"case {n} (int{bits}, g{group}): element ({r}, "
+                                 f"{j * group + i}) is off by more than half a grid step")
+        levels = max(len(torch.unique(row)) for row in gq.reshape(-1, group))
+        if levels > 2 ** bits - 1:
+            raise AssertionError(f"case {n}: a group holds {levels} distinct values; "
+                                 f"{bits}-bit symmetric codes allow {2 ** bits - 1}")
+    return "Fixed: within half a grid step everywhere, and representable in the codes."
 
 
 def check_format_design(bits, group_size, symmetric=True) -> str:
-    """Open-ended: a format (``bits``, ``group_size``, ``symmetric``) for
+    """Exercise 4, open-ended: a format (``bits``, ``group_size``, ``symmetric``) for
     :func:`outlier_weights` within :data:`DESIGN_BITS_BUDGET` effective bits (fp16 scales,
-    uint8 zero points) whose relative error beats int4 symmetric with group 64."""
+    uint8 zero points) whose relative error on the *ordinary* columns
+    (:func:`bulk_columns`) beats int4 symmetric with group 64. The outlier columns' error is
+    reported beside it."""
     require_answer(bits, "bits")
     require_answer(group_size, "group_size")
     bits, group_size = int(bits), int(group_size)
@@ -130,14 +205,35 @@ def check_format_design(bits, group_size, symmetric=True) -> str:
     if eff > DESIGN_BITS_BUDGET:
         raise AssertionError(f"{eff:.4g} effective bits exceeds the budget of "
                              f"{DESIGN_BITS_BUDGET}")
-    w = outlier_weights()
+    w, bulk, outl = outlier_weights(), bulk_columns(), outlier_columns()
     try:
-        err = relative_error(w, bits, group_size, bool(symmetric))
+        err = relative_error(w, bits, group_size, bool(symmetric), bulk)
     except ValueError as e:
         raise AssertionError(f"not a valid format for a 64 x 512 matrix: {e}") from None
-    base = relative_error(w, 4, 64)
+    base = relative_error(w, 4, 64, True, bulk)
+    out_err = relative_error(w, bits, group_size, bool(symmetric), outl)
     if err >= base:
-        raise AssertionError(f"relative error {err:.4f} does not beat int4 g=64 symmetric "
-                             f"({base:.4f}): spend the bits where the outliers are")
-    return (f"Meets the brief: {eff:.4g} bits, relative error {err:.4f} vs {base:.4f} for "
-            "int4 g=64.")
+        raise AssertionError(f"error on the ordinary columns {err:.4f} does not beat int4 g=64 "
+                             f"symmetric ({base:.4f}); outlier columns {out_err:.4f}")
+    return (f"Meets the brief: {eff:.4g} bits, ordinary columns {err:.4f} vs {base:.4f} for "
+            f"int4 g=64; outlier columns {out_err:.4f}.")
+
+
+def check_report_fact(answer) -> str:
+    """Exercise 5: which field of ``QuantizationReport`` (one of :data:`REPORT_FACTS`) tells
+    you why an int4 model with float32 activations decodes many times slower than fp32?"""
+    require_answer(answer, "one of " + ", ".join(repr(f) for f in REPORT_FACTS))
+    if answer not in REPORT_FACTS:
+        raise AssertionError(f"answer one of {REPORT_FACTS}, got {answer!r}")
+    why = {
+        "checkpoint_bits": "no: the slow and the fast engine can load the same int4 "
+                           "checkpoint; what is stored does not decide the speed",
+        "runtime_weight_format": "no: both keep the same int4 groups in memory (the kernel "
+                                 "policy it names says what may run, not what did)",
+        "activation_dtype": "no: the activations are float32 in both the slow and the fast "
+                            "configuration",
+        "accumulator_dtype": "no: both accumulate in float32",
+    }
+    if answer in why:
+        raise AssertionError(why[answer])
+    return "Right: only the kernel that ran differs; read it before you read tokens/s."

@@ -148,3 +148,46 @@ def quantization_kernel_free(outlier: float = 12.0, *, bits: int = 4, group_size
         caption=lambda bits, group_size, symmetric: quantization_caption(row, bits, group_size,
                                                                          symmetric),
         title=f"quantization explorer (outliers of {outlier:g} sigma)")
+
+
+QUALITY_METRICS = (("ppl_ratio", "perplexity / fp32"), ("kl_nats", "KL(fp32 || quant), nats"),
+                   ("top1_agreement", "teacher-forced top-1 agreement"),
+                   ("greedy_agreement", "greedy tokens before first difference"))
+
+
+def quality_figure(rows: list[dict]):
+    """Four panels, one per metric of :data:`QUALITY_METRICS`, against effective bits: one
+    line per group size of the symmetric formats, zero-point formats as hollow markers, each
+    point with its 95% interval (``<metric>_ci95``). ``rows``: the ``rows`` of
+    ``benchmarks/results/quantization_quality.json``; the fp32 row draws a dotted line."""
+    import matplotlib.pyplot as plt
+
+    weight_rows = [r for r in rows if r.get("bits")]
+    if not weight_rows:
+        raise ValueError("quality_figure: no weight-quantized rows")
+    fp32 = next((r for r in rows if r["config"] == "fp32"), None)
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.4))
+    groups = sorted({r["group_size"] for r in weight_rows})
+    for ax, (key, label) in zip(axes, QUALITY_METRICS, strict=True):
+        for j, g in enumerate(groups):
+            for sym in (True, False):
+                pts = sorted((r for r in weight_rows if r["group_size"] == g
+                              and r["symmetric"] is sym), key=lambda r: r["effective_bits"])
+                if not pts:
+                    continue
+                xs = [r["effective_bits"] for r in pts]
+                ys = [r[key] for r in pts]
+                err = [[y - r[f"{key}_ci95"][0] for y, r in zip(ys, pts, strict=True)],
+                       [r[f"{key}_ci95"][1] - y for y, r in zip(ys, pts, strict=True)]]
+                color = REQUEST_PALETTE[j % len(REQUEST_PALETTE)]
+                ax.errorbar(xs, ys, yerr=err, fmt="o-" if sym else "s", ms=4, capsize=2,
+                            color=color, mfc=color if sym else "white",
+                            label=f"g={g}" + ("" if sym else " zero-point"))
+        if fp32 is not None and fp32[key] > 0:
+            ax.axhline(fp32[key], color=MUTED, ls=":", lw=1)
+        if key in ("ppl_ratio", "kl_nats"):
+            ax.set_yscale("log")
+        ax.set(xlabel="effective bits", title=label)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
