@@ -203,7 +203,7 @@ class SpecStepCost:
     @property
     def expected_tokens(self) -> float:
         """Tokens a request emits per step if each draft is kept independently with
-        probability ``alpha`` (Leviathan et al. 2023, eq. 1): ``sum_{i=0..k} alpha^i``."""
+        probability ``alpha`` (Leviathan et al. 2023, §3): ``sum_{i=0..k} alpha^i``."""
         return sum(self.alpha ** i for i in range(self.k + 1))
 
     @property
