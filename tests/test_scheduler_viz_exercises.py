@@ -298,6 +298,28 @@ def test_ch06_chunk_design_check():
         ch06.check_chunk_design(300)
 
 
+def test_ch06_stream_gaps_debug_check():
+    from kvlab.sim.itl import inter_token_latencies, percentile
+
+    run = ch06.run_chunk(512, {**ch06.DASHBOARD, "chunks": (512,)})
+    longest = max(s.duration for s in run.steps)
+    # the symptom the exercise states: the dashboard's p99 exceeds every step of the run
+    assert percentile(ch06.stream_gaps(run), 99) > longest
+    assert percentile(inter_token_latencies(run), 99) <= longest
+    assert "Correct" in ch06.check_stream_gaps(inter_token_latencies)
+    with pytest.raises(AssertionError, match="too high") as err:
+        ch06.check_stream_gaps(ch06.stream_gaps)
+    assert "arrival" not in str(err.value) and "first token" not in str(err.value)
+    with pytest.raises(AssertionError, match="too low"):
+        ch06.check_stream_gaps(lambda r: [g / 2 for g in inter_token_latencies(r)])
+    with pytest.raises(AssertionError, match="no gaps"):
+        ch06.check_stream_gaps(lambda r: [])
+    with pytest.raises(AssertionError, match="not the ones"):       # right p99, wrong gaps
+        ch06.check_stream_gaps(lambda r: inter_token_latencies(r)[1:])
+    with pytest.raises(AssertionError, match="pass a function"):
+        ch06.check_stream_gaps(3)
+
+
 def test_recovery_figure_and_explorer():
     from kvlab.core.scheduler import ProductionScheduler
     from kvlab.viz.lifecycle import RecoveryExplorer, RecoveryRow, event_text, recovery_figure

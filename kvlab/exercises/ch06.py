@@ -1,6 +1,6 @@
 """Chapter 6 exercises: one batch by hand, a policy that meets a deadline, a document's time to
-first token behind finishing decodes, and a token budget that meets an inter-token-latency
-target on another GPU (Sarathi-Serve's trade).
+first token behind finishing decodes, a token budget that meets an inter-token-latency target on
+another GPU (Sarathi-Serve's trade), and a dashboard's latency numbers to debug.
 
 Each check computes the truth with :mod:`kvlab.core` (and the simulator) and raises
 ``AssertionError`` saying what is wrong (which entry, too high or too low), never the answer.
@@ -9,6 +9,7 @@ Each check computes the truth with :mod:`kvlab.core` (and the simulator) and rai
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.scheduler import (
@@ -215,3 +216,52 @@ def check_chunk_design(chunk) -> str:
             f"{slo_ms:.0f} ms on the {d['gpu']}. A step that carries a full prefill chunk is "
             "compute-bound, so its time scales with the chunk and inversely with the GPU's "
             "FLOP rate: the budget that met a target on one GPU is the wrong one on another.")
+
+
+# ------------------------------------------------------------------- a dashboard's ITL to debug
+
+#: Exercise 5: a chat service with short answers, on the simulated H100, budget 512.
+DASHBOARD = {**CHUNK_SWEEP, "requests": 40, "prompt": (256, 1024), "output": (8, 24)}
+
+
+def stream_gaps(result) -> list[float]:
+    """The gaps between consecutive output tokens of each request, sorted (seconds), as the
+    service's dashboard computes them from a simulated run (``SimResult``): every request's
+    stream of token times, then the differences within each stream."""
+    streams: dict[str, list[float]] = {}
+    for record in result.requests:
+        streams[record.request_id] = [record.arrival]
+    for step in result.steps:
+        end = step.start + step.duration
+        for request_id, _num_tokens, is_prefill in step.chunks:
+            if not is_prefill:
+                streams[request_id].append(end)
+    return sorted(b - a for times in streams.values() for a, b in pairwise(times))
+
+
+def check_stream_gaps(gaps_fn) -> str:
+    """Exercise 5: ``gaps_fn(result)`` must return exactly the inter-token gaps a streaming
+    client sees, sorted, on :data:`DASHBOARD`'s run (and on a second run with another budget)."""
+    from kvlab.sim.itl import inter_token_latencies, percentile
+
+    require_answer(gaps_fn, "your gaps function")
+    if not callable(gaps_fn):
+        raise AssertionError("pass a function result -> sorted list of gaps in seconds")
+    for budget in (512, 2048):
+        result = run_chunk(budget, {**DASHBOARD, "chunks": (budget,)})
+        want = inter_token_latencies(result)
+        got = sorted(float(g) for g in gaps_fn(result))
+        if len(got) == len(want) and all(abs(a - b) <= 1e-12
+                                         for a, b in zip(got, want, strict=True)):
+            continue
+        if not got:
+            raise AssertionError(f"with a budget of {budget}, your function returns no gaps")
+        p99_got, p99_want = percentile(got, 99), percentile(want, 99)
+        if abs(p99_got - p99_want) > 1e-12:
+            raise AssertionError(f"with a budget of {budget}, your p99 is "
+                                 f"{'too high' if p99_got > p99_want else 'too low'}.")
+        raise AssertionError(f"with a budget of {budget}, your p99 is right but the gaps are "
+                             "not the ones a client sees.")
+    return ("Correct: your gaps are the client's. A stream starts at the first token, not at "
+            "the arrival: the wait before it is the TTFT, a different number with its own SLO, "
+            "and mixing it into the ITL makes the tail look like a scheduling problem.")
