@@ -107,13 +107,17 @@ _IMG_SRC = re.compile(r'<img\b[^>]*?\bsrc="[^"]*?/([^"/]+\.png)"[^>]*?>')
 
 
 def add_min_widths(body: str, widths: dict[str, int]) -> str:
-    """``body`` with ``style="min-width: Npx"`` on each ``<img>`` whose file has an entry."""
+    """``body`` with ``min-width: Npx`` in the style of each ``<img>`` whose file has an entry
+    (Sphinx writes an image's width and height as its ``style``)."""
 
     def img(match: re.Match) -> str:
         tag, name = match[0], match[1]
-        if name not in widths or "style=" in tag:
+        if name not in widths or "min-width" in tag:
             return tag
-        return tag[:4] + f' style="min-width: {widths[name]}px"' + tag[4:]
+        rule = f"min-width: {widths[name]}px;"
+        if ' style="' in tag:
+            return tag.replace(' style="', f' style="{rule} ', 1)
+        return tag[:4] + f' style="{rule}"' + tag[4:]
 
     return _IMG_SRC.sub(img, body)
 

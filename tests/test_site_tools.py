@@ -276,6 +276,7 @@ def test_site_extension_breaks_table_literals_and_sets_figure_min_widths():
     assert '<span class="pre">short_name</span>' in out              # short words kept
     html = ('<img alt="x" src="../_images/abc.png" style="width: 800px" />'
             '<img alt="y" src="../_images/def.png" />')
-    out = kvlab_site.add_min_widths(html, {"abc.png": 700, "def.png": 500})
-    assert '<img style="min-width: 500px" alt="y" src="../_images/def.png" />' in out
-    assert out.count("min-width") == 1                    # an existing style is left alone
+    out = kvlab_site.add_min_widths(html, {"abc.png": 700, "def.png": 500, "x.png": 9})
+    assert '<img alt="x" src="../_images/abc.png" style="min-width: 700px; width: 800px" />' in out
+    assert '<img style="min-width: 500px;" alt="y" src="../_images/def.png" />' in out
+    assert kvlab_site.add_min_widths(out, {"abc.png": 1}) == out   # added once
