@@ -79,3 +79,28 @@ def test_install_order_accepts_every_safe_order():
     alt = ["record begin", "allocate", "write payload", "record allocated", "record written",
            "commit to cache", "record committed"]
     assert "Correct" in check_install_order(alt)
+
+
+def test_colleague_check_installs_exactly_one_damaged_entry():
+    from kvlab.exercises.ch10 import (
+        DAMAGE_KINDS,
+        check_colleague,
+        colleague_check,
+        damaged_entries,
+    )
+
+    entries, expected = damaged_entries()
+    assert set(entries) == set(DAMAGE_KINDS)
+    assert all(check_delivery(d, expected) is not None for d in entries.values())
+    passed = [k for k, d in entries.items() if colleague_check(d, expected) is None]
+    assert len(passed) == 1
+    assert check_colleague(passed[0]).startswith("Correct")
+    for kind in DAMAGE_KINDS:
+        if kind != passed[0]:
+            with pytest.raises(AssertionError, match="refuses") as err:
+                check_colleague(kind)
+            assert passed[0] not in str(err.value)          # never names the right one
+    with pytest.raises(AssertionError, match="one of"):
+        check_colleague("checksum")
+    with pytest.raises(NotYetAnswered):
+        check_colleague(...)

@@ -7,8 +7,11 @@ answer.
 
 from __future__ import annotations
 
+import hashlib
+
 from kvlab.core.catalog import get_model
 from kvlab.core.kv_transfer import (
+    ENTRY_FORMAT,
     REJECT_KINDS,
     Delivery,
     check_delivery,
@@ -16,6 +19,7 @@ from kvlab.core.kv_transfer import (
     encode_frame,
     make_descriptor,
     make_header,
+    seal,
 )
 from kvlab.core.transfer_cost import LINKS, kv_transfer_bytes, transfer_seconds
 from kvlab.core.transfer_faults import Fault, FaultInjector, FaultSchedule
@@ -54,18 +58,22 @@ _PROMPT = tuple(range(100, 164))
 _FAULTS = ("rope", "corrupt_payload", "truncate", "security_domain", "corrupt_descriptor")
 
 
-def classify_entries() -> tuple[list[Delivery], dict]:
-    """Five entries as the consumer receives them (entry ``i`` was hit by the ``i``-th fault
-    of ``_FAULTS``), and the consumer's expectation."""
+def _damaged(kinds: tuple[str, ...]) -> tuple[list[Delivery], dict]:
     payload = bytes(range(256)) * 8
     desc = make_descriptor("p-1", _PROMPT, "tenant-a", _FIELDS)
     frame = encode_frame(make_header(desc, 64, payload), payload)
     out = []
-    for i, kind in enumerate(_FAULTS):
+    for i, kind in enumerate(kinds):
         plan = FaultInjector(FaultSchedule((Fault(kind, 0),), seed=100 + i)).on_send(frame)
         out.append(decode_frame(plan.frames[0]))
     expected = {k: v for k, v in desc.items() if k != "request_id"}
     return out, expected
+
+
+def classify_entries() -> tuple[list[Delivery], dict]:
+    """Five entries as the consumer receives them (entry ``i`` was hit by the ``i``-th fault
+    of ``_FAULTS``), and the consumer's expectation."""
+    return _damaged(_FAULTS)
 
 
 def check_classification(answer) -> str:
@@ -140,3 +148,53 @@ def check_install_order(order) -> str:
                                  "claimed for blocks that never reached the cache, or missed)")
     return ("Correct: every crash point is safe. kvlab's consumer uses: " +
             " → ".join(_KVLAB_ORDER) + ".")
+
+
+# ------------------------------------------------------------------ 5. debug: a colleague's check
+#: The damage of exercise 5, one entry each (the fault kinds of ``kvlab.core.transfer_faults``
+#: that change a single entry's bytes).
+DAMAGE_KINDS = ("truncate", "corrupt_payload", "corrupt_descriptor", "stale_model_version",
+                "security_domain", "layers", "kv_heads", "dtype", "rope")
+
+
+def damaged_entries() -> tuple[dict[str, Delivery], dict]:
+    """``({fault kind: the entry as the consumer receives it}, the consumer's expectation)``
+    for every kind of :data:`DAMAGE_KINDS`."""
+    entries, expected = _damaged(DAMAGE_KINDS)
+    return dict(zip(DAMAGE_KINDS, entries, strict=True)), expected
+
+
+def colleague_check(delivery: Delivery, expected: dict) -> str | None:
+    """A colleague's shorter consumer check: "the same decisions as check_delivery, without
+    the classification table". Returns a reject kind, or None to install."""
+    if delivery.problem is not None:
+        return delivery.problem
+    header = delivery.header
+    if header is None or header.get("format") != ENTRY_FORMAT or seal(header) != header:
+        return "corrupt_descriptor"
+    desc = header["descriptor"]
+    for key in ("model_version", "token_ids_hash", "layers", "kv_heads", "head_dim", "dtype",
+                "layout", "rope"):
+        if desc.get(key) != expected.get(key):
+            return "stale_model_version" if key == "model_version" else "incompatible"
+    if len(delivery.payload) < header["payload_bytes"]:
+        return "truncated"
+    if hashlib.sha256(delivery.payload).hexdigest() != header["payload_sha256"]:
+        return "corrupt_payload"
+    return None
+
+
+def check_colleague(kind) -> str:
+    """``kind``: the fault kind of :func:`damaged_entries` whose entry :func:`colleague_check`
+    installs although :func:`~kvlab.core.kv_transfer.check_delivery` refuses it."""
+    require_answer(kind, "a fault kind from DAMAGE_KINDS")
+    if kind not in DAMAGE_KINDS:
+        raise AssertionError(f"choose one of {DAMAGE_KINDS}")
+    entries, expected = damaged_entries()
+    verdict = colleague_check(entries[kind], expected)
+    if verdict is not None:
+        raise AssertionError(f"the colleague's check refuses the {kind!r} entry too (it "
+                             f"records {verdict!r}): run it on every entry")
+    assert check_delivery(entries[kind], expected) is not None
+    return ("Correct: that entry would be installed. Say which line of colleague_check lets "
+            "it through, and what a reader of the installed KV would see.")
