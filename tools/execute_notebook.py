@@ -55,6 +55,7 @@ def finish(nb, spec: dict | None = None):
         if cell.cell_type == "code" and SOLUTION_TAGS & set(cell.metadata.get("tags", [])):
             cell.metadata.setdefault("jupyter", {}).update(source_hidden=True,
                                                            outputs_hidden=True)
+            cell.metadata["collapsed"] = True   # nbformat's older flag, which Lab writes too
     return nb
 
 
