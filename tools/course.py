@@ -209,11 +209,23 @@ def instructor_notebook(source: Path):
         if cell.cell_type == "markdown":
             after = _EXERCISES.search(cell.source).end() if i == start else 0
             heads = list(_STATEMENT.finditer(cell.source, after))
-            if heads:
-                close_statement()
-                statement = cell.source[heads[-1].start():]
-                number, answered = int(heads[-1].group(1)), False
-            cells.append(cell)
+            if not heads:
+                cells.append(cell)
+                i += 1
+                continue
+            close_statement()
+            # several statements in one cell: every one but the last has no cell of its own,
+            # so the cell is split and each of those gets its hand-graded answer cell
+            bounds = [*(h.start() for h in heads[1:]), len(cell.source)]
+            starts = [0, *bounds[:-1]]
+            for k, (head, lo, hi) in enumerate(zip(heads, starts, bounds, strict=True)):
+                piece = cell if len(heads) == 1 else nbformat.v4.new_markdown_cell(
+                    cell.source[lo:hi].strip("\n"))
+                cells.append(piece)
+                statement = cell.source[head.start():hi]
+                number, answered = int(head.group(1)), False
+                if k < len(heads) - 1:
+                    close_statement()
             i += 1
             continue
         following = nb.cells[i + 1] if i + 1 < len(nb.cells) else None
