@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from kvlab.core.engine_core import EngineCore
+from kvlab.core.engine_core import EngineCore, StepObserver
 from kvlab.core.faults import STEP_FAULTS, StepFault, StepFaultSchedule
 from kvlab.core.invariant_set import (
     SPEC_INVARIANTS,
@@ -80,7 +80,7 @@ def _run(scheduler, requests, steps=30, executor=None):
     core = EngineCore(scheduler, executor or ChaosExecutor(scheduler.get_request),
                       forget_ended=False)
 
-    class Obs:
+    class Obs(StepObserver):
         def before_execute(self, c, output):
             monitor.before_execute(EngineView(c.scheduler, c.scheduler.kv), output)
 

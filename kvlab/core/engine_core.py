@@ -17,12 +17,12 @@ missing, extra or malformed; nothing was changed), ``scheduler.fail_step`` fails
 requests (FAILED / ERROR, KV released exactly once) and the exception propagates; the core
 keeps serving, and the failed requests are reported by the next step.
 
-Observers (:meth:`add_observer`) plug into this one loop: ``before_execute(core, output)``
-after scheduling, ``after_step(core, result)`` after the update, ``after_failed_step(core,
-output, error)`` when a step failed; an observer's ``defer_copies(core, output)`` returning
-True takes over lifting that step's copy fences (it must do so before the next execute). The
-invariant monitor (:mod:`kvlab.core.invariant_set`) and the fault injector
-(:mod:`kvlab.core.faults`) are observers.
+Observers (:class:`StepObserver`, registered with :meth:`add_observer`; none by default) plug
+into this one loop: ``before_execute`` after scheduling, ``after_step`` after the update,
+``after_failed_step`` when a step failed; ``defer_copies`` returning True takes over lifting
+that step's copy fences (it must do so before the next execute). The invariant monitor
+(:mod:`kvlab.core.invariant_set`) and the fault injector (:mod:`kvlab.core.faults`) are
+observers; a default engine has none, and the loop then calls nothing but the three steps.
 
 Threading model: one thread calls :meth:`step`; any thread may call :meth:`add_request` and
 :meth:`abort_request`. Each holds :attr:`lock` briefly. The executor runs *outside* the lock,
@@ -63,6 +63,25 @@ class Executor(Protocol):
     def execute(self, output: SchedulerOutput) -> ModelOutput: ...
 
 
+class StepObserver:
+    """Base class of the engine core's observers: override the hooks you need (each default
+    does nothing). Observers must not change scheduler state except as their hook allows."""
+
+    def before_execute(self, core: EngineCore, output: SchedulerOutput) -> None:
+        """After ``schedule()``, before the executor runs ``output``."""
+
+    def defer_copies(self, core: EngineCore, output: SchedulerOutput) -> bool:
+        """Return True to lift ``output.copies``' fences yourself (before the next execute)."""
+        return False
+
+    def after_step(self, core: EngineCore, result: StepResult) -> None:
+        """After ``update_from_output()`` applied the step."""
+
+    def after_failed_step(self, core: EngineCore, output: SchedulerOutput,
+                          error: BaseException) -> None:
+        """After the step was failed (the executor raised, or its output was refused)."""
+
+
 class EngineBusy(RuntimeError):
     """``step()`` was called while another thread's ``step()`` is still running."""
 
@@ -100,19 +119,13 @@ class EngineCore:
         self.lock = threading.RLock()
         self._stepping = False
         self._late_aborts: list[str] = []
-        self.observers: list[Any] = []
+        self.observers: list[StepObserver] = []
 
-    def add_observer(self, observer: Any) -> None:
+    def add_observer(self, observer: StepObserver) -> None:
         """Register an observer (see the module docstring); called in registration order."""
+        if not isinstance(observer, StepObserver):
+            raise TypeError(f"observers subclass StepObserver, got {type(observer).__name__}")
         self.observers.append(observer)
-
-    def _notify(self, hook: str, *args: Any) -> bool:
-        called = False
-        for observer in list(self.observers):
-            fn = getattr(observer, hook, None)
-            if fn is not None:
-                called = bool(fn(self, *args)) or called
-        return called
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: RuntimeRequest) -> None:
@@ -154,18 +167,20 @@ class EngineCore:
                 self._stepping = False
                 raise
         try:
-            if self.observers:
-                self._notify("before_execute", output)
+            for observer in self.observers:
+                observer.before_execute(self, output)
             result = self.executor.execute(output)
-            if output.copies and not (self.observers and self._notify("defer_copies", output)):
-                self.scheduler.kv.complete_copies(output.copies)
+            if output.copies:
+                deferred = [o.defer_copies(self, output) for o in self.observers]
+                if not any(deferred):
+                    self.scheduler.kv.complete_copies(output.copies)
         except BaseException as error:
             with self.lock:
                 self.scheduler.fail_step(
                     output, f"step {output.step} failed: {type(error).__name__}: {error}")
                 self._end_step()
-                if self.observers:
-                    self._notify("after_failed_step", output, error)
+                for observer in self.observers:
+                    observer.after_failed_step(self, output, error)
             raise
         with self.lock:
             try:
@@ -181,8 +196,8 @@ class EngineCore:
             finally:
                 aborted = self._end_step()
             step_result = StepResult(output, result, ended, aborted, schedule_s, update_s)
-            if self.observers:
-                self._notify("after_step", step_result)
+            for observer in self.observers:
+                observer.after_step(self, step_result)
         return step_result
 
     def _end_step(self) -> list[RuntimeRequest]:

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .block_pool import OutOfBlocks
+from .engine_core import StepObserver
 
 __all__ = ["STEP_FAULTS", "FaultInjector", "StepFault", "StepFaultSchedule"]
 
@@ -116,7 +117,7 @@ class StepFaultSchedule:
 
 
 @dataclass
-class FaultInjector:
+class FaultInjector(StepObserver):
     """Applies a :class:`StepFaultSchedule` to one engine core (an observer plus helpers the
     driver calls). ``injected`` counts faults by kind; ``withheld`` names the KV tables the
     injector holds (KV shrinkage), which the invariant view treats as legitimate owners."""

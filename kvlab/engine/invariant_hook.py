@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvlab.core.engine_core import StepObserver
 from kvlab.core.invariant_set import EngineView, InvariantMonitor
 
 MODES = (None, "off", "every_step")
@@ -22,7 +23,7 @@ def check_mode(mode: Any) -> str | None:
     return None if mode in (None, "off") else mode
 
 
-class EveryStep:
+class EveryStep(StepObserver):
     """The observer: one :class:`InvariantMonitor` over the engine's core."""
 
     def __init__(self, engine: Any) -> None:

@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.core.engine_core import EngineCore
+from kvlab.core.engine_core import EngineCore, StepObserver
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.scheduler import ProductionScheduler, SchedulerConfig
 from kvlab.core.scheduler_api import RuntimeRequest, SchedulerOutput
@@ -130,7 +130,7 @@ def run_budget(checker: Callable[[SchedulerOutput, SchedulerConfig], None],
     core = EngineCore(sched, ChaosExecutor(sched.get_request, "draft"), forget_ended=False)
     seen: list[tuple[str, int]] = []
 
-    class Probe:
+    class Probe(StepObserver):
         def before_execute(self, c: Any, output: SchedulerOutput) -> None:
             if not seen:
                 try:

@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.core.engine_core import EngineCore, ModelOutput
+from kvlab.core.engine_core import EngineCore, ModelOutput, StepObserver
 from kvlab.core.event_log import CorruptLog, EventLog, SimulatedCrash
 from kvlab.core.faults import FaultInjector, InjectedFault, StepFaultSchedule
 from kvlab.core.invariant_set import EngineView, InvariantMonitor
@@ -153,7 +153,7 @@ class ChaosResult:
     schedule: dict = field(default_factory=dict)
 
 
-class _Checker:
+class _Checker(StepObserver):
     """The observer that runs the invariant set on the live core."""
 
     def __init__(self, monitor: InvariantMonitor, injector: FaultInjector,

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.core.engine_core import EngineCore
+from kvlab.core.engine_core import EngineCore, StepObserver
 from kvlab.core.faults import (
     STEP_FAULTS,
     FaultInjector,
@@ -210,7 +210,7 @@ def run_lab(implementation: str | Mutation = "correct", fault: str = "none", *,
     def view(last: Any = None) -> EngineView:
         return EngineView(sched, kv, sched.step_count, last, tuple(injector.withheld))
 
-    class Checker:
+    class Checker(StepObserver):
         def before_execute(self, c: Any, output: Any) -> None:
             monitor.before_execute(view(), output)
 

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.core.engine_core import EngineCore, ModelOutput
+from kvlab.core.engine_core import EngineCore, ModelOutput, StepObserver
 from kvlab.core.faults import FaultInjector, InjectedFault, StepFaultSchedule
 from kvlab.core.install_audit import InstallAudit
 from kvlab.core.invariant_set import EngineView, InvariantMonitor
@@ -151,7 +151,7 @@ def run_pd_chaos(seed: int, *, steps: int = 40, num_blocks: int = 64,
         return EngineView(sched, kv, sched.step_count, last,   # by a full check
                           tuple(injector.withheld), installs=installs)
 
-    class Checker:
+    class Checker(StepObserver):
         def before_execute(self, c: Any, output: Any) -> None:
             monitor.before_execute(view(audit_now=False), output)
 
