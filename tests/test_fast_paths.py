@@ -15,6 +15,7 @@ import random
 import pytest
 
 from kvlab.core.block_pool import OutOfBlocks
+from kvlab.core.event_log import EventLog
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
 from kvlab.core.scheduler_api import RuntimeRequest
@@ -185,7 +186,7 @@ def _trace(cls, manager_cls, seed: int):
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=rng.randint(seqs, 40),
                           prefill_chunk=rng.randint(1, 16),
                           admission=rng.choice(["reserve", "watermark"]))
-    sched = cls(kv, cfg)
+    sched = cls(kv, cfg, log=EventLog())
     steps = []
     drive(sched, arrivals=arrivals, check=True, max_steps=5000,
           on_step=lambda out: steps.append((out, kv.state_tuple())))

@@ -76,7 +76,7 @@ def test_prefill_and_decode_are_derived_from_token_counts():
 @pytest.mark.parametrize("src", list(S))
 @pytest.mark.parametrize("dst", list(S))
 def test_every_pair_is_allowed_or_raises_and_changes_nothing(src, dst):
-    life = Lifecycle()
+    life = Lifecycle(EventLog())
     request = make(src)
     before = copy.deepcopy(request)
     reason = {S.FINISHED: FinishReason.STOP}.get(dst)
@@ -96,7 +96,7 @@ def test_every_pair_is_allowed_or_raises_and_changes_nothing(src, dst):
 
 
 def test_finish_and_cancel_are_idempotent():
-    life = Lifecycle()
+    life = Lifecycle(EventLog())
     request = make(S.RUNNING)
     assert life.finish(request, FinishReason.LENGTH)
     n = len(life.log)
@@ -113,7 +113,7 @@ def test_finish_and_cancel_are_idempotent():
 
 
 def test_finish_reason_must_fit_status():
-    life = Lifecycle()
+    life = Lifecycle(EventLog())
     request = make(S.RUNNING)
     with pytest.raises(ValueError, match="does not fit"):
         life.transition(request, S.FINISHED, FinishReason.ABORT)
@@ -127,7 +127,7 @@ def test_finish_reason_must_fit_status():
 
 
 def test_reject_records_reason_and_message():
-    life = Lifecycle()
+    life = Lifecycle(EventLog())
     request = make()
     life.reject(request, "queue full")
     assert request.status == S.REJECTED
@@ -136,7 +136,7 @@ def test_reject_records_reason_and_message():
 
 
 def test_preemption_counts_and_keeps_outputs():
-    life = Lifecycle()
+    life = Lifecycle(EventLog())
     request = make(S.RUNNING)
     request.output_token_ids = [7, 8]
     life.transition(request, S.PREEMPTED)
@@ -147,7 +147,7 @@ def test_preemption_counts_and_keeps_outputs():
 
 def test_release_is_idempotent_and_logged_write_ahead():
     kv = KVCacheManager(8, 4)
-    life = Lifecycle()
+    life = Lifecycle(EventLog())
     request = make(S.RUNNING)
     life.acquire(request, "admit", lambda: kv.admit("r", (), (1, 2, 3), 3))
     assert kv.has("r")
@@ -167,7 +167,7 @@ def test_failed_acquisition_logs_the_compensating_outcome():
     from kvlab.core.recovery import replay
 
     kv = KVCacheManager(1, 4)
-    life = Lifecycle()
+    life = Lifecycle(EventLog())
     request = make()
     life.add(request)
     state = kv.state_tuple()
@@ -224,7 +224,7 @@ def test_append_refuses_what_the_log_cannot_hold():
 
 
 def test_add_template_is_fresh_and_leaves_engine_state_out():
-    life = Lifecycle()
+    life = Lifecycle(EventLog())
     request = make()
     request.engine_state = object()          # opaque: not a plain value, not in the log
     life.add(request)

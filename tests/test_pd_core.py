@@ -13,6 +13,7 @@ import random
 
 import pytest
 
+from kvlab.core.event_log import EventLog
 from kvlab.core.kv_install import InstallJournal, InstallRecord, recover_installs
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.kv_transfer import (
@@ -116,7 +117,7 @@ def test_waiting_for_remote_kv_transitions():
     assert S.WAITING_FOR_REMOTE_KV in TRANSITIONS[S.WAITING]
     assert TRANSITIONS[S.WAITING_FOR_REMOTE_KV] == {S.WAITING, S.CANCELLED, S.FAILED}
     req = RuntimeRequest("a", (1, 2), 3)
-    life = Lifecycle()
+    life = Lifecycle(EventLog())
     life.add(req)
     life.transition(req, S.WAITING_FOR_REMOTE_KV)
     with pytest.raises(IllegalTransition):

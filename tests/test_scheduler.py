@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from kvlab.core.event_log import EventLog
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.scheduler import (
     BaselineScheduler,
@@ -102,7 +103,7 @@ def test_baseline_batch_equals_reference_build_batch(seed, caching):
 
 @pytest.mark.parametrize("cls", SCHEDULERS)
 def test_bad_requests_raise_and_change_nothing(cls):
-    sched = cls(KVCacheManager(16, 4))
+    sched = cls(KVCacheManager(16, 4), log=EventLog())
     sched.add_request(req("a", 3))
     before = (list(sched.waiting), len(sched.log), [copy.deepcopy(r) for r in sched.requests()])
     bad = [
@@ -154,7 +155,7 @@ def _sched_state(sched):
 def test_bad_request_fields_are_named_and_change_nothing(cls, fields, names):
     """A malformed request is refused at add_request (ValueError naming the field or element)
     with the scheduler unchanged; it used to be queued and make every schedule() raise."""
-    sched = cls(KVCacheManager(16, 4))
+    sched = cls(KVCacheManager(16, 4), log=EventLog())
     sched.add_request(req("a", 3))
     sched.schedule()
     before = _sched_state(sched)
@@ -168,7 +169,7 @@ def test_bad_request_fields_are_named_and_change_nothing(cls, fields, names):
 @pytest.mark.parametrize("cls", SCHEDULERS)
 def test_update_validates_before_mutating(cls):
     kv = KVCacheManager(16, 4)
-    sched = cls(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16))
+    sched = cls(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), log=EventLog())
     sched.add_request(req("a", 3))
     sched.add_request(req("b", 3))
     out = sched.schedule()
@@ -209,14 +210,22 @@ def test_request_that_can_never_fit_is_rejected_with_reason(cls):
 
 
 def test_overload_policy_rejects_beyond_queue_limit():
-    sched = ProductionScheduler(KVCacheManager(64, 4), SchedulerConfig(max_waiting=2))
-    for i in range(4):
+    """max_waiting counts the requests waiting beyond the free sequence slots: with 3 slots and
+    a limit of 2, a burst of 7 keeps 5 (3 that the running set takes, 2 queued)."""
+    sched = ProductionScheduler(KVCacheManager(64, 4), SchedulerConfig(
+        max_num_seqs=3, max_num_batched_tokens=32, max_waiting=2))
+    for i in range(7):
         sched.add_request(req(f"r{i}", 3))
-    statuses = [sched.get_request(f"r{i}").status for i in range(4)]
-    assert statuses == [S.WAITING, S.WAITING, S.REJECTED, S.REJECTED]
-    assert "queue full" in sched.get_request("r2").status_message
+    statuses = [sched.get_request(f"r{i}").status for i in range(7)]
+    assert statuses == [S.WAITING] * 5 + [S.REJECTED] * 2
+    assert "queue full" in sched.get_request("r5").status_message
+    out = sched.schedule()
+    assert len(out.admitted) == 3                 # the slots fill; two still wait
+    sched.update_from_output(out, {c.request_id: 1 for c in out.chunks if c.sample})
+    sched.add_request(req("late", 3))             # 2 wait beyond 0 free slots: full
+    assert sched.get_request("late").status == S.REJECTED
     drive(sched, check=True)
-    assert [r.status for r in sched.requests()].count(S.FINISHED) == 2
+    assert [r.status for r in sched.requests()].count(S.FINISHED) == 5
 
 
 def test_reserve_admission_reserves_for_max_tokens():
@@ -336,7 +345,7 @@ def test_baseline_victim_is_newest_admitted():
 @pytest.mark.parametrize("cls", SCHEDULERS)
 def test_abort_waiting_running_inflight_and_idempotent(cls):
     kv = KVCacheManager(32, 4)
-    sched = cls(kv, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8))
+    sched = cls(kv, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8), log=EventLog())
     for rid in "abc":
         sched.add_request(req(rid, 3, 5))
     assert sched.abort_request("nope") is None
@@ -466,7 +475,7 @@ def test_fail_step_fails_the_step_and_releases_its_kv_once(cls):
     from kvlab.core.recovery import replay
 
     kv = KVCacheManager(32, 4)
-    sched = cls(kv, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=11))
+    sched = cls(kv, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=11), log=EventLog())
     for rid, n in (("p", 6), ("q", 5), ("w", 9)):
         sched.add_request(req(rid, n, 4))
     out = sched.schedule()                                   # p and q fill the step

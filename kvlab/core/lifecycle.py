@@ -10,13 +10,15 @@ tokens. This module owns every status change of a runtime request:
 * Ending is idempotent. Moving a request to the terminal status it already has is a no-op;
   :meth:`Lifecycle.cancel` of a request that already ended (a late abort) is a no-op that returns
   ``False``; :meth:`Lifecycle.release` of a request that holds no KV returns ``False``.
-* Every transition and every KV acquisition/release is appended to an :class:`EventLog` in
-  write-ahead order: the *intent* is logged before the KV manager is touched and the *outcome*
-  after it (``acquire_failed`` when the manager refused, e.g. out of blocks). After a crash at
-  any point, :mod:`kvlab.core.recovery` replays the durable prefix of the log to decide which
-  requests may still hold KV, and frees exactly the orphans. The record format and its
-  integrity data (sequence numbers, checksums, checkpoints) are in :mod:`kvlab.core.event_log`;
-  the checks that refuse a corrupt log are in :mod:`kvlab.core.replay`.
+* With an :class:`EventLog` attached (opt-in: chapter 5's crash recovery; a default engine keeps
+  none, so nothing is retained per request), every transition and every KV acquisition/release
+  is appended to it in write-ahead order: the *intent* is logged before the KV manager is
+  touched and the *outcome* after it (``acquire_failed`` when the manager refused, e.g. out of
+  blocks). After a crash at any point, :mod:`kvlab.core.recovery` replays the durable prefix of
+  the log to decide which requests may still hold KV, and frees exactly the orphans. The record
+  format and its integrity data (sequence numbers, checksums, checkpoints) are in
+  :mod:`kvlab.core.event_log`; the checks that refuse a corrupt log are in
+  :mod:`kvlab.core.replay`.
 
 Which resources each status holds (checked by the schedulers' ``check_invariants``):
 
@@ -101,7 +103,8 @@ Listener = Callable[[RuntimeRequest, RequestStatus, RequestStatus], None]
 
 
 class Lifecycle:
-    """Applies status changes to runtime requests, logging each one first (write-ahead).
+    """Applies status changes to runtime requests, logging each one first (write-ahead) when
+    an :class:`EventLog` is attached (``log=None``: no log, the moves are only checked).
 
     ``step`` is a callable returning the scheduler's current step, used to stamp
     ``finished_step``. Every method validates before mutating: on an exception the request and
@@ -109,11 +112,12 @@ class Lifecycle:
     """
 
     def __init__(self, log: EventLog | None = None, step: Callable[[], int] = lambda: 0):
-        self.log = log if log is not None else EventLog()
+        self.log = log
         self._step = step
 
-    def _append(self, kind: str, request_id: str, data: tuple[Any, ...] = ()) -> Event:
-        return self.log.append(kind, request_id, data, self._step())
+    def _append(self, kind: str, request_id: str, data: tuple[Any, ...] = ()) -> None:
+        if self.log is not None:
+            self.log.append(kind, request_id, data, self._step())
 
     # -- transitions -------------------------------------------------------------------------
 
@@ -195,7 +199,8 @@ class Lifecycle:
 
     def add(self, request: RuntimeRequest) -> None:
         """Log the arrival of ``request`` (a template copy, so recovery can rebuild it)."""
-        self._append("add", request.request_id, (request_template(request),))
+        if self.log is not None:
+            self._append("add", request.request_id, (request_template(request),))
 
     def acquire(self, request: RuntimeRequest, kind: str, action: Callable[[], int]) -> int:
         """Run ``action`` (a KV-manager call creating the table) between intent and outcome.

@@ -64,7 +64,8 @@ class SchedulerBase:
     # -- protocol: queries --------------------------------------------------------------------
 
     @property
-    def log(self) -> EventLog:
+    def log(self) -> EventLog | None:
+        """The write-ahead log passed at construction (None: the scheduler keeps no log)."""
         return self.lifecycle.log
 
     @property
@@ -221,7 +222,7 @@ class SchedulerBase:
                 ended.append(request)
         self._close_step()
         early, self._ended = self._ended, []
-        if len(self.log) >= self._compact_at:
+        if self.log is not None and len(self.log) >= self._compact_at:
             self._compact_log()
         return early + ended
 
