@@ -207,6 +207,37 @@ def test_step_api_abort_and_snapshot(model_dir, prompts):
     assert all(s in ("free", "cached") for s in snap.block_states)  # nothing leaked
 
 
+def test_generate_returns_a_request_aborted_by_another_thread(model_dir, prompts):
+    """Another thread aborts one of generate()'s requests: generate returns, that request
+    finished with reason "abort", the others complete (it used to spin forever on empty
+    steps, since the abort's output went only to the aborting thread)."""
+    import threading
+
+    llm = _llm(model_dir)
+    engine = llm.engine
+    real_step = engine.step
+    steps = []
+
+    def step(**kw):
+        steps.append(1)
+        if len(steps) == 2:   # abort from another thread while generate() waits
+            worker = threading.Thread(target=engine.abort_request, args=("gen-0",))
+            worker.start()
+            worker.join()
+        assert len(steps) < 500, "generate() did not return after the abort"
+        return real_step(**kw)
+
+    engine.step = step
+    outs = llm.generate(prompts[:2], SamplingParams(max_tokens=40, temperature=0,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
+    assert len(outs[0].outputs[0].token_ids) < 40
+    assert outs[1].outputs[0].finish_reason == "length"
+    assert len(outs[1].outputs[0].token_ids) == 40
+    assert not engine.has_unfinished_requests()
+    engine.check_invariants()
+
+
 def test_text_prompts_need_a_tokenizer(model_dir):
     llm = _llm(model_dir)
     with pytest.raises(ValueError, match="no tokenizer"):
@@ -277,9 +308,11 @@ def test_rejected_request_with_n_samples_finishes(model_dir, prompts):
     def no_queue(kv, config):
         return ProductionScheduler(kv, dataclasses.replace(config, max_waiting=0))
 
-    llm = _llm(model_dir, scheduler=no_queue)
+    llm = _llm(model_dir, scheduler=no_queue, max_num_seqs=2)
     outs = llm.generate(prompts[:2], SamplingParams(max_tokens=4, n=2, seed=0))
-    assert [[c.finish_reason for c in o.outputs] for o in outs] == [["rejected"] * 2] * 2
+    # the first request's two samples take the two free slots; the second finds none
+    assert [c.finish_reason for c in outs[1].outputs] == ["rejected"] * 2
+    assert "rejected" not in [c.finish_reason for c in outs[0].outputs]
     assert all(o.finished for o in outs)
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_invariants()

@@ -98,7 +98,12 @@ class TorchExecutor:
         assert lookup is not None, "TorchExecutor.execute needs a request lookup"
         states: list[SamplerState] = [lookup(rid).engine_state for rid in res.request_ids]
         assert all(isinstance(s, SamplerState) for s in states), "request without a sampler"
-        picked = sample_with_grammars(res.logits, states, sample) if states else None
+        if not states:
+            picked = None
+        elif any(s.grammar is not None for s in states):   # structured outputs in the batch
+            picked = sample_with_grammars(res.logits, states, sample)
+        else:
+            picked = sample(res.logits, states)
         sample_s = time.perf_counter() - t0
         ids = res.request_ids
         info = StepInfo(

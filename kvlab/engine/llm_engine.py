@@ -220,9 +220,10 @@ class LLMEngine:
         stops = set(p.stop_token_ids)
         if not p.ignore_eos:
             stops.update(self.eos_token_ids[1:])  # extra eos ids act as stop tokens
-        stops.update(self.structured_outputs.stop_token_ids_for(p))  # a grammar ends at EOS
         sampler = SamplerState.create(p, (seed + sample.index) % SEED_MOD, self.device)
-        sampler.grammar = self.structured_outputs.new_state(p)  # one per sample (n > 1)
+        if p.structured_outputs is not None:
+            stops.update(self.structured_outputs.stop_token_ids_for(p))  # ends at EOS
+            sampler.grammar = self.structured_outputs.new_state(p)  # one per sample (n > 1)
         return RuntimeRequest(
             request_id=sample.seq_id,
             prompt_token_ids=state.prompt_token_ids,
@@ -257,7 +258,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.check_vocab(self.config.vocab_size)
-        self.structured_outputs.validate(params)  # compiles (cached): a bad grammar raises
+        if params.structured_outputs is not None:
+            self.structured_outputs.validate(params)  # compiles (cached): a bad grammar raises
         text, ids = self.encode_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the context: "
@@ -303,7 +305,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput:
         """Cancel a request (all its samples) and free its KV (at the end of the step in flight,
         if any). KeyError for an unknown id. Returns its final output (``finish_reason="abort"``
-        on unfinished samples)."""
+        on unfinished samples); the next :meth:`step` returns it as well, so a loop that steps
+        until its requests finish (:meth:`LLM.generate`) sees an abort from another thread."""
         with self.core.lock:
             state = self.outputs.requests.get(request_id)
             if state is None:
@@ -317,6 +320,7 @@ class LLMEngine:
             state.metrics.finished_time = self.clock()
             out = self.outputs.make_output(state, force_finished=True)
             self.outputs.drop(state)
+            self.outputs.defer(out)   # the next step() reports it too (LLM.generate waits)
             return out
 
     def has_unfinished_requests(self) -> bool:
@@ -383,7 +387,8 @@ class LLMEngine:
         """Spec rule 7's five facts, weight and KV bytes (:mod:`kvlab.engine.quantization`)."""
         from .quantization.report import build_report
         with self.core.lock:
-            return build_report(self.quantization, self.model, self.cache, self.block_size)
+            return build_report(self.quantization, self.model, self.cache, self.block_size,
+                                self.stats.forward_passes)
 
     def snapshot(self):
         """Plain-data view of the engine (see :mod:`kvlab.engine.snapshot`)."""

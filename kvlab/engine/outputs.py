@@ -111,6 +111,7 @@ class EngineStats:
     """Counters since the engine started (times in seconds)."""
 
     steps: int = 0
+    forward_passes: int = 0           # steps that ran the model (one target forward each)
     prompt_tokens: int = 0            # prompt tokens of admitted requests
     cached_prompt_tokens: int = 0     # of which served by the prefix cache
     computed_tokens: int = 0          # tokens run through the model (prefill + decode)
@@ -126,6 +127,7 @@ class EngineStats:
         """Count one engine-core step (a ``StepResult``) that took ``seconds`` in all."""
         info = result.model.info
         self.steps += 1
+        self.forward_passes += bool(result.output.chunks)
         self.computed_tokens += result.output.num_batched_tokens
         self.generated_tokens += sum(len(t) if isinstance(t, tuple) else 1
                                      for t in result.model.sampled.values())

@@ -113,8 +113,9 @@ class SamplingParams:
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"SamplingParams.logprobs must be None or an int >= 0, "
                              f"got {self.logprobs!r}")
-        object.__setattr__(self, "structured_outputs",
-                           check_structured_outputs(self.structured_outputs))
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs",
+                               check_structured_outputs(self.structured_outputs))
 
     @property
     def greedy(self) -> bool:

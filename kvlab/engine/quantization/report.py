@@ -73,8 +73,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def build_report(quant: EngineQuantization, model: torch.nn.Module, cache,
-                 block_size: int) -> QuantizationReport:
-    """The report of an engine's ``model`` (a LlamaModel) and KV ``cache``."""
+                 block_size: int, forward_passes: int) -> QuantizationReport:
+    """The report of an engine's ``model`` (a LlamaModel) and KV ``cache``. Quantized linears
+    log the kernel of every call; plain ones run ``aten.linear`` once per layer and forward
+    pass (``forward_passes``: the engine's model forwards so far)."""
     names = quantized_linear_names(model)
     mods = [model.get_submodule(n) for n in names]
     qmods = [m for m in mods if isinstance(m, QuantizedLinear)]
@@ -106,9 +108,12 @@ def build_report(quant: EngineQuantization, model: torch.nn.Module, cache,
     other = sum(p.numel() * p.element_size() for p in model.parameters()
                 if id(p) not in linear_ids) + bias_bytes
     kv_tokens = cache.num_blocks * block_size
+    ran = quant.log.summary()
+    if not qmods and forward_passes:
+        ran = {f"aten.linear [{act}]": forward_passes * len(mods)}
     return QuantizationReport(
         checkpoint_bits=ckpt_bits, runtime_weight_format=fmt, activation_dtype=act,
-        accumulator_dtype="float32", kernels_executed=quant.log.summary(),
+        accumulator_dtype="float32", kernels_executed=ran,
         weight_source=quant.source, linear_params=params, linear_weight_bytes=lin_bytes,
         effective_bits=eff, measured_bits=8 * lin_bytes / params if params else 0.0,
         runtime_extra_bytes=extra, other_weight_bytes=other,

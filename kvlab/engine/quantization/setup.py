@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from kvlab.core.kv_dtype import KVDtypeSpec, kv_bytes_per_token, kv_dtype_spec
 
@@ -93,7 +92,7 @@ class EngineQuantization:
 
     def apply(self, ckpt: LoadedCheckpoint) -> None:
         """Quantize ``ckpt.model``'s decoder linears in place (when asked and not already),
-        and log the kernels of unquantized linears. Checks every layer first: a group size
+        Checks every layer first: a group size
         that does not divide some layer raises ValueError with the model untouched. A
         :class:`LoadedCheckpoint` quantized by an earlier engine is used as it is (its layers
         then log into this engine's report); asking for another format is refused."""
@@ -116,12 +115,7 @@ class EngineQuantization:
             return
         if self.checkpoint_dtype == "unknown":
             self.checkpoint_dtype = _disk_dtype(ckpt.path)
-        if self.weights is None:
-            for n in names:   # one hook per layer; it logs into the latest engine's log
-                mod = model.get_submodule(n)
-                if getattr(mod, "kvlab_kernel_log", None) is None:
-                    mod.register_forward_hook(_log_plain)
-                mod.kvlab_kernel_log = self.log
+        if self.weights is None:   # plain nn.Linear layers: nothing to install, no hooks
             return
         cfg = self.weights
         for n in names:
@@ -160,11 +154,6 @@ class EngineQuantization:
             w = (f"w=int{c.bits};g={c.group_size};{'sym' if c.symmetric else 'zp'};"
                  f"scale={c.scale_dtype}")
         return {"kv_dtype": kv, "quant_schema": f"weights[{w}];kv[{self.kv.schema()}]"}
-
-
-def _log_plain(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-    """Forward hook of an unquantized linear: record the dense GEMM that ran."""
-    module.kvlab_kernel_log.record("aten.linear", inputs[0].dtype)
 
 
 def _disk_dtype(path: Path) -> str:
