@@ -21,8 +21,9 @@ class SchedulerConfig:
             ``watermark`` of the pool stays free, preempting when KV runs out (more concurrency,
             recompute risk).
         watermark: fraction of the pool kept free by ``"watermark"`` admission.
-        max_waiting: production only. Overload policy: a request arriving when this many wait is
-            rejected with reason "queue full". ``None`` = unbounded queue.
+        max_waiting: production only. Overload policy: a request arriving when this many wait
+            beyond the free sequence slots is rejected with reason "queue full" (a burst that
+            the running set can take is not queued). ``None`` = unbounded queue.
         max_wait_steps: production only. Ageing: a request waiting this many steps since its
             arrival outranks every class, deadline and cache hit, FIFO among the aged, and blocks
             admissions behind it while it does not fit. ``None`` disables ageing (then

@@ -52,8 +52,9 @@ class ProductionScheduler(SchedulerBase):
        requests may still claim; ``"watermark"``: its first chunk fits leaving ``watermark`` of
        the pool free. A candidate that does not fit is skipped, unless it is aged: then
        admission stops (nobody overtakes an aged request for KV).
-    4. **Overload.** With ``max_waiting`` set, a request arriving to a full queue is rejected
-       ("queue full"); a request that can never fit is always rejected at arrival.
+    4. **Overload.** With ``max_waiting`` set, a request arriving when ``max_waiting`` requests
+       already wait beyond the free sequence slots (``max_num_seqs`` minus the running ones) is
+       rejected ("queue full"); a request that can never fit is always rejected at arrival.
 
     **Starvation bound** (ageing on, and no preemption: ``admission="reserve"``, see the
     exception in 2.): let ``T`` be the largest
@@ -72,9 +73,16 @@ class ProductionScheduler(SchedulerBase):
         self.order_key: OrderKey = order_key if order_key is not None else default_order_key
 
     def _overloaded(self, request: RuntimeRequest) -> str | None:
+        """"queue full" when ``max_waiting`` requests already wait beyond the free sequence
+        slots: a burst that the running set can still take is not a queue."""
         limit = self.config.max_waiting
-        if limit is not None and len(self.waiting) >= limit:
-            return f"queue full: {len(self.waiting)} requests already waiting (limit {limit})"
+        if limit is None:
+            return None
+        seats = max(0, self.config.max_num_seqs - len(self.running))
+        queued = len(self.waiting) - seats
+        if queued >= limit:
+            return (f"queue full: {len(self.waiting)} requests already waiting for {seats} free "
+                    f"sequence slots (limit {limit} beyond them)")
         return None
 
     def _running_order(self) -> list[RuntimeRequest]:
