@@ -9,7 +9,7 @@ NB_SOURCES := $(sort $(wildcard notebooks/[0-9][0-9]-*.md))
 NB_TIMEOUT ?= 120
 
 .PHONY: venv test lint unit nbval book lab notebooks notebook bench clean site-check lab-check \
-	browser student toolchain
+	browser student toolchain course book-student
 
 venv: $(VENV)/.installed
 
@@ -45,14 +45,15 @@ book: venv
 	@echo "The book: $(CURDIR)/_build/html/index.html"
 
 # JupyterLab with the book's settings (.jupyter/lab/settings/overrides.json: chapters' .md
-# sources open as notebooks; widget state is saved with the notebook, so a reopened notebook
-# never shows "model not found"). The committed notebooks are trusted first, so their widgets
-# and kernel-free twins render.
+# sources open as notebooks; Lab does not rewrite the stored widget state, so a chapter opens
+# unmodified and saves unchanged) and MyST rendered by jupyterlab-myst. The committed notebooks
+# are trusted first, so their widgets and kernel-free twins render; kernels export the twins
+# (KVLAB_KERNEL_FREE=1), so a chapter run and saved in Lab keeps what the site shows.
 LAB_SETTINGS := $(CURDIR)/.jupyter/lab/settings
 lab: venv
 	$(VENV)/bin/jupyter trust notebooks/*.ipynb
-	$(VENV)/bin/jupyter lab notebooks/ --LabApp.app_settings_dir=$(LAB_SETTINGS) \
-		$(if $(filter 0,$(shell id -u)),--allow-root,)
+	KVLAB_KERNEL_FREE=1 $(VENV)/bin/jupyter lab notebooks/ \
+		--LabApp.app_settings_dir=$(LAB_SETTINGS) $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 # A C++ compiler for the engine's CPU attention kernel (kvlab/engine/cpu_kernels.py; Debian's g++
 # is installed when missing and run as root). Without one the engine warns and uses its torch
@@ -70,18 +71,36 @@ browser:
 		apt-get update -q && apt-get install -y -q chromium chromium-driver; \
 	  else echo "site-check needs chromium and chromium-driver (apt-get install)"; exit 1; fi; }
 
-# The built site in a real browser: console errors, failed or external requests, unrendered
-# math, broken images, clipped boxes, visible nbval markers, duplicate figures, dead widgets.
+# The built site in a real browser at 1280 and 390 px: console errors, failed or external
+# requests, unrendered math, broken images, boxes cut off sideways, wrapped code lines, figure
+# text under 9 px, figures without alt text, ☰ / contents buttons that open nothing, widget
+# outputs without their kernel-free twin, visible nbval markers, duplicate figures, dead widgets.
 site-check: venv browser book
 	$(PY) tools/site_check.py _build/html
 
-# A chapter's .md opens as a notebook in JupyterLab started with the book's settings.
+# A chapter in JupyterLab started as `make lab` starts it (tools/lab_check.py): the .md opens as a
+# notebook, MyST renders (admonitions, citations, no raw roles), the .ipynb opens unmodified and
+# saves unchanged, solutions are collapsed and labelled, Run All + save keeps the widgets' twins.
 lab-check: venv browser
 	$(PY) tools/lab_check.py notebooks/04-prefix-reuse.md
 
 # Every chapter without its solution cells, into student/ (git-ignored).
 student: venv
 	$(PY) tools/student.py --out student
+
+# The nbgrader course (tools/course.py): course/source/<chapter>/ instructor sources with solution
+# markers, autograded test cells with points, hand-graded cells; course/answer-key.md. Then, in
+# course/: nbgrader generate_assignment 04-prefix-reuse (see course/README.md).
+course: venv
+	$(PY) tools/course.py --out course
+
+# The site without solutions (for a term with open exercise sets): the book's sources with every
+# solution cell removed (tools/student.py --site), built as `make book` builds the book.
+book-student: venv
+	$(PY) tools/student.py --site _build/student-src
+	$(VENV)/bin/jupyter-book build _build/student-src --config $(CURDIR)/_build/student-src/book.yml \
+		--toc $(CURDIR)/_build/student-src/toc.yml -W -n --keep-going
+	@echo "The book without solutions: $(CURDIR)/_build/student-src/_build/html/index.html"
 
 bench: venv
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
