@@ -130,7 +130,8 @@ class TorchExecutor:
             self.workspace) if chunks else None
         sample_idx = [i for i, c in enumerate(chunks) if c.sample]
         t1 = time.perf_counter()
-        self.cache.copy_blocks(copies)
+        if copies:   # copy-on-write targets of this step, before any write
+            self.cache.copy_blocks(copies)
         if meta is None:
             self._sync()
             return ExecutorOutput([], torch.empty(0, self.model.cfg.vocab_size), None,

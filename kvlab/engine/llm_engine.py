@@ -170,6 +170,7 @@ class LLMEngine:
         self.security_domain = security_domain
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + ckpt.generation_eos))
         self._arrivals = 0
+        self._scopes: dict[str, tuple] = {}   # security domain -> prefix-cache scope
         self._ending: dict[str, tuple[str, ...]] = {}   # aborted request id -> its sample ids
         self.last_trace: StepTrace | None = None
         self.stats = EngineStats()
@@ -182,10 +183,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ scope and prompts
     def cache_scope(self, security_domain: str | None = None) -> tuple:
-        """The prefix-cache scope of this engine's requests (spec rule 4), as a hashable key."""
-        return engine_cache_scope(self.checkpoint, self.tokenizer, self.block_size,
-                                  security_domain or self.security_domain, self.quantization,
-                                  self.dtype)
+        """The prefix-cache scope of this engine's requests (spec rule 4), as a hashable key.
+        Computed once per security domain (everything else in it is fixed at construction)."""
+        domain = security_domain or self.security_domain
+        scope = self._scopes.get(domain)
+        if scope is None:
+            if len(self._scopes) >= 64:   # many tenants: keep the memory bounded
+                self._scopes.clear()
+            scope = self._scopes[domain] = engine_cache_scope(
+                self.checkpoint, self.tokenizer, self.block_size, domain, self.quantization,
+                self.dtype)
+        return scope
 
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, tuple[int, ...]]:
         """(text or None, token ids) of a prompt; ValueError/TypeError naming the problem."""
@@ -230,7 +238,7 @@ class LLMEngine:
             max_tokens=p.max_tokens,
             scope=scope,
             stop_token_ids=frozenset(stops),
-            eos_token_id=self.config.eos_token_id,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             ignore_eos=p.ignore_eos,
             arrival_time=state.metrics.arrival_time,
             max_model_len=self.max_model_len,
