@@ -34,13 +34,12 @@ from kvlab.core.slo import FailureKind, LatencyRecord
 
 from .costmodel import RooflineCostModel, StepCost
 from .executor import RequestRecord, SimResult, simulate
-from .null_log import NullEventLog
 from .workload import RequestSpec
 
 __all__ = ["InstalledPrefillCost", "chunk_sweep", "rate_at_attainment", "records_from_sim",
            "run_colocated", "run_disaggregated"]
 
-#: ``(kv, config, log=...) -> Scheduler``: BaselineScheduler, ProductionScheduler or alike.
+#: ``(kv, config) -> Scheduler``: BaselineScheduler, ProductionScheduler or alike.
 SchedulerFactory = Callable[..., Any]
 
 _STATUS = {"finished": "finished", "rejected": FailureKind.REJECTED.value,
@@ -67,7 +66,7 @@ def _instance(cost: RooflineCostModel, config: SchedulerConfig, block_size: int,
               num_blocks: int | None, scheduler: SchedulerFactory):
     blocks = num_blocks if num_blocks is not None else cost.kv_blocks(block_size)
     kv = KVCacheManager(blocks, block_size, enable_prefix_caching=False)
-    return scheduler(kv, config, log=NullEventLog())
+    return scheduler(kv, config)   # no event log: a simulation never recovers
 
 
 def _deal(workload: Sequence[RequestSpec], n: int) -> list[list[RequestSpec]]:
