@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # requirement (torch>=2.3) never pulls a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 NB_SOURCES := $(sort $(wildcard notebooks/[0-9][0-9]-*.md))
-NB_TIMEOUT ?= 120
+NB_TIMEOUT ?= 300
 
 .PHONY: venv test lint unit nbval book lab notebooks notebook bench clean site-check lab-check \
 	browser student toolchain course book-student
