@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from kvlab.core.kv_manager import KVCacheManager, KVSnapshot
 
 from ._widgets import figure_widget
+from .kernel_free import COLUMN_PX, CSS_DPI
 from .style import (
     BLOCK_STATE_COLORS,
     BLOCK_STATE_LABELS,
@@ -29,6 +30,22 @@ from .style import (
     MUTED,
     request_color,
 )
+
+#: The smallest text a book figure may show, in CSS px, with a margin over the site check's 9.
+READABLE_CSS_PX = 9.8
+
+
+def text_scale(width_in: float, smallest_pt: float, *,
+               min_css_px: float = READABLE_CSS_PX) -> float:
+    """Factor (>= 1) by which to enlarge every font of a figure ``width_in`` inches wide whose
+    smallest text is ``smallest_pt`` points, so that text shows at ``min_css_px`` or more when
+    the figure is displayed as the book does (:data:`CSS_DPI` px per inch, at most
+    :data:`COLUMN_PX` wide; see :func:`kvlab.viz.kernel_free.display_dpi`)."""
+    if width_in <= 0 or smallest_pt <= 0:
+        raise ValueError(f"text_scale needs a positive width and size, got {width_in}, "
+                         f"{smallest_pt}")
+    dpi = min(float(CSS_DPI), COLUMN_PX / width_in)
+    return max(1.0, min_css_px * 72 / (dpi * smallest_pt))
 
 
 def pool_figure(snapshot: KVSnapshot, *, per_row: int = 12, title: str | None = None):
@@ -49,32 +66,34 @@ def pool_figure(snapshot: KVSnapshot, *, per_row: int = 12, title: str | None = 
     longest = max((len(t) for t in snapshot.tables.values()), default=0)
     width = max(per_row, longest + 2)
     height = rows + (len(rids) + 0.8 if rids else 0)
-    fig, ax = plt.subplots(figsize=(min(0.62 * width + 1.2, 12.0), 0.62 * height + 1.3))
+    fig_width = min(0.62 * width + 1.2, 12.0)
+    k = text_scale(fig_width, 7)  # wide pools are shown narrowed: their text grows to stay legible
+    fig, ax = plt.subplots(figsize=(fig_width, 0.62 * height + 1.3))
     for b in range(n):
         x, y = b % per_row, -(b // per_row)
         state = snapshot.block_states[b]
         ax.add_patch(Rectangle((x, y), 0.92, 0.92, facecolor=BLOCK_STATE_COLORS[state],
                                edgecolor=INK, linewidth=0.6, gid=f"block-{b}"))
         dark = state in ("exclusive", "pending_copy")
-        ax.text(x + 0.06, y + 0.8, str(b), fontsize=7, va="top",
+        ax.text(x + 0.06, y + 0.8, str(b), fontsize=7 * k, va="top",
                 color="white" if dark else INK)
         if snapshot.refcounts[b]:
             ax.text(x + 0.46, y + 0.34, f"rc={snapshot.refcounts[b]}", ha="center",
-                    va="center", fontsize=8, color="white" if dark else INK)
+                    va="center", fontsize=8 * k, color="white" if dark else INK)
     top = -rows - 0.6
     for r, rid in enumerate(rids):
         y = top - r
         color = request_color(rid, rids)
-        ax.text(-0.2, y + 0.46, rid, ha="right", va="center", fontsize=9, color=color,
+        ax.text(-0.2, y + 0.46, rid, ha="right", va="center", fontsize=9 * k, color=color,
                 fontweight="bold")
         for i, block in enumerate(snapshot.tables[rid]):
             state = snapshot.block_states[block]
             ax.add_patch(Rectangle((i, y), 0.92, 0.92, facecolor=BLOCK_STATE_COLORS[state],
                                    edgecolor=color, linewidth=2.0, gid=f"table-{rid}-{i}"))
-            ax.text(i + 0.46, y + 0.46, str(block), ha="center", va="center", fontsize=8,
+            ax.text(i + 0.46, y + 0.46, str(block), ha="center", va="center", fontsize=8 * k,
                     color="white" if state in ("exclusive", "pending_copy") else INK)
     if rids:
-        ax.text(-0.2, top + 1.25, "block tables (logical order)", ha="left", fontsize=8,
+        ax.text(-0.2, top + 1.25, "block tables (logical order)", ha="left", fontsize=8 * k,
                 color=MUTED)
     ax.set_xlim(-2.2, width)
     ax.set_ylim(top - len(rids) + 0.6 if rids else -rows + 0.6, 1.2)
@@ -83,9 +102,9 @@ def pool_figure(snapshot: KVSnapshot, *, per_row: int = 12, title: str | None = 
     handles = [Patch(facecolor=BLOCK_STATE_COLORS[s], edgecolor=INK, linewidth=0.5,
                      label=BLOCK_STATE_LABELS[s]) for s in BLOCK_STATE_ORDER]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=5,
-              fontsize=8, handlelength=1.2, columnspacing=1.0)
+              fontsize=8 * k, handlelength=1.2, columnspacing=1.0)
     counts = ", ".join(f"{s.replace('_', ' ')} {snapshot.count(s)}" for s in BLOCK_STATE_ORDER)
-    ax.set_title(title or f"KV pool: {counts}", fontsize=10)
+    ax.set_title(title or f"KV pool: {counts}", fontsize=10 * k)
     fig.tight_layout()
     return fig
 

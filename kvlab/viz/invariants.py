@@ -142,7 +142,7 @@ class FaultLab:
              "fault": dropdown(faults, label="fault")},
             default={"implementation": self.implementation, "fault": self.fault},
             caption=lambda implementation, fault: self.caption(implementation, fault),
-            title="fault lab", dpi=64)
+            title="fault lab")
 
 
 def chaos_figure(results: Mapping[str, Any]):

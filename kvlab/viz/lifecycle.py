@@ -76,6 +76,10 @@ def state_diagram_figure(transitions: dict, holds_kv: dict[str, bool],
                Patch(facecolor="white", edgecolor=INK, linewidth=2.0,
                      label="terminal (double border)")]
     ax.legend(handles=handles, loc="upper right", fontsize=8)
+    # the title is also the figure's alt text (kernel_free.describe_figure reads it)
+    held = [name for name in transitions if holds_kv.get(name, False)]
+    ax.set_title(f"request state machine: {len(transitions)} statuses, "
+                 f"KV held only in {', '.join(held) or 'none'}", loc="left", fontsize=11)
     fig.tight_layout()
     return fig
 

@@ -21,6 +21,7 @@ from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.fragmentation import CATEGORIES, WasteReport
 
 from ._widgets import chapter_box, figure_output
+from .blocks import text_scale
 from .style import (
     BLOCK_STATE_COLORS,
     INK,
@@ -112,7 +113,9 @@ def block_table_figure(
     longest = max((len(t) for t in tables.values()), default=0)
     width = max(cols, longest + 2)
     height = pool_rows * 1.3 + 1.2 + len(order) * 1.1
-    fig, ax = plt.subplots(figsize=(min(0.55 * width + 1.5, 12.0), 0.5 * height + 0.8))
+    fig_width = min(0.55 * width + 1.5, 12.0)
+    k = text_scale(fig_width, 7)  # a wide pool is shown narrowed: its text grows to stay legible
+    fig, ax = plt.subplots(figsize=(fig_width, 0.5 * height + 0.8))
     top = height
 
     def pool_xy(block: int) -> tuple[float, float]:
@@ -135,16 +138,16 @@ def block_table_figure(
             ax.add_patch(Rectangle((x + 0.05, y), 0.9 * frac, 0.12, facecolor=INK,
                                    edgecolor="none", gid=f"fill-{block}"))
         label = f"{block}" if len(who) < 2 else f"{block} ×{len(who)}"
-        ax.text(x + 0.5, y + 0.45, label, ha="center", va="center", fontsize=7,
+        ax.text(x + 0.5, y + 0.45, label, ha="center", va="center", fontsize=7 * k,
                 color="white" if len(who) == 1 else INK)
-    ax.text(-0.1, top - 0.55, "physical\nblocks", ha="right", va="center", fontsize=8)
+    ax.text(-0.1, top - 0.55, "physical\nblocks", ha="right", va="center", fontsize=8 * k)
 
     base = top - 1.0 - (pool_rows - 1) * 1.3 - 1.6
     for r, rid in enumerate(order):
         y = base - r * 1.1
         color = request_color(rid, order)
         ax.text(-0.1, y + 0.4, f"{rid} ({token_counts.get(rid, 0)} tok)", ha="right",
-                va="center", fontsize=8)
+                va="center", fontsize=8 * k)
         for logical, block in enumerate(tables[rid]):
             ax.add_patch(Rectangle((logical + 0.05, y), 0.9, 0.8, facecolor="white",
                                    edgecolor=color, linewidth=1.4, gid=f"log-{rid}-{logical}"))
@@ -152,7 +155,7 @@ def block_table_figure(
             ax.add_patch(Rectangle((logical + 0.05, y), 0.9 * frac, 0.8, facecolor=color,
                                    alpha=0.35, edgecolor="none"))
             ax.text(logical + 0.5, y + 0.4, f"L{logical}→{block}", ha="center", va="center",
-                    fontsize=7)
+                    fontsize=7 * k)
             px, py = pool_xy(block)
             ax.plot([logical + 0.5, px + 0.5], [y + 0.8, py], color=color, linewidth=0.7,
                     alpha=0.5, gid=f"map-{rid}-{logical}")
@@ -162,7 +165,7 @@ def block_table_figure(
     shared = sum(1 for who in owners.values() if len(who) > 1)
     ax.set_title(f"{len(order)} block tables, {len(owners)}/{num_blocks} blocks in use"
                  f"{f', {shared} shared' if shared else ''} (block size {block_size})",
-                 loc="left", fontsize=10)
+                 loc="left", fontsize=10 * k)
     fig.tight_layout()
     return fig
 

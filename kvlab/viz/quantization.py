@@ -156,9 +156,9 @@ QUALITY_METRICS = (("ppl_ratio", "perplexity / fp32"), ("kl_nats", "KL(fp32 || q
 
 
 def quality_figure(rows: list[dict]):
-    """Four panels, one per metric of :data:`QUALITY_METRICS`, against effective bits: one
-    line per group size of the symmetric formats, zero-point formats as hollow markers, each
-    point with its 95% interval (``<metric>_ci95``). ``rows``: the ``rows`` of
+    """Four panels (two by two), one per metric of :data:`QUALITY_METRICS`, against effective
+    bits: one line per group size of the symmetric formats, zero-point formats as hollow markers,
+    each point with its 95% interval (``<metric>_ci95``). ``rows``: the ``rows`` of
     ``benchmarks/results/quantization_quality.json``; the fp32 row draws a dotted line."""
     import matplotlib.pyplot as plt
 
@@ -166,7 +166,9 @@ def quality_figure(rows: list[dict]):
     if not weight_rows:
         raise ValueError("quality_figure: no weight-quantized rows")
     fp32 = next((r for r in rows if r["config"] == "fp32"), None)
-    fig, axes = plt.subplots(1, 4, figsize=(14, 3.4))
+    # two by two at the column's width, so nothing is shown narrowed (text at its point size)
+    fig, axes = plt.subplots(2, 2, figsize=(9.0, 6.4))
+    axes = axes.ravel()
     groups = sorted({r["group_size"] for r in weight_rows})
     for ax, (key, label) in zip(axes, QUALITY_METRICS, strict=True):
         for j, g in enumerate(groups):
@@ -188,6 +190,6 @@ def quality_figure(rows: list[dict]):
         if key in ("ppl_ratio", "kl_nats"):
             ax.set_yscale("log")
         ax.set(xlabel="effective bits", title=label)
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -24,7 +24,8 @@ def acceptance_figure(data: AcceptanceData) -> Figure:
     diagonal)."""
     import matplotlib.pyplot as plt
 
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.6))
+    # the column's width (9 in at 96 px per inch): shown at its point size, not narrowed
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(9.0, 3.4))
     pos = range(1, data.k + 1)
     a.bar(pos, data.per_pos, color="#4C72B0", label="measured")
     a.plot(pos, [data.alpha ** i for i in pos], "o--", color="#DD8452",
@@ -39,7 +40,7 @@ def acceptance_figure(data: AcceptanceData) -> Figure:
     b.axhline(data.mean_length, color="grey", ls=":", label=f"mean {data.mean_length:.2f}")
     b.set(xlabel="engine step", ylabel="tokens emitted", ylim=(0, data.k + 1.5),
           title="accepted drafts + 1, per step")
-    b.legend(fontsize=7, ncol=2)
+    b.legend(fontsize=8, ncol=2)
     if data.rejected:
         p, q = zip(*data.rejected, strict=True)
         c.scatter(q, p, s=12, color="#C44E52")
