@@ -238,6 +238,31 @@ def test_generate_returns_a_request_aborted_by_another_thread(model_dir, prompts
     engine.check_invariants()
 
 
+def test_get_metrics_has_vllms_shape(model_dir, prompts):
+    """LLM.get_metrics() returns vLLM's metric objects (name, labels, value) with its names,
+    and the counts agree with the outputs."""
+    from kvlab.engine.metrics import Counter, Gauge
+
+    llm = _llm(model_dir)
+    outs = llm.generate(prompts[:3], SamplingParams(max_tokens=5, temperature=0,
+                                                   ignore_eos=True), use_tqdm=False)
+    metrics = llm.get_metrics()
+    by_name = {}
+    for m in metrics:
+        assert m.name.startswith("vllm:") and isinstance(m.labels, dict)
+        by_name.setdefault(m.name, []).append(m)
+    counter = {n: ms[0].value for n, ms in by_name.items() if isinstance(ms[0], Counter)}
+    assert counter["vllm:generation_tokens"] == 15
+    assert counter["vllm:prompt_tokens"] == sum(len(o.prompt_token_ids) for o in outs)
+    assert counter["vllm:prefix_cache_hits"] <= counter["vllm:prefix_cache_queries"]
+    success = {m.labels["finished_reason"]: m.value for m in by_name["vllm:request_success"]}
+    assert success == {"length": 3}
+    gauges = {n: ms[0].value for n, ms in by_name.items() if isinstance(ms[0], Gauge)}
+    assert gauges["vllm:num_requests_running"] == gauges["vllm:num_requests_waiting"] == 0
+    assert 0.0 <= gauges["vllm:kv_cache_usage_perc"] <= 1.0
+    assert not any(n.startswith("vllm:spec_decode") for n in by_name)   # not speculating
+
+
 def test_text_prompts_need_a_tokenizer(model_dir):
     llm = _llm(model_dir)
     with pytest.raises(ValueError, match="no tokenizer"):

@@ -156,17 +156,17 @@ def test_greedy_identity_for_every_k(spec, greedy_reference):
         llm = _llm(spec, k)
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
         assert got == greedy_reference, k
-        m = llm.get_metrics()
-        assert m["spec_decode_num_draft_tokens"] >= m["spec_decode_num_accepted_tokens"]
-        assert len(m["spec_decode_num_accepted_tokens_per_pos"]) == k
-        per_pos = m["spec_decode_num_accepted_tokens_per_pos"]
+        m = {x.name.removeprefix("vllm:"): x for x in llm.get_metrics()}  # vLLM's shape
+        assert m["spec_decode_num_draft_tokens"].value >= m["spec_decode_num_accepted_tokens"].value
+        per_pos = m["spec_decode_num_accepted_tokens_per_pos"].values
+        assert len(per_pos) == k
         assert all(a >= b for a, b in itertools.pairwise(per_pos))
-        assert sum(per_pos) == m["spec_decode_num_accepted_tokens"]
+        assert sum(per_pos) == m["spec_decode_num_accepted_tokens"].value
         llm.engine.check_invariants()
         assert llm.engine.kv.snapshot().free_blocks + llm.engine.kv.snapshot().evictable_blocks \
             == llm.engine.num_blocks
     if spec is DRAFT:
-        assert m["spec_decode_num_accepted_tokens"] > 0
+        assert m["spec_decode_num_accepted_tokens"].value > 0
 
 
 @pytest.mark.parametrize("spec", [DRAFT, NGRAM], ids=["draft", "ngram"])
@@ -277,7 +277,8 @@ def test_tokens_2_3_are_distributed_exactly_as_without_speculation(params, monke
     assert math.isclose(sum(exact.values()), 1.0, rel_tol=1e-9)
     llm = _llm(DRAFT, 2, max_num_seqs=256, num_blocks=2048, max_num_batched_tokens=4096)
     counts = _sample_joint_23(llm, prompt, params, N_SAMPLES)
-    assert llm.get_metrics()["spec_decode_num_drafts"] > 0
+    drafts = [m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts"]
+    assert drafts[0] > 0
     _, _, pval = chi_square_test(counts, exact)
     assert pval > ALPHA, pval
     keys = list(exact)

@@ -7,7 +7,10 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from kvlab.core.scheduler_api import RequestStatus
+
 from .llm_engine import LLMEngine, Prompt
+from .metrics import Counter, Gauge, Metric, Vector
 from .outputs import RequestOutput
 from .params import SamplingParams
 
@@ -44,17 +47,43 @@ class LLM:
             scheduler=scheduler, **engine_kwargs)
         self._counter = 0
 
-    def get_metrics(self) -> dict[str, object]:
-        """Engine counters under vLLM's names: requests, tokens and, when speculating,
-        ``spec_decode_num_drafts`` / ``_num_draft_tokens`` / ``_num_accepted_tokens`` /
-        ``_num_accepted_tokens_per_pos``."""
-        st = self.engine.stats
-        out: dict[str, object] = {"num_requests_finished": st.finished_requests,
-                                  "prompt_tokens": st.prompt_tokens,
-                                  "generation_tokens": st.generated_tokens,
-                                  "prefix_cache_hit_rate": st.prefix_hit_rate}
-        if self.engine.speculator is not None:
-            out.update(self.engine.speculator.metrics.as_dict())
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters in vLLM's shape (:mod:`kvlab.engine.metrics`): ``Counter`` s
+        ``vllm:prompt_tokens``, ``vllm:generation_tokens``, ``vllm:prefix_cache_queries`` /
+        ``_hits`` (prompt tokens looked up / served by the cache), ``vllm:request_success`` per
+        ``finished_reason`` label, ``Gauge`` s ``vllm:num_requests_running`` / ``_waiting``
+        and ``vllm:kv_cache_usage_perc`` (a fraction, as in vLLM); when speculating,
+        ``vllm:spec_decode_num_drafts`` / ``_num_draft_tokens`` / ``_num_accepted_tokens`` and
+        the ``Vector`` ``vllm:spec_decode_num_accepted_tokens_per_pos``."""
+        engine = self.engine
+        with engine.core.lock:
+            st = engine.stats
+            labels = {"engine": "0"}
+            out: list[Metric] = [
+                Counter("vllm:prompt_tokens", dict(labels), st.prompt_tokens),
+                Counter("vllm:generation_tokens", dict(labels), st.generated_tokens),
+                Counter("vllm:prefix_cache_queries", dict(labels), st.prompt_tokens),
+                Counter("vllm:prefix_cache_hits", dict(labels), st.cached_prompt_tokens),
+            ]
+            out += [Counter("vllm:request_success", {**labels, "finished_reason": reason}, n)
+                    for reason, n in sorted(st.finished_by_reason.items())]
+            live = [r.status for r in engine.scheduler.requests() if not r.status.is_terminal]
+            running = sum(status is RequestStatus.RUNNING for status in live)
+            waiting = len(live) - running
+            kv = engine.kv
+            out += [Gauge("vllm:num_requests_running", dict(labels), float(running)),
+                    Gauge("vllm:num_requests_waiting", dict(labels), float(waiting)),
+                    Gauge("vllm:kv_cache_usage_perc", dict(labels),
+                          1.0 - kv.num_allocatable_blocks() / kv.num_blocks)]
+            if engine.speculator is not None:
+                m = engine.speculator.metrics
+                out += [Counter("vllm:spec_decode_num_drafts", dict(labels), m.num_drafts),
+                        Counter("vllm:spec_decode_num_draft_tokens", dict(labels),
+                                m.num_draft_tokens),
+                        Counter("vllm:spec_decode_num_accepted_tokens", dict(labels),
+                                m.num_accepted_tokens),
+                        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels),
+                               list(m.accepted_per_pos))]
         return out
 
     @property

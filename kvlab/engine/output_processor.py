@@ -136,6 +136,9 @@ class OutputProcessor:
                 state.metrics.finished_time = now
                 o.metrics = state.metrics
                 stats.finished_requests += 1
+                for c in o.outputs:
+                    reasons = stats.finished_by_reason
+                    reasons[c.finish_reason] = reasons.get(c.finish_reason, 0) + 1
                 self.drop(state)
             outputs.append(o)
         return outputs

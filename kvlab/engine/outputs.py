@@ -117,6 +117,8 @@ class EngineStats:
     computed_tokens: int = 0          # tokens run through the model (prefill + decode)
     generated_tokens: int = 0
     finished_requests: int = 0
+    #: finished samples by finish reason (vLLM's ``vllm:request_success`` label)
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
     step_time_s: float = 0.0          # whole step() wall time
     model_time_s: float = 0.0         # executor forward (copies + model + logits)
     prepare_time_s: float = 0.0       # executor metadata building
