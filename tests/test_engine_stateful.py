@@ -6,7 +6,8 @@ live request while a step executes (the abort is issued from inside the executor
 ``execute``), and step. The cache is small (block_size 2, 24 blocks) and so is the step budget,
 so requests are chunked, preempted and recomputed. After every rule the engine's invariants
 hold. Every output is checked as it arrives (tokens only grow; an aborted request's tokens are
-a prefix of its solo run), and at teardown the engine runs dry: every block ends free or
+a prefix of its solo run, and the next step repeats its final output once), and at teardown
+the engine runs dry: every block ends free or
 cached, and every completed request's tokens (both samples when n=2) equal the same request
 run alone on a fresh engine with a roomy cache.
 """
@@ -65,6 +66,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.live: dict[str, tuple[tuple[int, ...], int, int]] = {}  # rid -> prompt, max, n
         self.last: dict[str, list[list[int]]] = {}    # rid -> token ids per sample, so far
         self.completed: dict[str, tuple[tuple[int, ...], int, list[list[int]]]] = {}
+        self.abort_reports: dict[str, object] = {}   # rid -> the output the next step repeats
 
     # ------------------------------------------------------------------ references
     def alone(self, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
@@ -87,6 +89,9 @@ class EngineMachine(RuleBasedStateMachine):
     def _seen(self, out) -> None:
         """Fold one step output in: tokens only grow; a finished request is complete."""
         rid = out.request_id
+        if rid in self.abort_reports:   # an abort's final output, reported once more by a step
+            assert out == self.abort_reports.pop(rid)
+            return
         assert rid in self.live, f"output for {rid}, which is not live"
         prompt, max_tokens, n = self.live[rid]
         assert out.prompt_token_ids == list(prompt)
@@ -115,6 +120,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert c.finish_reason == "abort" or len(c.token_ids) == max_tokens
             assert c.token_ids[:len(old)] == old
             assert c.token_ids == ref[:len(c.token_ids)]
+        self.abort_reports[rid] = out
         self.stats["aborted"] += 1
 
     def _step(self):
@@ -175,8 +181,8 @@ class EngineMachine(RuleBasedStateMachine):
         assert got["live"] == live_before           # deferred: nothing cancelled yet
         assert all(eng.scheduler.find_request(s) is None for s in sids)  # applied at step end
         assert not eng.has_request(rid)
-        assert rid not in {o.request_id for o in outs}
-        self._aborted(rid, got["out"])
+        self._aborted(rid, got["out"])   # this step's outputs repeat it (checked in _seen)
+        assert rid in {o.request_id for o in outs}
         self.stats["preemptions"] += len(eng.last_trace.scheduler_output.preempted)
         for out in outs:
             self._seen(out)
@@ -200,7 +206,8 @@ class EngineMachine(RuleBasedStateMachine):
                 break
             self._step()
             self.eng.check_invariants()
-        assert not self.live and not self.eng.has_unfinished_requests()
+        assert not self.live and not self.abort_reports
+        assert not self.eng.has_unfinished_requests()
         snap = self.eng.kv.snapshot()
         assert snap.tables == {} and snap.pending_copies == ()
         assert set(snap.block_states) <= {"free", "cached"}
