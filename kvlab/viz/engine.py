@@ -114,9 +114,9 @@ def engine_step_figure(snapshot, *, max_pool_blocks: int = 48, per_row: int = 16
                                     edgecolor=INK, linewidth=0.5, gid=f"block-{b}"))
         rc = snapshot.refcounts[b]
         ink = "white" if _dark(state) else INK
-        ax_pool.text(x + 0.06, y + 0.84, str(b), va="top", fontsize=8, color=ink)
+        ax_pool.text(x + 0.06, y + 0.84, str(b), va="top", fontsize=9.5, color=ink)
         if rc:
-            ax_pool.text(x + 0.5, y + 0.36, f"rc={rc}", ha="center", va="center", fontsize=8.5,
+            ax_pool.text(x + 0.5, y + 0.36, f"rc={rc}", ha="center", va="center", fontsize=9.5,
                          color=ink)
     ax_pool.set_xlim(-6.5, width)
     ax_pool.set_ylim(-pool_rows + 0.8, 1.1)
