@@ -64,8 +64,7 @@ class SchedulerBase:
     # -- protocol: queries --------------------------------------------------------------------
 
     @property
-    def log(self) -> EventLog | None:
-        """The write-ahead log passed at construction (None: the scheduler keeps no log)."""
+    def log(self) -> EventLog | None:   # the write-ahead log passed in; None: none kept
         return self.lifecycle.log
 
     @property
