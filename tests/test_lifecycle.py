@@ -223,14 +223,16 @@ def test_append_refuses_what_the_log_cannot_hold():
     assert len(log) == 0 and log.next_index == 0
 
 
-def test_add_template_is_fresh_and_leaves_engine_state_out():
+def test_add_logs_a_fresh_copy_that_later_progress_does_not_change():
     life = Lifecycle(EventLog())
     request = make()
-    request.engine_state = object()          # opaque: not a plain value, not in the log
     life.add(request)
+    request.output_token_ids.append(7)       # the live request moves on; the log does not
+    request.num_computed_tokens = 3
     (event,) = life.log.events
-    assert event.data[0].engine_state is None and event.data[0].status == S.WAITING
-    assert request.engine_state is not None
+    logged = event.data[0]
+    assert logged is not request and logged.status == S.WAITING
+    assert logged.output_token_ids == [] and logged.num_computed_tokens == 0
 
 
 def test_compact_drops_whole_requests_and_keeps_only_the_latest_checkpoint():

@@ -314,7 +314,7 @@ def test_invariant_catches_a_desynchronised_grammar(llm):
     engine.add_request("desync", "Hi", SamplingParams(max_tokens=8, structured_outputs={
         "regex": "[a-z]+"}))
     engine.step()
-    state = engine.scheduler.get_request("desync").engine_state.grammar
+    state = engine.executor.samplers["desync"].grammar
     assert state.accept_token(state.allowed_token_ids()[-1])
     with pytest.raises(AssertionError, match="grammar state"):
         engine.check_invariants()

@@ -241,11 +241,7 @@ class Lifecycle:
 
 
 def request_template(request: RuntimeRequest) -> RuntimeRequest:
-    """A fresh copy of ``request`` as it was submitted: no outputs, no progress, WAITING.
-
-    ``engine_state`` is left out (None): it is the engine's opaque object, not a plain value
-    the log can checksum, and a restarted engine rebuilds its own per-sequence state.
-    """
+    """A fresh copy of ``request`` as it was submitted: no outputs, no progress, WAITING."""
     return replace(
         request,
         output_token_ids=[],
@@ -258,5 +254,4 @@ def request_template(request: RuntimeRequest) -> RuntimeRequest:
         admitted_step=None,
         first_token_step=None,
         finished_step=None,
-        engine_state=None,
     )

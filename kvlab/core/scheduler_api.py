@@ -62,7 +62,7 @@ class FinishReason(str, Enum):
 
 @dataclass
 class RuntimeRequest:
-    """A request as the scheduler sees it. Token ids only; sampling lives in the engine.
+    """A request as the scheduler sees it. Token ids only; the executor owns its sampling.
 
     ``all_token_ids = prompt_token_ids + output_token_ids``. ``num_computed_tokens`` of them have
     KV written in the request's block table. The request still has to compute
@@ -87,9 +87,6 @@ class RuntimeRequest:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    engine_state: Any = None                # opaque slot for an engine; the scheduler never
-                                            # reads it (kvlab's engine keeps sampling state,
-                                            # RNG included, in its own per-sequence records)
     # Filled in by the scheduler (the engine may read them; it should not write them):
     status_message: str | None = None       # why it was rejected / failed (human readable)
     arrival_seq: int = 0                    # arrival order (the scheduler's stable tie-breaker)

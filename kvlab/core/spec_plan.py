@@ -75,8 +75,7 @@ def stop_cut(request: RuntimeRequest, tokens: tuple[int, ...]) -> int:
     including the first one that meets a stop condition (stop token, EOS, length)."""
     if not tokens:
         return 0
-    probe = replace(request, output_token_ids=list(request.output_token_ids),
-                    engine_state=None)
+    probe = replace(request, output_token_ids=list(request.output_token_ids))
     for i, token in enumerate(tokens):
         probe.output_token_ids.append(token)
         if stop_reason(probe) is not None:

@@ -10,24 +10,26 @@ It is the :class:`~kvlab.core.engine_core.Executor` of the real engine, and the 
    per-step diffs),
 3. runs the forward pass (which writes the new K/V through the slot mapping), and
 4. samples one token from the logits of the last token of every chunk with ``sample=True``,
-   with the :class:`~kvlab.engine.sampling.SamplerState` that the engine stored in the
-   request's ``engine_state``; rows with a grammar (structured outputs) are masked first and
-   their grammar advanced by the token (:func:`~kvlab.engine.structured_outputs.bitmask.
-   sample_with_grammars`).
+   with that request's :class:`~kvlab.engine.sampling.SamplerState`; rows with a grammar
+   (structured outputs) are masked first and their grammar advanced by the token
+   (:func:`~kvlab.engine.structured_outputs.bitmask.sample_with_grammars`).
 
-It never changes requests, queues or KV ownership; the scheduler does.
+The executor owns each running request's sampler state (parameters, RNG, grammar): the engine
+hands it over once with :meth:`~TorchExecutor.add_request` and ends it with
+:meth:`~TorchExecutor.remove_requests`; the executor never looks into the scheduler. It never
+changes requests, queues or KV ownership; the scheduler does.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvlab.core.engine_core import ModelOutput
-from kvlab.core.scheduler_api import RuntimeRequest, ScheduledChunk, SchedulerOutput
+from kvlab.core.scheduler_api import ScheduledChunk, SchedulerOutput
 
 from . import cpu_kernels
 from .attention import AttentionMetadata, ChunkSpec, Workspace
@@ -70,12 +72,11 @@ class StepInfo:
 class TorchExecutor:
     """Execute steps of ``model`` over ``cache`` (both on the same device).
 
-    ``requests`` looks a running request up by id (the scheduler's ``get_request``); its
-    ``engine_state`` must be the :class:`SamplerState` of that sequence.
+    ``samplers`` holds the sampler state of every request the engine added and has not
+    removed; a chunk that samples must belong to one of them.
     """
 
-    def __init__(self, model: LlamaModel, cache: PagedKVCache,
-                 requests: Callable[[str], RuntimeRequest] | None = None):
+    def __init__(self, model: LlamaModel, cache: PagedKVCache):
         cfg = model.cfg
         if len(cache.layers) != cfg.num_layers or cache.data.shape[-2:] != (
                 cfg.num_kv_heads, cfg.head_dim):
@@ -86,18 +87,25 @@ class TorchExecutor:
         self.block_size = cache.block_size
         self.workspace = Workspace(self.device, getattr(cache, "compute_dtype", cache.data.dtype))
         self.input_batch = InputBatch(self.block_size, self.device)
-        self.requests = requests
+        self.samplers: dict[str, SamplerState] = {}
         if self.device.type == "cpu":
             cpu_kernels.available()   # build the attention kernel now, not in the first step
+
+    def add_request(self, request_id: str, sampler: SamplerState) -> None:
+        """Take over ``request_id``'s sampler state (once, when the engine adds it)."""
+        assert request_id not in self.samplers, f"{request_id} added twice"
+        self.samplers[request_id] = sampler
+
+    def remove_requests(self, request_ids: Iterable[str]) -> None:
+        """Drop the state of requests that ended (unknown ids are ignored)."""
+        for rid in request_ids:
+            self.samplers.pop(rid, None)
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         """Run ``output`` (copies, forward, sampling); see the module docstring."""
         res = self.forward(output.chunks, output.copies)
         t0 = time.perf_counter()
-        lookup = self.requests
-        assert lookup is not None, "TorchExecutor.execute needs a request lookup"
-        states: list[SamplerState] = [lookup(rid).engine_state for rid in res.request_ids]
-        assert all(isinstance(s, SamplerState) for s in states), "request without a sampler"
+        states = [self.samplers[rid] for rid in res.request_ids]
         if not states:
             picked = None
         elif any(s.grammar is not None for s in states):   # structured outputs in the batch

@@ -33,8 +33,9 @@ class EveryStep(StepObserver):
 
     def _grammar_probe(self) -> list[tuple[str, str]]:
         problems = []
+        samplers = self.engine.executor.samplers
         for r in self.engine.scheduler.requests():
-            grammar = getattr(r.engine_state, "grammar", None)
+            grammar = getattr(samplers.get(r.request_id), "grammar", None)
             if grammar is not None and not r.status.is_terminal \
                     and grammar.accepted_token_ids != tuple(r.output_token_ids):
                 problems.append((f"request {r.request_id}",

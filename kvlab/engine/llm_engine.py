@@ -223,7 +223,8 @@ class LLMEngine:
         return request_id if i == 0 else f"{request_id}{_SAMPLE_SEP}{i}"
 
     def _runtime_request(self, state: RequestState, sample: SampleState, scope: tuple,
-                         seed: int) -> RuntimeRequest:
+                         seed: int) -> tuple[RuntimeRequest, SamplerState]:
+        """The scheduler's request for ``sample`` and the executor's sampler state for it."""
         p = state.params
         stops = set(p.stop_token_ids)
         if not p.ignore_eos:
@@ -242,8 +243,7 @@ class LLMEngine:
             ignore_eos=p.ignore_eos,
             arrival_time=state.metrics.arrival_time,
             max_model_len=self.max_model_len,
-            engine_state=sampler,
-        )
+        ), sampler
 
     def validate_request(self, prompt: Prompt, params: SamplingParams | None = None,
                          request_id: str | None = None
@@ -305,7 +305,8 @@ class LLMEngine:
                                          [] if params.logprobs is not None else None)
                              for i in range(params.n)]
             requests = [self._runtime_request(state, s, scope, seed) for s in state.samples]
-            for request in requests:   # validated above: these cannot raise
+            for request, sampler in requests:   # validated above: these cannot raise
+                self.executor.add_request(request.request_id, sampler)
                 self.core.add_request(request)
             self.outputs.add(state)
             self._arrivals += 1
@@ -325,6 +326,8 @@ class LLMEngine:
             ids = tuple(s.seq_id for s in state.samples)
             if any(self.scheduler.find_request(sid) is not None for sid in ids):
                 self._ending[request_id] = ids     # aborted mid-step: gone when it ends
+            else:
+                self.executor.remove_requests(ids)
             state.metrics.finished_time = self.clock()
             out = self.outputs.make_output(state, force_finished=True)
             self.outputs.drop(state)
@@ -365,6 +368,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.core.step()
         with self.core.lock:
+            self.executor.remove_requests(r.request_id for r in result.ended + result.aborted)
             outputs = self.outputs.process(result, self.clock(), self.stats, only_finished)
             for request_id in list(self._ending):
                 self._samples_ending(request_id)     # forgets the aborts that have ended
@@ -385,8 +389,12 @@ class LLMEngine:
                 assert self.outputs.requests.get(state.request_id) is state, f"orphan {rid}"
                 assert sample.ended is not None or self.scheduler.find_request(rid) is not None, \
                     f"the scheduler lost {rid}"
+            samplers = self.executor.samplers
+            for rid in samplers:
+                assert self.scheduler.find_request(rid) is not None, \
+                    f"the executor keeps the sampler of forgotten request {rid}"
             self.structured_outputs.check_states(
-                (r.request_id, r.engine_state, r.output_token_ids)
+                (r.request_id, samplers.get(r.request_id), r.output_token_ids)
                 for r in self.scheduler.requests() if not r.status.is_terminal)
             for state in self.outputs.requests.values():
                 assert state.samples, f"request {state.request_id} has no sample"

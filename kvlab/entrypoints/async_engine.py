@@ -46,11 +46,14 @@ MAX_BACKLOG_TOKENS = 4096
 
 @dataclass
 class ChoiceDelta:
-    """What one sample gained in one step: new token ids and, at its end, the finish reason."""
+    """What one sample gained in one step: new token ids, their logprobs (one engine dict
+    ``token id -> log-probability`` per new token, when the request asked for logprobs) and,
+    at its end, the finish reason."""
 
     index: int
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -171,7 +174,8 @@ class AsyncEngine:
             new = c.token_ids[done:]
             if new or c.finish_reason is not None:
                 stream.sent[c.index] = done + len(new)
-                choices.append(ChoiceDelta(c.index, new, c.finish_reason))
+                lps = None if c.logprobs is None else c.logprobs[done:done + len(new)]
+                choices.append(ChoiceDelta(c.index, new, c.finish_reason, lps))
         delta = StreamDelta(choices, out.finished, len(out.prompt_token_ids),
                             out.num_cached_tokens)
         with stream.lock:

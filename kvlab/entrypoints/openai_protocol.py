@@ -11,10 +11,15 @@ with the HTTP status the OpenAI API (and vLLM) use: 400 for a malformed or inval
 
 Accepted fields are OpenAI's plus vLLM's extensions that kvlab implements (``top_k``,
 ``ignore_eos``, ``stop_token_ids``, ``seed``, ``structured_outputs`` and the older
-``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``). A field OpenAI or
-vLLM define but kvlab does not implement (:data:`NEUTRAL`: tools, logit_bias, logprobs, ...) is
-accepted only with its "off" value; otherwise, and for a field nobody defines, the answer is a
-400 naming it, so a client never believes a setting took effect when it did not.
+``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``). Log-probabilities
+follow OpenAI's two APIs: completions take ``logprobs: int`` (0..20 alternatives per token),
+chat takes ``logprobs: bool`` and ``top_logprobs: int`` (0..20; more than 0 only with
+``logprobs: true``, as in vLLM). ``echo`` (completions) prepends the prompt; with ``logprobs`` it
+would need the prompt tokens' log-probabilities, which the engine does not compute, so that pair
+is a 400. A field OpenAI or vLLM define but kvlab does not implement (:data:`NEUTRAL`: tools,
+logit_bias, ...) is accepted only with its "off" value; otherwise, and for a field nobody
+defines, the answer is a 400 naming it, so a client never believes a setting took effect when
+it did not.
 """
 
 from __future__ import annotations
@@ -61,15 +66,20 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "
 #: fields OpenAI or vLLM define that kvlab does not implement: accepted only with the value
 #: that means "off", else a 400 naming the field
 NEUTRAL: dict[str, tuple] = {
-    "logprobs": (None, False), "echo": (None, False), "presence_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
     "min_tokens": (None, 0), "logit_bias": (None, {}), "best_of": (None, 1),
-    "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+    "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None,),
     "suffix": (None, ""), "include_stop_str_in_output": (None, False),
 }
+#: chat only: vLLM's chat ``echo`` (repeat the last message) is not implemented
+CHAT_NEUTRAL: dict[str, tuple] = {**NEUTRAL, "echo": (None, False)}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"} | set(NEUTRAL)
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"} | set(NEUTRAL)
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(CHAT_NEUTRAL)
+#: most alternatives per token that ``logprobs`` / ``top_logprobs`` may ask for (OpenAI's chat
+#: limit and vLLM's default ``max_logprobs``)
+MAX_LOGPROBS = 20
 ROLES = ("system", "developer", "user", "assistant")
 STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex",
               "guided_choice", "guided_grammar")
@@ -86,6 +96,9 @@ class ParsedRequest:
     every sampling field; its ``max_tokens`` is replaced by :meth:`params_for` once the prompt
     length is known when ``max_tokens`` is None (the rest of the context). ``structured_param``
     names the field that set ``params.structured_outputs`` (for a 400 if it does not compile).
+    ``logprobs``: alternatives to report per token (completions' ``logprobs``, chat's
+    ``top_logprobs``, 0 for chat's bare ``logprobs: true``), None when not asked; it is also
+    ``params.logprobs``. ``echo``: prepend the prompt's text to each choice (completions).
     """
 
     chat: bool
@@ -97,6 +110,8 @@ class ParsedRequest:
     include_usage: bool
     stop: tuple[str, ...] = ()
     structured_param: str | None = None
+    logprobs: int | None = None
+    echo: bool = False
 
     @property
     def prompt(self) -> str | list[int]:
@@ -132,9 +147,9 @@ def _json_object(raw: bytes) -> dict:
     return body
 
 
-def _check_neutral(body: dict, name: str) -> None:
+def _check_neutral(body: dict, name: str, table: dict[str, tuple]) -> None:
     value = body.get(name)
-    if name in body and not any(value == v and type(value) is type(v) for v in NEUTRAL[name]):
+    if name in body and not any(value == v and type(value) is type(v) for v in table[name]):
         raise APIError(400, f"{name}={body[name]!r} is not supported by kvlab's server",
                        param=name, code="unsupported_parameter")
 
@@ -201,6 +216,44 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
                         "non-empty array of those", param="prompt", code="invalid_value")
 
 
+def _count(body: dict, name: str) -> int | None:
+    """``body[name]``: None, or an int in 0..MAX_LOGPROBS (a bool is not a count)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(400, f"{name} must be an integer in 0..{MAX_LOGPROBS} (alternatives "
+                            f"reported per token), got {value!r}", param=name,
+                       code="invalid_value")
+    return value
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
+    """``(alternatives per token or None, echo)`` from completions' ``logprobs`` / ``echo`` or
+    chat's ``logprobs`` / ``top_logprobs``."""
+    if not chat:
+        count, echo = _count(body, "logprobs"), body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise APIError(400, f"echo must be a boolean, got {echo!r}", param="echo",
+                           code="invalid_type")
+        if echo and count is not None:
+            raise APIError(400, "echo with logprobs needs the log-probabilities of the prompt's "
+                                "tokens, which kvlab's engine does not compute (it scores the "
+                                "tokens it generates); send echo or logprobs, not both",
+                           param="echo", code="unsupported_parameter")
+        return count, echo
+    flag = body.get("logprobs")
+    if flag is not None and not isinstance(flag, bool):
+        raise APIError(400, f"logprobs must be a boolean on /v1/chat/completions "
+                            f"(top_logprobs sets how many alternatives), got {flag!r}",
+                       param="logprobs", code="invalid_type")
+    top = _count(body, "top_logprobs")
+    if top and not flag:
+        raise APIError(400, f"top_logprobs={top} needs logprobs=true", param="top_logprobs",
+                       code="invalid_value")
+    return ((top or 0) if flag else None), False
+
+
 def _structured(body: dict) -> tuple[dict | None, str | None]:
     """vLLM's ``structured_outputs`` dict (and the field that set it) from ``response_format``,
     ``structured_outputs`` or the older ``guided_*`` fields (at most one of them)."""
@@ -250,8 +303,10 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest
     if model != served_model:
         raise APIError(404, f"The model `{model}` does not exist; this server serves "
                             f"`{served_model}`", param="model", code="model_not_found")
-    for name in NEUTRAL:
-        _check_neutral(body, name)
+    neutral = CHAT_NEUTRAL if chat else NEUTRAL
+    for name in neutral:
+        _check_neutral(body, name, neutral)
+    logprobs, echo = _logprobs(body, chat)
     prompts = [chat_prompt(body.get("messages"))] if chat else _prompts(body.get("prompt"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -281,6 +336,8 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest
     structured, structured_param = _structured(body)
     if structured is not None:
         kw["structured_outputs"] = structured
+    if logprobs is not None:
+        kw["logprobs"] = logprobs
     try:
         params = SamplingParams(**kw)
     except (ValueError, TypeError) as err:
@@ -292,4 +349,4 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest
             field_name = structured_param
         raise APIError(400, str(err), param=field_name, code="invalid_value") from None
     return ParsedRequest(chat, model, prompts, params, max_tokens, stream, include_usage,
-                         stop, structured_param)
+                         stop, structured_param, logprobs, echo)

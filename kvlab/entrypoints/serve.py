@@ -37,18 +37,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvlab.engine.detokenizer import TextStream
-from kvlab.engine.structured_outputs.grammar import GrammarError
-
-from .async_engine import MAX_BACKLOG_TOKENS, AsyncEngine, RequestStream, StreamDelta
+from .async_engine import MAX_BACKLOG_TOKENS, AsyncEngine, RequestStream
 from .openai_protocol import APIError, ParsedRequest, error_body, parse_request
+from .openai_responses import TokenNames, choice, logprobs_body
+from .request_run import Event, RequestRun, prepare
 
 __all__ = ["MAX_BODY_BYTES", "ServerThread", "build_app", "main"]
 
 #: default limit of a request body (a 2,048-token context is ~10 KB of text)
 MAX_BODY_BYTES = 2 * 1024 * 1024
-
-Event = tuple[int, str, "str | None"]     # (choice index, new text, finish reason)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -76,119 +73,6 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-class _Run:
-    """The engine requests of one HTTP request (one per prompt) and their choices' text.
-
-    Choice ``k = prompt * n + sample``. :meth:`next` waits for any request's next delta and
-    turns it into events; :meth:`close` aborts what is unfinished (always call it)."""
-
-    def __init__(self, streams: list[RequestStream], parsed: ParsedRequest,
-                 decode: Callable[[list[int]], str]) -> None:
-        self.streams = streams
-        self.n = n = parsed.params.n
-        total = len(streams) * n
-        self.texts = [TextStream(decode, parsed.stop) for _ in range(total)]
-        self.finish: list[str | None] = [None] * total
-        self.stop_reason: list[str | int | None] = [None] * total
-        self.tokens = [0] * total
-        self.prompt_tokens = [0] * len(streams)
-        self.stop_ids = frozenset(parsed.params.stop_token_ids)
-        self.pending: dict[asyncio.Future, int] = {}
-        self.error: str | None = None
-        self.seen = [False] * len(streams)
-
-    @property
-    def done(self) -> bool:
-        return all(r is not None for r in self.finish)
-
-    def _apply(self, s: int, delta: StreamDelta) -> list[Event]:
-        self.seen[s] = True
-        self.prompt_tokens[s] = delta.num_prompt_tokens
-        self.error = self.error or delta.error
-        events = []
-        for c in delta.choices:
-            k = s * self.n + c.index
-            if self.finish[k] is not None:
-                continue                        # ended by a stop string: the rest is dropped
-            ts = self.texts[k]
-            self.tokens[k] += len(c.token_ids)
-            text = ts.push(c.token_ids)
-            reason = "stop" if ts.stopped else None
-            if reason is None and c.finish_reason is not None:
-                text += ts.finish()
-                reason = "stop" if ts.stopped else c.finish_reason
-                if not ts.stopped and reason == "stop" and ts.token_ids \
-                        and ts.token_ids[-1] in self.stop_ids:
-                    self.stop_reason[k] = ts.token_ids[-1]     # vLLM: the stop token's id
-            if ts.stopped:
-                self.stop_reason[k] = ts.stop_reason
-            self.finish[k] = reason
-            if text or reason is not None:
-                events.append((k, text, reason))
-        stream = self.streams[s]
-        if not stream.finished and all(self.finish[s * self.n + j] is not None
-                                       for j in range(self.n)):
-            stream.close({j: "stop" for j in range(self.n)})   # every sample hit a stop string
-        return events
-
-    async def next(self, gone: asyncio.Future | None = None) -> list[Event] | None:
-        """Events of the next delta(s) to arrive; None if ``gone`` finished first."""
-        armed = set(self.pending.values())
-        for s, stream in enumerate(self.streams):
-            if not stream.finished and s not in armed:
-                self.pending[asyncio.ensure_future(stream.next())] = s
-        if not self.pending:
-            return []
-        waits = set(self.pending) | ({gone} if gone is not None else set())
-        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        events: list[Event] = []
-        got = False
-        for fut in done:
-            if fut is gone:
-                continue
-            got = True
-            events += self._apply(self.pending.pop(fut), fut.result())
-        return events if got else None
-
-    async def first(self, gone: asyncio.Future) -> list[Event] | None:
-        """Events until every request delivered once (an admission reject shows then)."""
-        events: list[Event] = []
-        while not all(self.seen) and not self.done:
-            got = await self.next(gone)
-            if got is None:
-                return None
-            events += got
-        return events
-
-    def close(self) -> None:
-        for fut in self.pending:
-            fut.cancel()
-        self.pending.clear()
-        for s, stream in enumerate(self.streams):
-            stream.close({j: "stop" for j in range(self.n)
-                          if self.finish[s * self.n + j] == "stop"})
-
-    def usage(self) -> dict:
-        prompt, gen = sum(self.prompt_tokens), sum(self.tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen}
-
-
-def _choice(chat: bool, index: int, text: str, finish: str | None, stop_reason, stream: bool,
-            first: bool = False) -> dict:
-    if chat:
-        if stream:
-            body: dict[str, Any] = {"role": "assistant", "content": text} if first \
-                else ({"content": text} if text or finish is None else {})
-            out = {"index": index, "delta": body, "finish_reason": finish, "logprobs": None}
-        else:
-            out = {"index": index, "message": {"role": "assistant", "content": text},
-                   "finish_reason": finish, "logprobs": None}
-    else:
-        out = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
-    out["stop_reason"] = stop_reason
-    return out
-
-
 def build_app(aeng: AsyncEngine, served_model: str, *,
               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
     """The Starlette application; its lifespan starts and stops ``aeng``'s engine thread."""
@@ -197,61 +81,39 @@ def build_app(aeng: AsyncEngine, served_model: str, *,
     tokenizer = engine.tokenizer
     decode: Callable[[list[int]], str] = tokenizer.decode if tokenizer is not None \
         else (lambda ids: "")
+    names = TokenNames(tokenizer) if tokenizer is not None else None
+
+    def shaped(chat: bool, entries: list | None, k: int | None) -> dict | None:
+        """``choice.logprobs``: None unless the request asked for logprobs (``k``)."""
+        if k is None or names is None:
+            return None
+        return logprobs_body(chat, entries or [], names, k)
 
     def fail(err: APIError) -> JSONResponse:
         metrics.observe_http_error(err.status)
         return JSONResponse(err.body(), status_code=err.status)
 
-    def prepare(parsed: ParsedRequest) -> list[tuple[tuple[int, ...], Any]]:
-        """Tokenize (once) and validate every prompt: ``[(token ids, params)]`` (worker thread)."""
-        param = "messages" if parsed.chat else "prompt"
-        if parsed.stop and tokenizer is None:
-            raise APIError(400, "stop strings need a tokenizer; this model has none",
-                           param="stop", code="invalid_value")
-        out = []
-        for prompt in parsed.prompts:
-            try:
-                _, ids = engine.encode_prompt(prompt)
-            except (ValueError, TypeError) as err:
-                raise APIError(400, str(err), param=param, code="invalid_value") from None
-            if len(ids) >= engine.max_model_len:
-                raise APIError(400, f"This model's maximum context length is "
-                                    f"{engine.max_model_len} tokens; the prompt has {len(ids)} "
-                                    "and leaves no room to generate", param=param,
-                               code="context_length_exceeded")
-            params = parsed.params_for(len(ids), engine.max_model_len)
-            try:
-                aeng.validate(list(ids), params)
-            except GrammarError as err:
-                raise APIError(400, f"{parsed.structured_param}: {err}",
-                               param=parsed.structured_param, code="invalid_value") from None
-            except (ValueError, TypeError) as err:
-                name = "n" if str(err).startswith("n=") else param
-                raise APIError(400, str(err), param=name, code="invalid_value") from None
-            out.append((ids, params))
-        return out
-
     async def completions(request: Request, chat: bool) -> Response:
-        run: _Run | None = None
+        run: RequestRun | None = None
         gone: asyncio.Future | None = None
         try:
             raw = await _read_body(request, max_body_bytes)
             parsed = await asyncio.to_thread(parse_request, raw, chat=chat,
                                              served_model=served_model)
-            work = await asyncio.to_thread(prepare, parsed)
+            work = await asyncio.to_thread(prepare, aeng, parsed)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             loop = asyncio.get_running_loop()
             streams: list[RequestStream] = []
             try:
-                for i, (ids, params) in enumerate(work):
+                for i, w in enumerate(work):
                     streams.append(await asyncio.to_thread(
-                        aeng.add, rid if len(work) == 1 else f"{rid}-{i}", list(ids), params,
-                        loop))
+                        aeng.add, rid if len(work) == 1 else f"{rid}-{i}", list(w.token_ids),
+                        w.params, loop))
             except (ValueError, TypeError) as err:
                 for st in streams:
                     st.close()
                 raise APIError(400, str(err), code="invalid_value") from None
-            run = _Run(streams, parsed, decode)
+            run = RequestRun(streams, parsed, work, decode, keep=not parsed.stream)
             gone = asyncio.ensure_future(_client_gone(request))
             first = await run.first(gone)
             if first is None:
@@ -275,8 +137,8 @@ def build_app(aeng: AsyncEngine, served_model: str, *,
             return JSONResponse({
                 "id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": created, "model": served_model,
-                "choices": [_choice(chat, k, run.texts[k].text, run.finish[k],
-                                    run.stop_reason[k], False)
+                "choices": [choice(chat, k, run.text(k), run.finish[k], run.stop_reason[k],
+                                   False, logprobs=shaped(chat, run.entries[k], parsed.logprobs))
                             for k in range(len(run.finish))],
                 "usage": run.usage()})
         except APIError as err:
@@ -287,7 +149,7 @@ def build_app(aeng: AsyncEngine, served_model: str, *,
             if run is not None:
                 run.close()
 
-    async def _sse(run: _Run, first: list[Event], parsed: ParsedRequest, rid: str,
+    async def _sse(run: RequestRun, first: list[Event], parsed: ParsedRequest, rid: str,
                    created: int) -> AsyncIterator[str]:
         chat = parsed.chat
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -300,14 +162,15 @@ def build_app(aeng: AsyncEngine, served_model: str, *,
             return f"data: {json.dumps(body)}\n\n"
 
         def chunk(ev: Event) -> str:
-            k, text, reason = ev
-            return event([_choice(chat, k, text, reason,
-                                  run.stop_reason[k] if reason else None, True)])
+            k, reason = ev.index, ev.finish
+            return event([choice(chat, k, ev.text, reason,
+                                 run.stop_reason[k] if reason else None, True,
+                                 logprobs=shaped(chat, ev.logprobs, parsed.logprobs))])
 
         try:
             if chat:
                 for k in range(len(run.finish)):
-                    yield event([_choice(chat, k, "", None, None, True, first=True)])
+                    yield event([choice(chat, k, "", None, None, True, first=True)])
             for ev in first:
                 yield chunk(ev)
             while not run.done and run.error is None:

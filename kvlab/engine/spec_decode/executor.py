@@ -30,8 +30,8 @@ from kvlab.core.engine_core import ModelOutput
 from kvlab.core.scheduler_api import RuntimeRequest, SchedulerOutput
 from kvlab.core.spec_plan import stop_cut
 
-from ..attention import ChunkSpec, Workspace, build_metadata
-from ..executor import StepInfo
+from ..attention import ChunkSpec, build_metadata
+from ..executor import StepInfo, TorchExecutor
 from ..kv_cache import PagedKVCache
 from ..model import LlamaModel
 from ..sampling import SamplerState
@@ -59,22 +59,18 @@ class SpecStepInfo(StepInfo):
     draft_s: float = 0.0
 
 
-class SpecExecutor:
-    """Executor of a speculating engine: ``model`` over ``cache``, drafts from ``proposer``."""
+class SpecExecutor(TorchExecutor):
+    """Executor of a speculating engine: ``model`` over ``cache``, drafts from ``proposer``.
+    Sampler states as :class:`TorchExecutor`'s; ``requests`` looks up a request's tokens
+    (the proposers read its context)."""
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache,
                  requests: Callable[[str], RuntimeRequest],
                  proposer: DraftModelProposer | NgramProposer,
                  metrics: SpecDecodeMetrics) -> None:
-        self.model, self.cache, self.requests = model, cache, requests
+        super().__init__(model, cache)
+        self.requests = requests
         self.proposer, self.metrics = proposer, metrics
-        self.device = model.device
-        self.block_size = cache.block_size
-        self.workspace = Workspace(self.device, getattr(cache, "compute_dtype", cache.data.dtype))
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
@@ -84,8 +80,7 @@ class SpecExecutor:
         rows: dict[str, RowContext] = {}
         for i in sampling:
             request = self.requests(chunks[i].request_id)
-            state = request.engine_state
-            assert isinstance(state, SamplerState), "request without a sampler"
+            state = self.samplers[request.request_id]
             seed = state.generator.initial_seed() if state.generator is not None else None
             rows[request.request_id] = RowContext(request.all_token_ids, state.params, seed,
                                                   grammar_of(state))

@@ -72,7 +72,7 @@ class Speculator:
         """The engine's executor: :class:`TorchExecutor` without a speculator, else a
         :class:`SpecExecutor` whose draft cache gets the target cache's geometry."""
         if speculator is None:
-            return TorchExecutor(model, cache, requests)
+            return TorchExecutor(model, cache)
         return speculator.executor(model, cache, requests, max_model_len)
 
     def executor(self, model: LlamaModel, cache: PagedKVCache,

@@ -7,7 +7,7 @@
    model's vocabulary at ``add_request`` (:class:`GrammarCompiler`, cached; a bad pattern raises
    :class:`GrammarError` before anything is queued);
 2. gives every sequence (each of the ``n`` samples) its own :class:`GrammarState`, kept in
-   ``SamplerState.grammar`` inside ``RuntimeRequest.engine_state``;
+   ``SamplerState.grammar``, which the executor owns with the rest of the sampler state;
 3. each step, masks the logits rows of constrained sequences with their allowed next tokens
    and advances each grammar by the sampled token (:func:`sample_with_grammars`, the executor's
    one hook); the grammar ends at EOS, which finishes the request with ``"stop"``.

@@ -67,7 +67,7 @@ class StructuredOutputManager:
 
     @staticmethod
     def check_states(sequences: Iterable[tuple[str, object, Sequence[int]]]) -> None:
-        """AssertionError unless every ``(request id, engine_state, output_token_ids)`` with a
+        """AssertionError unless every ``(request id, sampler state, output_token_ids)`` with a
         grammar has accepted exactly its output tokens (the invariant of the engine)."""
         for rid, state, outputs in sequences:
             grammar = getattr(state, "grammar", None)
