@@ -6,12 +6,15 @@ with server-sent events, ending ``data: [DONE]``), ``GET /v1/models``, ``GET /v1
 and uvicorn; the engine steps in one background thread
 (:class:`~kvlab.entrypoints.async_engine.AsyncEngine`).
 
-Nothing slow runs on the event loop: a request body is read up to ``max_body_bytes`` (413
-beyond), then parsed, tokenized (once) and validated in a worker thread. Text is detokenized
-incrementally per sample (:class:`~kvlab.engine.detokenizer.TextStream`): a stream never sends
-half a UTF-8 character and never resends text; stop strings end a sample (the match excluded,
-``finish_reason="stop"``, ``stop_reason`` the string) and abort its engine request once every
-sample of it has ended. A streamed chunk carries one choice.
+This module wires HTTP to the parts: a body is read here up to ``max_body_bytes`` (413
+beyond), then parsed (:mod:`~kvlab.entrypoints.openai_protocol`), tokenized once and validated
+(:func:`~kvlab.entrypoints.request_run.prepare`) in worker threads, so nothing slow runs on the
+event loop. :class:`~kvlab.entrypoints.request_run.RequestRun` turns the engine's deltas into
+each choice's text (incremental detokenization: never half a UTF-8 character, never resent;
+stop strings end a sample, the match excluded, ``finish_reason="stop"``, ``stop_reason`` the
+string, and abort its engine request once every sample has ended; ``echo``) and logprobs, which
+:mod:`~kvlab.entrypoints.openai_responses` shapes as OpenAI does. A streamed chunk carries one
+choice.
 
 Errors are OpenAI's error object (:mod:`kvlab.entrypoints.openai_protocol`) and never stop the
 server. A client that disconnects has its request aborted and its KV freed; one that reads too
@@ -312,7 +315,7 @@ def make_engine(args: argparse.Namespace):
 
     import torch
 
-    from kvlab.core.scheduler import ProductionScheduler
+    from kvlab.core.policies import ProductionScheduler
     from kvlab.engine.llm_engine import LLMEngine
 
     if args.threads > 0:

@@ -1,0 +1,234 @@
+"""One HTTP request on the engine: its prompts tokenized and checked, then its choices' text.
+
+:func:`prepare` turns a parsed request into ``(token ids, SamplingParams, prompt text)`` per
+prompt, with a 400 naming the field for anything the engine would refuse (call it off the event
+loop: it tokenizes). :class:`RequestRun` follows the engine requests of one HTTP request (one
+per prompt; choice ``k = prompt * n + sample``) and turns their deltas into :class:`Event`
+objects: each choice's text is detokenized incrementally and cut at stop strings
+(:class:`ChoiceText`), the echoed prompt is prepended to its first event, and with logprobs each
+new token comes with its :class:`~kvlab.entrypoints.openai_responses.TokenLogprob` (the engine's
+values, and where the token's text starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvlab.engine.detokenizer import TextStream
+from kvlab.engine.params import SamplingParams
+from kvlab.engine.structured_outputs.grammar import GrammarError
+
+from .async_engine import AsyncEngine, RequestStream, StreamDelta
+from .openai_protocol import APIError, ParsedRequest
+from .openai_responses import TokenLogprob
+
+__all__ = ["ChoiceText", "Event", "RequestRun", "Work", "prepare"]
+
+
+@dataclass(frozen=True)
+class Work:
+    """One prompt, ready for the engine: its token ids, its sampling parameters and its text
+    (the prompt string, or its token ids decoded; what ``echo`` prepends)."""
+
+    token_ids: tuple[int, ...]
+    params: SamplingParams
+    prompt_text: str
+
+
+def prepare(aeng: AsyncEngine, parsed: ParsedRequest) -> list[Work]:
+    """Tokenize (once) and validate every prompt of ``parsed`` (worker thread); APIError 400
+    naming the field the engine refuses."""
+    engine = aeng.engine
+    tokenizer = engine.tokenizer
+    param = "messages" if parsed.chat else "prompt"
+    if tokenizer is None:
+        for needs, name in ((parsed.stop, "stop"), (parsed.logprobs is not None, "logprobs")):
+            if needs:
+                raise APIError(400, f"{name} needs a tokenizer (to find or name text); this "
+                                    "model has none", param=name, code="invalid_value")
+    out = []
+    for prompt in parsed.prompts:
+        try:
+            text, ids = engine.encode_prompt(prompt)
+        except (ValueError, TypeError) as err:
+            raise APIError(400, str(err), param=param, code="invalid_value") from None
+        if len(ids) >= engine.max_model_len:
+            raise APIError(400, f"This model's maximum context length is "
+                                f"{engine.max_model_len} tokens; the prompt has {len(ids)} "
+                                "and leaves no room to generate", param=param,
+                           code="context_length_exceeded")
+        params = parsed.params_for(len(ids), engine.max_model_len)
+        try:
+            aeng.validate(list(ids), params)
+        except GrammarError as err:
+            raise APIError(400, f"{parsed.structured_param}: {err}",
+                           param=parsed.structured_param, code="invalid_value") from None
+        except (ValueError, TypeError) as err:
+            name = "n" if str(err).startswith("n=") else param
+            raise APIError(400, str(err), param=name, code="invalid_value") from None
+        if text is None:
+            text = tokenizer.decode(list(ids)) if parsed.echo and tokenizer is not None else ""
+        out.append(Work(tuple(ids), params, text))
+    return out
+
+
+@dataclass
+class Event:
+    """What choice ``index`` gained: new ``text``, the ``finish`` reason at its end, and with
+    logprobs one entry per new token (``[]`` when none arrived)."""
+
+    index: int
+    text: str
+    finish: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+class ChoiceText(TextStream):
+    """A :class:`~kvlab.engine.detokenizer.TextStream` that can also say where each token's
+    text starts: ``push(ids, offsets)`` appends one offset per token, the number of characters
+    decoded before it plus ``start`` (the echoed prompt's length). Tokens that end inside a
+    character share the offset of that character's start. Offsets count decoded text, so a
+    token after a stop string's start points past the (cut) choice text."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...],
+                 start: int = 0) -> None:
+        super().__init__(decode, stop)
+        self.decoded = start
+
+    def push(self, new_ids: Iterable[int], offsets: list[int] | None = None) -> str:
+        if offsets is None:
+            return super().push(new_ids)
+        pieces = []
+        for t in new_ids:
+            offsets.append(self.decoded)
+            piece = self.detok.push([t])      # per token: the text each one completes
+            self.decoded += len(piece)
+            pieces.append(piece)
+        out = self.matcher.feed("".join(pieces))
+        self.text += out
+        return out
+
+
+class RequestRun:
+    """The engine requests of one HTTP request and their choices' text (see the module
+    docstring). :meth:`next` waits for any request's next delta and turns it into events;
+    :meth:`close` aborts what is unfinished (always call it). ``keep``: also keep each choice's
+    logprob entries for the whole answer (non-streaming)."""
+
+    def __init__(self, streams: list[RequestStream], parsed: ParsedRequest, work: list[Work],
+                 decode: Callable[[list[int]], str], keep: bool) -> None:
+        self.streams = streams
+        self.n = n = parsed.params.n
+        total = len(streams) * n
+        self.echo = [w.prompt_text if parsed.echo else "" for w in work for _ in range(n)]
+        self.texts = [ChoiceText(decode, parsed.stop, len(self.echo[k])) for k in range(total)]
+        self.want_logprobs = parsed.logprobs is not None
+        self.keep = keep and self.want_logprobs
+        self.entries: list[list[TokenLogprob]] = [[] for _ in range(total)]
+        self.echoed = [not parsed.echo] * total
+        self.finish: list[str | None] = [None] * total
+        self.stop_reason: list[str | int | None] = [None] * total
+        self.tokens = [0] * total
+        self.prompt_tokens = [0] * len(streams)
+        self.stop_ids = frozenset(parsed.params.stop_token_ids)
+        self.pending: dict[asyncio.Future, int] = {}
+        self.error: str | None = None
+        self.seen = [False] * len(streams)
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self.finish)
+
+    def text(self, k: int) -> str:
+        """Choice ``k``'s whole text so far (echoed prompt included)."""
+        return self.echo[k] + self.texts[k].text
+
+    def _logprobs(self, token_ids: list[int], lps: list[dict[int, float]] | None,
+                  offsets: list[int]) -> list[TokenLogprob]:
+        if lps is None or len(lps) != len(token_ids):
+            raise RuntimeError(f"the engine returned {0 if lps is None else len(lps)} logprob "
+                               f"entries for {len(token_ids)} tokens")
+        return [TokenLogprob(t, top[t], top, off)
+                for t, top, off in zip(token_ids, lps, offsets, strict=True)]
+
+    def _apply(self, s: int, delta: StreamDelta) -> list[Event]:
+        self.seen[s] = True
+        self.prompt_tokens[s] = delta.num_prompt_tokens
+        self.error = self.error or delta.error
+        events = []
+        for c in delta.choices:
+            k = s * self.n + c.index
+            if self.finish[k] is not None:
+                continue                        # ended by a stop string: the rest is dropped
+            ts = self.texts[k]
+            self.tokens[k] += len(c.token_ids)
+            offsets: list[int] | None = [] if self.want_logprobs else None
+            text = ts.push(c.token_ids, offsets)
+            entries = None if offsets is None else self._logprobs(c.token_ids, c.logprobs,
+                                                                  offsets)
+            if self.keep and entries:
+                self.entries[k].extend(entries)
+            reason = "stop" if ts.stopped else None
+            if reason is None and c.finish_reason is not None:
+                text += ts.finish()
+                reason = "stop" if ts.stopped else c.finish_reason
+                if not ts.stopped and reason == "stop" and ts.token_ids \
+                        and ts.token_ids[-1] in self.stop_ids:
+                    self.stop_reason[k] = ts.token_ids[-1]     # vLLM: the stop token's id
+            if ts.stopped:
+                self.stop_reason[k] = ts.stop_reason
+            self.finish[k] = reason
+            first = not self.echoed[k]
+            if first:
+                text, self.echoed[k] = self.echo[k] + text, True
+            if text or reason is not None or entries or first:
+                events.append(Event(k, text, reason, entries))
+        stream = self.streams[s]
+        if not stream.finished and all(self.finish[s * self.n + j] is not None
+                                       for j in range(self.n)):
+            stream.close({j: "stop" for j in range(self.n)})   # every sample hit a stop string
+        return events
+
+    async def next(self, gone: asyncio.Future | None = None) -> list[Event] | None:
+        """Events of the next delta(s) to arrive; None if ``gone`` finished first."""
+        armed = set(self.pending.values())
+        for s, stream in enumerate(self.streams):
+            if not stream.finished and s not in armed:
+                self.pending[asyncio.ensure_future(stream.next())] = s
+        if not self.pending:
+            return []
+        waits = set(self.pending) | ({gone} if gone is not None else set())
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        events: list[Event] = []
+        got = False
+        for fut in done:
+            if fut is gone:
+                continue
+            got = True
+            events += self._apply(self.pending.pop(fut), fut.result())
+        return events if got else None
+
+    async def first(self, gone: asyncio.Future) -> list[Event] | None:
+        """Events until every request delivered once (an admission reject shows then)."""
+        events: list[Event] = []
+        while not all(self.seen) and not self.done:
+            got = await self.next(gone)
+            if got is None:
+                return None
+            events += got
+        return events
+
+    def close(self) -> None:
+        for fut in self.pending:
+            fut.cancel()
+        self.pending.clear()
+        for s, stream in enumerate(self.streams):
+            stream.close({j: "stop" for j in range(self.n)
+                          if self.finish[s * self.n + j] == "stop"})
+
+    def usage(self) -> dict[str, Any]:
+        prompt, gen = sum(self.prompt_tokens), sum(self.tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen}
