@@ -290,3 +290,55 @@ def test_bad_logprobs_and_echo_are_400s_naming_the_field(server, route, extra, p
     ok = httpx.post(server.url + route, json={**base, "logprobs": True if "chat" in route
                                               else 1}, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["logprobs"] is not None
+
+
+# ---------------------------------------------------------------- several tokens per step
+
+def test_speculative_steps_deliver_one_entry_per_token(llm):
+    """n-gram speculation hands the server several tokens per step: each still gets its own
+    logprob entry, the values are the speculative engine's, the tokens are greedy's."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    engine = LLMEngine(MODEL, max_model_len=128, speculative_config=spec)
+    prompt = "the river and the town and the river and the town and the"
+    with ServerThread(build_app(AsyncEngine(engine, model_name=MODEL), MODEL)) as srv:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                "logprobs": 1, "ignore_eos": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True},
+                          timeout=60) as resp:
+            chunks = [c["choices"][0] for c in sse(resp)]
+        plain = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+    assert max(len(c["logprobs"]["tokens"]) for c in chunks) > 1     # several per step
+    lp = plain["choices"][0]["logprobs"]
+    assert [x for c in chunks for x in c["logprobs"]["token_logprobs"]] == lp["token_logprobs"]
+    ref_spec = LLM(MODEL, max_model_len=128, speculative_config=spec)
+    want = reference(ref_spec, prompt, max_tokens=24, temperature=0, logprobs=1,
+                     ignore_eos=True)
+    greedy = reference(llm, prompt, max_tokens=24, temperature=0, ignore_eos=True)
+    assert plain["choices"][0]["text"] == want.text == greedy.text
+    assert lp["token_logprobs"] == [d[t] for t, d in zip(want.token_ids, want.logprobs,
+                                                         strict=True)]
+
+
+def test_logprobs_and_stop_need_a_tokenizer(tmp_path):
+    """A checkpoint without tokenizer.json takes token-id prompts; logprobs cannot name
+    tokens there and stop strings cannot be found: 400s naming the field."""
+    import shutil
+    from pathlib import Path
+
+    import kvlab.models
+
+    src = Path(kvlab.models.__file__).parent / MODEL
+    for f in src.iterdir():
+        if f.name not in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(f, tmp_path / f.name)
+    engine = LLMEngine(str(tmp_path), max_model_len=64)
+    assert engine.tokenizer is None
+    with ServerThread(build_app(AsyncEngine(engine, model_name=MODEL), MODEL)) as srv:
+        for extra, param in (({"logprobs": 2}, "logprobs"), ({"stop": "x"}, "stop")):
+            resp = httpx.post(srv.url + "/v1/completions", json={
+                "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, **extra}, timeout=60)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == param
+        ok = httpx.post(srv.url + "/v1/completions", json={
+            "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
