@@ -29,8 +29,9 @@ from _results import write_results
 
 from kvlab.core.engine_core import EngineCore
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
+from kvlab.core.policies import BaselineScheduler, ProductionScheduler
 from kvlab.core.scheduler_api import RuntimeRequest
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.costmodel import RooflineCostModel
 from kvlab.sim.executor import CostModelExecutor, sim_token
 

@@ -19,8 +19,9 @@ from kvlab.core.invariant_set import (
     InvariantViolation,
 )
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
+from kvlab.core.policies import BaselineScheduler, ProductionScheduler
 from kvlab.core.scheduler_api import RuntimeRequest, ScheduledChunk, SchedulerOutput
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.chaos import ChaosConfig, ChaosExecutor, run_chaos
 
 SEEDS = range(120)

@@ -328,7 +328,7 @@ def test_rejected_request_with_n_samples_finishes(model_dir, prompts):
     finish_reason 'rejected' on every one of its n samples."""
     import dataclasses
 
-    from kvlab.core.scheduler import ProductionScheduler
+    from kvlab.core.policies import ProductionScheduler
 
     def no_queue(kv, config):
         return ProductionScheduler(kv, dataclasses.replace(config, max_waiting=0))

@@ -24,8 +24,9 @@ pytest.importorskip("transformers")
 from kvlab.core.engine_core import EngineBusy, EngineCore, ModelOutput
 from kvlab.core.event_log import EventLog
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import BaselineScheduler, SchedulerConfig
+from kvlab.core.policies import BaselineScheduler
 from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.engine.hf_parity import save_random_hf_model
 from kvlab.engine.llm import LLM
 from kvlab.engine.llm_engine import LLMEngine

@@ -17,8 +17,9 @@ import pytest
 from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.event_log import EventLog
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
+from kvlab.core.policies import BaselineScheduler, ProductionScheduler
 from kvlab.core.scheduler_api import RuntimeRequest
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.tokens import drive
 
 SHARED = tuple(range(900, 940))

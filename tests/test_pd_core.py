@@ -26,9 +26,10 @@ from kvlab.core.kv_transfer import (
     token_ids_hash,
 )
 from kvlab.core.lifecycle import TRANSITIONS, IllegalTransition, Lifecycle
+from kvlab.core.policies import BaselineScheduler
 from kvlab.core.remote_kv import RemoteKVPolicy, RemoteKVScheduler
-from kvlab.core.scheduler import BaselineScheduler, SchedulerConfig
 from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.core.transfer_faults import FAULT_KINDS, Fault, FaultInjector, FaultSchedule
 from kvlab.reference import REQUIRED_KV_FIELDS
 from kvlab.sim.pd import TOY_FIELDS, run_pair

@@ -14,9 +14,10 @@ import pytest
 from kvlab.core.event_log import CorruptLog, Event, seal
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.lifecycle import EventLog, SimulatedCrash
+from kvlab.core.policies import ProductionScheduler
 from kvlab.core.recovery import plan_recovery, recover, replay
-from kvlab.core.scheduler import ProductionScheduler, SchedulerConfig
 from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.tokens import drive
 
 S = RequestStatus

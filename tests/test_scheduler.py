@@ -9,13 +9,9 @@ import pytest
 
 from kvlab.core.event_log import EventLog
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import (
-    BaselineScheduler,
-    ProductionScheduler,
-    SchedulerConfig,
-    starvation_bound,
-)
+from kvlab.core.policies import BaselineScheduler, ProductionScheduler, starvation_bound
 from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest, SchedulerOutput
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.reference import Phase, Request, build_batch
 from kvlab.sim.tokens import drive, greedy_tokens, hash_token
 

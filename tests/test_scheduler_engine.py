@@ -14,7 +14,7 @@ pytest.importorskip("kvlab.engine.llm_engine")
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler  # noqa: E402
+from kvlab.core.policies import BaselineScheduler, ProductionScheduler  # noqa: E402
 from kvlab.engine.hf_parity import save_random_hf_model  # noqa: E402
 from kvlab.engine.llm import LLM  # noqa: E402
 from kvlab.engine.params import SamplingParams  # noqa: E402

@@ -11,13 +11,9 @@ from hypothesis import strategies as st
 
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.lifecycle import RUNNING_STATUSES
-from kvlab.core.scheduler import (
-    BaselineScheduler,
-    ProductionScheduler,
-    SchedulerConfig,
-    starvation_bound,
-)
+from kvlab.core.policies import BaselineScheduler, ProductionScheduler, starvation_bound
 from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.tokens import drive, hash_token
 
 S = RequestStatus

@@ -11,9 +11,10 @@ from matplotlib.legend import Legend
 
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.lifecycle import RUNNING_STATUSES
+from kvlab.core.policies import BaselineScheduler, default_order_key
 from kvlab.core.recovery import replay
-from kvlab.core.scheduler import BaselineScheduler, SchedulerConfig, default_order_key
 from kvlab.core.scheduler_api import RuntimeRequest
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.exercises import ch05, ch06
 from kvlab.exercises._common import NotYetAnswered, try_check
 from kvlab.sim.tokens import drive
@@ -321,7 +322,7 @@ def test_ch06_stream_gaps_debug_check():
 
 
 def test_recovery_figure_and_explorer():
-    from kvlab.core.scheduler import ProductionScheduler
+    from kvlab.core.policies import ProductionScheduler
     from kvlab.viz.lifecycle import RecoveryExplorer, RecoveryRow, event_text, recovery_figure
 
     def make(kv, log):

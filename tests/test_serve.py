@@ -187,7 +187,7 @@ def test_client_timeouts_and_abandons_are_counted_by_kind_and_free_kv(server,
 def test_admission_rejects_are_503_and_counted_as_rejects() -> None:
     import dataclasses
 
-    from kvlab.core.scheduler import ProductionScheduler
+    from kvlab.core.policies import ProductionScheduler
 
     engine = LLMEngine(MODEL, max_model_len=128, max_num_seqs=2, scheduler=lambda kv, cfg:
                        ProductionScheduler(kv, dataclasses.replace(cfg, max_waiting=1)))

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
+from kvlab.core.policies import BaselineScheduler, ProductionScheduler
 from kvlab.core.scheduler_api import ScheduledChunk
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.costmodel import RooflineCostModel, speculative_step_cost
 from kvlab.sim.executor import SimClock, simulate
 from kvlab.sim.static_batching import StaticBatchScheduler

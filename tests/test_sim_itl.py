@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import BaselineScheduler, SchedulerConfig
+from kvlab.core.policies import BaselineScheduler
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.costmodel import RooflineCostModel
 from kvlab.sim.executor import RequestRecord, SimResult, StepRecord, simulate
 from kvlab.sim.itl import inter_token_latencies, percentile, token_times

@@ -11,8 +11,9 @@ import pytest
 
 from kvlab.core.event_log import EventLog
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
+from kvlab.core.policies import BaselineScheduler, ProductionScheduler
 from kvlab.core.scheduler_api import ScheduledChunk
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.core.slo import SLO, evaluate_slo
 from kvlab.sim import RooflineCostModel, fixed, make_workload, simulate, uniform
 from kvlab.sim.serving import (

@@ -45,9 +45,9 @@ from .invariants import KV_MANAGER_INVARIANTS, InvariantSet, check_kv_manager
 from .kv_manager import KVCacheManager, KVSnapshot
 from .lifecycle import TRANSITIONS, EventLog, Lifecycle
 from .paging import BlockTable, block_table_array, slot_mapping, slots_for
+from .policies import BaselineScheduler, ProductionScheduler
 from .radix import PrefixMatch, RadixCache, RadixSnapshot
 from .recovery import recover
-from .scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
 from .scheduler_api import (
     FinishReason,
     RequestStatus,
@@ -55,6 +55,7 @@ from .scheduler_api import (
     ScheduledChunk,
     SchedulerOutput,
 )
+from .scheduler_config import SchedulerConfig
 from .scope import SCOPE_FIELDS, CacheScope, scope_key
 from .token_trie import TokenTrie
 

@@ -1,52 +1,401 @@
-"""Continuous-batching schedulers over a paged KV cache (spec rules 5, 6 and 11).
-
-Two schedulers implement the :class:`~kvlab.core.scheduler_api.Scheduler` protocol:
-
-* :class:`BaselineScheduler` is the spec's reference :func:`kvlab.reference.build_batch`
-  (decode first, then FIFO prefill chunks into what is left of the token budget) wrapped to own
-  real requests and real KV. Where KV is ample its batch *is* ``build_batch``'s (tested). When KV
-  runs short it does what early engines did: it admits a waiting request only if its first
-  chunk fits (head of line: it never skips ahead), and when a running request cannot grow it
-  preempts the most recently admitted running request that is not yet scheduled this step
-  (recompute: its KV is freed, it waits at the front of the queue and keeps its tokens).
-* :class:`ProductionScheduler` shares one token budget between decodes and chunked prefills
-  and adds admission control with KV reservation, priority classes, deadlines (EDF), cache
-  affinity, ageing with a stated starvation bound, a deterministic preemption victim policy and
-  an explicit overload policy. Its policy is documented on the class.
-
-Both are deterministic: no clocks, no randomness, no set-order dependence.
-
-Common rules (the base class):
-
-* ``add_request`` validates its input (``ValueError``, scheduler unchanged) and then *rejects*
-  (status REJECTED, reason in ``status_message``) a request that can never fit: its prompt does
-  not fit ``max_model_len``, or prompt + max_tokens needs more KV blocks than the pool has.
-  Rejected requests appear in the next output's ``rejected`` and in the list returned by the
-  next ``update_from_output``.
-* ``num_computed_tokens`` advances in ``update_from_output`` (KV is written when the step ran),
-  so ``schedule()`` may not be called again before the previous output was consumed.
-* Every non-terminal request is in exactly one queue: ``waiting`` (WAITING or PREEMPTED, holds
-  no KV) or ``running`` (RUNNING, holds a block table). ``check_invariants`` checks it.
+"""What kvlab's schedulers share: the request registry and queues, one step's protocol
+(``schedule`` / ``update_from_output`` / ``fail_step``), KV bookkeeping, and recovery's entry
+point. The policies live in :mod:`.policies`, the budgets in :mod:`.scheduler_config`, request
+validation on :meth:`RuntimeRequest.check_new`, the invariants in
+:func:`kvlab.core.invariants.check_scheduler`.
 """
 
 from __future__ import annotations
 
-from .scheduler_base import SchedulerBase
-from .scheduler_baseline import BaselineScheduler
-from .scheduler_config import SchedulerConfig
-from .scheduler_production import (
-    OrderKey,
-    ProductionScheduler,
-    default_order_key,
-    starvation_bound,
-)
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-__all__ = [
-    "BaselineScheduler",
-    "OrderKey",
-    "ProductionScheduler",
-    "SchedulerBase",
-    "SchedulerConfig",
-    "default_order_key",
-    "starvation_bound",
-]
+from .block_pool import OutOfBlocks
+from .lifecycle import (
+    WAITING_STATUSES,
+    EventLog,
+    Lifecycle,
+)
+from .scheduler_api import (
+    RequestStatus,
+    RuntimeRequest,
+    ScheduledChunk,
+    SchedulerOutput,
+    StepPlan,
+    check_sampled,
+    stop_reason,
+)
+from .scheduler_config import SchedulerConfig
+from .spec_plan import plan_lookahead
+
+S = RequestStatus
+
+
+class SchedulerBase:
+    """Request registry, queues, KV bookkeeping and output handling shared by both policies."""
+
+    #: The event log is compacted (ended, released requests dropped) when it reaches this many
+    #: events, then whenever it doubles in size since the last compaction.
+    compact_min_events: int = 4096
+
+    def __init__(self, kv: Any, config: SchedulerConfig | None = None, *,
+                 log: EventLog | None = None) -> None:
+        config = config if config is not None else SchedulerConfig()
+        if config.max_num_seqs > config.max_num_batched_tokens:
+            raise ValueError(
+                f"{type(self).__name__} needs max_num_seqs <= max_num_batched_tokens (got "
+                f"{config.max_num_seqs} > {config.max_num_batched_tokens}) so that a full batch "
+                "still gives every request at least one token")
+        self.kv = kv
+        self.config = config
+        self.lifecycle = Lifecycle(log, step=lambda: self._step)
+        self._requests: dict[str, RuntimeRequest] = {}
+        self._counter = 0                       # source of arrival_seq / admit_seq
+        self.waiting: list[str] = []
+        self.running: list[str] = []
+        self._step = 0
+        self._inflight: SchedulerOutput | None = None
+        self._inflight_ids: set[str] = set()
+        self._ended: list[RuntimeRequest] = []  # rejected/failed, reported by update_from_output
+        self._rejected_pending: list[str] = []  # rejected since the last schedule()
+        self._compact_at = self.compact_min_events  # log size that triggers the next compaction
+
+    # -- protocol: queries --------------------------------------------------------------------
+
+    @property
+    def log(self) -> EventLog | None:   # the write-ahead log passed in; None: none kept
+        return self.lifecycle.log
+
+    @property
+    def step_count(self) -> int:
+        """Steps scheduled so far (the ``step`` of the latest output)."""
+        return self._step
+
+    def get_request(self, request_id: str) -> RuntimeRequest:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"unknown request {request_id!r}") from None
+
+    def requests(self) -> Sequence[RuntimeRequest]:
+        """Every request added and not forgotten, in arrival order (terminal ones included)."""
+        return list(self._requests.values())
+
+    def forget(self, request_id: str) -> RuntimeRequest:
+        """Drop an ended, reported request from the registry (the engine core does, so memory
+        follows the live requests). KeyError unknown id; ValueError (nothing changed) unless
+        :meth:`can_forget`."""
+        request = self.get_request(request_id)
+        if not self.can_forget(request_id):
+            raise ValueError(f"request {request_id!r} is {request.status.value}: not ended, "
+                             "or still being reported or executed")
+        del self._requests[request_id]
+        return request
+
+    def can_forget(self, request_id: str) -> bool:
+        """Whether :meth:`forget` would succeed: known, ended, reported, not in flight."""
+        request = self._requests.get(request_id)
+        return (request is not None and request.status.is_terminal
+                and not any(r is request for r in self._ended)
+                and request_id not in self._inflight_ids)
+
+    def _next_seq(self) -> int:
+        """The next value of the counter that orders arrivals and admissions."""
+        self._counter += 1
+        return self._counter
+
+    def find_request(self, request_id: str) -> RuntimeRequest | None:
+        """The request with this id, or None if unknown (or forgotten)."""
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self._ended or self._inflight_ids)
+
+    # -- protocol: request arrival and abort --------------------------------------------------
+
+    def add_request(self, request: RuntimeRequest) -> None:
+        """Queue ``request``; reject it (REJECTED + reason) if it can never fit or on overload."""
+        if not isinstance(request, RuntimeRequest):
+            raise TypeError(f"expected a RuntimeRequest, got {type(request).__name__}")
+        request.check_new()
+        if request.request_id in self._requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.lifecycle.add(request)
+        rid = request.request_id
+        self._requests[rid] = request
+        request.arrival_seq = self._next_seq()
+        request.arrival_step = self._step
+        why = self._never_fits(request) or self._overloaded(request)
+        if why is not None:
+            self.lifecycle.reject(request, why)
+            self._ended.append(request)
+            self._rejected_pending.append(rid)
+            return
+        self.waiting.append(rid)
+
+    def abort_request(self, request_id: str) -> RuntimeRequest | None:
+        """Cancel a request (client abort) and free its KV. Idempotent: an ended request is
+        returned unchanged, an unknown id returns None. RuntimeError (nothing changed) for a
+        request in the step in flight: the executor may still be reading its KV, so an abort
+        that arrives then waits for the step's end (:class:`~kvlab.core.engine_core.EngineCore`
+        holds it until then)."""
+        request = self._requests.get(request_id)
+        if request is None or request.status.is_terminal:
+            return request
+        if request_id in self._inflight_ids:
+            raise RuntimeError(f"abort_request({request_id!r}) during the step that runs it: "
+                               "abort after update_from_output() or fail_step()")
+        in_queue = self.waiting if request.status in WAITING_STATUSES else self.running
+        self.lifecycle.cancel(request)
+        in_queue.remove(request_id)
+        self.lifecycle.release(request, self.kv)
+        return request
+
+    # -- protocol: one step -------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's chunks; allocates their KV. See the policy class for the rules."""
+        if self._inflight is not None:
+            if not self._inflight.is_empty:
+                raise RuntimeError(
+                    f"schedule() called before update_from_output() of step {self._inflight.step}")
+            self._inflight = None
+        self._step += 1
+        plan = StepPlan(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self._schedule_into(plan)
+        if self.config.num_lookahead_tokens:
+            plan_lookahead(self, plan)    # speculative decoding's draft slots
+        chunks = tuple(plan.chunks)
+        output = SchedulerOutput(
+            step=self._step,
+            chunks=chunks,
+            copies=tuple(plan.copies),
+            preempted=tuple(plan.preempted),
+            admitted=tuple(plan.admitted),
+            rejected=tuple(self._rejected_pending),
+            num_batched_tokens=sum(c.num_query_tokens for c in chunks),
+        )
+        self._rejected_pending = []
+        self._inflight = output
+        self._inflight_ids = {c.request_id for c in chunks}
+        return output
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: Mapping[str, int]
+    ) -> list[RuntimeRequest]:
+        """Apply a step's results; returns requests that ended (finished, rejected, failed).
+
+        ``sampled`` maps every request whose chunk had ``sample=True`` to its new token (a
+        tuple with lookahead, :mod:`.spec_plan`). Validated before anything changes
+        (ValueError: the step stays in flight).
+        """
+        inflight = self._inflight
+        if inflight is None or output is not inflight:
+            if output.is_empty and not sampled:
+                ended, self._ended = self._ended, []
+                return ended
+            raise ValueError(f"output of step {output.step} is not the step in flight")
+        tokens = check_sampled(output, sampled)   # speculative chunks answer a tuple
+        ended: list[RuntimeRequest] = []
+        touched: list[RuntimeRequest] = []
+        for chunk in output.chunks:
+            request = self._requests[chunk.request_id]
+            got = tokens.get(chunk.request_id, (None,))
+            for i, token in enumerate(got):   # accepted drafts count as computed, one by one
+                request.num_computed_tokens = chunk.start_pos + chunk.num_tokens + i
+                self._apply_token(request, token)
+                if stop_reason(request) is not None:
+                    break
+            if chunk.num_lookahead:   # give back the blocks past the accepted tokens
+                self.kv.truncate(chunk.request_id, request.num_computed_tokens)
+            touched.append(request)
+        for request in touched:
+            rid, computed = request.request_id, request.num_computed_tokens
+            if self.kv.needs_commit(rid, computed):  # False: commit would change nothing
+                self.kv.commit(rid, request.token_slice(0, computed))
+            reason = stop_reason(request)
+            if reason is not None:
+                self.lifecycle.finish(request, reason)
+                self.running.remove(request.request_id)
+                self.lifecycle.release(request, self.kv)
+                ended.append(request)
+        self._close_step()
+        early, self._ended = self._ended, []
+        if self.log is not None and len(self.log) >= self._compact_at:
+            self._compact_log()
+        return early + ended
+
+    def _close_step(self) -> None:
+        """End the step in flight."""
+        self._inflight = None
+        self._inflight_ids = set()
+
+    def fail_step(self, output: SchedulerOutput, message: str) -> list[RuntimeRequest]:
+        """The step in flight could not run (the executor raised, or its result was refused).
+
+        Every request of the step becomes FAILED (ERROR, ``message`` in ``status_message``) and
+        releases its KV once; the step's pending copies are completed first (their targets
+        belong only to these requests). The step is cleared, and the next
+        ``update_from_output()`` reports the failed requests. Others are untouched. Returns
+        the failed requests; ValueError (nothing changed) if ``output`` is not in flight.
+        """
+        if self._inflight is None or output is not self._inflight:
+            raise ValueError(f"fail_step: output of step {output.step} is not the step in flight")
+        if not isinstance(message, str):
+            raise TypeError(f"fail_step: message must be a str, got {message!r}")
+        if output.copies:
+            still = Counter(self.kv.pending_copies()) & Counter(output.copies)
+            if still:
+                self.kv.complete_copies(list(still.elements()))
+        failed: list[RuntimeRequest] = []
+        for rid in [c.request_id for c in output.chunks]:
+            request = self._requests[rid]
+            self.lifecycle.fail(request, message)
+            self.running.remove(rid)
+            self.lifecycle.release(request, self.kv)
+            failed.append(request)
+        self._close_step()
+        self._ended.extend(failed)
+        return failed
+
+    def _compact_log(self) -> None:
+        """Checkpoint: drop the log events of requests that ended and hold no KV (amortised
+        O(1) per event: the next compaction waits until the log doubles)."""
+        live = {rid for rid, r in self._requests.items()
+                if not r.status.is_terminal or self.kv.has(rid)}
+        self.log.compact({e.request_id for e in self.log.events} - live)  # ended or forgotten
+        self._compact_at = max(self.compact_min_events, 2 * len(self.log))
+
+    def restore(self, requests: Sequence[RuntimeRequest], running_order: Sequence[str],
+                 step: int) -> None:
+        """Install recovered requests into this empty scheduler (the entry point of recovery).
+
+        Waiting requests are queued preempted-first, each group in arrival order; running
+        requests in ``running_order`` (their admission order before the crash).
+        """
+        if self._requests or self._step:
+            raise RuntimeError("restore needs a fresh scheduler")
+        for request in requests:
+            rid = request.request_id
+            self._requests[rid] = request
+            request.arrival_seq = self._next_seq()
+        self.waiting = (
+            [r.request_id for r in requests if r.status == S.PREEMPTED]
+            + [r.request_id for r in requests if r.status == S.WAITING])
+        for rid in running_order:
+            self.running.append(rid)
+            self._requests[rid].admit_seq = self._next_seq()
+        self._step = step
+
+    # -- invariants ---------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """AssertionError naming the first broken invariant (see
+        :func:`kvlab.core.invariants.check_scheduler`)."""
+        from .invariants import check_scheduler
+
+        check_scheduler(self)
+
+    @property
+    def inflight_ids(self) -> frozenset[str]:
+        """Ids of the requests whose chunks are in the step in flight."""
+        return frozenset(self._inflight_ids)
+
+    # -- helpers for policies -----------------------------------------------------------------
+
+    def _schedule_into(self, plan: StepPlan) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _never_fits(self, request: RuntimeRequest) -> str | None:
+        n = request.num_prompt_tokens
+        if request.max_model_len is not None and n >= request.max_model_len:
+            return f"prompt of {n} tokens leaves no room in max_model_len={request.max_model_len}"
+        need = self.kv.blocks_for(request.max_kv_slots)
+        if need > self.kv.num_blocks:
+            return (f"prompt + max_tokens needs {need} KV blocks; the pool has "
+                    f"{self.kv.num_blocks}: it can never fit")
+        return None
+
+    def _overloaded(self, request: RuntimeRequest) -> str | None:
+        return None
+
+    def _apply_token(self, request: RuntimeRequest, token: int | None) -> None:
+        if token is not None:
+            request.output_token_ids.append(token)
+            if request.first_token_step is None:
+                request.first_token_step = self._step
+        self.lifecycle.progress(request, token)
+
+    def _admit(self, plan: StepPlan, request: RuntimeRequest, cached: int, n: int) -> None:
+        """Give a waiting request its table (reusing ``cached`` prefix tokens) and a chunk."""
+        rid = request.request_id
+        tokens = request.all_token_ids
+        got = self.lifecycle.acquire(
+            request, "admit", lambda: self.kv.admit(rid, request.scope, tokens, cached + n))
+        if got != cached:  # the manager's lookup() and admit() disagree: a bug, not a policy
+            raise AssertionError(f"{rid}: admit reused {got} tokens, lookup said {cached}")
+        first = request.admitted_step is None
+        self.lifecycle.transition(request, S.RUNNING)
+        request.num_computed_tokens = cached
+        if first:
+            request.num_cached_tokens = cached
+            request.admitted_step = self._step
+        self.waiting.remove(rid)
+        request.admit_seq = self._next_seq()
+        self.running.append(rid)
+        plan.admitted.append(rid)
+        plan.add_chunk(self._chunk(request, cached, n))
+
+    def _grow(self, request: RuntimeRequest, n: int) -> list[tuple[int, int]]:
+        """Extend a running request's table for ``n`` more tokens (OutOfBlocks: unchanged)."""
+        start = request.num_computed_tokens
+        return list(self.kv.grow(request.request_id, start + n, write_from=start))
+
+    def _chunk(self, request: RuntimeRequest, start: int, n: int) -> ScheduledChunk:
+        end = start + n
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.token_slice(start, end),
+            start_pos=start,
+            block_table=tuple(self.kv.block_table(request.request_id)),
+            sample=end == request.num_tokens,
+            is_prefill=not request.is_decoding,
+        )
+
+    def _preempt(self, plan: StepPlan, request: RuntimeRequest) -> None:
+        """Recompute preemption: free the KV, back to waiting with its tokens kept."""
+        rid = request.request_id
+        self.lifecycle.transition(request, S.PREEMPTED)
+        self.lifecycle.release(request, self.kv)
+        request.num_computed_tokens = 0
+        self.running.remove(rid)
+        self._requeue_preempted(rid)
+        plan.preempted.append(rid)
+
+    def _requeue_preempted(self, rid: str) -> None:
+        self.waiting.insert(0, rid)
+
+    def _uncomputed_prefix_hit(self, request: RuntimeRequest) -> int:
+        """Tokens of the request served by the prefix cache now (0 without a cache)."""
+        return self.kv.lookup(request.scope, request.all_token_ids)
+
+    def _ensure_kv(self, plan: StepPlan, request: RuntimeRequest, n: int,
+                   victims: Callable[[], list[RuntimeRequest]]) -> bool:
+        """Grow ``request`` by ``n`` tokens, preempting from ``victims()`` (best victim first)
+        while KV is short. False if ``request`` itself had to be preempted or failed."""
+        while True:
+            try:
+                plan.copies.extend(self._grow(request, n))
+                return True
+            except OutOfBlocks:
+                pool = [v for v in victims() if v is not request]
+                if pool:
+                    self._preempt(plan, pool[0])
+                    continue
+                # Nobody else to preempt (the rest is scheduled already, or it runs alone: then
+                # its table holds private duplicates of blocks another request cached first).
+                # Recomputing it later reuses the cache; a lone request always fits then,
+                # because add_request rejected any request whose max_kv_slots exceed the pool.
+                self._preempt(plan, request)
+                return False

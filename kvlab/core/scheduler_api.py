@@ -274,6 +274,76 @@ class SchedulerOutput:
         return not self.chunks
 
 
+class StepPlan:
+    """Mutable accumulator of one step's decisions (budgets are enforced by ``add_chunk``)."""
+
+    def __init__(self, token_budget: int, max_seqs: int) -> None:
+        self.token_budget = token_budget
+        self.max_seqs = max_seqs
+        self.chunks: list[ScheduledChunk] = []
+        self.copies: list[tuple[int, int]] = []
+        self.preempted: list[str] = []
+        self.admitted: list[str] = []
+        self.used = 0
+        self.scheduled: set[str] = set()
+
+    @property
+    def tokens_left(self) -> int:
+        return self.token_budget - self.used
+
+    @property
+    def seqs_left(self) -> int:
+        return self.max_seqs - len(self.chunks)
+
+    def add_chunk(self, chunk: ScheduledChunk) -> None:
+        if chunk.request_id in self.scheduled:
+            raise AssertionError(f"{chunk.request_id} scheduled twice in one step")
+        n = chunk.num_query_tokens
+        if n <= 0 or n > self.tokens_left or self.seqs_left <= 0:
+            raise AssertionError("a chunk would break the step's budgets")
+        self.chunks.append(chunk)
+        self.used += n
+        self.scheduled.add(chunk.request_id)
+
+    def replace_chunk(self, index: int, chunk: ScheduledChunk) -> None:
+        """Swap chunk ``index`` for a larger version of itself (same request; lookahead added)."""
+        old = self.chunks[index]
+        extra = chunk.num_query_tokens - old.num_query_tokens
+        if chunk.request_id != old.request_id or not 0 <= extra <= self.tokens_left:
+            raise AssertionError("replace_chunk: another request, or beyond the token budget")
+        self.chunks[index] = chunk
+        self.used += extra
+
+
+def check_sampled(output: SchedulerOutput, sampled: Mapping[str, Any]
+                  ) -> dict[str, tuple[int, ...]]:
+    """Validate one step's executor answer; returns ``request id -> tokens`` (a tuple).
+
+    A chunk with ``sample=True`` needs an int, or (with lookahead) a tuple of
+    ``1 .. num_lookahead + 1`` ints >= 0; chunks without ``sample`` get nothing. ValueError
+    names the first problem (and nothing was changed).
+    """
+    expected = {c.request_id: c for c in output.chunks if c.sample}
+    missing = set(expected) - set(sampled)
+    extra = set(sampled) - set(expected)
+    if missing:
+        raise ValueError(f"no sampled token for {sorted(missing)}")
+    if extra:
+        raise ValueError(f"sampled tokens for requests that did not sample: {sorted(extra)}")
+    tokens: dict[str, tuple[int, ...]] = {}
+    for rid, chunk in expected.items():
+        got = sampled[rid]
+        seq = tuple(got) if isinstance(got, (tuple, list)) else (got,)
+        if not 1 <= len(seq) <= chunk.num_lookahead + 1:
+            raise ValueError(f"{rid!r}: {len(seq)} tokens for a chunk with "
+                             f"{chunk.num_lookahead} lookahead slots")
+        for token in seq:
+            if not is_int(token) or token < 0:
+                raise ValueError(f"sampled token for {rid!r} must be an int >= 0, got {token!r}")
+        tokens[rid] = seq
+    return tokens
+
+
 class Scheduler(Protocol):
     """What the engine needs from a scheduler; see the module docstring for one step's flow."""
 

@@ -8,11 +8,12 @@ up to ``k + 1`` query tokens. The rules:
 
 * a request gets ``k_r = min(k, max_kv_slots - num_tokens, token budget left)`` slots: never a
   slot past what ``prompt + max_tokens`` (or ``max_model_len``) can use, so the admission
-  reservation of :class:`~kvlab.core.scheduler_production.ProductionScheduler` still covers it;
+  reservation of :class:`~kvlab.core.policies.ProductionScheduler` still covers it;
 * the slots come from ``kv.grow``; when the pool is short the request simply does not
   speculate this step (``k_r = 0``): lookahead never preempts anyone;
 * the executor answers with a tuple of ``1 .. k_r + 1`` tokens (accepted drafts, then the
-  corrected or bonus token); :func:`check_sampled` validates a step's answers and
+  corrected or bonus token); :func:`~kvlab.core.scheduler_api.check_sampled` validates a
+  step's answers and
   the scheduler applies them one by one (stopping at a stop token), then
   :meth:`~kvlab.core.kv_manager.KVCacheManager.truncate` gives back the blocks past the accepted
   tokens. Rejected positions inside a kept block are stale slots that the next step overwrites;
@@ -21,16 +22,16 @@ up to ``k + 1`` query tokens. The rules:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .block_pool import OutOfBlocks
-from .checks import is_int
-from .scheduler_api import RuntimeRequest, SchedulerOutput, stop_reason
-from .step_plan import StepPlan
+from .scheduler_api import RuntimeRequest, StepPlan, stop_reason
 
-__all__ = ["check_sampled", "lookahead_limit", "plan_lookahead", "stop_cut"]
+if TYPE_CHECKING:
+    from .scheduler import SchedulerBase
+
+__all__ = ["lookahead_limit", "plan_lookahead", "stop_cut"]
 
 
 def lookahead_limit(request: RuntimeRequest, k: int) -> int:
@@ -39,12 +40,9 @@ def lookahead_limit(request: RuntimeRequest, k: int) -> int:
     return max(0, min(k, request.max_kv_slots - request.num_tokens))
 
 
-def plan_lookahead(scheduler: Any, plan: StepPlan) -> int:
-    """Give the decoding chunks of ``plan`` their lookahead slots (see the module docstring).
-
-    ``scheduler`` is a :class:`~kvlab.core.scheduler_base.SchedulerBase` (its ``config``,
-    ``kv`` and ``get_request``). Returns the number of lookahead slots granted.
-    """
+def plan_lookahead(scheduler: SchedulerBase, plan: StepPlan) -> int:
+    """Give the decoding chunks of ``plan`` their lookahead slots (see the module docstring);
+    the scheduler calls it when ``num_lookahead_tokens > 0``. Returns the slots granted."""
     k = scheduler.config.num_lookahead_tokens
     granted = 0
     if k <= 0:
@@ -81,32 +79,3 @@ def stop_cut(request: RuntimeRequest, tokens: tuple[int, ...]) -> int:
         if stop_reason(probe) is not None:
             return i + 1
     return len(tokens)
-
-
-def check_sampled(output: SchedulerOutput, sampled: Mapping[str, Any]
-                  ) -> dict[str, tuple[int, ...]]:
-    """Validate one step's executor answer; returns ``request id -> tokens`` (a tuple).
-
-    A chunk with ``sample=True`` needs an int, or (with lookahead) a tuple of
-    ``1 .. num_lookahead + 1`` ints >= 0; chunks without ``sample`` get nothing. ValueError
-    names the first problem (and nothing was changed).
-    """
-    expected = {c.request_id: c for c in output.chunks if c.sample}
-    missing = set(expected) - set(sampled)
-    extra = set(sampled) - set(expected)
-    if missing:
-        raise ValueError(f"no sampled token for {sorted(missing)}")
-    if extra:
-        raise ValueError(f"sampled tokens for requests that did not sample: {sorted(extra)}")
-    tokens: dict[str, tuple[int, ...]] = {}
-    for rid, chunk in expected.items():
-        got = sampled[rid]
-        seq = tuple(got) if isinstance(got, (tuple, list)) else (got,)
-        if not 1 <= len(seq) <= chunk.num_lookahead + 1:
-            raise ValueError(f"{rid!r}: {len(seq)} tokens for a chunk with "
-                             f"{chunk.num_lookahead} lookahead slots")
-        for token in seq:
-            if not is_int(token) or token < 0:
-                raise ValueError(f"sampled token for {rid!r} must be an int >= 0, got {token!r}")
-        tokens[rid] = seq
-    return tokens

@@ -33,8 +33,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvlab.core.paging import token_slots
-
 from . import cpu_kernels, triton_kernels
 from .bucket_attention import attend_bucket
 
@@ -213,7 +211,7 @@ def build_metadata(
             ids.append(c.token_ids[0])
             last_row[i] = row
             pos_list.append(p)
-            slot_list.extend(token_slots(c.block_table, block_size, p, p + 1))
+            slot_list.append(c.block_table[p // block_size] * block_size + p % block_size)
             need.append(p // block_size + 1)
         # one additive mask for all rows (key position > query position -> -inf), sliced per
         # bucket: rows lo..hi-1 and the first nb blocks
@@ -240,8 +238,10 @@ def build_metadata(
         q = len(c.token_ids)
         ids.extend(c.token_ids)
         all_pos = torch.arange(c.start_pos + q)
-        all_slots = torch.tensor(token_slots(c.block_table, block_size, 0, c.start_pos + q),
-                                 dtype=torch.long)
+        table = torch.tensor(c.block_table[:-(-(c.start_pos + q) // block_size)],
+                             dtype=torch.long)
+        all_slots = (table[:, None] * block_size + torch.arange(block_size)).reshape(-1)[
+            :c.start_pos + q]      # the slot of every position 0 .. end-1 (spec rule 2)
         pos_parts.append(all_pos[c.start_pos:])
         slot_parts.append(all_slots[c.start_pos:])
         prefills.append(PrefillChunk(offset, q, c.start_pos, all_slots.to(device)))
@@ -321,7 +321,8 @@ def paged_attention(
     flat_k = k_cache.view(-1, kv_heads, dim)
     flat_v = v_cache.view(-1, kv_heads, dim)
     prefills = meta.prefills
-    if compiled and prefills:  # short chunks behind a cached prefix: one kernel row per token
+    behind = any(c.start_pos > 0 for c in prefills)   # chunks that read a cached prefix
+    if compiled and behind:  # short chunks behind a cached prefix: one kernel row per token
         from .prefill_groups import kernel_rows
 
         plan = kernel_rows(meta)
@@ -330,7 +331,7 @@ def paged_attention(
                 q.index_select(0, plan.rows), k_cache, v_cache, plan.tables, plan.lens, scale))
         prefills = plan.rest
     alone = prefills
-    if prefills and (BATCH_PREFILLS if batch_prefills is None else batch_prefills):
+    if behind and prefills and (BATCH_PREFILLS if batch_prefills is None else batch_prefills):
         from .prefill_groups import attend_groups, group_prefills
 
         groups, alone = group_prefills(meta, chunks=prefills)

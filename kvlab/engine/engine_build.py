@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
+from kvlab.core.policies import BaselineScheduler, ProductionScheduler
 from kvlab.core.scheduler_api import Scheduler
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.core.scope import CacheScope
 
 from .checkpoint import LoadedCheckpoint

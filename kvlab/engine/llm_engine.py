@@ -31,11 +31,11 @@ import torch
 from kvlab.core.checks import is_int
 from kvlab.core.engine_core import EngineCore
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import SchedulerConfig
 from kvlab.core.scheduler_api import (
     RuntimeRequest,
     Scheduler,
 )
+from kvlab.core.scheduler_config import SchedulerConfig
 
 from .checkpoint import LoadedCheckpoint
 from .engine_args import (
@@ -180,6 +180,7 @@ class LLMEngine:
             self.scheduler.get_request,
             self.tokenizer.decode if self.tokenizer is not None else None)
         self.clock: Callable[[], float] = time.monotonic
+        self.cache_scope()   # the default tenant's scope, built once here
 
     # ------------------------------------------------------------------ scope and prompts
     def cache_scope(self, security_domain: str | None = None) -> tuple:

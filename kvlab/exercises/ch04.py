@@ -31,8 +31,9 @@ _TURN_REASONS = {
 def conversation_hit(prompt_tokens: int, output_tokens: int, new_tokens: int,
                      block_size: int) -> int:
     """Run turn one on a real scheduler, then look up turn two (history + new tokens)."""
-    from kvlab.core.scheduler import ProductionScheduler, SchedulerConfig
+    from kvlab.core.policies import ProductionScheduler
     from kvlab.core.scheduler_api import RuntimeRequest
+    from kvlab.core.scheduler_config import SchedulerConfig
     from kvlab.sim.tokens import drive
 
     total = prompt_tokens + output_tokens + new_tokens

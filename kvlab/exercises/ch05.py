@@ -12,10 +12,11 @@ import contextlib
 
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.lifecycle import RUNNING_STATUSES, EventLog, SimulatedCrash
+from kvlab.core.policies import ProductionScheduler
 from kvlab.core.recovery import RecoveryPlan, plan_recovery, recover, replay
 from kvlab.core.replay import met_stop
-from kvlab.core.scheduler import ProductionScheduler, SchedulerConfig
 from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.tokens import drive
 
 from ._common import require_answer

@@ -12,13 +12,9 @@ import math
 from itertools import pairwise
 
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import (
-    BaselineScheduler,
-    ProductionScheduler,
-    SchedulerConfig,
-    default_order_key,
-)
+from kvlab.core.policies import BaselineScheduler, ProductionScheduler, default_order_key
 from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.reference import Phase, Request, build_batch
 from kvlab.sim.tokens import drive
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 
-from kvlab.core.scheduler import SchedulerConfig
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.core.slo import SLO, LatencyRecord, evaluate_slo
 from kvlab.sim.costmodel import RooflineCostModel
 from kvlab.sim.serving import chunk_sweep, rate_at_attainment, run_colocated

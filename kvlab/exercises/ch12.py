@@ -14,8 +14,9 @@ from typing import Any
 
 from kvlab.core.engine_core import EngineCore, StepObserver
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import ProductionScheduler, SchedulerConfig
+from kvlab.core.policies import ProductionScheduler
 from kvlab.core.scheduler_api import RuntimeRequest, SchedulerOutput
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.chaos import ChaosExecutor
 from kvlab.sim.fault_lab import Mutation, run_lab
 

@@ -1,7 +1,7 @@
 """The chaos run (torch-free): random traffic and scheduled faults, invariants on every step.
 
 :func:`run_chaos` drives one :class:`~kvlab.core.engine_core.EngineCore` (the one step loop)
-over a :class:`~kvlab.core.scheduler.ProductionScheduler` with prefix caching, chunked prefill
+over a :class:`~kvlab.core.policies.ProductionScheduler` with prefix caching, chunked prefill
 and ``n > 1`` requests (fanned out as LLMEngine does), and a :class:`ChaosExecutor` that
 produces tokens from a deterministic function of the context and **speculates** (a draft
 "model" that agrees with the target most of the time, or n-gram prompt lookup), verifying
@@ -29,9 +29,10 @@ from kvlab.core.event_log import CorruptLog, EventLog, SimulatedCrash
 from kvlab.core.faults import FaultInjector, InjectedFault, StepFaultSchedule
 from kvlab.core.invariant_set import EngineView, InvariantMonitor
 from kvlab.core.kv_manager import KVCacheManager
+from kvlab.core.policies import BaselineScheduler, ProductionScheduler
 from kvlab.core.recovery import recover
-from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
 from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest, SchedulerOutput
+from kvlab.core.scheduler_config import SchedulerConfig
 
 from .tokens import hash_token
 

@@ -32,8 +32,9 @@ from kvlab.core.faults import (
 )
 from kvlab.core.invariant_set import EngineView, InvariantMonitor, InvariantViolation
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import ProductionScheduler, SchedulerConfig
+from kvlab.core.policies import ProductionScheduler
 from kvlab.core.scheduler_api import RuntimeRequest
+from kvlab.core.scheduler_config import SchedulerConfig
 
 from .chaos import ChaosExecutor
 

@@ -16,8 +16,9 @@ from typing import Any
 from kvlab.core.engine_core import EngineCore
 from kvlab.core.event_log import EventLog
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import ProductionScheduler, SchedulerConfig
+from kvlab.core.policies import ProductionScheduler
 from kvlab.core.scheduler_api import RuntimeRequest
+from kvlab.core.scheduler_config import SchedulerConfig
 
 from .chaos import STOP, ChaosExecutor
 

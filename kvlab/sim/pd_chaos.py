@@ -29,9 +29,10 @@ from kvlab.core.install_audit import InstallAudit
 from kvlab.core.invariant_set import EngineView, InvariantMonitor
 from kvlab.core.kv_channel import EntryExporter, InProcessChannel
 from kvlab.core.kv_manager import KVCacheManager
+from kvlab.core.policies import BaselineScheduler, ProductionScheduler
 from kvlab.core.remote_kv import RemoteKVPolicy, RemoteKVScheduler
-from kvlab.core.scheduler import BaselineScheduler, ProductionScheduler, SchedulerConfig
 from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.core.transfer_faults import DEFAULT_POINT, FaultSchedule
 from kvlab.core.transfer_faults import FaultInjector as TransferInjector
 

@@ -28,8 +28,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler import BaselineScheduler, SchedulerConfig
+from kvlab.core.policies import BaselineScheduler
 from kvlab.core.scheduler_api import ScheduledChunk
+from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.core.slo import FailureKind, LatencyRecord
 
 from .costmodel import RooflineCostModel, StepCost

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvlab.core.scheduler_api import RequestStatus, SchedulerOutput
-from kvlab.core.scheduler_base import SchedulerBase
-from kvlab.core.step_plan import StepPlan
+from kvlab.core.scheduler import SchedulerBase
+from kvlab.core.scheduler_api import RequestStatus, SchedulerOutput, StepPlan
 
 S = RequestStatus
 
