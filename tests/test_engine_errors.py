@@ -259,7 +259,7 @@ def test_sampling_error_fails_the_step_and_spares_the_rest(model_dir, monkeypatc
     """The sampler raises in the first step that samples: that step's requests fail (one of
     them a sample of an n=2 request), their KV is released once, and the requests that were not
     in the step (the other sample, a later request) are untouched and then served."""
-    import kvlab.engine.executor as mod
+    import kvlab.engine.model_runner as mod
 
     eng = LLMEngine(model_dir, block_size=4, num_blocks=40, max_num_seqs=2,
                     max_num_batched_tokens=8)

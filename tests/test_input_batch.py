@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvlab.engine.attention import ChunkSpec, build_metadata
-from kvlab.engine.input_batch import InputBatch
+from kvlab.engine.model_runner import InputBatch
 
 
 def _same(a, b) -> None:

@@ -1,7 +1,7 @@
 """EngineCore: the one step loop of kvlab — schedule, execute, update.
 
 Every engine in kvlab runs this loop and no other: :class:`~kvlab.engine.llm_engine.LLMEngine`
-with the :class:`~kvlab.engine.executor.TorchExecutor` (the real model), the simulator with the
+with the :class:`~kvlab.engine.model_runner.ModelRunner` (the real model), the simulator with the
 :class:`~kvlab.sim.executor.CostModelExecutor` (roofline time, tokens from a function), and the
 chapters' drivers (:func:`kvlab.sim.tokens.drive`). One :meth:`EngineCore.step`:
 

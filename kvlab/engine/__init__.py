@@ -28,7 +28,7 @@ _LAZY = {
     "load_checkpoint": ".checkpoint",
     "LlamaModel": ".model",
     "PagedKVCache": ".kv_cache",
-    "TorchExecutor": ".executor",
+    "ModelRunner": ".model_runner",
     "Tokenizer": ".tokenizer",
     "EngineSnapshot": ".snapshot",
     "QuantConfig": ".quantization",

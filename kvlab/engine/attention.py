@@ -162,7 +162,7 @@ class AttentionMetadata:
         return int(self.input_ids.shape[0])
 
 
-def _split_buckets(num_blocks_sorted: list[int], min_size: int = 8, max_buckets: int = 6
+def split_buckets(num_blocks_sorted: list[int], min_size: int = 8, max_buckets: int = 6
                    ) -> list[tuple[int, int]]:
     """Split rows sorted by table length into <= ``max_buckets`` contiguous equal-count groups
     of >= ``min_size`` rows (padding waste shrinks with the spread inside each group)."""
@@ -223,7 +223,7 @@ def build_metadata(
         tables = torch.tensor([list(chunks[i].block_table[:width])
                                + [0] * (width - min(width, len(chunks[i].block_table)))
                                for i in singles], dtype=torch.long)
-        for lo, hi in _split_buckets(need):
+        for lo, hi in split_buckets(need):
             nb = need[hi - 1]
             buckets.append(DecodeBucket(lo, hi - lo, nb,
                                         tables[lo:hi, :nb].reshape(-1).to(device),

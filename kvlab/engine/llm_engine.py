@@ -2,7 +2,7 @@
 
 Ownership: :class:`~kvlab.core.engine_core.EngineCore` runs the one step loop (schedule →
 execute → update) over the scheduler of :mod:`kvlab.core`, which owns requests, queues and KV
-blocks, and the :class:`~kvlab.engine.executor.TorchExecutor`, which owns the tensors and
+blocks, and the :class:`~kvlab.engine.model_runner.ModelRunner`, which owns the tensors and
 samples. This class owns what neither should know: tokenization, sampling parameters, the
 ``n`` samples of a request, timestamps, and the :class:`~kvlab.engine.outputs.RequestOutput`
 objects handed back.
@@ -53,9 +53,16 @@ from .engine_build import (
     parse_kv_transfer,
     resolve_max_model_len,
 )
-from .executor import StepInfo
-from .output_processor import OutputProcessor, RequestState, SampleState
-from .outputs import EngineStats, RequestMetrics, RequestOutput, StepTrace
+from .model_runner import StepInfo
+from .outputs import (
+    EngineStats,
+    OutputProcessor,
+    RequestMetrics,
+    RequestOutput,
+    RequestState,
+    SampleState,
+    StepTrace,
+)
 from .params import SamplingParams
 from .quantization.setup import EngineQuantization
 from .sampling import SamplerState

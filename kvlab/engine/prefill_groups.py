@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionMetadata, PrefillChunk, _split_buckets
+from .attention import AttentionMetadata, PrefillChunk, split_buckets
 
 __all__ = ["KernelRows", "PrefillGroup", "attend_groups", "group_prefills", "kernel_rows"]
 
@@ -112,7 +112,7 @@ def group_prefills(meta: AttentionMetadata, min_size: int = 2,
             alone.extend(cs)
             continue
         cs.sort(key=lambda c: c.start_pos)
-        for lo, hi in _split_buckets([c.start_pos for c in cs], min_size=4):
+        for lo, hi in split_buckets([c.start_pos for c in cs], min_size=4):
             part = cs[lo:hi]
             if len(part) < min_size:
                 alone.extend(part)

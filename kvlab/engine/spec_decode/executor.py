@@ -31,9 +31,9 @@ from kvlab.core.scheduler_api import RuntimeRequest, SchedulerOutput
 from kvlab.core.spec_plan import stop_cut
 
 from ..attention import ChunkSpec, build_metadata
-from ..executor import StepInfo, TorchExecutor
 from ..kv_cache import PagedKVCache
 from ..model import LlamaModel
+from ..model_runner import ModelRunner, StepInfo
 from ..sampling import SamplerState
 from .grammar import GrammarCursor
 from .metrics import SpecDecodeMetrics
@@ -52,16 +52,16 @@ def grammar_of(state: SamplerState) -> GrammarCursor | None:
 
 @dataclass
 class SpecStepInfo(StepInfo):
-    """:class:`~kvlab.engine.executor.StepInfo` plus, per sampling request, ``(drafts
+    """:class:`~kvlab.engine.model_runner.StepInfo` plus, per sampling request, ``(drafts
     proposed, drafts accepted)`` and ``draft_s`` (proposer time)."""
 
     spec: dict[str, tuple[int, int]] = field(default_factory=dict)
     draft_s: float = 0.0
 
 
-class SpecExecutor(TorchExecutor):
+class SpecExecutor(ModelRunner):
     """Executor of a speculating engine: ``model`` over ``cache``, drafts from ``proposer``.
-    Sampler states as :class:`TorchExecutor`'s; ``requests`` looks up a request's tokens
+    Sampler states as :class:`ModelRunner`'s; ``requests`` looks up a request's tokens
     (the proposers read its context)."""
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache,

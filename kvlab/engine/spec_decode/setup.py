@@ -10,9 +10,9 @@ from kvlab.core.scheduler_api import RuntimeRequest
 
 from ..checkpoint import LoadedCheckpoint, load_checkpoint
 from ..config import ModelConfig
-from ..executor import TorchExecutor
 from ..kv_cache import PagedKVCache
 from ..model import LlamaModel
+from ..model_runner import ModelRunner
 from ..tokenizer import Tokenizer, load_tokenizer
 from .config import SpeculativeConfig
 from .executor import SpecExecutor
@@ -68,11 +68,11 @@ class Speculator:
     @staticmethod
     def make_executor(speculator: Speculator | None, model: LlamaModel, cache: PagedKVCache,
                       requests: Callable[[str], RuntimeRequest], max_model_len: int
-                      ) -> SpecExecutor | TorchExecutor:
-        """The engine's executor: :class:`TorchExecutor` without a speculator, else a
+                      ) -> SpecExecutor | ModelRunner:
+        """The engine's executor: :class:`ModelRunner` without a speculator, else a
         :class:`SpecExecutor` whose draft cache gets the target cache's geometry."""
         if speculator is None:
-            return TorchExecutor(model, cache)
+            return ModelRunner(model, cache)
         return speculator.executor(model, cache, requests, max_model_len)
 
     def executor(self, model: LlamaModel, cache: PagedKVCache,

@@ -1,0 +1,286 @@
+"""ModelRunner: runs a scheduler's decisions on the real model and the real KV tensors.
+
+It is the :class:`~kvlab.core.engine_core.Executor` of the real engine, and the only place where
+:mod:`kvlab.core` decisions touch tensors. Per step it
+
+1. performs the copy-on-write ``copies`` on the cache (before any write of this step),
+2. lays the chunks out as one flat batch (:func:`~kvlab.engine.attention.build_metadata`:
+   positions and slot mappings from the chunks' block tables; a persistent
+   :class:`InputBatch` keeps the tables across steps and writes only what changed, as vLLM
+   v1's model runner does),
+3. runs the forward pass (which writes the new K/V through the slot mapping), and
+4. samples one token from the logits of the last token of every chunk with ``sample=True``,
+   with that request's :class:`~kvlab.engine.sampling.SamplerState`; rows with a grammar
+   (structured outputs) are masked first and their grammar advanced by the token
+   (:func:`~kvlab.engine.structured_outputs.bitmask.sample_with_grammars`).
+
+The executor owns each running request's sampler state (parameters, RNG, grammar): the engine
+hands it over once with :meth:`~ModelRunner.add_request` and ends it with
+:meth:`~ModelRunner.remove_requests`; the executor never looks into the scheduler. It never
+changes requests, queues or KV ownership; the scheduler does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.core.engine_core import ModelOutput
+from kvlab.core.scheduler_api import ScheduledChunk, SchedulerOutput
+
+from . import cpu_kernels
+from .attention import (
+    AttentionMetadata,
+    ChunkSpec,
+    DecodeBucket,
+    Workspace,
+    build_metadata,
+    split_buckets,
+)
+from .kv_cache import PagedKVCache
+from .model import LlamaModel
+from .sampling import SamplerState, sample
+from .structured_outputs.bitmask import sample_with_grammars
+
+__all__ = ["ExecutorOutput", "InputBatch", "ModelRunner", "StepInfo"]
+
+
+@dataclass
+class ExecutorOutput:
+    """Logits ``[S, V]`` (float32) for ``request_ids[i]``; the step's metadata; timings (s)."""
+
+    request_ids: list[str]
+    logits: torch.Tensor
+    metadata: AttentionMetadata | None
+    prepare_s: float = 0.0   # building index tensors (slot mapping, tables, masks)
+    forward_s: float = 0.0   # copies + model forward + logits (device-synchronised)
+
+
+@dataclass
+class StepInfo:
+    """Detail of one executed step (``ModelOutput.info``): the flat-batch ``metadata``, the
+    sampled ``request_ids`` in logits-row order, ``logits_shape``, and per sampled request its
+    raw log-probability and (if asked) its top-logprobs dict; timings in seconds."""
+
+    metadata: AttentionMetadata | None
+    request_ids: list[str]
+    logits_shape: tuple[int, ...]
+    logprobs: dict[str, float]
+    top_logprobs: dict[str, dict[int, float] | None]
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+class ModelRunner:
+    """Execute steps of ``model`` over ``cache`` (both on the same device).
+
+    ``samplers`` holds the sampler state of every request the engine added and has not
+    removed; a chunk that samples must belong to one of them.
+    """
+
+    def __init__(self, model: LlamaModel, cache: PagedKVCache):
+        cfg = model.cfg
+        if len(cache.layers) != cfg.num_layers or cache.data.shape[-2:] != (
+                cfg.num_kv_heads, cfg.head_dim):
+            raise ValueError("ModelRunner: KV cache shape does not match the model")
+        self.model = model
+        self.cache = cache
+        self.device = model.device
+        self.block_size = cache.block_size
+        self.workspace = Workspace(self.device, getattr(cache, "compute_dtype", cache.data.dtype))
+        self.input_batch = InputBatch(self.block_size, self.device)
+        self.samplers: dict[str, SamplerState] = {}
+        if self.device.type == "cpu":
+            cpu_kernels.available()   # build the attention kernel now, not in the first step
+
+    def add_request(self, request_id: str, sampler: SamplerState) -> None:
+        """Take over ``request_id``'s sampler state (once, when the engine adds it)."""
+        assert request_id not in self.samplers, f"{request_id} added twice"
+        self.samplers[request_id] = sampler
+
+    def remove_requests(self, request_ids: Iterable[str]) -> None:
+        """Drop the state of requests that ended (unknown ids are ignored)."""
+        for rid in request_ids:
+            self.samplers.pop(rid, None)
+
+    def execute(self, output: SchedulerOutput) -> ModelOutput:
+        """Run ``output`` (copies, forward, sampling); see the module docstring."""
+        res = self.forward(output.chunks, output.copies)
+        t0 = time.perf_counter()
+        states = [self.samplers[rid] for rid in res.request_ids]
+        if not states:
+            picked = None
+        elif any(s.grammar is not None for s in states):   # structured outputs in the batch
+            picked = sample_with_grammars(res.logits, states, sample)
+        else:
+            picked = sample(res.logits, states)
+        sample_s = time.perf_counter() - t0
+        ids = res.request_ids
+        info = StepInfo(
+            res.metadata, ids, tuple(res.logits.shape),
+            dict(zip(ids, picked.logprobs, strict=True)) if picked else {},
+            dict(zip(ids, picked.top_logprobs, strict=True)) if picked else {},
+            res.prepare_s, res.forward_s, sample_s)
+        sampled = dict(zip(ids, picked.token_ids, strict=True)) if picked else {}
+        return ModelOutput(sampled, res.prepare_s + res.forward_s + sample_s, info)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[ScheduledChunk],
+                copies: Sequence[tuple[int, int]] = ()) -> ExecutorOutput:
+        """Copies, then the forward pass over ``chunks``; the logits of the sampling rows.
+        ValueError (cache untouched) when a chunk's table does not cover it."""
+        t0 = time.perf_counter()
+        meta = self.input_batch.build(
+            [c.request_id for c in chunks],
+            [ChunkSpec(c.token_ids, c.start_pos, c.block_table) for c in chunks],
+            self.workspace) if chunks else None
+        sample_idx = [i for i, c in enumerate(chunks) if c.sample]
+        t1 = time.perf_counter()
+        if copies:   # copy-on-write targets of this step, before any write
+            self.cache.copy_blocks(copies)
+        if meta is None:
+            self._sync()
+            return ExecutorOutput([], torch.empty(0, self.model.cfg.vocab_size), None,
+                                  t1 - t0, time.perf_counter() - t1)
+        rows = torch.tensor([meta.last_row[i] for i in sample_idx], dtype=torch.long,
+                            device=self.device)
+        hidden = self.model(meta, self.cache.layers, rows=rows)
+        logits = self.model.logits(hidden)
+        self._sync()
+        t2 = time.perf_counter()
+        return ExecutorOutput([chunks[i].request_id for i in sample_idx], logits, meta,
+                              t1 - t0, t2 - t1)
+
+
+class InputBatch:
+    """Persistent block tables of the scheduled requests (CPU tensor; indices are copied to
+    ``device`` per step). Grows its capacity on demand; one per executor."""
+
+    def __init__(self, block_size: int, device: torch.device | str = "cpu",
+                 max_rows: int = 64, max_blocks: int = 64):
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.tables = torch.zeros(max_rows, max_blocks, dtype=torch.long)
+        self._row_of: dict[str, int] = {}
+        self._table_of: dict[str, tuple[int, ...]] = {}
+        self._free = list(range(max_rows - 1, -1, -1))
+        self.rows_written = 0     # counters: full rows written / tail entries written
+        self.entries_written = 0
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._row_of)
+
+    def row_table(self, request_id: str) -> list[int]:
+        """The stored table of ``request_id`` (for tests and debugging)."""
+        n = len(self._table_of[request_id])
+        return self.tables[self._row_of[request_id], :n].tolist()
+
+    # ------------------------------------------------------------------ diffs
+    def _grow(self, rows: int, blocks: int) -> None:
+        old_rows, old_blocks = self.tables.shape
+        new = torch.zeros(max(rows, old_rows), max(blocks, old_blocks), dtype=torch.long)
+        new[:old_rows, :old_blocks] = self.tables
+        self.tables = new
+        self._free.extend(range(new.shape[0] - 1, old_rows - 1, -1))
+
+    def update(self, chunks: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """Make the stored tables equal ``(request_id, block_table)`` of this step's chunks;
+        release the rows of requests not in the step."""
+        present = {rid for rid, _ in chunks}
+        for rid in [r for r in self._row_of if r not in present]:
+            self._free.append(self._row_of.pop(rid))
+            del self._table_of[rid]
+        need_blocks = max((len(t) for _, t in chunks), default=0)
+        new_rows = sum(rid not in self._row_of for rid, _ in chunks)
+        if need_blocks > self.tables.shape[1] or new_rows > len(self._free):
+            self._grow(self.num_rows + new_rows, max(need_blocks, 2 * self.tables.shape[1]
+                                                     if need_blocks > self.tables.shape[1]
+                                                     else 0))
+        tables = self.tables
+        for rid, table in chunks:
+            table = tuple(table)
+            old = self._table_of.get(rid)
+            if old == table:
+                continue
+            row = self._row_of.get(rid)
+            if row is None:
+                row = self._free.pop()
+                self._row_of[rid] = row
+            n_old = len(old) if old is not None else 0
+            if old is not None and len(table) >= n_old and table[:n_old] == old:
+                tables[row, n_old:len(table)] = torch.tensor(table[n_old:], dtype=torch.long)
+                self.entries_written += len(table) - n_old
+            else:  # new row, or an entry rewritten (copy-on-write, re-admission)
+                tables[row].zero_()
+                tables[row, :len(table)] = torch.tensor(table, dtype=torch.long)
+                self.rows_written += 1
+            self._table_of[rid] = table
+
+    # ------------------------------------------------------------------ metadata
+    def build(self, request_ids: Sequence[str], chunks: Sequence[ChunkSpec],
+              workspace: Workspace | None = None) -> AttentionMetadata:
+        """The step's metadata (equal to ``build_metadata(chunks, ...)``); ``request_ids[i]``
+        names ``chunks[i]``'s request. ValueError (nothing stored) on a malformed chunk."""
+        bs = self.block_size
+        for i, c in enumerate(chunks):
+            end = c.start_pos + len(c.token_ids)
+            if len(c.token_ids) == 0 or c.start_pos < 0 or len(c.block_table) * bs < end:
+                # the general path raises the precise error
+                return build_metadata(chunks, bs, self.device, workspace)
+            if not isinstance(request_ids[i], str):
+                raise ValueError(f"InputBatch.build: request id {request_ids[i]!r}")
+        singles = sorted((i for i, c in enumerate(chunks) if len(c.token_ids) == 1),
+                         key=lambda i: chunks[i].start_pos)
+        self.update([(request_ids[i], chunks[i].block_table) for i in range(len(chunks))])
+        if not singles:
+            return build_metadata(chunks, bs, self.device, workspace)
+        multis = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
+        rows = torch.tensor([self._row_of[request_ids[i]] for i in singles], dtype=torch.long)
+        pos_list = [chunks[i].start_pos for i in singles]
+        pos = torch.tensor(pos_list, dtype=torch.long)
+        need = [p // bs + 1 for p in pos_list]
+        width = need[-1]
+        tab = self.tables.index_select(0, rows)[:, :width].contiguous()   # [S, width]
+        slots = tab.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        span = torch.arange(width * bs)
+        dtype = workspace.dtype if workspace is not None else torch.float32
+        mask_all = torch.zeros(len(singles), width * bs, dtype=dtype).masked_fill_(
+            span[None, :] > pos[:, None], float("-inf")).to(self.device)
+        buckets = []
+        for lo, hi in split_buckets(need):
+            nb = need[hi - 1]
+            index = tab[lo:hi, :nb].reshape(-1).to(self.device)
+            buckets.append(DecodeBucket(lo, hi - lo, nb, index,
+                                        mask_all[lo:hi, None, :nb * bs]))
+        ids = [chunks[i].token_ids[0] for i in singles]
+        last_row = [0] * len(chunks)
+        for row, i in enumerate(singles):
+            last_row[i] = row
+        positions, slot_mapping, prefills = pos, slots, []
+        if multis:
+            sub = build_metadata([chunks[i] for i in multis], bs, self.device, workspace)
+            off = len(singles)
+            ids.extend(sub.input_ids.tolist())
+            positions = torch.cat([pos, sub.positions.cpu()])
+            slot_mapping = torch.cat([slots, sub.slot_mapping.cpu()])
+            prefills = [type(p)(p.offset + off, p.num_tokens, p.start_pos, p.slots)
+                        for p in sub.prefills]
+            for j, i in enumerate(multis):
+                last_row[i] = sub.last_row[j] + off
+        return AttentionMetadata(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=positions.to(self.device),
+            slot_mapping=slot_mapping.to(self.device),
+            num_single=len(singles), buckets=buckets, prefills=prefills, last_row=last_row,
+            block_size=bs, workspace=workspace,
+            max_position=max(c.start_pos + len(c.token_ids) for c in chunks) - 1,
+            decode_tables=tab.to(self.device), decode_lens=(pos + 1).to(self.device))
