@@ -106,6 +106,9 @@ _KVLAB_ORDER = ("record begin", "allocate", "record allocated", "write payload",
                 "record written", "commit to cache", "record committed")
 #: The seven steps, in alphabetical order (not an order to run them in).
 INSTALL_STEPS = tuple(sorted(_KVLAB_ORDER))
+#: The step each completion record reports as done.
+_RECORDED_STEP = {"allocated": "allocate", "written": "write payload",
+                  "committed": "commit to cache"}
 
 
 def _simulate(order: list[str], crash: int) -> dict:
@@ -117,13 +120,18 @@ def _simulate(order: list[str], crash: int) -> dict:
     # the journal has 'committed', or has 'written' and the manager shows the commit
     state["found"] = bool(journal)
     state["installed"] = "committed" in journal or ("written" in journal and state["committed"])
+    # a record claims its step is done: 'allocated', 'written', 'committed' before the step
+    # happened is a journal that lies to recovery
+    state["false_claims"] = [rec for rec in journal if rec in _RECORDED_STEP
+                             and _RECORDED_STEP[rec] not in done]
     return state
 
 
 def check_install_order(order) -> str:
     """``order``: the seven :data:`INSTALL_STEPS` in the order a consumer should run them so
     that a crash before *any* step leaves (1) no leaked table, (2) no half-written block visible
-    in the prefix cache, and (3) a journal from which recovery answers "installed?" correctly.
+    in the prefix cache, and (3) a truthful journal (no record of a step that has not
+    happened) from which recovery answers "installed?" correctly.
     Several orders are right; the exercise asks for one that is not kvlab's own (the chapter
     describes that one). The check simulates a crash before every step."""
     require_answer(order, "a list of the seven steps")
@@ -141,6 +149,10 @@ def check_install_order(order) -> str:
         after = f"a crash after {order[crash - 1]!r}" if crash else "a crash at once"
         if st["held"] and not st["found"]:
             raise AssertionError(f"{after} leaks the table: the journal names no operation")
+        if st["false_claims"]:
+            raise AssertionError(f"{after} leaves a journal that records "
+                                 f"{st['false_claims'][0]!r} for a step that has not "
+                                 "happened yet: a record must follow what it reports")
         if st["committed"] and not st["written"]:
             raise AssertionError(f"{after} leaves a half-written block readable in the cache")
         if st["installed"] != (st["committed"] and st["written"]):
@@ -194,7 +206,7 @@ def check_colleague(kind) -> str:
     verdict = colleague_check(entries[kind], expected)
     if verdict is not None:
         raise AssertionError(f"the colleague's check refuses the {kind!r} entry too (it "
-                             f"records {verdict!r}): run it on every entry")
+                             f"records {verdict!r})")
     assert check_delivery(entries[kind], expected) is not None
     return ("Correct: that entry would be installed. Say which line of colleague_check lets "
             "it through, and what a reader of the installed KV would see.")
