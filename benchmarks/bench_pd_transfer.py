@@ -39,6 +39,7 @@ from kvlab.core.kv_transfer import check_delivery, encode_frame, make_descriptor
 from kvlab.core.transfer_cost import LINKS, transfer_table
 from kvlab.core.transfer_faults import SendPlan
 from kvlab.engine.checkpoint import load_checkpoint
+from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.kv_transfer import KVPayloadCodec, engine_model_fields
 from kvlab.engine.kv_transfer.connectors import SharedStorageConnector, TcpConnector
 from kvlab.engine.llm_engine import LLMEngine
@@ -62,7 +63,7 @@ def _median(fn, repeats=REPEATS):
 def measure(ckpt, fields, n: int) -> dict:
     """One prompt length: bytes, export, storage and TCP round trips, install, prefill."""
     cfg = ckpt.config
-    engine = LLMEngine(ckpt, block_size=BLOCK, num_blocks=2 * n // BLOCK + 8)
+    engine = LLMEngine(EngineArgs(ckpt, block_size=BLOCK, num_blocks=2 * n // BLOCK + 8))
     prompt = [(13 * i) % 1000 + 2 for i in range(n)]
 
     def prefill(rid: str, ids: list[int]) -> float:
@@ -145,7 +146,8 @@ def main() -> None:
     cfg = ckpt.config
     fields = engine_model_fields(ckpt.weights_hash, cfg, torch.float32)
     rows = []
-    warm = LLMEngine(ckpt, block_size=BLOCK, num_blocks=16)   # first-call costs, not timed
+    # first-call costs, not timed
+    warm = LLMEngine(EngineArgs(ckpt, block_size=BLOCK, num_blocks=16))
     warm.add_request("w", list(range(2, 40)), SamplingParams(max_tokens=2, temperature=0.0))
     while warm.has_unfinished_requests():
         warm.step()

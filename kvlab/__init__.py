@@ -36,6 +36,7 @@ _LAZY = {
     "speculative_step": "kvlab.reference.rule08_speculative",
     "LLM": "kvlab.engine.llm",
     "LLMEngine": "kvlab.engine.llm_engine",
+    "EngineArgs": "kvlab.engine.engine_args",
     "SamplingParams": "kvlab.engine.params",
     "RequestOutput": "kvlab.engine.outputs",
     "CompletionOutput": "kvlab.engine.outputs",

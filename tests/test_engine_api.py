@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("transformers")
 
 from kvlab.engine.checkpoint import load_checkpoint
+from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.hf_parity import save_random_hf_model
 from kvlab.engine.llm import LLM
 from kvlab.engine.llm_engine import LLMEngine
@@ -141,7 +142,7 @@ def test_stop_tokens_max_tokens_and_ignore_eos(model_dir, prompts):
     assert stopped.token_ids == free.token_ids[:first + 1]
     assert free.finish_reason == "length" and len(free.token_ids) == 10
     # the model's eos ends a request unless ignore_eos
-    eng = LLMEngine(model_dir, block_size=4, num_blocks=64)
+    eng = LLMEngine(EngineArgs(model_dir, block_size=4, num_blocks=64))
     eng.eos_token_ids = (stop_at,)
     eng.config = eng.config.__class__(**{**eng.config.__dict__, "eos_token_ids": (stop_at,)})
     eng.add_request("a", prompts[3], SamplingParams(max_tokens=10, temperature=0))
@@ -172,7 +173,7 @@ def test_preemption_under_kv_pressure_keeps_outputs(model_dir, prompts, params):
 
 
 def test_step_api_abort_and_snapshot(model_dir, prompts):
-    eng = LLMEngine(model_dir, block_size=4, num_blocks=128)
+    eng = LLMEngine(EngineArgs(model_dir, block_size=4, num_blocks=128))
     eng.add_request("a", prompts[0], SamplingParams(max_tokens=20, temperature=0))
     eng.add_request("b", prompts[1], SamplingParams(max_tokens=3, temperature=0, n=2, seed=1))
     eng.step()
@@ -279,7 +280,7 @@ def _run_one(eng, rid, prompt, **kw):
 
 
 def test_prefix_cache_is_scoped_by_security_domain(model_dir, prompts):
-    eng = LLMEngine(model_dir, block_size=4, num_blocks=128)
+    eng = LLMEngine(EngineArgs(model_dir, block_size=4, num_blocks=128))
     assert _run_one(eng, "a1", prompts[0], security_domain="tenant-a").num_cached_tokens == 0
     assert _run_one(eng, "b1", prompts[0], security_domain="tenant-b").num_cached_tokens == 0
     hit = _run_one(eng, "a2", prompts[0], security_domain="tenant-a").num_cached_tokens

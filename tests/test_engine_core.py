@@ -27,6 +27,7 @@ from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.policies import BaselineScheduler
 from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.hf_parity import save_random_hf_model
 from kvlab.engine.llm import LLM
 from kvlab.engine.llm_engine import LLMEngine
@@ -65,7 +66,7 @@ def _greedy(max_tokens: int, n: int = 1) -> SamplingParams:
 def _engine(model_dir, **kw) -> LLMEngine:
     kw.setdefault("block_size", 4)
     kw.setdefault("num_blocks", 64)
-    return LLMEngine(model_dir, **kw)
+    return LLMEngine(EngineArgs(model_dir, **kw))
 
 
 _ALONE: dict[tuple, list[int]] = {}
@@ -636,8 +637,8 @@ def test_id_in_use_while_a_later_sample_is_still_ending(model_dir):
     aborted mid-step: ``has_request`` stays True (and re-adding is refused) until the step ends,
     then the id is free again — the engine remembers which samples of an aborted id may still
     be ending, not only the first one."""
-    eng = LLMEngine(model_dir, block_size=4, num_blocks=64, max_num_seqs=4,
-                    max_num_batched_tokens=8)
+    eng = LLMEngine(EngineArgs(model_dir, block_size=4, num_blocks=64, max_num_seqs=4,
+                    max_num_batched_tokens=8))
     eng.add_request("z", _prompt(61, 6), _greedy(3, n=2))
     eng.step()                       # z: whole prompt + 1st token; z#1: 2 of its 6 tokens
     eng.step()

@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 
 from kvlab.engine.checkpoint import CheckpointError, load_checkpoint
 from kvlab.engine.config import ConfigError
+from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.hf_parity import save_random_hf_model
 from kvlab.engine.llm import LLM
 from kvlab.engine.llm_engine import LLMEngine
@@ -25,7 +26,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture()
 def engine(model_dir):
-    eng = LLMEngine(model_dir, block_size=4, num_blocks=40)
+    eng = LLMEngine(EngineArgs(model_dir, block_size=4, num_blocks=40))
     eng.add_request("live", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8, temperature=0))
     eng.step()
     return eng
@@ -122,7 +123,7 @@ def test_invalid_sampling_params(kwargs, field):
 )
 def test_bad_requests_leave_engine_unchanged(engine, args, exc, message):
     if args[1] == list(range(60)):
-        engine = LLMEngine(engine.checkpoint, block_size=4, num_blocks=10)
+        engine = LLMEngine(EngineArgs(engine.checkpoint, block_size=4, num_blocks=10))
     before = _state(engine)
     with pytest.raises(exc, match=message):
         engine.add_request(*args)
@@ -171,17 +172,34 @@ def test_bad_engine_arguments(model_dir):
                         ({"device": "cuda:0"} if not __import__("torch").cuda.is_available()
                          else {"block_size": -1}, "cuda|block_size")]:
         with pytest.raises(ValueError, match=msg):
-            LLMEngine(model_dir, **kwargs)
+            LLMEngine(EngineArgs(model_dir, **kwargs))
     for model in ("", "   "):
         with pytest.raises(ValueError, match="model"):
-            LLMEngine(model)
+            LLMEngine(EngineArgs(model))
+
+
+def test_engine_args_are_one_frozen_object_checked_when_made(model_dir):
+    import dataclasses
+
+    args = EngineArgs(model_dir, block_size=4, num_blocks=40)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.block_size = 8                                  # type: ignore[misc]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineArgs(model_dir, max_num_seqs=0)                # refused before any engine exists
+    with pytest.raises(ValueError, match="check_invariants"):
+        EngineArgs(model_dir, check_invariants="sometimes")
+    with pytest.raises(TypeError, match="EngineArgs"):
+        LLMEngine(model_dir)                                 # type: ignore[arg-type]
+    engine = LLMEngine(args)
+    assert engine.args is args and engine.block_size == 4 and engine.num_blocks == 40
+    assert dataclasses.replace(args, block_size=8).block_size == 8 and args.block_size == 4
 
 
 def test_kv_cache_memory_is_never_exceeded(model_dir):
     """``kv_cache_memory`` is a budget: the cache takes the whole blocks that fit, no more."""
-    probe = LLMEngine(model_dir, block_size=4, num_blocks=1)
+    probe = LLMEngine(EngineArgs(model_dir, block_size=4, num_blocks=1))
     block_bytes = probe.cache.data.numel() * probe.cache.data.element_size()
-    eng = LLMEngine(model_dir, block_size=4, kv_cache_memory=3 * block_bytes - 1)
+    eng = LLMEngine(EngineArgs(model_dir, block_size=4, kv_cache_memory=3 * block_bytes - 1))
     assert eng.num_blocks == 2
     assert eng.cache.data.numel() * eng.cache.data.element_size() <= 3 * block_bytes - 1
 
@@ -190,8 +208,8 @@ def test_kv_cache_memory_is_never_exceeded(model_dir):
 def test_engine_token_budget_below_max_num_seqs(model_dir, scheduler):
     """The schedulers require max_num_seqs <= max_num_batched_tokens; the engine caps the batch
     size it hands them at the token budget (a batch never holds more requests than tokens)."""
-    eng = LLMEngine(model_dir, block_size=4, num_blocks=40, max_num_seqs=64,
-                    max_num_batched_tokens=8, scheduler=scheduler)
+    eng = LLMEngine(EngineArgs(model_dir, block_size=4, num_blocks=40, max_num_seqs=64,
+                    max_num_batched_tokens=8, scheduler=scheduler))
     assert eng.scheduler_config.max_num_seqs == 8
     assert _run(eng, {"a": [1, 2, 3], "b": [4, 5, 6, 7]}) == {"a": 3, "b": 3}
     eng.check_invariants()
@@ -231,7 +249,7 @@ class _FailOnce:
 @pytest.mark.parametrize("scheduler", ["baseline", "production"])
 def test_executor_error_fails_the_step_and_engine_keeps_serving(model_dir, scheduler,
                                                                  monkeypatch):
-    eng = LLMEngine(model_dir, block_size=4, num_blocks=40, scheduler=scheduler)
+    eng = LLMEngine(EngineArgs(model_dir, block_size=4, num_blocks=40, scheduler=scheduler))
     eng.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0))
     eng.step()
     eng.add_request("b", [6, 7, 8], SamplingParams(max_tokens=4, temperature=0))
@@ -261,8 +279,8 @@ def test_sampling_error_fails_the_step_and_spares_the_rest(model_dir, monkeypatc
     in the step (the other sample, a later request) are untouched and then served."""
     import kvlab.engine.model_runner as mod
 
-    eng = LLMEngine(model_dir, block_size=4, num_blocks=40, max_num_seqs=2,
-                    max_num_batched_tokens=8)
+    eng = LLMEngine(EngineArgs(model_dir, block_size=4, num_blocks=40, max_num_seqs=2,
+                    max_num_batched_tokens=8))
     eng.add_request("long", list(range(1, 30)), SamplingParams(max_tokens=3, temperature=0))
     eng.step()    # 8 of 29 prompt tokens: no sampling yet
     eng.add_request("pair", [1, 2, 3], SamplingParams(n=2, max_tokens=3, temperature=0))

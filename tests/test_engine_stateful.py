@@ -30,6 +30,7 @@ from hypothesis.stateful import (
 
 pytest.importorskip("transformers")
 
+from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.hf_parity import save_random_hf_model
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.params import SamplingParams
@@ -60,8 +61,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.eng = LLMEngine(self.model_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
-                             max_num_batched_tokens=BUDGET)
+        self.eng = LLMEngine(EngineArgs(self.model_dir, block_size=BLOCK_SIZE,
+                                        num_blocks=NUM_BLOCKS, max_num_batched_tokens=BUDGET))
         self.counter = 0
         self.live: dict[str, tuple[tuple[int, ...], int, int]] = {}  # rid -> prompt, max, n
         self.last: dict[str, list[list[int]]] = {}    # rid -> token ids per sample, so far
@@ -74,8 +75,8 @@ class EngineMachine(RuleBasedStateMachine):
         key = (prompt, max_tokens)
         if key not in self.reference:
             self.stats["references"] += 1
-            eng = LLMEngine(self.model_dir, block_size=BLOCK_SIZE, num_blocks=128,
-                            max_num_batched_tokens=BUDGET)
+            eng = LLMEngine(EngineArgs(self.model_dir, block_size=BLOCK_SIZE, num_blocks=128,
+                            max_num_batched_tokens=BUDGET))
             eng.add_request("alone", list(prompt), _params(max_tokens))
             out = None
             while eng.has_unfinished_requests():

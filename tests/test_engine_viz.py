@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.hf_parity import save_random_hf_model
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.params import SamplingParams
@@ -19,7 +20,7 @@ from kvlab.viz.engine import engine_step_figure
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     path = save_random_hf_model(tmp_path_factory.mktemp("viz") / "m", "llama", seed=5)
-    eng = LLMEngine(path, block_size=4, num_blocks=32, max_num_batched_tokens=16)
+    eng = LLMEngine(EngineArgs(path, block_size=4, num_blocks=32, max_num_batched_tokens=16))
     eng.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=4, temperature=0))
     eng.add_request("b", list(range(5, 14)), SamplingParams(max_tokens=4, n=2, seed=0))
     eng.step()

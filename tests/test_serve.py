@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from kvlab.core.slo import SLO, evaluate_slo
+from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.entrypoints import bench
 from kvlab.entrypoints.async_engine import AsyncEngine
@@ -48,7 +49,7 @@ def wait_until(cond, timeout: float = 120.0) -> None:
 
 @pytest.fixture(scope="module")
 def server():
-    engine = LLMEngine(MODEL, max_model_len=256, max_num_seqs=16)
+    engine = LLMEngine(EngineArgs(MODEL, max_model_len=256, max_num_seqs=16))
     aeng = AsyncEngine(engine, model_name=MODEL)
     with ServerThread(build_app(aeng, MODEL)) as srv:
         srv.engine = engine
@@ -189,8 +190,11 @@ def test_admission_rejects_are_503_and_counted_as_rejects() -> None:
 
     from kvlab.core.policies import ProductionScheduler
 
-    engine = LLMEngine(MODEL, max_model_len=128, max_num_seqs=2, scheduler=lambda kv, cfg:
-                       ProductionScheduler(kv, dataclasses.replace(cfg, max_waiting=1)))
+    def one_waiting(kv, cfg):
+        return ProductionScheduler(kv, dataclasses.replace(cfg, max_waiting=1))
+
+    engine = LLMEngine(EngineArgs(MODEL, max_model_len=128, max_num_seqs=2,
+                                  scheduler=one_waiting))
     with ServerThread(build_app(AsyncEngine(engine, model_name=MODEL), MODEL)) as srv:
         plan = plan_requests(12, float("inf"), fixed(8), fixed(24), seed=1)
         recs, _ = run_load(LoadConfig(srv.url, MODEL), plan)
@@ -295,7 +299,7 @@ def test_chat_and_completion_answers_match_the_engine(server) -> None:
             if line.startswith("data:") and "[DONE]" not in line:
                 streamed.append(json.loads(line[5:])["choices"][0]["text"])
     assert "".join(streamed) == text
-    ref = LLMEngine(MODEL, max_model_len=256)
+    ref = LLMEngine(EngineArgs(MODEL, max_model_len=256))
     ref.add_request("r", prompt, SamplingParams(max_tokens=10, temperature=0))
     while ref.has_unfinished_requests():
         outs = ref.step()

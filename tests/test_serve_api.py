@@ -15,6 +15,7 @@ import pytest
 from test_detokenizer import byte_level_tokenizer
 
 from kvlab.engine.detokenizer import REPLACEMENT
+from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.params import SamplingParams
 from kvlab.engine.tokenizer import Tokenizer
@@ -58,7 +59,7 @@ def byte_tok(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bytes_server(byte_tok):
-    engine = LLMEngine(MODEL, max_model_len=256, max_num_seqs=16, tokenizer=byte_tok)
+    engine = LLMEngine(EngineArgs(MODEL, max_model_len=256, max_num_seqs=16, tokenizer=byte_tok))
     with ServerThread(build_app(AsyncEngine(engine, model_name=MODEL), MODEL)) as srv:
         srv.engine = engine
         yield srv
@@ -66,7 +67,7 @@ def bytes_server(byte_tok):
 
 @pytest.fixture(scope="module")
 def server():
-    engine = LLMEngine(MODEL, max_model_len=128, max_num_seqs=16)
+    engine = LLMEngine(EngineArgs(MODEL, max_model_len=128, max_num_seqs=16))
     with ServerThread(build_app(AsyncEngine(engine, model_name=MODEL), MODEL)) as srv:
         srv.engine = engine
         yield srv
@@ -79,7 +80,7 @@ def test_streams_equal_the_answer_when_tokens_split_characters(bytes_server, byt
     must hold those back, never send U+FFFD for them, never resend, and add up to the text."""
     seeds = range(16)
     prompt = byte_tok.encode("the river 中文😀")
-    ref = LLMEngine(MODEL, max_model_len=256, tokenizer=byte_tok)
+    ref = LLMEngine(EngineArgs(MODEL, max_model_len=256, tokenizer=byte_tok))
     for s in seeds:
         ref.add_request(f"r{s}", prompt, SamplingParams(max_tokens=32, temperature=1.0, seed=s,
                                                         ignore_eos=True))
@@ -273,7 +274,7 @@ def test_a_stalled_reader_is_aborted_with_bounded_queue():
     """An ASGI client that stops reading after its first events: the handler blocks in send
     while the engine keeps producing. The stream's queue never owes more than the bound plus
     one step, then the request is aborted and its KV freed; a reader beside it finishes."""
-    engine = LLMEngine(MODEL, max_model_len=256, max_num_seqs=16)
+    engine = LLMEngine(EngineArgs(MODEL, max_model_len=256, max_num_seqs=16))
     limit = 40
     aeng = AsyncEngine(engine, model_name=MODEL, max_backlog_tokens=limit)
     app = build_app(aeng, MODEL)
@@ -362,7 +363,7 @@ def test_bench_counts_tokens_from_usage_and_fails_loudly(server, capsys, tmp_pat
 
 def test_stop_token_sets_stop_reason_to_its_id(server):
     prompt = "Once upon a time the shepherd"
-    ref = LLMEngine(MODEL, max_model_len=128)
+    ref = LLMEngine(EngineArgs(MODEL, max_model_len=128))
     ref.add_request("r", prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     while ref.has_unfinished_requests():
         outs = ref.step()

@@ -14,6 +14,7 @@ from test_serve_api import idle, sse, wait_until
 
 from kvlab import LLM, SamplingParams
 from kvlab.engine.detokenizer import REPLACEMENT
+from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.tokenizer import Tokenizer
 from kvlab.entrypoints.async_engine import AsyncEngine
@@ -29,7 +30,7 @@ PROMPT = "Trern Thyvet was a generous shepherd who"
 
 @pytest.fixture(scope="module")
 def server():
-    engine = LLMEngine(MODEL, max_model_len=128, max_num_seqs=16)
+    engine = LLMEngine(EngineArgs(MODEL, max_model_len=128, max_num_seqs=16))
     with ServerThread(build_app(AsyncEngine(engine, model_name=MODEL), MODEL)) as srv:
         srv.engine = engine
         srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
@@ -185,7 +186,7 @@ def bytes_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     byte_level_tokenizer(1024).save(str(path))
     tok = Tokenizer(path)
-    engine = LLMEngine(MODEL, max_model_len=256, tokenizer=tok)
+    engine = LLMEngine(EngineArgs(MODEL, max_model_len=256, tokenizer=tok))
     with ServerThread(build_app(AsyncEngine(engine, model_name=MODEL), MODEL)) as srv:
         srv.tok = tok
         srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
@@ -206,7 +207,7 @@ def test_token_bytes_and_offsets_across_split_characters(bytes_server):
     where its character starts."""
     tok = bytes_server.tok
     prompt = tok.encode("the river 中文😀")
-    ref = LLMEngine(MODEL, max_model_len=256, tokenizer=tok)
+    ref = LLMEngine(EngineArgs(MODEL, max_model_len=256, tokenizer=tok))
     seeds = range(6)
     want = {}
     for s in seeds:       # one at a time, as the server runs them: the same batch shapes
@@ -299,7 +300,7 @@ def test_speculative_steps_deliver_one_entry_per_token(llm):
     logprob entry, the values are the speculative engine's, the tokens are greedy's."""
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3}
-    engine = LLMEngine(MODEL, max_model_len=128, speculative_config=spec)
+    engine = LLMEngine(EngineArgs(MODEL, max_model_len=128, speculative_config=spec))
     prompt = "the river and the town and the river and the town and the"
     with ServerThread(build_app(AsyncEngine(engine, model_name=MODEL), MODEL)) as srv:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0,
@@ -332,7 +333,7 @@ def test_logprobs_and_stop_need_a_tokenizer(tmp_path):
     for f in src.iterdir():
         if f.name not in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(f, tmp_path / f.name)
-    engine = LLMEngine(str(tmp_path), max_model_len=64)
+    engine = LLMEngine(EngineArgs(str(tmp_path), max_model_len=64))
     assert engine.tokenizer is None
     with ServerThread(build_app(AsyncEngine(engine, model_name=MODEL), MODEL)) as srv:
         for extra, param in (({"logprobs": 2}, "logprobs"), ({"stop": "x"}, "stop")):

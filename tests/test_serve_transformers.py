@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("fastapi", reason="transformers serve needs transformers[serving]")
 
+from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.params import SamplingParams
 from kvlab.entrypoints import bench
@@ -84,7 +85,7 @@ def test_bench_text_prompts_get_kvlab_greedy_text_from_transformers_serve(hf_ser
     assert int(out.split("Total input tokens:")[1].split()[0]) > 0      # from usage
     plan = plan_requests(4, float("inf"), bench.length_dist("fixed:6"),
                          bench.length_dist("fixed:8"), seed=5, text=True)
-    engine = LLMEngine("kvlab-tiny")
+    engine = LLMEngine(EngineArgs("kvlab-tiny"))
     for req in plan:
         engine.add_request(req.request_id, req.prompt,
                            SamplingParams(max_tokens=req.output_len, temperature=0))

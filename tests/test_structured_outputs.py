@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm import LLM
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.params import SamplingParams
@@ -128,7 +129,8 @@ def test_model_without_tokenizer_refuses_structured_outputs(tmp_path):
     pytest.importorskip("transformers")
     from kvlab.engine.hf_parity import save_random_hf_model
 
-    engine = LLMEngine(save_random_hf_model(tmp_path / "m", "llama", seed=1), num_blocks=32)
+    model = save_random_hf_model(tmp_path / "m", "llama", seed=1)
+    engine = LLMEngine(EngineArgs(model, num_blocks=32))
     assert engine.tokenizer is None
     with pytest.raises(ValueError, match="tokenizer"):
         engine.add_request("r", [3, 4, 5], SamplingParams(structured_outputs={"regex": "a"}))
@@ -263,7 +265,7 @@ def test_preemption_keeps_grammar_state():
     ample = LLM(MODEL, block_size=4, num_blocks=256, enable_prefix_caching=False)
     ref = ample.generate(PROMPTS, params, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in ref) == 0
-    engine = LLMEngine(MODEL, block_size=4, num_blocks=24, enable_prefix_caching=False)
+    engine = LLMEngine(EngineArgs(MODEL, block_size=4, num_blocks=24, enable_prefix_caching=False))
     for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True)):
         engine.add_request(f"r{i}", p, sp)
     done = {}

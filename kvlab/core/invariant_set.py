@@ -13,7 +13,7 @@ Use::
     monitor.before_execute(view, output)   # invariant 2 (what the step will write)
     monitor.check(view)                    # all nine, after the step
 
-``LLMEngine(check_invariants="every_step")`` and the chaos run (:mod:`kvlab.sim.chaos`) do this
+``EngineArgs(check_invariants="every_step")`` and the chaos run (:mod:`kvlab.sim.chaos`) do this
 on every step through :class:`~kvlab.core.engine_core.EngineCore`'s observers.
 """
 

@@ -17,6 +17,7 @@ from kvlab.reference.rule08_speculative import speculative_step
 _LAZY = {
     "LLM": ".llm",
     "LLMEngine": ".llm_engine",
+    "EngineArgs": ".engine_args",
     "EngineStats": ".llm_engine",
     "SamplingParams": ".params",
     "RequestOutput": ".outputs",

@@ -1,4 +1,5 @@
-"""The engine's constructor arguments, validated at the boundary, and the KV cache's size.
+"""The engine's configuration (:class:`EngineArgs`), validated when it is made, and the KV
+cache's size.
 
 Every check names the argument and the value, and runs before anything is allocated or
 loaded: a bad argument raises ``ValueError`` (or ``TypeError`` for a wrong kind of object) and
@@ -9,12 +10,20 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvlab.core.checks import is_int
+
+if TYPE_CHECKING:
+    from kvlab.core.scheduler_api import Scheduler
+
+    from .checkpoint import LoadedCheckpoint
+    from .tokenizer import Tokenizer
 
 #: Default KV budget on CPU when ``num_blocks`` is None (bytes). On CUDA the default is half of
 #: the device memory free after loading the weights.
@@ -43,15 +52,64 @@ def check_positive_int(name: str, value: object, *, optional: bool = False,
         raise ValueError(f"LLMEngine: {name} must be {kind}, got {value!r}")
 
 
-def check_engine_args(*, model: object, block_size: object, max_num_seqs: object,
-                      max_num_batched_tokens: object, num_blocks: object,
-                      max_prefill_chunk: object, kv_cache_memory: object, max_model_len: object,
-                      seed: object, enable_prefix_caching: object, scheduler: object,
-                      security_domain: object) -> None:
-    """Check :class:`~kvlab.engine.llm_engine.LLMEngine`'s arguments (device and dtype are
-    resolved by :func:`resolve_device` / :func:`resolve_dtype`; a blank model name is refused
-    where names are resolved, :func:`~kvlab.engine.checkpoint.resolve_model_path`)."""
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything an :class:`~kvlab.engine.llm_engine.LLMEngine` is built from, frozen and
+    checked when made (:func:`check_engine_args`; device, dtype, quantization, speculative and
+    transfer configs are checked when the engine resolves them, before anything is loaded).
+
+    ``model``: shipped model name, local Hugging Face directory, or a
+    :class:`~kvlab.engine.checkpoint.LoadedCheckpoint` (used in place: moved to the engine's
+    device and dtype). ``num_blocks=None`` sizes the cache from ``kv_cache_memory`` bytes
+    (default :data:`DEFAULT_KV_CACHE_MEMORY_CPU` on CPU, half the free memory on CUDA), capped
+    at ``max_num_seqs * max_model_len`` tokens. ``max_model_len`` defaults to the model's
+    ``max_position_embeddings``. ``max_prefill_chunk`` caps the prefill tokens one request gets
+    per step (None: the whole step budget). ``security_domain``: the default tenant (part of
+    every prefix-cache scope). ``device``: ``"cpu"`` (default) or ``"cuda[:N]"``; ``dtype``:
+    float32, float16 or bfloat16. ``quantization`` (``"int8"``, ``"int4"`` or a
+    ``QuantConfig``), ``quantization_group_size``, ``kv_cache_dtype`` (``"auto"``, ``"int8"``,
+    ``"fp8_e4m3"``): :mod:`kvlab.engine.quantization`. ``check_invariants="every_step"``:
+    :mod:`kvlab.engine.invariant_hook`.
+    """
+
+    model: str | Path | LoadedCheckpoint
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    device: str | torch.device | None = None
+    dtype: torch.dtype | str | None = None
+    seed: int = 0
+    scheduler: str | Callable[..., Scheduler] = "baseline"
+    kv_cache_memory: int | None = None
+    security_domain: str = "default"
+    tokenizer: Tokenizer | None = None
+    kv_transfer_config: dict | None = None
+    speculative_config: dict | None = None
+    check_invariants: str | None = None
+    quantization: str | None = None
+    quantization_group_size: int = 64
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_engine_args(self)
+
+
+def check_engine_args(args: EngineArgs) -> None:
+    """Check the plain arguments of ``args`` (device and dtype are resolved by
+    :func:`resolve_device` / :func:`resolve_dtype`; a blank model name is refused where names
+    are resolved, :func:`~kvlab.engine.checkpoint.resolve_model_path`)."""
     from .checkpoint import LoadedCheckpoint
+    from .invariant_hook import check_mode
+
+    model, block_size, seed = args.model, args.block_size, args.seed
+    max_num_seqs, max_num_batched_tokens = args.max_num_seqs, args.max_num_batched_tokens
+    enable_prefix_caching, scheduler = args.enable_prefix_caching, args.scheduler
+    security_domain = args.security_domain
+    check_mode(args.check_invariants)
 
     if not isinstance(model, (str, Path, LoadedCheckpoint)):
         raise TypeError(f"LLMEngine: model must be a str, a Path or a LoadedCheckpoint, "
@@ -59,10 +117,8 @@ def check_engine_args(*, model: object, block_size: object, max_num_seqs: object
     check_positive_int("block_size", block_size, upper=MAX_BLOCK_SIZE)
     check_positive_int("max_num_seqs", max_num_seqs)
     check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
-    check_positive_int("num_blocks", num_blocks, optional=True)
-    check_positive_int("max_prefill_chunk", max_prefill_chunk, optional=True)
-    check_positive_int("kv_cache_memory", kv_cache_memory, optional=True)
-    check_positive_int("max_model_len", max_model_len, optional=True)
+    for name in ("num_blocks", "max_prefill_chunk", "kv_cache_memory", "max_model_len"):
+        check_positive_int(name, getattr(args, name), optional=True)
     if not is_int(seed) or not 0 <= seed < SEED_MOD:
         raise ValueError(f"LLMEngine: seed must be an int in [0, 2**64), got {seed!r}")
     if not isinstance(enable_prefix_caching, bool):

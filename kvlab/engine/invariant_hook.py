@@ -1,4 +1,4 @@
-"""``LLMEngine(check_invariants="every_step")``: the spec's invariant set after every step.
+"""``EngineArgs(check_invariants="every_step")``: the spec's invariant set after every step.
 
 :func:`attach` validates the argument (None/"off" or "every_step"; ValueError otherwise) and
 registers an observer on the engine core that runs :data:`kvlab.core.invariant_set.

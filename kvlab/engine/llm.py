@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from kvlab.core.scheduler_api import RequestStatus
+from kvlab.engine.engine_args import EngineArgs
 
 from .llm_engine import LLMEngine, Prompt
 from .metrics import Counter, Gauge, Metric, Vector
@@ -40,11 +41,11 @@ class LLM:
         scheduler="baseline",
         **engine_kwargs,
     ):
-        self.engine = LLMEngine(
+        self.engine = LLMEngine(EngineArgs(
             model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, device=device, dtype=dtype, seed=seed,
-            scheduler=scheduler, **engine_kwargs)
+            scheduler=scheduler, **engine_kwargs))
         self._counter = 0
 
     def get_metrics(self) -> list[Metric]:

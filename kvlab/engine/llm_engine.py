@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
@@ -33,15 +32,13 @@ from kvlab.core.engine_core import EngineCore
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.scheduler_api import (
     RuntimeRequest,
-    Scheduler,
 )
 from kvlab.core.scheduler_config import SchedulerConfig
 
-from .checkpoint import LoadedCheckpoint
 from .engine_args import (
     DEFAULT_KV_CACHE_MEMORY_CPU,
     SEED_MOD,
-    check_engine_args,
+    EngineArgs,
     resolve_device,
     resolve_dtype,
     size_kv_cache,
@@ -68,9 +65,10 @@ from .quantization.setup import EngineQuantization
 from .sampling import SamplerState
 from .spec_decode.setup import Speculator
 from .structured_outputs.manager import StructuredOutputManager
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import load_tokenizer
 
-__all__ = ["DEFAULT_KV_CACHE_MEMORY_CPU", "EngineStats", "LLMEngine", "Prompt", "StepTrace"]
+__all__ = ["DEFAULT_KV_CACHE_MEMORY_CPU", "EngineArgs", "EngineStats", "LLMEngine", "Prompt",
+           "StepTrace"]
 
 Prompt = str | Sequence[int]
 
@@ -78,59 +76,24 @@ _SAMPLE_SEP = "#"  # sample i > 0 of request "r" runs as request "r#i"
 
 
 class LLMEngine:
-    """A real model stepping through paged KV. See the module docstring.
+    """A real model stepping through paged KV, built from one frozen :class:`EngineArgs`
+    (``LLMEngine(EngineArgs("kvlab-tiny", max_model_len=256))``). See the module docstring."""
 
-    ``model``: shipped model name, local Hugging Face directory, or a
-    :class:`~kvlab.engine.checkpoint.LoadedCheckpoint` (used in place: moved to this engine's
-    device and dtype, so engines sharing one must agree on both). ``num_blocks=None`` sizes the
-    cache from ``kv_cache_memory`` bytes (default
-    :data:`~kvlab.engine.engine_args.DEFAULT_KV_CACHE_MEMORY_CPU` on CPU, half the free memory
-    on CUDA), capped at ``max_num_seqs * max_model_len`` tokens. ``max_model_len`` defaults to
-    the model's ``max_position_embeddings``. ``max_prefill_chunk`` caps the prefill tokens one
-    request gets per step (None: the whole step budget). ``security_domain`` is the default
-    tenant of requests (part of every prefix-cache scope). ``device``: ``"cpu"`` (default) or
-    ``"cuda[:N]"``; ``dtype``: float32, float16 or bfloat16. ``quantization`` (``"int8"``,
-    ``"int4"`` or a ``QuantConfig``), ``quantization_group_size`` and ``kv_cache_dtype``
-    (``"auto"``, ``"int8"``, ``"fp8_e4m3"``): see :mod:`kvlab.engine.quantization`.
-    """
-
-    def __init__(
-        self,
-        model: str | Path | LoadedCheckpoint,
-        *,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_prefill_chunk: int | None = None,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | str | None = None,
-        seed: int = 0,
-        scheduler: str | Callable[..., Scheduler] = "baseline",
-        kv_cache_memory: int | None = None,
-        security_domain: str = "default",
-        tokenizer: Tokenizer | None = None,
-        kv_transfer_config: dict | None = None,
-        speculative_config: dict | None = None,
-        check_invariants: str | None = None,
-        quantization: str | None = None,
-        quantization_group_size: int = 64,
-        kv_cache_dtype: str = "auto",
-    ):
-        from .invariant_hook import attach, check_mode
-        check_mode(check_invariants)
-        check_engine_args(model=model, block_size=block_size, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
-                          max_prefill_chunk=max_prefill_chunk, kv_cache_memory=kv_cache_memory,
-                          max_model_len=max_model_len, seed=seed,
-                          enable_prefix_caching=enable_prefix_caching, scheduler=scheduler,
-                          security_domain=security_domain)
-        quant = EngineQuantization.resolve(quantization, quantization_group_size, kv_cache_dtype)
-        transfer = parse_kv_transfer(kv_transfer_config, enable_prefix_caching, quant)
-        dev = resolve_device(device)
-        dtype = resolve_dtype(dtype, dev)
+    def __init__(self, args: EngineArgs):
+        from .invariant_hook import attach
+        if not isinstance(args, EngineArgs):
+            raise TypeError(f"LLMEngine takes an EngineArgs, got {type(args).__name__} "
+                            "(LLMEngine(EngineArgs(model, ...)); LLM(model, ...) builds one)")
+        self.args = a = args
+        model, block_size, num_blocks = a.model, a.block_size, a.num_blocks
+        max_num_seqs, max_num_batched_tokens = a.max_num_seqs, a.max_num_batched_tokens
+        max_model_len, enable_prefix_caching = a.max_model_len, a.enable_prefix_caching
+        tokenizer, security_domain = a.tokenizer, a.security_domain
+        quant = EngineQuantization.resolve(a.quantization, a.quantization_group_size,
+                                           a.kv_cache_dtype)
+        transfer = parse_kv_transfer(a.kv_transfer_config, enable_prefix_caching, quant)
+        dev = resolve_device(a.device)
+        dtype = resolve_dtype(a.dtype, dev)
         ckpt = load_engine_checkpoint(model, quant, dev, dtype)
         self.quantization = quant
         self.checkpoint = ckpt
@@ -138,13 +101,13 @@ class LLMEngine:
         self.config = cfg = ckpt.config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ckpt.path)
         self.device, self.dtype = dev, dtype
-        self.speculator = Speculator.load(speculative_config, cfg, self.tokenizer, dev, dtype)
+        self.speculator = Speculator.load(a.speculative_config, cfg, self.tokenizer, dev, dtype)
         self.max_model_len = max_model_len = resolve_max_model_len(cfg, max_model_len)
         itemsize = torch.empty((), dtype=dtype).element_size()
         size = size_kv_cache(
             block_bytes=(quant.kv_bytes_per_token(cfg, itemsize) + Speculator.kv_bytes(
                 self.speculator, itemsize)) * block_size, block_size=block_size,
-            num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+            num_blocks=num_blocks, kv_cache_memory=a.kv_cache_memory, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, device=dev)
         self.model.prepare_rope(max_model_len)
         self.block_size = block_size
@@ -157,9 +120,9 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=min(max_num_seqs, max_num_batched_tokens),
             max_num_batched_tokens=max_num_batched_tokens,
-            prefill_chunk=max_prefill_chunk or max_num_batched_tokens,
+            prefill_chunk=a.max_prefill_chunk or max_num_batched_tokens,
             num_lookahead_tokens=self.speculator.num_lookahead if self.speculator else 0)
-        self.scheduler = make_scheduler(scheduler, self.kv, self.scheduler_config)
+        self.scheduler = make_scheduler(a.scheduler, self.kv, self.scheduler_config)
         self.kv_transfer = None
         if transfer is not None:   # prefill/decode disaggregation (chapter 10)
             from .kv_transfer import KVPayloadCodec, KVTransfer, engine_model_fields
@@ -169,11 +132,11 @@ class LLMEngine:
         self.executor = Speculator.make_executor(self.speculator, self.model, self.cache,
                                                  self.scheduler.get_request, max_model_len)
         self.core = EngineCore(self.scheduler, self.executor)
-        self.invariant_hook = attach(self, check_invariants)   # None unless "every_step"
+        self.invariant_hook = attach(self, a.check_invariants)   # None unless "every_step"
         self.enable_prefix_caching = enable_prefix_caching
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.seed = seed
+        self.seed = a.seed
         self.security_domain = security_domain
         self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + ckpt.generation_eos))
         self._arrivals = 0

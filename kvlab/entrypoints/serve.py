@@ -316,6 +316,7 @@ def make_engine(args: argparse.Namespace):
     import torch
 
     from kvlab.core.policies import ProductionScheduler
+    from kvlab.engine.engine_args import EngineArgs
     from kvlab.engine.llm_engine import LLMEngine
 
     if args.threads > 0:
@@ -328,12 +329,12 @@ def make_engine(args: argparse.Namespace):
 
         def scheduler(kv, cfg):
             return ProductionScheduler(kv, dataclasses.replace(cfg, max_waiting=limit))
-    return LLMEngine(args.model, block_size=args.block_size, num_blocks=args.num_blocks,
+    return LLMEngine(EngineArgs(args.model, block_size=args.block_size, num_blocks=args.num_blocks,
                      max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
                      enable_prefix_caching=not args.no_enable_prefix_caching, device=args.device,
-                     dtype=args.dtype, seed=args.seed, scheduler=scheduler)
+                     dtype=args.dtype, seed=args.seed, scheduler=scheduler))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -190,13 +190,14 @@ def _preempt_run(block_size: int, num_blocks: int, max_num_batched_tokens: int,
     import torch
 
     from kvlab.engine import LLMEngine, SamplingParams
+    from kvlab.engine.engine_args import EngineArgs
     from kvlab.models.corpus import sample_prompts
 
     d = PREEMPT_DESIGN
     torch.set_num_threads(1)
-    engine = LLMEngine(d["model"], block_size=block_size, num_blocks=num_blocks,
+    engine = LLMEngine(EngineArgs(d["model"], block_size=block_size, num_blocks=num_blocks,
                        max_num_batched_tokens=max_num_batched_tokens, scheduler=scheduler,
-                       seed=0)
+                       seed=0))
     prompts = sample_prompts(d["prompts_seed"], d["num_prompts"])
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=d["max_tokens"],

@@ -1,6 +1,6 @@
 """KV transfer between engines (prefill/decode disaggregation), the torch side.
 
-:class:`KVTransfer` is what ``LLMEngine(kv_transfer_config=...)`` builds: the connector
+:class:`KVTransfer` is what ``EngineArgs(kv_transfer_config=...)`` builds: the connector
 (:mod:`.connectors`), the payload codec (:mod:`.payload`), the seeded fault injector
 (:mod:`kvlab.core.transfer_faults`) and the scheduler wrapper
 (:class:`kvlab.core.remote_kv.RemoteKVScheduler`) that runs the protocol inside the engine's one
