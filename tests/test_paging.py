@@ -346,6 +346,16 @@ def test_chapter2_smaller_arena_predict_check():
         with pytest.raises(AssertionError, match=rf"^\({wrong}\) fails") as err:
             check_smaller_arena(wrong)
         assert "(b)" not in str(err.value)
+        # one reason, about one part of the option: never which parts hold
+        assert (("mean batch" in str(err.value))
+                != ("share of token states" in str(err.value)))
+    messages = set()
+    for wrong in "acd":
+        try:
+            check_smaller_arena(wrong)
+        except AssertionError as err:
+            messages.add(str(err).split(":", 1)[1])
+    assert len(messages) == 2      # (c) and (d) fail for the same reason: batch not the same
     with pytest.raises(AssertionError, match="one of"):
         check_smaller_arena("e")
 
