@@ -309,11 +309,11 @@ def test_chapter3_exercise_checks():
     from kvlab.exercises.ch03 import (
         SAMPLING,
         WRITE_ORDER,
+        _sampling_blocks,
         check_cow,
         check_double_release,
         check_sampling_blocks,
         check_write_order,
-        sampling_blocks,
         write_order_outcome,
     )
     from kvlab.reference import BlockAllocator
@@ -333,19 +333,27 @@ def test_chapter3_exercise_checks():
         check_cow(decrement_first)
     with pytest.raises(NotYetAnswered):
         check_cow(...)
-    # 730 // 16 = 45 full prompt blocks once + 5 x (ceil(820 / 16) - 45) private; 5 x 52 without
-    assert sampling_blocks(**SAMPLING) == (45 + 5 * 7, 5 * 52) == (80, 260)
-    assert "Correct" in check_sampling_blocks(80, 260)
+    # 730 // 16 = 45 full prompt blocks once, then each sample's own blocks past them:
+    # ceil((730 + o) / 16) - 45 for o in (90, 70, 6, 22, 90) = 7, 5, 1, 2, 7; without sharing
+    # 52 + 50 + 46 + 47 + 52
+    assert SAMPLING["output_tokens"] == (90, 70, 6, 22, 90)
+    assert _sampling_blocks(**SAMPLING) == (45 + 22, 247) == (67, 247)
+    assert _sampling_blocks(730, (90,) * 5, 16) == (45 + 5 * 7, 5 * 52)   # equal lengths
+    assert "Correct" in check_sampling_blocks(67, 247)
     with pytest.raises(AssertionError) as err:
-        check_sampling_blocks(75, 260)
-    assert str(err.value) == "with sharing: 75 is too low."
+        check_sampling_blocks(66, 247)
+    assert str(err.value) == "with sharing: 66 is too low."
     with pytest.raises(AssertionError) as err:
-        check_sampling_blocks(80, 261)
-    assert str(err.value) == "without: 261 is too high."
-    # the printed table of the chapter does not hold this case
-    from kvlab.exercises.ch03 import sampling_blocks as blocks
-    assert all(blocks(n, p, o, 16) != (80, 260) for p, o in ((1000, 200), (161, 338), (20, 60))
-               for n in (2, 4, 6))
+        check_sampling_blocks(67, 260)        # equal-length thinking: 5 x 52
+    assert str(err.value) == "without: 260 is too high."
+    with pytest.raises(AssertionError):
+        check_sampling_blocks(80, 260)        # the equal-length answer is wrong here
+    with pytest.raises(ValueError, match="one token each"):
+        _sampling_blocks(730, (90, 0), 16)
+    # the chapter never imports the check's truth
+    from pathlib import Path
+    chapter = Path(__file__).parents[1] / "notebooks" / "03-refcounts-cow.md"
+    assert "sampling_blocks" not in chapter.read_text().replace("check_sampling_blocks", "")
     # exercise 3: parent first -> p and s1 copy, s2 (last owner) writes in place
     assert write_order_outcome(**WRITE_ORDER) == (2, "s2")
     assert write_order_outcome(3, 10, 4, ("s2", "s1", "p")) == (2, "p")   # the chapter's order

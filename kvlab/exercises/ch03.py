@@ -16,8 +16,9 @@ from kvlab.reference import BlockAllocator
 
 from ._common import require_answer
 
-#: Parallel sampling of :func:`check_sampling_blocks` (exercise 2).
-SAMPLING = {"n": 5, "prompt_tokens": 730, "output_tokens": 90, "block_size": 16}
+#: Parallel sampling of :func:`check_sampling_blocks` (exercise 2): one prompt, five samples
+#: that stop after different numbers of tokens (one output length per sample).
+SAMPLING = {"prompt_tokens": 730, "output_tokens": (90, 70, 6, 22, 90), "block_size": 16}
 
 #: The fork of :func:`check_write_order` (exercise 3): the parent writes first.
 WRITE_ORDER = {"n": 3, "prompt_tokens": 10, "block_size": 4, "order": ("p", "s1", "s2")}
@@ -110,33 +111,39 @@ def check_cow(fn) -> str:
     return f"Correct on {cases} random scenarios, exhausted memory and bad indices included."
 
 
-def sampling_blocks(n: int, prompt_tokens: int, output_tokens: int, block_size: int) -> tuple:
-    """Blocks held at the end of generation with forked sharing, and without sharing.
+def _sampling_blocks(prompt_tokens: int, output_tokens: tuple, block_size: int) -> tuple:
+    """Blocks held when every sample has generated its ``output_tokens[i]`` tokens, with forked
+    sharing and without sharing (the check's truth; the chapter never calls it).
 
-    Runs a real KVCacheManager: admit the prompt, fork ``n - 1`` children, decode every sequence
-    token by token (copy-on-write on the shared partial block), and count distinct blocks held.
+    Runs a real KVCacheManager: admit the prompt, fork one child per further sample, decode
+    every unfinished sequence token by token (copy-on-write on the shared partial block), and
+    count the distinct blocks held.
     """
-    total = prompt_tokens + output_tokens
-    kv = KVCacheManager(n * (-(-total // block_size)) + 8, block_size,
-                        enable_prefix_caching=False)
+    n = len(output_tokens)
+    if n < 1 or any(o < 1 for o in output_tokens):
+        raise ValueError(f"need at least one sample and one token each, got {output_tokens!r}")
+    private = sum(-(-(prompt_tokens + o) // block_size) for o in output_tokens)
+    kv = KVCacheManager(private + 8, block_size, enable_prefix_caching=False)
     kv.admit("s0", (), list(range(prompt_tokens)), prompt_tokens)
-    seqs = ["s0"] + [f"s{i}" for i in range(1, n)]
+    seqs = [f"s{i}" for i in range(n)]
     for child in seqs[1:]:
         kv.fork("s0", child)
-    for length in range(prompt_tokens, total):
+    for length in range(prompt_tokens, prompt_tokens + max(output_tokens)):
         copies = []
-        for rid in seqs:
-            copies += kv.grow(rid, length + 1, length)
+        for rid, out in zip(seqs, output_tokens, strict=True):
+            if length < prompt_tokens + out:
+                copies += kv.grow(rid, length + 1, length)
         kv.complete_copies(copies)
     shared = len({b for rid in seqs for b in kv.block_table(rid)})
-    return shared, n * (-(-total // block_size))
+    return shared, private
 
 
 def check_sampling_blocks(with_sharing, without_sharing) -> str:
-    """Blocks needed by :data:`SAMPLING` (n sequences from one prompt) with and without forks."""
+    """Exercise 2: distinct blocks :data:`SAMPLING`'s samples hold once each has stopped, with
+    forked sharing and without sharing (direction only when wrong)."""
     require_answer(with_sharing, "blocks with sharing")
     require_answer(without_sharing, "blocks without sharing")
-    truth = sampling_blocks(**SAMPLING)
+    truth = _sampling_blocks(**SAMPLING)
     if (with_sharing, without_sharing) != truth:
         wrong = "; ".join(f"{what}: {got} is {'too high' if got > want else 'too low'}"
                           for what, got, want in (("with sharing", with_sharing, truth[0]),
