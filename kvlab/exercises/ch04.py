@@ -139,8 +139,8 @@ def prefill_for_order(order) -> int:
 
 def longest_prefix_first_order() -> list[str]:
     """Longest-prefix-match, greedily: always run the waiting request with the longest cached
-    prefix next (ties in arrival order); SGLang's opt-in ``--schedule-policy lpm`` sorts its
-    waiting queue this way."""
+    prefix next (ties in arrival order); SGLang's ``--schedule-policy lpm`` (the default up to
+    v0.4.3, opt-in since v0.4.5 at the latest) sorts its waiting queue this way."""
     requests = ordering_requests()
     kv = KVCacheManager(ORDERING["num_blocks"], ORDERING["block_size"])
     waiting, order = list(requests), []
@@ -175,7 +175,8 @@ def check_request_order(order) -> str:
     return (f"Correct: {yours:,} prefill tokens against {arrival:,} in arrival order. Running "
             "requests that share a prefix back to back keeps that prefix from being evicted "
             "between them. Sorting the waiting queue by cached prefix length does it "
-            "automatically (SGLang's opt-in 'lpm' policy); nothing in that sort stops a "
+            "automatically (SGLang's 'lpm' policy, opt-in in current releases); nothing in "
+            "that sort stops a "
             "request that matches nothing from being passed over while hits keep arriving.")
 
 
