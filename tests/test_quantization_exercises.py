@@ -17,32 +17,44 @@ def test_error_bounds():
     zp = (ch08.ZP_MAX - ch08.ZP_MIN) / 15 / 2
     assert "Correct" in ch08.check_error_bounds(sym, zp)
     for wrong, hint in (((ch08.ZP_MAX / 15 / 2, zp), "symmetric: too low"),
-                        ((2 * sym, zp), "symmetric: that is a whole grid step"),
+                        ((2 * sym, zp), "symmetric: too high"),
                         ((sym, zp * 3), "zero-point: too high"),
                         ((sym, ch08.ZP_MAX / 7 / 2), "zero-point: too high"),
-                        ((sym, 2 * zp), "zero-point: that is a whole")):
+                        ((sym, 2 * zp), "zero-point: too high")):
         with pytest.raises(AssertionError, match=hint) as err:
             ch08.check_error_bounds(*wrong)
-        assert f"{sym:.4g}" not in str(err.value) and f"{zp:.4g}" not in str(err.value)
+        message = str(err.value)
+        assert f"{sym:.4g}" not in message and f"{zp:.4g}" not in message
+        for method in ("2^", "step", "half", "grid"):     # the hint never states the method
+            assert method not in message
     with pytest.raises(NotYetAnswered):
         ch08.check_error_bounds(..., zp)
 
 
 def test_greedy_prediction_is_graded_on_the_engine(monkeypatch):
     n = ch08._greedy_identical()
-    assert 0 <= n < ch08.GREEDY_PROMPTS           # int4 g64 changes some continuation
-    right = "all" if n == 8 else "most" if n >= 5 else "few" if n else "none"
-    monkeypatch.setattr(ch08, "_greedy_identical", lambda: n)
-    assert "Right" in ch08.check_greedy_prediction(right)
-    for option in ch08.GREEDY_CHOICES:
-        if option != right:
-            with pytest.raises(AssertionError, match=r"^no: ") as err:
-                ch08.check_greedy_prediction(option)
-            assert repr(right) not in str(err.value) and f'"{right}"' not in str(err.value)
-    monkeypatch.setattr(ch08, "_greedy_identical", lambda: 8)
-    assert "Right" in ch08.check_greedy_prediction("all")
-    with pytest.raises(AssertionError, match="answer one of"):
-        ch08.check_greedy_prediction("half")
+    assert ch08.GREEDY_PROMPTS == 64 and ch08.GREEDY_TOKENS == 64
+    assert 0 < n < ch08.GREEDY_PROMPTS            # int4 g64 changes some continuations
+    measured = 100 * n / ch08.GREEDY_PROMPTS
+    assert "Right" in ch08.check_greedy_prediction(round(measured))
+    assert "Right" in ch08.check_greedy_prediction(min(100.0, measured + 11.9))
+    with pytest.raises(AssertionError, match="too high") as err:
+        ch08.check_greedy_prediction(min(100.0, measured + 12.5))
+    assert f"{measured:.0f}%" not in str(err.value) and str(n) not in str(err.value)
+    with pytest.raises(AssertionError, match="too low"):
+        ch08.check_greedy_prediction(max(0.0, measured - 12.5))
+    # the band is about two binomial standard errors of the measured share
+    se = (measured * (100 - measured) / ch08.GREEDY_PROMPTS) ** 0.5
+    assert 1.5 * se <= ch08.GREEDY_TOLERANCE <= 2.5 * max(se, 6.25)
+    monkeypatch.setattr(ch08, "_greedy_identical", lambda: 32)
+    assert "Right" in ch08.check_greedy_prediction(50)
+    with pytest.raises(AssertionError, match="too high"):
+        ch08.check_greedy_prediction(70)
+    for bad in ("half", True, 120, -1):
+        with pytest.raises(AssertionError, match="between 0 and 100"):
+            ch08.check_greedy_prediction(bad)
+    with pytest.raises(NotYetAnswered):
+        ch08.check_greedy_prediction(...)
 
 
 def test_colleague_roundtrip_is_caught_and_a_fix_passes():
