@@ -132,6 +132,22 @@ def test_acceptance_figure_draws_plain_data():
     assert "2 rejected drafts" in fig.axes[2].get_title()
 
 
+def test_an_empty_ngram_panel_says_why():
+    pytest.importorskip("matplotlib")
+    from kvlab.engine.spec_decode.acceptance import AcceptanceData
+    from kvlab.viz.spec import acceptance_caption, acceptance_figure
+
+    empty = AcceptanceData("ngram", 4, 0.0, (0.0, 0.0, 0.0, 0.0),
+                           {"req 0": ((7, 1), (14, 1))}, ((1.0, 0.2), (1.0, 0.1)), 0.0, 1.0)
+    texts = " ".join(t.get_text() for t in acceptance_figure(empty).axes[0].texts)
+    assert "n-gram drafts copy" in texts and "rejected" in texts
+    assert "rarely repeats itself" in acceptance_caption(empty)
+    kept = AcceptanceData("draft_model", 2, 0.8, (0.6, 0.4), {"req 0": ((1, 2),)},
+                          ((0.1, 0.4),), 0.6, 2.0)
+    assert not acceptance_figure(kept).axes[0].texts         # only where the panel is empty
+    assert "rarely" not in acceptance_caption(kept)
+
+
 def test_speedup_figure_marks_the_roof_of_each_point():
     pytest.importorskip("matplotlib")
     from kvlab.sim.costmodel import speculative_step_cost

@@ -33,6 +33,11 @@ def acceptance_figure(data: AcceptanceData) -> Figure:
     a.set(xlabel="draft position i", ylabel="share accepted", ylim=(0, 1.05),
           title=f"{data.method}, k={data.k}, T={data.temperature:g}")
     a.legend(fontsize=8)
+    if data.method == "ngram" and max(data.per_pos, default=0.0) < 0.1:
+        # the bars are (almost) empty: say why, in the panel, not only in the prose
+        a.text(0.5, 0.5, "n-gram drafts copy what followed an earlier\nmatch of the last "
+               "tokens; this text rarely\nrepeats, so nearly every draft is rejected",
+               transform=a.transAxes, ha="center", va="center", fontsize=8, color="#333333")
     for j, (name, steps) in enumerate(data.lengths.items()):
         if steps:
             xs, ys = zip(*steps, strict=True)
@@ -90,9 +95,14 @@ KERNEL_FREE_GRID = {
 
 
 def acceptance_caption(data: AcceptanceData) -> str:
-    """One line under the figure: the fitted alpha and the mean tokens per verification."""
+    """One line under the figure: the fitted alpha and the mean tokens per verification (and,
+    for n-gram drafts that almost never hold, why the left panel is empty)."""
+    why = ""
+    if data.method == "ngram" and max(data.per_pos, default=0.0) < 0.1:
+        why = (" (n-gram drafts copy an earlier continuation of the last tokens; this text "
+               "rarely repeats itself, so almost none is kept)")
     return (f"{data.method}, k={data.k}, T={data.temperature:g}: alpha = {data.alpha:.2f}, "
-            f"mean tokens per verification = {data.mean_length:.2f}")
+            f"mean tokens per verification = {data.mean_length:.2f}{why}")
 
 
 class AcceptanceView:
