@@ -76,6 +76,40 @@ def test_check_bug_invariants_grades_by_running_the_bugs():
     assert "def " in bug_source("C") or "class " in bug_source("C")
 
 
+def test_check_fault_moves_catch_grades_by_running_the_lab():
+    from kvlab.exercises.ch12 import FAULT_MOVES, check_fault_moves_catch
+
+    mutant, fault = FAULT_MOVES["implementation"], FAULT_MOVES["fault"]
+    truth = run_lab(mutant, fault).caught
+    assert truth is not None and truth != run_lab(mutant, "none").caught   # the fault moves it
+    assert check_fault_moves_catch(truth).startswith("Correct")
+    for wrong in range(1, 10):
+        if wrong != truth:
+            with pytest.raises(AssertionError, match="is not the first") as info:
+                check_fault_moves_catch(wrong)
+            assert str(truth) not in str(info.value).replace(f"invariant {wrong}", "")
+    for bad in (0, 10, "3", True):
+        with pytest.raises(AssertionError, match="from 1 to 9"):
+            check_fault_moves_catch(bad)
+    with pytest.raises(NotYetAnswered):
+        check_fault_moves_catch(...)
+
+
+def test_lab_figure_has_a_legend_for_the_pool_colours():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlab.viz.invariants import lab_figure
+
+    fig = lab_figure("correct", "alloc_refusal", step=4)      # blocks withheld by the fault
+    top = fig.axes[0]
+    labels = [t.get_text() for t in top.get_legend().get_texts()]
+    assert "withheld by the fault" in labels and "free" in labels
+    fig = lab_figure("release skips a block", "none")            # a culprit is outlined
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "culprit block" in labels
+
+
 def _good(output, config):
     assert len(output.chunks) <= config.max_num_seqs
     assert sum(c.num_query_tokens for c in output.chunks) <= config.max_num_batched_tokens
@@ -118,3 +152,16 @@ def test_a_custom_mutation_runs_in_the_lab():
     trace = run_lab(Mutation("a leak", 3, patch=leak))
     assert trace.caught in (3, 4)
     assert dataclasses.is_dataclass(trace.steps[0])
+
+
+def test_chapter_restates_invariant_7_while_its_statement_overpromises():
+    """Invariant 7's statement names RNG rollback, which no checker checks; the chapter says so
+    and restates it. Once the statement says only what is checked, the note must go."""
+    from pathlib import Path
+
+    from kvlab.core.invariant_set import SPEC_INVARIANTS
+
+    statement = next(inv.statement for inv in SPEC_INVARIANTS if inv.number == 7)
+    chapter = (Path(__file__).parents[1] / "notebooks" / "12-invariants-faults.md").read_text()
+    note = "Statement 7 promises more than its checker checks" in chapter
+    assert note == ("RNG" in statement)

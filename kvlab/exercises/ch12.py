@@ -1,4 +1,5 @@
-"""Chapter 12 exercises: which invariant a bug breaks, and a checker for a new invariant.
+"""Chapter 12 exercises: which invariant a bug breaks, which one catches a mutant once a fault
+strikes, and a checker for a new invariant.
 
 Each check computes the truth by running the engine (:mod:`kvlab.sim.fault_lab`) and raises
 ``AssertionError`` saying what is wrong (which bug, which implementation, at which step)
@@ -87,7 +88,28 @@ def check_bug_invariants(answer) -> str:
     return "Correct: every bug is caught, each by the invariant you named."
 
 
-# ------------------------------------------------------------------ 2. a new invariant
+# ------------------------------------------------------------------ 2. a fault moves the catch
+#: Exercise 2: the mutant and the fault whose cell the chapter's table leaves out.
+FAULT_MOVES = {"implementation": "abort leaves it queued", "fault": "executor_error"}
+
+
+def check_fault_moves_catch(invariant) -> str:
+    """Exercise 2: the invariant (1..9) that first reports :data:`FAULT_MOVES`'s mutant when
+    the fault lab runs it under that fault. Graded by running it; a wrong number is told only
+    that it is not the first to report."""
+    require_answer(invariant, "an invariant number from 1 to 9")
+    if isinstance(invariant, bool) or not isinstance(invariant, int) or not 1 <= invariant <= 9:
+        raise AssertionError(f"an invariant is a number from 1 to 9, got {invariant!r}")
+    trace = run_lab(FAULT_MOVES["implementation"], FAULT_MOVES["fault"])
+    if trace.caught != invariant:
+        raise AssertionError(f"invariant {invariant} is not the first to report this run: "
+                             "follow the waiting queue step by step, before and after the "
+                             "fault")
+    return (f"Correct: {trace.violation}. The fault changed how the bug showed itself, and "
+            "another invariant caught it: the reason to check all nine on every step.")
+
+
+# ------------------------------------------------------------------ 3. a new invariant
 BUDGET = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk=8,
                          num_lookahead_tokens=3)
 

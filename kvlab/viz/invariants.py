@@ -13,7 +13,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from .style import BLOCK_STATE_COLORS, INK, MUTED
+from .style import BLOCK_STATE_COLORS, BLOCK_STATE_LABELS, BLOCK_STATE_ORDER, INK, MUTED
 
 __all__ = ["FaultLab", "chaos_figure", "lab_figure"]
 
@@ -36,6 +36,20 @@ def _culprit_block(trace: Any) -> int | None:
     return None
 
 
+def _pool_legend(blocks, culprit: bool) -> list:
+    """What each colour of the pool means: the block states present (and blocks a fault
+    withholds), plus the culprit's outline when one is drawn."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=BLOCK_STATE_COLORS[s], label=BLOCK_STATE_LABELS[s])
+               for s in BLOCK_STATE_ORDER if s in blocks]
+    if "withheld" in blocks:
+        handles.append(Patch(color=_WITHHELD, label="withheld by the fault"))
+    if culprit:
+        handles.append(Patch(fill=False, ec="#c44e52", lw=2.5, label="culprit block"))
+    return handles
+
+
 def lab_figure(implementation: str = "correct", fault: str = "none", step: int | None = None):
     """The trace of ``run_lab(implementation, fault)`` at ``step`` (default: its last step)."""
     import matplotlib.pyplot as plt
@@ -45,8 +59,8 @@ def lab_figure(implementation: str = "correct", fault: str = "none", step: int |
     n = len(trace.steps)
     step = n if step is None else max(1, min(int(step), n))
     at = trace.steps[step - 1]
-    fig, (top, grid) = plt.subplots(2, 1, figsize=(8.2, 4.6),
-                                    gridspec_kw={"height_ratios": [1, 3.2]})
+    fig, (top, grid) = plt.subplots(2, 1, figsize=(8.2, 5.0),
+                                    gridspec_kw={"height_ratios": [1.3, 3.2]})
     culprit = _culprit_block(trace) if step == n else None
     for b, state in enumerate(at.blocks):
         color = _WITHHELD if state == "withheld" else BLOCK_STATE_COLORS[state]
@@ -57,9 +71,13 @@ def lab_figure(implementation: str = "correct", fault: str = "none", step: int |
     top.set_xlim(-0.2, len(at.blocks))
     top.set_ylim(-0.2, 1.1)
     top.axis("off")
-    used = sorted({s for s in at.blocks if s != "free"})
-    top.set_title(f"block pool after step {step}: {at.waiting} waiting, {at.running} running"
-                  + (f"; states: {', '.join(used)}" if used else ""), fontsize=9, color=INK)
+    handles = _pool_legend(at.blocks, culprit is not None)
+    if handles:
+        top.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02),
+                   ncol=min(5, len(handles)), fontsize=8, frameon=False, handlelength=1.2,
+                   columnspacing=1.2)
+    top.set_title(f"block pool after step {step}: {at.waiting} waiting, {at.running} running",
+                  fontsize=9, color=INK)
     for s in range(1, n + 1):
         for inv in range(1, 10):
             broken = (trace.violation is not None and s == n
