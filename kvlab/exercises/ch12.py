@@ -102,9 +102,7 @@ def check_fault_moves_catch(invariant) -> str:
         raise AssertionError(f"an invariant is a number from 1 to 9, got {invariant!r}")
     trace = run_lab(FAULT_MOVES["implementation"], FAULT_MOVES["fault"])
     if trace.caught != invariant:
-        raise AssertionError(f"invariant {invariant} is not the first to report this run: "
-                             "follow the waiting queue step by step, before and after the "
-                             "fault")
+        raise AssertionError(f"invariant {invariant} is not the first to report this run.")
     return (f"Correct: {trace.violation}. The fault changed how the bug showed itself, and "
             "another invariant caught it: the reason to check all nine on every step.")
 
