@@ -35,8 +35,8 @@ def acceptance_figure(data: AcceptanceData) -> Figure:
     a.legend(fontsize=8)
     if data.method == "ngram" and max(data.per_pos, default=0.0) < 0.1:
         # the bars are (almost) empty: say why, in the panel, not only in the prose
-        a.text(0.5, 0.5, "n-gram drafts copy what followed an earlier\nmatch of the last "
-               "tokens; this text rarely\nrepeats, so nearly every draft is rejected",
+        a.text(0.5, 0.45, "n-gram drafts copy what\nfollowed an earlier match\nof the last "
+               "tokens; this text\nrarely repeats, so nearly\nevery draft is rejected",
                transform=a.transAxes, ha="center", va="center", fontsize=8, color="#333333")
     for j, (name, steps) in enumerate(data.lengths.items()):
         if steps:
