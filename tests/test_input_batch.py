@@ -1,5 +1,5 @@
-"""The persistent input batch builds exactly the metadata of ``build_metadata``, step after step,
-while writing only table diffs."""
+"""The runner's persistent input batch keeps block tables from the scheduler's deltas alone and
+builds exactly the metadata of ``build_metadata`` over the full tables, step after step."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from kvlab.core.scheduler_api import ScheduledChunk
 from kvlab.engine.attention import ChunkSpec, build_metadata
 from kvlab.engine.model_runner import InputBatch
 
@@ -29,10 +30,17 @@ def _same(a, b) -> None:
         assert torch.equal(x.slots, y.slots)
 
 
+def _chunk(rid, tokens, start, table, kept):
+    return ScheduledChunk(rid, tuple(tokens), start, tuple(table[kept:]), True, len(tokens) > 1,
+                          num_kept_blocks=kept)
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_input_batch_equals_build_metadata_over_random_steps(seed):
-    """Requests arrive (prefill chunks), decode, grow tables, get a block rewritten (as after
-    copy-on-write), skip steps, finish and are replaced; tables exceed the initial capacity."""
+def test_input_batch_follows_table_deltas_and_equals_build_metadata(seed):
+    """Requests arrive (prefill chunks), decode, grow tables, get an entry rewritten (as after
+    copy-on-write) or the tail cut (a speculative rollback), skip steps (their rows stay),
+    are preempted (resent whole) and finish; tables exceed the initial capacity. The runner
+    sees only the deltas, as the KV manager's ``table_delta`` makes them."""
     rng = random.Random(seed)
     bs = rng.choice([1, 4, 16])
     batch = InputBatch(bs, max_rows=2, max_blocks=2)   # forces growth of both dimensions
@@ -41,50 +49,78 @@ def test_input_batch_equals_build_metadata_over_random_steps(seed):
     made = 0
     for _ in range(40):
         while len(live) < 12 and rng.random() < 0.5:
-            live[f"r{made}"] = {"pos": 0, "len": rng.randint(1, 40), "table": []}
+            live[f"r{made}"] = {"pos": 0, "len": rng.randint(1, 40), "table": [], "sent": 0}
             made += 1
-        chunks, ids = [], []
+        chunks, ended = [], []
         for rid, r in list(live.items()):
-            if rng.random() < 0.15:     # not scheduled this step (its row is released)
+            if rng.random() < 0.15:     # not scheduled this step: its row is kept
                 continue
+            if r["table"] and rng.random() < 0.05:   # preempted: table gone, resent whole
+                batch.remove([rid])
+                r.update(pos=0, table=[], sent=0)
             n = 1 if r["pos"] >= r["len"] else rng.randint(1, r["len"] - r["pos"])
             end = r["pos"] + n
+            if r["table"] and rng.random() < 0.1:   # a rollback cut the tail
+                keep = max(1, len(r["table"]) - rng.randint(0, 2))
+                del r["table"][keep:]
+                r["sent"] = min(r["sent"], keep)
             while len(r["table"]) * bs < end:
                 r["table"].append(next(next_block))
             if r["table"] and rng.random() < 0.1:   # copy-on-write: an entry is replaced
-                r["table"][rng.randrange(len(r["table"]))] = next(next_block)
-            chunks.append(ChunkSpec([rng.randrange(100) for _ in range(n)], r["pos"],
-                                    tuple(r["table"])))
-            ids.append(rid)
+                at = rng.randrange(len(r["table"]))
+                r["table"][at] = next(next_block)
+                r["sent"] = min(r["sent"], at)
+            chunks.append(_chunk(rid, [rng.randrange(100) for _ in range(n)], r["pos"],
+                                 r["table"], r["sent"]))
+            r["sent"] = len(r["table"])
             r["pos"] = end
             if r["pos"] > r["len"] + rng.randint(0, 30):
                 del live[rid]
+                ended.append(rid)
         if not chunks:
             continue
-        _same(batch.build(ids, chunks), build_metadata(chunks, bs))
-        for rid, c in zip(ids, chunks, strict=True):
-            assert batch.row_table(rid) == list(c.block_table)
-    assert batch.entries_written > 0 and batch.rows_written > 0
+        batch.apply(chunks)
+        full = [ChunkSpec(c.token_ids, c.start_pos,
+                          tuple(c.new_block_ids) if not c.num_kept_blocks else None)
+                for c in chunks]
+        expected = [ChunkSpec(c.token_ids, c.start_pos, batch.table(c.request_id))
+                    for c in chunks]
+        for c, f in zip(chunks, full, strict=True):
+            if f.block_table is not None:          # a whole table was sent: stored as sent
+                assert batch.table(c.request_id) == list(f.block_table)
+        _same(batch.build(chunks), build_metadata(expected, bs))
+        batch.remove(ended)             # finished after the step ran
+    for rid, r in live.items():
+        if rid in batch._row_of:
+            assert batch.table(rid)[:r["sent"]] == r["table"][:r["sent"]]
+    assert batch.entries_written > 0
 
 
-def test_input_batch_writes_only_appended_blocks():
+def test_input_batch_writes_only_the_delta():
     batch = InputBatch(4)
     tables = {f"r{i}": [10 * i] for i in range(8)}
+    sent = dict.fromkeys(tables, 0)
     for step in range(12):
         chunks = []
-        for t in tables.values():
+        for rid, t in tables.items():
             if step % 4 == 0 and step:
                 t.append(t[-1] + 1)
-            chunks.append(ChunkSpec([1], 4 * len(t) - 1 - (step % 4 != 0), tuple(t)))
-        batch.build(list(tables), chunks)
-    assert batch.rows_written == 8          # one full write per request, at its first step
-    assert batch.entries_written == 8 * 2   # then one entry per appended block
+            chunks.append(_chunk(rid, [1], 4 * len(t) - 1 - (step % 4 != 0), t, sent[rid]))
+            sent[rid] = len(t)
+        batch.apply(chunks)
+        batch.build(chunks)
+    assert batch.entries_written == 8 + 8 * 2   # each table once, then each appended block
+    assert all(batch.table(rid) == t for rid, t in tables.items())
 
 
-def test_input_batch_rejects_bad_chunks_without_storing():
+def test_input_batch_rejects_bad_deltas_and_chunks():
     batch = InputBatch(8)
-    with pytest.raises(ValueError, match="does not cover"):
-        batch.build(["a"], [ChunkSpec([1], 20, (0, 1))])
-    with pytest.raises(ValueError, match="no tokens"):
-        batch.build(["a"], [ChunkSpec([], 0, (0,))])
+    with pytest.raises(ValueError, match="keeps 1 table entries, the runner has 0"):
+        batch.apply([_chunk("a", [1], 0, [0, 1], 1)])
     assert batch.num_rows == 0
+    batch.apply([_chunk("a", [1], 20, [0, 1], 0)])
+    with pytest.raises(ValueError, match="does not cover"):
+        batch.build([_chunk("a", [1], 20, [0, 1], 2)])
+    batch.apply([_chunk("b", [], 0, [3], 0)])
+    with pytest.raises(ValueError, match="no tokens"):
+        batch.build([_chunk("b", [], 0, [3], 1)])

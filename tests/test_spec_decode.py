@@ -434,10 +434,10 @@ def test_abort_during_the_step_is_applied_after_verification():
     real = proposer.propose
     calls = []
 
-    def propose(chunks, rows):
+    def propose(chunks, rows, tables):
         if not calls:
             calls.append(eng.abort_request("a"))   # lands mid-step
-        return real(chunks, rows)
+        return real(chunks, rows, tables)
 
     proposer.propose = propose
     eng.step()

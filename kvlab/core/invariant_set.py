@@ -156,8 +156,11 @@ def check_writes(view: EngineView, output: SchedulerOutput) -> None:
             continue
         first = chunk.start_pos // bs
         last = (chunk.start_pos + getattr(chunk, "num_query_tokens", chunk.num_tokens) - 1) // bs
+        # the table the executor writes through: the chunk's delta over the one it was sent
+        table = (view.kv.block_table(chunk.request_id)[:chunk.num_kept_blocks]
+                 + list(chunk.new_block_ids))
         for i in range(first, last + 1):
-            b = chunk.block_table[i]
+            b = table[i]
             owners = pool.owners(b)
             require(owners == {chunk.request_id}, f"block {b}",
                     f"request {chunk.request_id} writes positions of block {b} shared with "

@@ -57,6 +57,7 @@ class KVCacheManager:
         self._scopes: dict[str, tuple] = {}
         self._locks: dict[str, _Node | None] = {}  # deepest locked node of each request's path
         self._committed: dict[str, int] = {}  # full blocks already offered to the cache
+        self._sent: dict[str, int] = {}       # leading entries unchanged since table_delta
         self.hit_tokens = 0
         self.query_tokens = 0
         self.hit_requests = 0
@@ -120,6 +121,14 @@ class KVCacheManager:
             )
         return token_slots(table, self.block_size, start, end)
 
+    def table_delta(self, request_id: str) -> tuple[int, tuple[int, ...]]:
+        """``(kept, new_block_ids)``: the table is its first ``kept`` entries as of the last
+        call, then ``new_block_ids``. The executor's copy follows from these deltas alone."""
+        table = self._table(request_id)
+        kept = self._sent[request_id]
+        self._sent[request_id] = len(table)
+        return kept, tuple(table[kept:])
+
     def scope_of(self, request_id: str) -> tuple:
         self._table(request_id)
         return self._scopes[request_id]
@@ -159,6 +168,7 @@ class KVCacheManager:
         self._scopes[request_id] = key
         self._locks[request_id] = match.node if match else None
         self._committed[request_id] = len(hit_blocks)
+        self._sent[request_id] = 0
         if self.prefix_cache is not None:
             self.query_tokens += len(token_ids)
             self.hit_tokens += cached
@@ -191,6 +201,8 @@ class KVCacheManager:
         copies = self.pool.cow([table[i] for i in targets], request_id)
         for i, (_, new) in zip(targets, copies, strict=True):
             table[i] = new
+        if targets:
+            self._sent[request_id] = min(self._sent[request_id], targets[0])
         table.extend(self.pool.allocate(extra, request_id))
         return copies
 
@@ -204,6 +216,7 @@ class KVCacheManager:
             raise ValueError(f"truncate({request_id!r}, {num_tokens!r}) would drop cached blocks")
         tail = table[keep:]
         del table[keep:]
+        self._sent[request_id] = min(self._sent[request_id], keep)
         self.pool.release(reversed(tail), request_id)
         return tail
 
@@ -279,6 +292,7 @@ class KVCacheManager:
         self._scopes[child_id] = self._scopes[parent_id]
         self._locks[child_id] = node
         self._committed[child_id] = self._committed[parent_id]
+        self._sent[child_id] = 0
 
     def free(self, request_id: str) -> bool:
         """Release the request's blocks and unlock its cached path. False if it holds nothing.
@@ -295,6 +309,7 @@ class KVCacheManager:
             self.prefix_cache.unlock(node)  # type: ignore[union-attr]
         del self._scopes[request_id]
         del self._committed[request_id]
+        del self._sent[request_id]
         return True
 
     # ================================================================== checks and views

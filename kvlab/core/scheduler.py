@@ -354,14 +354,10 @@ class SchedulerBase:
 
     def _chunk(self, request: RuntimeRequest, start: int, n: int) -> ScheduledChunk:
         end = start + n
-        return ScheduledChunk(
-            request_id=request.request_id,
-            token_ids=request.token_slice(start, end),
-            start_pos=start,
-            block_table=tuple(self.kv.block_table(request.request_id)),
-            sample=end == request.num_tokens,
-            is_prefill=not request.is_decoding,
-        )
+        kept, new = self.kv.table_delta(request.request_id)
+        return ScheduledChunk(request.request_id, request.token_slice(start, end), start, new,
+                              sample=end == request.num_tokens,
+                              is_prefill=not request.is_decoding, num_kept_blocks=kept)
 
     def _preempt(self, plan: StepPlan, request: RuntimeRequest) -> None:
         """Recompute preemption: free the KV, back to waiting with its tokens kept."""

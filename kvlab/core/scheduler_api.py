@@ -230,8 +230,12 @@ def stop_reason(request: RuntimeRequest) -> FinishReason | None:
 class ScheduledChunk:
     """Work for one request in one step: feed ``token_ids`` at positions ``start_pos...``.
 
-    ``block_table`` is the request's whole table after this step's allocation (it covers
-    positions ``0 .. start_pos + len(token_ids) - 1 + num_lookahead``). ``sample`` is True when
+    The block table travels as a delta, as vLLM v1's ``new_block_ids``: the request's table
+    after this step's allocation is the first ``num_kept_blocks`` entries of the table the
+    executor was last sent, followed by ``new_block_ids`` (a first or resumed chunk sends the
+    whole table, ``num_kept_blocks == 0``; copy-on-write or a rollback resends from the entry
+    that changed). The table covers positions ``0 .. start_pos + len(token_ids) - 1 +
+    num_lookahead``. ``sample`` is True when
     the chunk ends at the request's last token, so the logits of its last position produce the
     next token. ``num_lookahead`` (speculative decoding, :mod:`kvlab.core.spec_plan`): slots
     reserved after the chunk for up to that many draft tokens, verified in the same forward;
@@ -241,10 +245,11 @@ class ScheduledChunk:
     request_id: str
     token_ids: tuple[int, ...]
     start_pos: int
-    block_table: tuple[int, ...]
+    new_block_ids: tuple[int, ...]
     sample: bool
     is_prefill: bool
     num_lookahead: int = 0
+    num_kept_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -263,7 +268,8 @@ class SchedulerOutput:
     step: int
     chunks: tuple[ScheduledChunk, ...]
     copies: tuple[tuple[int, int], ...] = ()
-    preempted: tuple[str, ...] = ()        # request ids preempted (KV released) this step
+    preempted: tuple[str, ...] = ()        # request ids preempted (KV released) this step:
+                                           # their tables are gone (resent whole on resume)
     admitted: tuple[str, ...] = ()         # request ids given a KV table this step (first
                                            # admission, or re-admission after a preemption)
     rejected: tuple[str, ...] = ()         # request ids refused at admission this step

@@ -62,8 +62,11 @@ def plan_lookahead(scheduler: SchedulerBase, plan: StepPlan) -> int:
         except OutOfBlocks:
             continue                     # skip speculation for this request; preempt nobody
         plan.copies.extend(copies)
-        table = tuple(scheduler.kv.block_table(chunk.request_id))
-        plan.replace_chunk(i, replace(chunk, block_table=table, num_lookahead=n))
+        kept, new = scheduler.kv.table_delta(chunk.request_id)   # what grow changed since
+        kept = min(kept, chunk.num_kept_blocks)
+        new = tuple(scheduler.kv.block_table(chunk.request_id)[kept:])
+        plan.replace_chunk(i, replace(chunk, new_block_ids=new, num_kept_blocks=kept,
+                                      num_lookahead=n))
         granted += n
     return granted
 

@@ -100,9 +100,9 @@ class EngineFaults:
         propose = proposer.propose
         vocab = self.engine.config.vocab_size
 
-        def wrong(chunks: Any, rows: Any) -> Any:
+        def wrong(chunks: Any, rows: Any, tables: Any) -> Any:
             return {rid: replace(p, tokens=tuple((t + 1) % vocab for t in p.tokens), q=None)
-                    for rid, p in propose(chunks, rows).items()}
+                    for rid, p in propose(chunks, rows, tables).items()}
         proposer.propose = wrong
         try:
             result = self._execute(output)

@@ -360,6 +360,11 @@ class LLMEngine:
                 assert self.outputs.requests.get(state.request_id) is state, f"orphan {rid}"
                 assert sample.ended is not None or self.scheduler.find_request(rid) is not None, \
                     f"the scheduler lost {rid}"
+            batch = self.executor.input_batch
+            for rid in self.kv.requests():   # the runner's tables, kept from deltas alone
+                if rid in batch.row_ids():
+                    table = self.kv.block_table(rid)   # (a rollback is sent with the next step)
+                    assert batch.table(rid)[:len(table)] == table, f"runner's table of {rid}"
             samplers = self.executor.samplers
             for rid in samplers:
                 assert self.scheduler.find_request(rid) is not None, \

@@ -104,11 +104,14 @@ class ModelRunner:
 
     def remove_requests(self, request_ids: Iterable[str]) -> None:
         """Drop the state of requests that ended (unknown ids are ignored)."""
+        request_ids = list(request_ids)
         for rid in request_ids:
             self.samplers.pop(rid, None)
+        self.input_batch.remove(request_ids)
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         """Run ``output`` (copies, forward, sampling); see the module docstring."""
+        self.input_batch.remove(output.preempted)   # their tables are resent whole on resume
         res = self.forward(output.chunks, output.copies)
         t0 = time.perf_counter()
         states = [self.samplers[rid] for rid in res.request_ids]
@@ -138,10 +141,8 @@ class ModelRunner:
         """Copies, then the forward pass over ``chunks``; the logits of the sampling rows.
         ValueError (cache untouched) when a chunk's table does not cover it."""
         t0 = time.perf_counter()
-        meta = self.input_batch.build(
-            [c.request_id for c in chunks],
-            [ChunkSpec(c.token_ids, c.start_pos, c.block_table) for c in chunks],
-            self.workspace) if chunks else None
+        self.input_batch.apply(chunks)
+        meta = self.input_batch.build(chunks, self.workspace) if chunks else None
         sample_idx = [i for i, c in enumerate(chunks) if c.sample]
         t1 = time.perf_counter()
         if copies:   # copy-on-write targets of this step, before any write
@@ -161,8 +162,10 @@ class ModelRunner:
 
 
 class InputBatch:
-    """Persistent block tables of the scheduled requests (CPU tensor; indices are copied to
-    ``device`` per step). Grows its capacity on demand; one per executor."""
+    """The runner's block tables, one persistent row per running request, kept from the
+    scheduler's deltas alone (``num_kept_blocks`` + ``new_block_ids`` of each chunk): a row is
+    made by a request's first chunk, dropped when it is preempted or removed. CPU tensor;
+    indices go to ``device`` per step. Grows its capacity on demand; one per runner."""
 
     def __init__(self, block_size: int, device: torch.device | str = "cpu",
                  max_rows: int = 64, max_blocks: int = 64):
@@ -170,81 +173,83 @@ class InputBatch:
         self.device = torch.device(device)
         self.tables = torch.zeros(max_rows, max_blocks, dtype=torch.long)
         self._row_of: dict[str, int] = {}
-        self._table_of: dict[str, tuple[int, ...]] = {}
+        self._len: dict[str, int] = {}            # table length of each row's request
         self._free = list(range(max_rows - 1, -1, -1))
-        self.rows_written = 0     # counters: full rows written / tail entries written
-        self.entries_written = 0
+        self.entries_written = 0                  # table entries written, over all steps
 
     @property
     def num_rows(self) -> int:
         return len(self._row_of)
 
-    def row_table(self, request_id: str) -> list[int]:
-        """The stored table of ``request_id`` (for tests and debugging)."""
-        n = len(self._table_of[request_id])
-        return self.tables[self._row_of[request_id], :n].tolist()
+    def row_ids(self) -> set[str]:
+        """The requests that have a row."""
+        return set(self._row_of)
 
-    # ------------------------------------------------------------------ diffs
-    def _grow(self, rows: int, blocks: int) -> None:
-        old_rows, old_blocks = self.tables.shape
-        new = torch.zeros(max(rows, old_rows), max(blocks, old_blocks), dtype=torch.long)
-        new[:old_rows, :old_blocks] = self.tables
-        self.tables = new
-        self._free.extend(range(new.shape[0] - 1, old_rows - 1, -1))
+    def table(self, request_id: str) -> list[int]:
+        """The runner's copy of ``request_id``'s block table."""
+        return self.tables[self._row_of[request_id], :self._len[request_id]].tolist()
 
-    def update(self, chunks: Sequence[tuple[str, Sequence[int]]]) -> None:
-        """Make the stored tables equal ``(request_id, block_table)`` of this step's chunks;
-        release the rows of requests not in the step."""
-        present = {rid for rid, _ in chunks}
-        for rid in [r for r in self._row_of if r not in present]:
-            self._free.append(self._row_of.pop(rid))
-            del self._table_of[rid]
-        need_blocks = max((len(t) for _, t in chunks), default=0)
-        new_rows = sum(rid not in self._row_of for rid, _ in chunks)
-        if need_blocks > self.tables.shape[1] or new_rows > len(self._free):
-            self._grow(self.num_rows + new_rows, max(need_blocks, 2 * self.tables.shape[1]
-                                                     if need_blocks > self.tables.shape[1]
-                                                     else 0))
-        tables = self.tables
-        for rid, table in chunks:
-            table = tuple(table)
-            old = self._table_of.get(rid)
-            if old == table:
-                continue
-            row = self._row_of.get(rid)
+    @torch.inference_mode()
+    def remove(self, request_ids: Iterable[str]) -> None:
+        """Drop the rows of ``request_ids`` (unknown ids are ignored)."""
+        for rid in request_ids:
+            row = self._row_of.pop(rid, None)
+            if row is not None:
+                self.tables[row, :self._len.pop(rid)] = 0   # free rows are all padding
+                self._free.append(row)
+
+    @torch.inference_mode()
+    def apply(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """Apply each chunk's table delta. ValueError (nothing stored) for a delta that keeps
+        more entries than the row has, or a first chunk that keeps any."""
+        for c in chunks:
+            have = self._len.get(c.request_id)
+            if c.num_kept_blocks > (have or 0):
+                raise ValueError(f"{c.request_id!r}: the delta keeps {c.num_kept_blocks} table "
+                                 f"entries, the runner has {have or 0}")
+        need = max((c.num_kept_blocks + len(c.new_block_ids) for c in chunks), default=0)
+        rows = sum(c.request_id not in self._row_of for c in chunks)
+        width = self.tables.shape[1]
+        if need > width or rows > len(self._free):
+            old_rows, old_width = self.tables.shape
+            grown = torch.zeros(max(old_rows, self.num_rows + rows),
+                                max(old_width, 2 * old_width if need > old_width else 0, need),
+                                dtype=torch.long)
+            grown[:old_rows, :old_width] = self.tables
+            self.tables = grown
+            self._free.extend(range(grown.shape[0] - 1, old_rows - 1, -1))
+        for c in chunks:
+            row = self._row_of.get(c.request_id)
             if row is None:
-                row = self._free.pop()
-                self._row_of[rid] = row
-            n_old = len(old) if old is not None else 0
-            if old is not None and len(table) >= n_old and table[:n_old] == old:
-                tables[row, n_old:len(table)] = torch.tensor(table[n_old:], dtype=torch.long)
-                self.entries_written += len(table) - n_old
-            else:  # new row, or an entry rewritten (copy-on-write, re-admission)
-                tables[row].zero_()
-                tables[row, :len(table)] = torch.tensor(table, dtype=torch.long)
-                self.rows_written += 1
-            self._table_of[rid] = table
+                row = self._row_of[c.request_id] = self._free.pop()
+            kept, new = c.num_kept_blocks, c.new_block_ids
+            if new:
+                self.tables[row, kept:kept + len(new)] = torch.tensor(new, dtype=torch.long)
+                self.entries_written += len(new)
+            n, before = kept + len(new), self._len.get(c.request_id, 0)
+            if n < before:                      # a rollback cut the tail: pad with 0 again
+                self.tables[row, n:before] = 0
+            self._len[c.request_id] = n
 
     # ------------------------------------------------------------------ metadata
-    def build(self, request_ids: Sequence[str], chunks: Sequence[ChunkSpec],
+    def build(self, chunks: Sequence[ScheduledChunk],
               workspace: Workspace | None = None) -> AttentionMetadata:
-        """The step's metadata (equal to ``build_metadata(chunks, ...)``); ``request_ids[i]``
-        names ``chunks[i]``'s request. ValueError (nothing stored) on a malformed chunk."""
+        """The step's metadata from the rows (equal to ``build_metadata`` of the chunks with
+        their full tables); :meth:`apply` the step's deltas first. ValueError (nothing
+        computed) when a chunk is empty or its table does not cover it."""
         bs = self.block_size
-        for i, c in enumerate(chunks):
+        for c in chunks:
             end = c.start_pos + len(c.token_ids)
-            if len(c.token_ids) == 0 or c.start_pos < 0 or len(c.block_table) * bs < end:
+            if len(c.token_ids) == 0 or c.start_pos < 0 or self._len[c.request_id] * bs < end:
                 # the general path raises the precise error
-                return build_metadata(chunks, bs, self.device, workspace)
-            if not isinstance(request_ids[i], str):
-                raise ValueError(f"InputBatch.build: request id {request_ids[i]!r}")
+                return build_metadata([self.spec(c) for c in chunks], bs, self.device, workspace)
         singles = sorted((i for i, c in enumerate(chunks) if len(c.token_ids) == 1),
                          key=lambda i: chunks[i].start_pos)
-        self.update([(request_ids[i], chunks[i].block_table) for i in range(len(chunks))])
         if not singles:
-            return build_metadata(chunks, bs, self.device, workspace)
+            return build_metadata([self.spec(c) for c in chunks], bs, self.device, workspace)
         multis = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
-        rows = torch.tensor([self._row_of[request_ids[i]] for i in singles], dtype=torch.long)
+        rows = torch.tensor([self._row_of[chunks[i].request_id] for i in singles],
+                            dtype=torch.long)
         pos_list = [chunks[i].start_pos for i in singles]
         pos = torch.tensor(pos_list, dtype=torch.long)
         need = [p // bs + 1 for p in pos_list]
@@ -267,7 +272,8 @@ class InputBatch:
             last_row[i] = row
         positions, slot_mapping, prefills = pos, slots, []
         if multis:
-            sub = build_metadata([chunks[i] for i in multis], bs, self.device, workspace)
+            sub = build_metadata([self.spec(chunks[i]) for i in multis], bs, self.device,
+                                 workspace)
             off = len(singles)
             ids.extend(sub.input_ids.tolist())
             positions = torch.cat([pos, sub.positions.cpu()])
@@ -284,3 +290,7 @@ class InputBatch:
             block_size=bs, workspace=workspace,
             max_position=max(c.start_pos + len(c.token_ids) for c in chunks) - 1,
             decode_tables=tab.to(self.device), decode_lens=(pos + 1).to(self.device))
+
+    def spec(self, chunk: ScheduledChunk, extra: tuple[int, ...] = ()) -> ChunkSpec:
+        """``chunk`` (plus ``extra`` tokens, a speculative step's drafts) with its full table."""
+        return ChunkSpec(chunk.token_ids + extra, chunk.start_pos, self.table(chunk.request_id))

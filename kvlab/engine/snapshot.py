@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.core.paging import token_slots
-
 __all__ = ["BatchEntry", "EngineSnapshot", "RequestView", "take_snapshot"]
 
 
@@ -81,9 +79,15 @@ def take_snapshot(engine: Any, *, include_finished: bool = False) -> EngineSnaps
     batch = []
     trace = engine.last_trace
     out = trace.scheduler_output if trace is not None else None
-    if out is not None:
-        for c in out.chunks:
-            slots = tuple(token_slots(c.block_table, bs, c.start_pos, c.start_pos + c.num_tokens))
+    meta = trace.metadata if trace is not None else None
+    if out is not None and meta is not None:
+        positions, slot_mapping = meta.positions.tolist(), meta.slot_mapping.tolist()
+        for i, c in enumerate(out.chunks):
+            # the chunk's rows end at last_row (after any drafts) and hold consecutive
+            # positions, so its first row is where the position is start_pos
+            last = meta.last_row[i]
+            first = last - (positions[last] - c.start_pos)
+            slots = tuple(slot_mapping[first:first + c.num_tokens])
             batch.append(BatchEntry(c.request_id, c.start_pos, c.num_tokens, c.is_prefill,
                                     c.sample, slots, trace.sampled.get(c.request_id)))
     ks = kv.snapshot()

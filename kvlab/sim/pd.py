@@ -58,6 +58,7 @@ class TokenKVExecutor:
     def __init__(self, requests: Any, memory: TokenKV, vocab: int = 1000) -> None:
         self.requests, self.memory, self.vocab = requests, memory, vocab
         self.violations: list[tuple[str, int]] = []
+        self.tables: dict[str, list[int]] = {}   # kept from the chunks' deltas, as a runner
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         mem = self.memory
@@ -65,9 +66,12 @@ class TokenKVExecutor:
         for src, dst in output.copies:
             mem.slots[dst * bs:(dst + 1) * bs] = mem.slots[src * bs:(src + 1) * bs]
         sampled = {}
+        for rid in output.preempted:
+            self.tables.pop(rid, None)
         for chunk in output.chunks:
             request = self.requests(chunk.request_id)
-            table = chunk.block_table
+            kept = self.tables.get(chunk.request_id, [])[:chunk.num_kept_blocks]
+            table = self.tables[chunk.request_id] = kept + list(chunk.new_block_ids)
             for i, tok in enumerate(chunk.token_ids):
                 mem.slots[mem.slot(table, chunk.start_pos + i)] = tok
             end = chunk.start_pos + chunk.num_tokens

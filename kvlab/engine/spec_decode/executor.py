@@ -84,19 +84,22 @@ class SpecExecutor(ModelRunner):
             seed = state.generator.initial_seed() if state.generator is not None else None
             rows[request.request_id] = RowContext(request.all_token_ids, state.params, seed,
                                                   grammar_of(state))
+        self.input_batch.remove(output.preempted)
+        self.input_batch.apply(chunks)
+        tables = {c.request_id: self.input_batch.table(c.request_id) for c in chunks}
         self.cache.copy_blocks(output.copies)
         self.proposer.copy_blocks(output.copies)
         t1 = time.perf_counter()
         proposals: dict[str, Proposal] = {}
         if any(c.num_lookahead for c in chunks):
-            proposals = self.proposer.propose(chunks, rows)
+            proposals = self.proposer.propose(chunks, rows, tables)
         self._sync()
         t2 = time.perf_counter()
         if not chunks:
             return ModelOutput({}, t2 - t0, SpecStepInfo(None, [], (0,), {}, {}))
         drafts = {rid: p.tokens for rid, p in proposals.items()}
         specs = [ChunkSpec(c.token_ids + drafts.get(c.request_id, ()), c.start_pos,
-                           c.block_table) for c in chunks]
+                           tables[c.request_id]) for c in chunks]
         meta = build_metadata(specs, self.block_size, self.device, self.workspace)
         picked: list[int] = []
         for i in sampling:

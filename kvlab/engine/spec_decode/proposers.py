@@ -16,7 +16,7 @@ cache holds valid KV for every position the target has computed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +73,8 @@ class NgramProposer:
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """No KV of its own."""
 
-    def propose(self, chunks: Sequence[ScheduledChunk], rows: dict[str, RowContext]
-                ) -> dict[str, Proposal]:
+    def propose(self, chunks: Sequence[ScheduledChunk], rows: dict[str, RowContext],
+                tables: Mapping[str, Sequence[int]]) -> dict[str, Proposal]:
         out = {}
         for c in chunks:
             if not c.num_lookahead:
@@ -134,13 +134,15 @@ class DraftModelProposer:
         return out
 
     @torch.inference_mode()
-    def propose(self, chunks: Sequence[ScheduledChunk], rows: dict[str, RowContext]
-                ) -> dict[str, Proposal]:
+    def propose(self, chunks: Sequence[ScheduledChunk], rows: dict[str, RowContext],
+                tables: Mapping[str, Sequence[int]]) -> dict[str, Proposal]:
+        """Drafts for the chunks with lookahead; ``tables``: each chunk's block table (the
+        draft cache has the target's geometry, so the same tables address it)."""
         if not chunks:
             return {}
         spec = [i for i, c in enumerate(chunks) if c.num_lookahead]
-        logits = self._run([ChunkSpec(c.token_ids, c.start_pos, c.block_table) for c in chunks],
-                           spec)
+        logits = self._run([ChunkSpec(c.token_ids, c.start_pos, tables[c.request_id])
+                            for c in chunks], spec)
         drafts: dict[str, list[int]] = {chunks[i].request_id: [] for i in spec}
         qs: dict[str, list[torch.Tensor]] = {chunks[i].request_id: [] for i in spec}
 
@@ -159,7 +161,7 @@ class DraftModelProposer:
             active = [i for i in spec if chunks[i].num_lookahead >= j]
             want = [r for r, i in enumerate(active) if chunks[i].num_lookahead > j]
             specs = [ChunkSpec((drafts[chunks[i].request_id][-1],), chunks[i].start_pos + j,
-                               chunks[i].block_table) for i in active]
+                               tables[chunks[i].request_id]) for i in active]
             logits = self._run(specs, want)
             if want:
                 draw(j, logits, [active[r] for r in want])
