@@ -1,0 +1,48 @@
+"""The reader's path: which kvlab modules a default ``LLM.generate`` runs after construction.
+
+A ratchet on the engine's size as a reader meets it: the bound is today's figure, so a change
+that puts more modules or lines on the default path fails here. Issue 24's target is 14
+modules and 3,500 lines (README, "Layout")."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import kvlab
+
+MAX_MODULES = 21
+MAX_LINES = 5150
+
+
+def test_default_generate_runs_a_bounded_set_of_modules():
+    from kvlab import LLM, SamplingParams
+
+    root = os.path.dirname(kvlab.__file__)
+    llm = LLM("kvlab-tiny")
+    seen: dict[str, None] = {}
+
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            seen.setdefault(frame.f_code.co_filename)
+
+    sys.settrace(trace)
+    try:
+        outs = llm.generate(["Trern Thyvet was a generous shepherd who lived in", "The river"],
+                            SamplingParams(max_tokens=16, temperature=0.8, seed=1),
+                            use_tqdm=False)
+    finally:
+        sys.settrace(None)
+    assert len(outs) == 2 and all(o.finished and o.outputs[0].token_ids for o in outs)
+    lines = {os.path.relpath(f, root): len(Path(f).read_text().splitlines()) for f in seen}
+    for name, n in lines.items():
+        print(f"{n:5d}  kvlab/{name}")
+    total = sum(lines.values())
+    print(f"{len(lines)} modules, {total} lines")
+    # labs stay off the default path: no log, no observers, no faults, no snapshots
+    for lab in ("core/event_log.py", "core/faults.py", "core/invariant_set.py",
+                "core/recovery.py", "engine/snapshot.py", "core/spec_plan.py",
+                "engine/prefill_groups.py", "core/paging.py"):
+        assert lab not in lines, f"{lab} runs on a default generate"
+    assert len(lines) <= MAX_MODULES and total <= MAX_LINES, (len(lines), total)
