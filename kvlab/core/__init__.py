@@ -42,7 +42,8 @@ from .fragmentation import (
     waste_table,
 )
 from .invariants import KV_MANAGER_INVARIANTS, InvariantSet, check_kv_manager
-from .kv_manager import KVCacheManager, KVSnapshot
+from .kv_manager import KVCacheManager
+from .kv_snapshot import KVSnapshot
 from .lifecycle import TRANSITIONS, EventLog, Lifecycle
 from .paging import BlockTable, block_table_array, slot_mapping, slots_for
 from .policies import BaselineScheduler, ProductionScheduler

@@ -14,23 +14,41 @@ prefix (chapters 3 and 4 explain the design). The rules:
   the same tokens first, its blocks stay canonical and the duplicate stays private.
 * Every mutation validates its input and checks capacity before changing anything: on
   :class:`~kvlab.core.block_pool.OutOfBlocks`, ValueError or KeyError nothing changed. What an
-  admission or a growth needs is computed once (:func:`~kvlab.core.kv_plan.plan_admission`,
-  ``_plan_grow``), for
+  admission or a growth needs is computed once (``_plan_admission``, ``_plan_grow``), for
   :meth:`KVCacheManager.blocks_needed` and for the mutation alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .block_pool import CACHE_OWNER, BlockPool, OutOfBlocks
 from .checks import is_int
-from .kv_plan import plan_admission
-from .kv_snapshot import KVSnapshot
 from .paging import token_slots
-from .radix import RadixCache, _Node
+from .radix import PrefixMatch, RadixCache, _Node
 from .scope import CacheScope, scope_key
+
+if TYPE_CHECKING:
+    from .kv_snapshot import KVSnapshot
+
+
+@dataclass(frozen=True)
+class AdmitPlan:
+    """What :meth:`KVCacheManager.admit` would do: reuse ``hit_blocks`` (``cached`` tokens),
+    allocate ``fresh`` blocks, lock ``lock_cost`` cached blocks that are evictable now."""
+
+    match: PrefixMatch | None
+    cached: int
+    hit_blocks: tuple[int, ...]
+    fresh: int
+    lock_cost: int
+
+    @property
+    def needed(self) -> int:
+        """Allocatable blocks the admission consumes (fresh ones + evictable ones it locks)."""
+        return self.fresh + self.lock_cost
 
 
 class KVCacheManager:
@@ -83,17 +101,13 @@ class KVCacheManager:
     def blocks_needed(self, request_id: str | None, num_tokens: int,
                       scope: CacheScope | tuple = (), token_ids: Sequence[int] = (),
                       *, write_from: int | None = None) -> int:
-        """Allocatable blocks that :meth:`admit` (``request_id=None``) or :meth:`grow` would use.
-
-        For a new request: fresh blocks beyond the cached prefix of ``token_ids`` in ``scope``,
-        plus the matched cached blocks that are evictable now (admission locks them). For a
-        running request: the missing blocks, plus one per shared block that :meth:`grow` would
-        copy-on-write for positions ``[write_from, num_tokens)``. The same computation decides
-        whether the mutation succeeds: ``blocks_needed(...) <= num_allocatable_blocks()``.
-        """
+        """Allocatable blocks that :meth:`admit` (``request_id=None``: fresh blocks past the
+        cached prefix, plus the evictable cached ones it locks) or :meth:`grow` (missing blocks,
+        plus one per shared block to copy-on-write in ``[write_from, num_tokens)``) would use;
+        the mutation succeeds iff ``blocks_needed(...) <= num_allocatable_blocks()``."""
         if request_id is None:
-            return plan_admission(self.pool, self.prefix_cache, self.blocks_for(num_tokens),
-                                  scope_key(scope), token_ids).needed
+            return self._plan_admission(self.blocks_for(num_tokens), scope_key(scope),
+                                        token_ids).needed
         table = self._table(request_id)
         frm = num_tokens if write_from is None else write_from
         extra, targets = self._plan_grow(table, num_tokens, frm)
@@ -136,12 +150,9 @@ class KVCacheManager:
     # ================================================================== mutations
     def admit(self, request_id: str, scope: CacheScope | tuple, token_ids: Sequence[int],
               num_tokens: int) -> int:
-        """Create the table: reuse and lock the cached prefix, then allocate fresh blocks.
-
-        Returns the number of cached tokens reused (== :meth:`lookup`). The table then holds
-        ``num_tokens`` slots; ``num_tokens`` must exceed the cached count (ValueError). Duplicate
-        id -> ValueError; not enough blocks -> :class:`OutOfBlocks`. Unchanged on any error.
-        """
+        """Create a table of ``num_tokens`` slots: reuse and lock the cached prefix, allocate
+        the rest; returns the cached tokens reused (== :meth:`lookup`, < ``num_tokens``).
+        ValueError / :class:`OutOfBlocks`, unchanged, on a bad call or too few blocks."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {request_id!r}")
         if request_id in self._tables:
@@ -149,8 +160,7 @@ class KVCacheManager:
         key = scope_key(scope)
         if not is_int(num_tokens) or num_tokens < 1:
             raise ValueError(f"a request needs at least one token slot, got {num_tokens!r}")
-        plan = plan_admission(self.pool, self.prefix_cache, self.blocks_for(num_tokens), key,
-                              token_ids)
+        plan = self._plan_admission(self.blocks_for(num_tokens), key, token_ids)
         if num_tokens <= plan.cached:
             raise ValueError(f"num_tokens={num_tokens} must exceed the {plan.cached} cached tokens")
         available = self.pool.num_allocatable()
@@ -179,14 +189,10 @@ class KVCacheManager:
         return cached
 
     def grow(self, request_id: str, num_tokens: int, write_from: int) -> list[tuple[int, int]]:
-        """Make the table hold ``num_tokens`` slots; copy-on-write shared blocks to be written.
-
-        Positions ``[write_from, num_tokens)`` are about to be written: every shared block
-        covering them (another request's, or the prefix cache's) is replaced by a fresh copy.
-        Returns the ``(src, dst)`` copies, fenced until :meth:`complete_copies`. The table never
-        shrinks. KeyError unknown id, ValueError bad positions, :class:`OutOfBlocks` short of
-        blocks.
-        """
+        """Make the table hold ``num_tokens`` slots; every shared block covering positions
+        ``[write_from, num_tokens)`` (about to be written) is replaced by a fresh copy. Returns
+        the ``(src, dst)`` copies, fenced until :meth:`complete_copies`. KeyError / ValueError /
+        :class:`OutOfBlocks`, unchanged, on an unknown id, bad positions, too few blocks."""
         table = self._table(request_id)
         if not (is_int(write_from) and is_int(num_tokens)
                 and 0 <= write_from <= num_tokens):
@@ -207,9 +213,8 @@ class KVCacheManager:
         return copies
 
     def truncate(self, request_id: str, num_tokens: int) -> list[int]:
-        """Shrink the table to the blocks ``num_tokens`` slots need and release the tail (the
-        rollback of rejected speculative tokens). The tail must hold no committed block
-        (ValueError, unchanged). Returns the blocks released (in table order)."""
+        """Shrink the table to ``num_tokens`` slots (a speculative rollback) and return the
+        released tail, which may hold no committed block (ValueError, unchanged)."""
         table = self._table(request_id)
         keep = self.blocks_for(num_tokens) if is_int(num_tokens) and num_tokens >= 0 else -1
         if keep < self._committed[request_id]:
@@ -229,16 +234,11 @@ class KVCacheManager:
         self.pool.complete_copies(copies)
 
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """Cache the request's full blocks whose KV is written (``token_ids`` = those tokens).
-
-        ``token_ids`` is a prefix of prompt + outputs whose KV is in the table. Each full block not
-        offered before is inserted under the request's scope, and the request's lock moves to the
-        deepest cached node. Caching stops at the first block that is fenced by a pending copy
-        or that another request also holds (shared by :meth:`fork`): the cache indexes a block
-        only once its committer holds it alone, so every cached block a request uses lies on
-        that request's own locked path. A later commit picks the rest up. No-op when caching is
-        off. KeyError unknown id; ValueError if ``token_ids`` is longer than the table.
-        """
+        """Cache the request's full blocks whose KV is written (``token_ids``: those tokens, a
+        prefix of prompt + outputs); its lock moves to the deepest cached node. Stops at the
+        first block fenced by a pending copy or also held by another request (a :meth:`fork`):
+        a block is indexed once its committer holds it alone, so every cached block a request
+        uses lies on its own locked path. KeyError unknown id; ValueError past the table."""
         table = self._table(request_id)
         if len(token_ids) > len(table) * self.block_size:
             raise ValueError(
@@ -266,12 +266,8 @@ class KVCacheManager:
         self._committed[request_id] = full
 
     def needs_commit(self, request_id: str, num_tokens: int) -> bool:
-        """Whether :meth:`commit` of the request's first ``num_tokens`` tokens may cache anything.
-
-        False when caching is off, or when no block became full since the request's last commit:
-        :meth:`commit` would then return without changing anything, so the caller can skip it
-        and the building of its token list. KeyError for an unknown id.
-        """
+        """Whether :meth:`commit` of the first ``num_tokens`` tokens may cache anything (False:
+        caching is off or no block became full since the last commit; skip building the list)."""
         if self.prefix_cache is None:
             return False
         self._table(request_id)
@@ -295,11 +291,8 @@ class KVCacheManager:
         self._sent[child_id] = 0
 
     def free(self, request_id: str) -> bool:
-        """Release the request's blocks and unlock its cached path. False if it holds nothing.
-
-        Cached full blocks stay in the cache (evictable, most recently used); other blocks
-        become free (or stay fenced until their pending copy completes).
-        """
+        """Release the request's blocks and unlock its cached path (cached blocks stay,
+        evictable; others become free once unfenced). False if it holds nothing."""
         if request_id not in self._tables:
             return False
         table = self._tables.pop(request_id)
@@ -327,27 +320,10 @@ class KVCacheManager:
         check_kv_manager(self)
 
     def snapshot(self) -> KVSnapshot:
-        pool = self.pool
-        cache = self.prefix_cache
-        return KVSnapshot(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            block_states=tuple(pool.state(b) for b in range(self.num_blocks)),
-            refcounts=tuple(pool.refcount(b) for b in range(self.num_blocks)),
-            block_owners=tuple(tuple(sorted(str(o) for o in pool.owners(b)))
-                               for b in range(self.num_blocks)),
-            tables={rid: tuple(t) for rid, t in sorted(self._tables.items())},
-            pending_copies=tuple(pool.pending_copies()),
-            cached_blocks=cache.num_cached_blocks() if cache else 0,
-            cached_tokens=cache.cached_tokens() if cache else 0,
-            evictable_blocks=pool.num_evictable(),
-            protected_blocks=cache.protected_blocks() if cache else 0,
-            free_blocks=pool.num_free(),
-            hit_tokens=self.hit_tokens,
-            query_tokens=self.query_tokens,
-            hit_requests=self.hit_requests,
-            miss_requests=self.miss_requests,
-        )
+        """A plain-data picture of the manager (:func:`~kvlab.core.kv_snapshot.snapshot_of`)."""
+        from .kv_snapshot import snapshot_of
+
+        return snapshot_of(self)
 
     def state_tuple(self) -> tuple:
         """Everything observable (pool, tree, tables, counters) for before/after comparisons."""
@@ -369,12 +345,8 @@ class KVCacheManager:
             raise KeyError(f"unknown request {request_id!r}") from None
 
     def _grow_is_noop(self, table: list[int], num_tokens: int, write_from: int) -> bool:
-        """O(1) test for the common decode step: :meth:`grow` would allocate and copy nothing.
-
-        True when the table already holds ``num_tokens`` slots and the positions to write lie
-        in one block that the request holds alone (or there is nothing to write). False means
-        "maybe not": the general path decides.
-        """
+        """O(1): :meth:`grow` would do nothing (room in the table, and the positions to write
+        lie in one block the request holds alone). False means "maybe not"."""
         bs = self.block_size
         if num_tokens > len(table) * bs:
             return False
@@ -413,3 +385,16 @@ class KVCacheManager:
         first = write_from // self.block_size
         last = min(len(table), self.blocks_for(num_tokens))
         return extra, [i for i in range(first, last) if self.pool.refcount(table[i]) > 1]
+
+    def _plan_admission(self, total_blocks: int, key: tuple,
+                        token_ids: Sequence[int]) -> AdmitPlan:
+        """What :meth:`admit` of a table of ``total_blocks`` blocks whose tokens begin with
+        ``token_ids`` would do, reusing the cached prefix in scope ``key``."""
+        cache, pool = self.prefix_cache, self.pool
+        if cache is None:
+            return AdmitPlan(None, 0, (), total_blocks, 0)
+        match = cache.match(key, token_ids)
+        hit = tuple(match.blocks)
+        lock_cost = sum(1 for b in hit if cache.is_evictable(b) and not pool.is_fenced(b))
+        return AdmitPlan(match, match.num_tokens, hit, max(0, total_blocks - len(hit)),
+                         lock_cost)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .kv_manager import KVCacheManager
 
 
 @dataclass(frozen=True)
@@ -41,3 +45,28 @@ class KVSnapshot:
 
     def count(self, state: str) -> int:
         return sum(1 for s in self.block_states if s == state)
+
+
+def snapshot_of(kv: KVCacheManager) -> KVSnapshot:
+    """The manager's picture, from its public accessors."""
+    pool = kv.pool
+    cache = kv.prefix_cache
+    return KVSnapshot(
+        num_blocks=kv.num_blocks,
+        block_size=kv.block_size,
+        block_states=tuple(pool.state(b) for b in range(kv.num_blocks)),
+        refcounts=tuple(pool.refcount(b) for b in range(kv.num_blocks)),
+        block_owners=tuple(tuple(sorted(str(o) for o in pool.owners(b)))
+                           for b in range(kv.num_blocks)),
+        tables={rid: tuple(kv.block_table(rid)) for rid in sorted(kv.requests())},
+        pending_copies=tuple(pool.pending_copies()),
+        cached_blocks=cache.num_cached_blocks() if cache else 0,
+        cached_tokens=cache.cached_tokens() if cache else 0,
+        evictable_blocks=pool.num_evictable(),
+        protected_blocks=cache.protected_blocks() if cache else 0,
+        free_blocks=pool.num_free(),
+        hit_tokens=kv.hit_tokens,
+        query_tokens=kv.query_tokens,
+        hit_requests=kv.hit_requests,
+        miss_requests=kv.miss_requests,
+    )

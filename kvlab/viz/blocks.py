@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvlab.core.kv_manager import KVCacheManager, KVSnapshot
+from kvlab.core.kv_manager import KVCacheManager
+from kvlab.core.kv_snapshot import KVSnapshot
 
 from ._widgets import figure_widget
 from .kernel_free import COLUMN_PX, CSS_DPI
