@@ -16,7 +16,7 @@ torch starts one thread per core, and on a machine shared with other processes t
 column then measures the oversubscription (an earlier run without pinning was 16-55x slow).
 
 Then the book's arithmetic: seconds per request for the catalogue models' KV (bf16) at NVLink,
-InfiniBand/RoCE and PCIe Gen5 bandwidths (:mod:`kvlab.core.transfer_cost`).
+InfiniBand/RoCE and PCIe Gen5 bandwidths (:mod:`kvlab.capacity.transfer_cost`).
 
 Run: ``python benchmarks/bench_pd_transfer.py [--threads N]``. Writes
 ``benchmarks/results/pd_transfer.json``.
@@ -34,9 +34,9 @@ import time
 import torch
 from _results import write_results
 
-from kvlab.core.catalog import MODELS
+from kvlab.capacity.catalog import MODELS
+from kvlab.capacity.transfer_cost import LINKS, transfer_table
 from kvlab.core.kv_transfer import check_delivery, encode_frame, make_descriptor, make_header
-from kvlab.core.transfer_cost import LINKS, transfer_table
 from kvlab.core.transfer_faults import SendPlan
 from kvlab.engine.checkpoint import load_checkpoint
 from kvlab.engine.engine_args import EngineArgs

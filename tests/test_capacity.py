@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from kvlab.core.capacity import (
+from kvlab.capacity import (
     DTYPE_BYTES,
     CapacityPlan,
     kv_element_bytes,
     kv_heads_per_rank,
     plan_capacity,
 )
-from kvlab.core.catalog import (
+from kvlab.capacity.catalog import (
     GB,
     GPUS,
     MODELS,
@@ -246,8 +246,8 @@ def test_explicit_weight_bytes_and_raw_memory():
 
 
 def test_core_does_not_import_torch():
-    code = ("import sys, kvlab.core.capacity, kvlab.core.catalog, kvlab.core.paging, "
-            "kvlab.core.fragmentation; assert 'torch' not in sys.modules")
+    code = ("import sys, kvlab.capacity, kvlab.capacity.catalog, kvlab.core.paging, "
+            "kvlab.fragmentation; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -43,8 +43,19 @@ def test_top_p_check():
 
 def test_logprob_letter():
     assert "Correct" in ch07.check_logprob_temperature("b")
-    with pytest.raises(AssertionError):
-        ch07.check_logprob_temperature("a")
+    for wrong in ("a", "c", "d", " C "):
+        with pytest.raises(AssertionError, match="Not") as err:
+            ch07.check_logprob_temperature(wrong)
+        message = str(err.value).lower()   # says why the choice fails, never which is right
+        assert "(b)" not in message and "raw" not in message and "log_softmax" not in message
+    with pytest.raises(AssertionError, match="one letter"):
+        ch07.check_logprob_temperature("e")
+
+
+def test_top_p_messages_give_the_direction_not_the_method():
+    with pytest.raises(AssertionError) as err:
+        ch07.check_top_p(lambda probs, p: set(range(len(probs))))
+    assert "sort" not in str(err.value).lower() and "mass" not in str(err.value).lower()
 
 
 def test_kv_bytes_per_token_on_a_local_model(tmp_path):

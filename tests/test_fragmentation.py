@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from kvlab.core.fragmentation import (
+from kvlab.fragmentation import (
     CATEGORIES,
     POLICIES,
     BuddyArena,

@@ -164,7 +164,7 @@ def test_release_is_idempotent_and_logged_write_ahead():
 def test_failed_acquisition_logs_the_compensating_outcome():
     """A refused acquisition ends with ``acquire_failed`` (no dangling intent): the log and
     its replay agree with the manager that the request holds no KV."""
-    from kvlab.core.recovery import replay
+    from kvlab.recovery import replay
 
     kv = KVCacheManager(1, 4)
     life = Lifecycle(EventLog())

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from kvlab.core.engine_core import EngineCore
 from kvlab.core.invariant_set import EngineView, InvariantMonitor
-from kvlab.core.recovery import recover
+from kvlab.recovery import recover
 from kvlab.sim.chaos import ChaosExecutor, solo_tokens
 from kvlab.sim.log_cut import build, make
 

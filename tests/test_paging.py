@@ -332,8 +332,8 @@ def test_chapter2_blocks_to_add_debug_check():
 
 
 def test_chapter2_smaller_arena_predict_check():
-    from kvlab.core.fragmentation import sharegpt_like_workload, simulate
     from kvlab.exercises.ch02 import ARENA_PREDICT, check_smaller_arena
+    from kvlab.fragmentation import sharegpt_like_workload, simulate
 
     d = ARENA_PREDICT
     workload = sharegpt_like_workload(d["requests"], seed=d["seed"])
@@ -363,8 +363,8 @@ def test_chapter2_smaller_arena_predict_check():
 def test_chapter2_block_size_design_check():
     import itertools
 
-    from kvlab.core.fragmentation import sharegpt_like_workload, simulate
     from kvlab.exercises.ch02 import BLOCK_DESIGN, check_block_size_design
+    from kvlab.fragmentation import sharegpt_like_workload, simulate
 
     workload = sharegpt_like_workload(1000, seed=0)
     share = {q: simulate(workload, "paged", 16384, block_size=q).token_states

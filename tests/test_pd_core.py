@@ -277,8 +277,13 @@ def test_remote_scheduler_boundary_errors_and_parked_abort():
 
 
 def test_book_transfer_arithmetic():
-    from kvlab.core.catalog import get_model
-    from kvlab.core.transfer_cost import LINKS, kv_transfer_bytes, transfer_seconds, transfer_table
+    from kvlab.capacity.catalog import get_model
+    from kvlab.capacity.transfer_cost import (
+        LINKS,
+        kv_transfer_bytes,
+        transfer_seconds,
+        transfer_table,
+    )
 
     m = get_model("Llama-3-8B")
     assert kv_transfer_bytes(m, 1024) == 2 * 32 * 1024 * 8 * 128 * 2 == 134_217_728

@@ -8,9 +8,9 @@ from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.lifecycle import RUNNING_STATUSES, EventLog, SimulatedCrash
 from kvlab.core.policies import BaselineScheduler, ProductionScheduler
-from kvlab.core.recovery import recover, replay
 from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.recovery import recover, replay
 from kvlab.sim.tokens import drive, greedy_tokens
 
 S = RequestStatus

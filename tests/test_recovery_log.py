@@ -15,9 +15,9 @@ from kvlab.core.event_log import CorruptLog, Event, seal
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.lifecycle import EventLog, SimulatedCrash
 from kvlab.core.policies import ProductionScheduler
-from kvlab.core.recovery import plan_recovery, recover, replay
 from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.recovery import plan_recovery, recover, replay
 from kvlab.sim.tokens import drive
 
 S = RequestStatus

@@ -468,7 +468,7 @@ def test_forget_drops_only_ended_and_reported_requests(cls):
 def test_fail_step_fails_the_step_and_releases_its_kv_once(cls):
     """The executor could not run a step: its requests fail with reason ERROR, their KV is
     released exactly once, a request outside the step is untouched, and the scheduler goes on."""
-    from kvlab.core.recovery import replay
+    from kvlab.recovery import replay
 
     kv = KVCacheManager(32, 4)
     sched = cls(kv, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=11), log=EventLog())

@@ -13,11 +13,11 @@ from matplotlib.legend import Legend
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.lifecycle import RUNNING_STATUSES
 from kvlab.core.policies import BaselineScheduler, default_order_key
-from kvlab.core.recovery import replay
 from kvlab.core.scheduler_api import RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.exercises import ch05, ch06
 from kvlab.exercises._common import NotYetAnswered, try_check
+from kvlab.recovery import replay
 from kvlab.sim.tokens import drive
 from kvlab.viz.style import BLOCK_STATE_COLORS, request_color
 from kvlab.viz.timeline import (
@@ -188,7 +188,7 @@ def test_ch05_no_preemption_blocks_check():
 
 def test_ch05_crash_design_check():
     from kvlab.core.lifecycle import EventLog, SimulatedCrash
-    from kvlab.core.recovery import recover
+    from kvlab.recovery import recover
 
     full = EventLog()
     drive(ch05.tight_scheduler(log=full), arrivals=ch05.tight_arrivals())
@@ -213,7 +213,7 @@ def test_ch05_crash_design_check():
 
 
 def test_ch05_planner_bug_check():
-    from kvlab.core.recovery import plan_recovery
+    from kvlab.recovery import plan_recovery
 
     n = ch05._tight_event_count()
     wrong = {k: ch05.planner_mistakes(k) for k in range(n)}

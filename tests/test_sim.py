@@ -30,7 +30,7 @@ CM = RooflineCostModel.named("Llama-3-8B", "H100-80GB SXM")
 
 
 def test_core_and_sim_do_not_import_torch():
-    code = ("import sys, kvlab.core.scheduler, kvlab.core.recovery, kvlab.sim.executor, "
+    code = ("import sys, kvlab.core.scheduler, kvlab.recovery, kvlab.sim.executor, "
             "kvlab.sim.static_batching; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -24,23 +24,6 @@ from kvlab.reference import (
 )
 
 from .block_pool import CACHE_OWNER, BlockPool
-from .capacity import (
-    DTYPE_BYTES,
-    CapacityPlan,
-    dtype_bytes,
-    kv_element_bytes,
-    kv_heads_per_rank,
-    plan_capacity,
-)
-from .catalog import GPUS, MODELS, GPUSpec, ModelShape, dense_param_count, get_gpu, get_model
-from .fragmentation import (
-    WasteReport,
-    WorkloadRequest,
-    compare_policies,
-    sharegpt_like_workload,
-    simulate,
-    waste_table,
-)
 from .invariants import KV_MANAGER_INVARIANTS, InvariantSet, check_kv_manager
 from .kv_manager import KVCacheManager
 from .kv_snapshot import KVSnapshot
@@ -48,7 +31,6 @@ from .lifecycle import TRANSITIONS, EventLog, Lifecycle
 from .paging import BlockTable, block_table_array, slot_mapping, slots_for
 from .policies import BaselineScheduler, ProductionScheduler
 from .radix import PrefixMatch, RadixCache, RadixSnapshot
-from .recovery import recover
 from .scheduler_api import (
     FinishReason,
     RequestStatus,
@@ -63,10 +45,7 @@ from .token_trie import TokenTrie
 __all__ = [
     "ALLOWED",
     "CACHE_OWNER",
-    "DTYPE_BYTES",
-    "GPUS",
     "KV_MANAGER_INVARIANTS",
-    "MODELS",
     "REQUIRED_KV_FIELDS",
     "SCOPE_FIELDS",
     "TRANSITIONS",
@@ -75,15 +54,12 @@ __all__ = [
     "BlockPool",
     "BlockTable",
     "CacheScope",
-    "CapacityPlan",
     "EventLog",
     "FinishReason",
-    "GPUSpec",
     "InvariantSet",
     "KVCacheManager",
     "KVSnapshot",
     "Lifecycle",
-    "ModelShape",
     "Phase",
     "PrefixCache",
     "PrefixMatch",
@@ -97,29 +73,15 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "TokenTrie",
-    "WasteReport",
-    "WorkloadRequest",
     "block_table_array",
     "build_batch",
     "check_kv_manager",
-    "compare_policies",
-    "dense_param_count",
-    "dtype_bytes",
     "effective_bits",
-    "get_gpu",
-    "get_model",
     "goodput",
     "kv_bytes",
-    "kv_element_bytes",
-    "kv_heads_per_rank",
     "physical_slot",
-    "plan_capacity",
-    "recover",
     "scope_key",
-    "sharegpt_like_workload",
-    "simulate",
     "slot_mapping",
     "slots_for",
     "validate_kv_descriptor",
-    "waste_table",
 ]

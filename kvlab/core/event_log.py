@@ -1,7 +1,7 @@
 """The write-ahead event log of runtime requests, with integrity data on every record.
 
 :class:`~kvlab.core.lifecycle.Lifecycle` appends one :class:`Event` per status change, KV
-acquisition/release and step result; :mod:`kvlab.core.recovery` replays the log after a crash.
+acquisition/release and step result; :mod:`kvlab.recovery` replays the log after a crash.
 A log that recovery cannot trust must be *refused*, not replayed into wrong tokens, so every
 record carries three pieces of integrity data:
 
@@ -21,7 +21,7 @@ Compaction leaves gaps in the global index. To tell a legitimate gap from a lost
 whose data is the number of events missing below its index. Only the latest checkpoint is kept,
 so a valid log has at most one; below it the gaps add up to exactly that count, and above it
 there are none. (A CRC detects accidents, not forgeries: a record rewritten together with a
-fresh checksum is caught only by the semantic checks of :mod:`kvlab.core.replay`.)
+fresh checksum is caught only by the semantic checks of :mod:`kvlab.recovery.replay`.)
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ record          meaning
 ==============  =============================================================================
 
 A consumer that dies leaves the journal and the KV manager as they were (kvlab's crash model,
-as in :mod:`kvlab.core.recovery`). :func:`recover_installs` then says, per operation, whether
+as in :mod:`kvlab.recovery`). :func:`recover_installs` then says, per operation, whether
 its blocks were **installed** (a ``committed`` record) and frees every table the operation still
 holds exactly once: a table of an uncommitted operation may hold half-written KV, and since it
 was never committed to the prefix cache nobody can read it. Records carry a CRC like the event

@@ -14,11 +14,11 @@ tokens. This module owns every status change of a runtime request:
   none, so nothing is retained per request), every transition and every KV acquisition/release
   is appended to it in write-ahead order: the *intent* is logged before the KV manager is
   touched and the *outcome* after it (``acquire_failed`` when the manager refused, e.g. out of
-  blocks). After a crash at any point, :mod:`kvlab.core.recovery` replays the durable prefix of
+  blocks). After a crash at any point, :mod:`kvlab.recovery` replays the durable prefix of
   the log to decide which requests may still hold KV, and frees exactly the orphans. The record
   format and its integrity data (sequence numbers, checksums, checkpoints) are in
   :mod:`kvlab.core.event_log`; the checks that refuse a corrupt log are in
-  :mod:`kvlab.core.replay`.
+  :mod:`kvlab.recovery.replay`.
 
 Which resources each status holds (checked by the schedulers' ``check_invariants``):
 

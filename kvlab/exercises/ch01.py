@@ -2,15 +2,15 @@
 where the KV traffic overtakes the weights, the TP rule, a TP/dtype design for Llama 3 70B, and
 a capacity estimate to debug.
 
-Every check computes the truth with :mod:`kvlab.core.capacity` (and the roofline cost model)
+Every check computes the truth with :mod:`kvlab.capacity` (and the roofline cost model)
 under the assumptions the exercise states, and raises ``AssertionError`` saying what is wrong
 (a numeric answer: only too high or too low) without printing the expected value.
 """
 
 from __future__ import annotations
 
-from kvlab.core.capacity import DTYPE_BYTES, GiB, kv_heads_per_rank, plan_capacity
-from kvlab.core.catalog import get_gpu, get_model
+from kvlab.capacity import DTYPE_BYTES, GiB, kv_heads_per_rank, plan_capacity
+from kvlab.capacity.catalog import get_gpu, get_model
 from kvlab.reference import kv_bytes
 
 from ._common import require_answer

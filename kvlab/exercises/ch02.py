@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 import itertools
 
-from kvlab.core.fragmentation import sharegpt_like_workload, simulate
 from kvlab.core.paging import slot_mapping
+from kvlab.fragmentation import sharegpt_like_workload, simulate
 from kvlab.reference import physical_slot
 
 from ._common import require_answer

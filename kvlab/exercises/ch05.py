@@ -1,7 +1,7 @@
 """Chapter 5 exercises: predict what an abort changes, derive the pool that avoids preemption,
 debug a recovery planner, and design a crash test.
 
-Each check computes the truth with :mod:`kvlab.core.lifecycle` / :mod:`kvlab.core.recovery`
+Each check computes the truth with :mod:`kvlab.core.lifecycle` / :mod:`kvlab.recovery`
 on a real scheduler and raises ``AssertionError`` saying what is wrong (which entry diverges,
 too high or too low, that a named request is not the one), never the answer.
 """
@@ -13,10 +13,10 @@ import contextlib
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.lifecycle import RUNNING_STATUSES, EventLog, SimulatedCrash
 from kvlab.core.policies import ProductionScheduler
-from kvlab.core.recovery import RecoveryPlan, plan_recovery, recover, replay
-from kvlab.core.replay import met_stop
 from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.recovery import RecoveryPlan, plan_recovery, recover, replay
+from kvlab.recovery.replay import met_stop
 from kvlab.sim.tokens import drive
 
 from ._common import require_answer
@@ -181,7 +181,7 @@ def _require_crash_point(crash_at) -> None:
 
 def compact_plan(state, tables) -> RecoveryPlan:
     """A shorter recovery planner with the signature of
-    :func:`kvlab.core.recovery.plan_recovery`: ``state`` from ``replay``, ``tables`` mapping
+    :func:`kvlab.recovery.plan_recovery`: ``state`` from ``replay``, ``tables`` mapping
     the id of every table the manager holds to its number of slots."""
     resume, requeue, finish, free = [], [], [], []
     for rid, entry in state.items():

@@ -71,8 +71,7 @@ def check_top_p(fn) -> str:
                    "most likely ones")
             raise AssertionError(
                 f"trial {trial}: probs={[round(p, 3) for p in probs]}, top_p={top_p}: you kept "
-                f"{how}. Sort by probability, keep tokens while the mass *before* them is below "
-                "top_p.")
+                f"{how}.")
     return "Correct: your nucleus matches kvlab's sampler on 100 random distributions."
 
 
@@ -101,12 +100,23 @@ def check_logprob_temperature(letter) -> str:
     (d) greedy decoding's distribution whatever the parameters.
     """
     require_answer(letter, "your letter")
-    if str(letter).strip().lower() != "b":
-        raise AssertionError(
-            "Not that one: generate with temperature=2.0 and logprobs=3, then compare the values "
-            "with log_softmax of the model's logits (chapter 7 does it against transformers).")
-    return ("Correct: (b), the raw model log-probabilities, as vLLM returns them by default; "
-            "they do not depend on temperature, top-k or top-p.")
+    choice = str(letter).strip().lower()
+    why_not = {
+        "a": "a filtered distribution gives every token outside the top-k/top-p set -inf, "
+             "yet the top-3 logprobs kvlab returns are finite whatever top_p is; run one prompt "
+             "with top_p=0.1 and logprobs=3 and look",
+        "c": "then the same token at the same position would get a different value at "
+             "temperature 0.5 than at 2.0; run one seeded prompt at both and compare",
+        "d": "greedy decoding picks the argmax and defines no probabilities of its own (its "
+             "'distribution' is one-hot: logprobs 0 and -inf), which is not what comes back",
+    }
+    if choice not in ("a", "b", "c", "d"):
+        raise AssertionError(f"answer with one letter, a to d (got {letter!r})")
+    if choice != "b":
+        raise AssertionError(f"Not ({choice}): {why_not[choice]}.")
+    return ("Correct: (b), the raw model log-probabilities, before temperature and filters, as "
+            "vLLM v1's Sampler returns them by default (logprobs_mode='raw_logprobs', "
+            "vllm/v1/sample/sampler.py); they do not depend on temperature, top-k or top-p.")
 
 
 # -- exercise 1: the attention step that writes its KV too late ---------------------------------

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 
-from kvlab.core.catalog import get_model
+from kvlab.capacity.catalog import get_model
+from kvlab.capacity.transfer_cost import LINKS, kv_transfer_bytes, transfer_seconds
 from kvlab.core.kv_transfer import (
     ENTRY_FORMAT,
     REJECT_KINDS,
@@ -21,7 +22,6 @@ from kvlab.core.kv_transfer import (
     make_header,
     seal,
 )
-from kvlab.core.transfer_cost import LINKS, kv_transfer_bytes, transfer_seconds
 from kvlab.core.transfer_faults import Fault, FaultInjector, FaultSchedule
 
 from ._common import require_answer
@@ -37,7 +37,7 @@ def check_transfer_ms(answer) -> str:
     """``answer``: milliseconds for one GPU to ship its share of the FP8 prefill KV of a
     :data:`TRANSFER_TOKENS`-token prompt of :data:`TRANSFER_MODEL` at tensor parallelism
     :data:`TRANSFER_TP`, over its own :data:`TRANSFER_LINK` port (nominal bandwidth plus the
-    link's latency, ``kvlab.core.transfer_cost.LINKS``). Within 2 %; a wrong answer is told
+    link's latency, ``kvlab.capacity.transfer_cost.LINKS``). Within 2 %; a wrong answer is told
     only its direction."""
     require_answer(answer, "milliseconds")
     got = float(answer)

@@ -30,9 +30,9 @@ from kvlab.core.faults import FaultInjector, InjectedFault, StepFaultSchedule
 from kvlab.core.invariant_set import EngineView, InvariantMonitor
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.policies import BaselineScheduler, ProductionScheduler
-from kvlab.core.recovery import recover
 from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest, SchedulerOutput
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.recovery import recover
 
 from .tokens import hash_token
 

@@ -37,8 +37,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvlab.core.capacity import dtype_bytes
-from kvlab.core.catalog import GPUSpec, ModelShape, get_gpu, get_model
+from kvlab.capacity import dtype_bytes
+from kvlab.capacity.catalog import GPUSpec, ModelShape, get_gpu, get_model
 from kvlab.core.scheduler_api import ScheduledChunk
 
 
@@ -65,7 +65,7 @@ class StepCost:
 
 @dataclass(frozen=True)
 class RooflineCostModel:
-    """Step time of ``model`` on ``gpu`` (names from :mod:`kvlab.core.catalog`) in ``dtype``.
+    """Step time of ``model`` on ``gpu`` (names from :mod:`kvlab.capacity.catalog`) in ``dtype``.
 
     ``overhead_s``: fixed cost per step (default 0.5 ms, an assumption, not a measurement).
     ``compute_efficiency`` / ``bandwidth_efficiency``: the fraction of peak reached (default 1:

@@ -1,6 +1,6 @@
 """Chapter 1 figures: where one GPU's memory goes, and how many requests its KV pool holds.
 
-``capacity_figure(plan)`` is pure (a :class:`~kvlab.core.capacity.CapacityPlan` in, a new
+``capacity_figure(plan)`` is pure (a :class:`~kvlab.capacity.CapacityPlan` in, a new
 Figure out); ``capacity_explorer()`` is the ipywidgets wrapper that re-plans on every change.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlab.core.capacity import DTYPE_BYTES, CapacityPlan, GiB, plan_capacity
-from kvlab.core.catalog import GPUS, MODELS, get_gpu, get_model
+from kvlab.capacity import DTYPE_BYTES, CapacityPlan, GiB, plan_capacity
+from kvlab.capacity.catalog import GPUS, MODELS, get_gpu, get_model
 
 from ._widgets import figure_widget
 from .style import BLOCK_STATE_COLORS, INK, MUTED, PHASE_COLORS, REQUEST_PALETTE

@@ -111,8 +111,8 @@ class RecoverySnapshot:
 def recovery_snapshot(crash_at: int, events: Sequence, held: dict[str, bool],
                       report) -> RecoverySnapshot:
     """Build a snapshot from the durable ``events``, which requests the KV manager ``held``
-    *before* recovery, and the :class:`~kvlab.core.recovery.RecoveryReport`."""
-    from kvlab.core.recovery import replay
+    *before* recovery, and the :class:`~kvlab.recovery.RecoveryReport`."""
+    from kvlab.recovery import replay
 
     decisions: dict[str, str] = {}
     for what, ids in (("resume", report.resumed), ("requeue", report.requeued),
@@ -215,7 +215,7 @@ class RecoveryExplorer:
                              default={"k": self.slider.value}, title="recovery after a crash")
 
     def snapshot(self, k: int | None = None) -> RecoverySnapshot:
-        from kvlab.core.recovery import recover
+        from kvlab.recovery import recover
 
         k = self.slider.value if k is None else k
         events, kv = self.crash(k)

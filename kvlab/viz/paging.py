@@ -3,7 +3,7 @@
 * :func:`block_table_figure` — each request's logical blocks, the physical block each maps to,
   and the physical pool coloured by owner (shared blocks marked).
 * :func:`waste_figure` — stacked bars of used / reserved / over-reserved / internal /
-  external / free memory per allocation policy (a :mod:`kvlab.core.fragmentation` result).
+  external / free memory per allocation policy (a :mod:`kvlab.fragmentation` result).
 * :func:`waste_timeline_figure` — the same categories over the steps of one run.
 * :class:`BlockTableView` — an ipywidgets playground over a real ``BlockTable`` and allocator.
 
@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from kvlab.core.block_pool import OutOfBlocks
-from kvlab.core.fragmentation import CATEGORIES, WasteReport
+from kvlab.fragmentation import CATEGORIES, WasteReport
 
 from ._widgets import chapter_box, figure_output
 from .blocks import text_scale
@@ -190,7 +190,7 @@ def waste_figure(
     """Stacked bars, one per policy, of the waste categories (percent of the arena).
 
     ``reports`` maps a policy name to a :class:`WasteReport` or to a ``{category: fraction}``
-    dict covering :data:`~kvlab.core.fragmentation.CATEGORIES`. Each bar is labelled with its
+    dict covering :data:`~kvlab.fragmentation.CATEGORIES`. Each bar is labelled with its
     token-state share; when ``paper`` gives a token-state percentage for a policy, a black
     diamond marks it for comparison. Pure; one axes, one patch per (policy, category) with
     a non-zero share.

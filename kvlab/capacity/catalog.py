@@ -81,7 +81,7 @@ class ModelShape:
 
     def weight_bytes(self, dtype: str = "bf16") -> float:
         """Bytes of all weights stored in ``dtype`` (``params × element bytes``, no overheads)."""
-        from .capacity import dtype_bytes
+        from kvlab.capacity import dtype_bytes
 
         return self.params * dtype_bytes(dtype)
 

@@ -34,16 +34,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .checks import is_int
-from .event_log import EVENT_KINDS, LOG_ID, CorruptLog, Event
-from .lifecycle import (
+from kvlab.core.checks import is_int
+from kvlab.core.event_log import EVENT_KINDS, LOG_ID, CorruptLog, Event
+from kvlab.core.lifecycle import (
     ALLOWED_REASONS,
     RUNNING_STATUSES,
     TRANSITIONS,
     WAITING_STATUSES,
     request_template,
 )
-from .scheduler_api import FinishReason, RequestStatus, RuntimeRequest, stop_reason
+from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest, stop_reason
 
 S = RequestStatus
 ACQUIRE_KINDS = frozenset({"admit", "fork"})

@@ -14,10 +14,10 @@ token states; with paged allocation about 96% does. One module per job:
 
 from __future__ import annotations
 
-from .arenas import ARENAS, BuddyArena, FirstFitArena
-from .report import CATEGORIES, WasteReport, waste_table
-from .simulation import POLICIES, compare_policies, reservation, simulate
-from .workload import WorkloadRequest, sharegpt_like_workload
+from kvlab.fragmentation.arenas import ARENAS, BuddyArena, FirstFitArena
+from kvlab.fragmentation.report import CATEGORIES, WasteReport, waste_table
+from kvlab.fragmentation.simulation import POLICIES, compare_policies, reservation, simulate
+from kvlab.fragmentation.workload import WorkloadRequest, sharegpt_like_workload
 
 __all__ = [
     "ARENAS",

@@ -41,13 +41,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvlab.core.block_pool import OutOfBlocks
+from kvlab.core.paging import BlockTable
+from kvlab.fragmentation.arenas import ARENAS
+from kvlab.fragmentation.report import CATEGORIES, WasteReport
+from kvlab.fragmentation.workload import WorkloadRequest
 from kvlab.reference import BlockAllocator
-
-from ..block_pool import OutOfBlocks
-from ..paging import BlockTable
-from .arenas import ARENAS
-from .report import CATEGORIES, WasteReport
-from .workload import WorkloadRequest
 
 __all__ = ["POLICIES", "compare_policies", "reservation", "simulate"]
 

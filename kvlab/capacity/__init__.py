@@ -12,9 +12,8 @@ import math
 from dataclasses import dataclass
 from numbers import Real
 
+from kvlab.capacity.catalog import GPUSpec, ModelShape
 from kvlab.reference.rule01_capacity import kv_bytes
-
-from .catalog import GPUSpec, ModelShape
 
 # ---------------------------------------------------------------------------------------------
 # Capacity planner (production): how many KV blocks, tokens and requests one GPU can hold.
@@ -258,7 +257,7 @@ def plan_capacity(
     :func:`kv_element_bytes`).
 
     Args:
-        model: the model shape (see :mod:`kvlab.core.catalog`).
+        model: the model shape (see :mod:`kvlab.capacity.catalog`).
         gpu: a :class:`GPUSpec` or the GPU memory in bytes.
         context_len: tokens per request used for :attr:`CapacityPlan.max_requests`.
 

@@ -9,7 +9,7 @@ to) keeps whatever it held at that instant.
 
 :func:`recover` works in three phases, and changes nothing before the third:
 
-1. **Check.** :func:`~kvlab.core.replay.replay` checks the whole log and rebuilds every request
+1. **Check.** :func:`~kvlab.recovery.replay.replay` checks the whole log and rebuilds every request
    from it; a log it cannot trust is refused with :class:`~kvlab.core.event_log.CorruptLog`.
    The KV manager's own invariants must hold, and ``make_scheduler`` must give an empty
    scheduler on this manager and log.
@@ -47,10 +47,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .event_log import CorruptLog, Event, EventLog
-from .lifecycle import RUNNING_STATUSES, Lifecycle
-from .replay import ReplayedRequest, met_stop, replay
-from .scheduler_api import FinishReason, RequestStatus
+from kvlab.core.event_log import CorruptLog, Event, EventLog
+from kvlab.core.lifecycle import RUNNING_STATUSES, Lifecycle
+from kvlab.core.scheduler_api import FinishReason, RequestStatus
+from kvlab.recovery.replay import ReplayedRequest, met_stop, replay
 
 __all__ = ["CorruptLog", "RecoveryPlan", "RecoveryReport", "ReplayedRequest", "plan_recovery",
            "recover", "replay"]

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvlab.capacity.catalog import GB, ModelShape
 from kvlab.reference.rule01_capacity import kv_bytes
-
-from .catalog import GB, ModelShape
 
 __all__ = ["LINKS", "Link", "kv_transfer_bytes", "transfer_seconds", "transfer_table"]
 
