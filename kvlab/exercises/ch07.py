@@ -114,9 +114,11 @@ def check_logprob_temperature(letter) -> str:
         raise AssertionError(f"answer with one letter, a to d (got {letter!r})")
     if choice != "b":
         raise AssertionError(f"Not ({choice}): {why_not[choice]}.")
-    return ("Correct: (b), the raw model log-probabilities, before temperature and filters, as "
-            "vLLM v1's Sampler returns them by default (logprobs_mode='raw_logprobs', "
-            "vllm/v1/sample/sampler.py); they do not depend on temperature, top-k or top-p.")
+    return ("Correct: (b), the raw model log-probabilities, before temperature and filters; "
+            "they do not depend on temperature, top-k or top-p. vLLM v1's Sampler "
+            "(vllm/v1/sample/sampler.py) does the same by default since it gained "
+            "logprobs_mode='raw_logprobs'; its first version (commit 00ec9781) returned them "
+            "after temperature and top-k/top-p.")
 
 
 # -- exercise 1: the attention step that writes its KV too late ---------------------------------
