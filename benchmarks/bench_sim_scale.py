@@ -26,7 +26,7 @@ from kvlab.core.event_log import EventLog
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.policies import BaselineScheduler
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.core.slo import SLO, evaluate_slo
+from kvlab.goodput import SLO, evaluate_slo
 from kvlab.sim import RooflineCostModel, lognormal, make_workload, simulate
 from kvlab.sim.serving import records_from_sim
 

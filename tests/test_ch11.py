@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.core.slo import SLO, evaluate_slo
 from kvlab.exercises import ch11
 from kvlab.exercises._common import NotYetAnswered
+from kvlab.goodput import SLO, evaluate_slo
 from kvlab.sim.serving import run_colocated
 
 

@@ -33,7 +33,7 @@ def _modules_after(statement: str) -> set[str]:
     *(f"import kvlab.{lab}, pkgutil, importlib, kvlab.{lab} as p; "
       f"[importlib.import_module('kvlab.{lab}.' + m.name) "
       "for m in pkgutil.iter_modules(p.__path__)]"
-      for lab in ("capacity", "fragmentation", "recovery")),
+      for lab in ("capacity", "fragmentation", "recovery", "goodput")),
 ])
 def test_metadata_layer_never_imports_torch(statement):
     assert "torch" not in _modules_after(statement)
@@ -47,14 +47,15 @@ def test_torch_names_load_lazily_on_first_use():
 
 
 def test_core_never_imports_the_chapter_labs():
-    """The lab packages (capacity planning, fragmentation, crash recovery) import the engine's
-    core; the core never imports them, nor the simulator, figures, exercises or the engine."""
+    """The lab packages (capacity planning, fragmentation, crash recovery, goodput) import the
+    engine's core; the core never imports them, nor the simulator, figures, exercises or the
+    engine."""
     modules = _modules_after(
         "import kvlab.core, pkgutil, importlib, kvlab.core as c; "
         "[importlib.import_module('kvlab.core.' + m.name) "
         "for m in pkgutil.iter_modules(c.__path__)]")
-    above = ("kvlab.capacity", "kvlab.fragmentation", "kvlab.recovery", "kvlab.sim",
-             "kvlab.viz", "kvlab.exercises", "kvlab.engine", "kvlab.entrypoints")
+    above = ("kvlab.capacity", "kvlab.fragmentation", "kvlab.recovery", "kvlab.goodput",
+             "kvlab.sim", "kvlab.viz", "kvlab.exercises", "kvlab.engine", "kvlab.entrypoints")
     assert not {m for m in modules if m.startswith(above)}
 
 

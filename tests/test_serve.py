@@ -20,7 +20,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvlab.core.slo import SLO, evaluate_slo
 from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.entrypoints import bench
@@ -28,6 +27,7 @@ from kvlab.entrypoints.async_engine import AsyncEngine
 from kvlab.entrypoints.load_client import LoadConfig, PlannedRequest, plan_requests, run_load
 from kvlab.entrypoints.prometheus import Histogram, MetricFamily, parse_metrics, render
 from kvlab.entrypoints.serve import ServerThread, build_app
+from kvlab.goodput import SLO, evaluate_slo
 from kvlab.sim.workload import fixed, uniform
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.policies import BaselineScheduler, ProductionScheduler
 from kvlab.core.scheduler_api import ScheduledChunk
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.core.slo import SLO, evaluate_slo
+from kvlab.goodput import SLO, evaluate_slo
 from kvlab.sim import RooflineCostModel, fixed, make_workload, simulate, uniform
 from kvlab.sim.serving import (
     InstalledPrefillCost,

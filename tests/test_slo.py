@@ -1,4 +1,4 @@
-"""kvlab.core.slo: goodput, attainment, failures by kind, percentiles (differential vs the
+"""kvlab.goodput: goodput, attainment, failures by kind, percentiles (differential vs the
 reference goodput of spec rule 10 and vs NumPy)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from kvlab.core.slo import (
+from kvlab.goodput import (
     SLO,
     FailureKind,
     LatencyRecord,
