@@ -3,10 +3,11 @@
 The engine owns tensors; the scheduler owns requests, queues and KV blocks. Each engine step:
 
 1. ``out = scheduler.schedule()`` decides which tokens run, allocates their KV slots and returns
-   a :class:`SchedulerOutput` (chunks with block tables, copy-on-write copies to perform first).
-2. The executor performs ``out.copies`` on the KV tensors, then calls
-   ``scheduler.kv.complete_copies(out.copies)``, runs the forward pass over ``out.chunks`` and
-   samples one token for every chunk whose ``sample`` flag is set.
+   a :class:`SchedulerOutput` (chunks with block-table deltas, copy-on-write copies to perform
+   first).
+2. The executor performs ``out.copies`` on the KV tensors, runs the forward pass over
+   ``out.chunks`` and samples one token for every chunk whose ``sample`` flag is set; the
+   engine core then lifts the copies' fences (``scheduler.kv.complete_copies``).
 3. ``scheduler.update_from_output(out, sampled)`` appends the sampled tokens, applies stop
    conditions, frees the KV of finished requests and returns the requests that finished.
 
