@@ -26,9 +26,9 @@ from kvlab.core.event_log import EventLog
 from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.policies import BaselineScheduler
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.goodput import SLO, evaluate_slo
 from kvlab.sim import RooflineCostModel, lognormal, make_workload, simulate
 from kvlab.sim.serving import records_from_sim
+from kvlab.slo import SLO, evaluate_slo
 
 N = 10_000
 CPU = [0.0]   # CPU seconds of the last run (the machine may be shared: wall time inflates)

@@ -7,8 +7,8 @@ import pytest
 
 from kvlab.exercises import ch11
 from kvlab.exercises._common import NotYetAnswered
-from kvlab.goodput import SLO, evaluate_slo
 from kvlab.sim.serving import run_colocated
+from kvlab.slo import SLO, evaluate_slo
 
 
 def test_goodput_by_hand() -> None:

@@ -17,7 +17,7 @@ def _visible_key(html: str) -> str:
 
 
 def _curves():
-    from kvlab.goodput import LatencyRecord
+    from kvlab.slo import LatencyRecord
 
     def run(rate, ttft, tpot):
         return [LatencyRecord(f"r{i}", arrival=i / rate, ttft=ttft * (1 + i / 10),
@@ -30,7 +30,7 @@ def _curves():
 
 
 def test_goodput_twin_grid_default_frame_and_every_rate_in_the_caption():
-    from kvlab.goodput import SLO, evaluate_slo
+    from kvlab.slo import SLO, evaluate_slo
     from kvlab.viz.goodput import KERNEL_FREE_GRID, goodput_figure, goodput_kernel_free
 
     curves = _curves()

@@ -33,7 +33,7 @@ def _modules_after(statement: str) -> set[str]:
     *(f"import kvlab.{lab}, pkgutil, importlib, kvlab.{lab} as p; "
       f"[importlib.import_module('kvlab.{lab}.' + m.name) "
       "for m in pkgutil.iter_modules(p.__path__)]"
-      for lab in ("capacity", "fragmentation", "recovery", "goodput")),
+      for lab in ("capacity", "fragmentation", "recovery", "slo")),
 ])
 def test_metadata_layer_never_imports_torch(statement):
     assert "torch" not in _modules_after(statement)
@@ -54,7 +54,7 @@ def test_core_never_imports_the_chapter_labs():
         "import kvlab.core, pkgutil, importlib, kvlab.core as c; "
         "[importlib.import_module('kvlab.core.' + m.name) "
         "for m in pkgutil.iter_modules(c.__path__)]")
-    above = ("kvlab.capacity", "kvlab.fragmentation", "kvlab.recovery", "kvlab.goodput",
+    above = ("kvlab.capacity", "kvlab.fragmentation", "kvlab.recovery", "kvlab.slo",
              "kvlab.sim", "kvlab.viz", "kvlab.exercises", "kvlab.engine", "kvlab.entrypoints")
     assert not {m for m in modules if m.startswith(above)}
 

@@ -27,8 +27,8 @@ from kvlab.entrypoints.async_engine import AsyncEngine
 from kvlab.entrypoints.load_client import LoadConfig, PlannedRequest, plan_requests, run_load
 from kvlab.entrypoints.prometheus import Histogram, MetricFamily, parse_metrics, render
 from kvlab.entrypoints.serve import ServerThread, build_app
-from kvlab.goodput import SLO, evaluate_slo
 from kvlab.sim.workload import fixed, uniform
+from kvlab.slo import SLO, evaluate_slo
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "kvlab-tiny"

@@ -14,7 +14,6 @@ from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.policies import BaselineScheduler, ProductionScheduler
 from kvlab.core.scheduler_api import ScheduledChunk
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.goodput import SLO, evaluate_slo
 from kvlab.sim import RooflineCostModel, fixed, make_workload, simulate, uniform
 from kvlab.sim.serving import (
     InstalledPrefillCost,
@@ -25,6 +24,7 @@ from kvlab.sim.serving import (
     run_disaggregated,
 )
 from kvlab.sim.workload import RequestSpec
+from kvlab.slo import SLO, evaluate_slo
 
 CM = RooflineCostModel.named("Llama-3-8B", "H100-80GB SXM")
 CFG = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, prefill_chunk=512)

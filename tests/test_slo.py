@@ -1,4 +1,4 @@
-"""kvlab.goodput: goodput, attainment, failures by kind, percentiles (differential vs the
+"""kvlab.slo: goodput, attainment, failures by kind, percentiles (differential vs the
 reference goodput of spec rule 10 and vs NumPy)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from kvlab.goodput import (
+from kvlab.reference import goodput as reference_goodput
+from kvlab.slo import (
     SLO,
     FailureKind,
     LatencyRecord,
@@ -17,7 +18,6 @@ from kvlab.goodput import (
     evaluate_slo,
     percentile,
 )
-from kvlab.reference import goodput as reference_goodput
 
 KINDS = [k.value for k in FailureKind]
 

@@ -19,10 +19,10 @@ import math
 from collections.abc import Sequence
 
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.goodput import SLO, LatencyRecord, evaluate_slo
 from kvlab.sim.costmodel import RooflineCostModel
 from kvlab.sim.serving import chunk_sweep, rate_at_attainment, run_colocated
 from kvlab.sim.workload import RequestSpec, lognormal, make_workload
+from kvlab.slo import SLO, LatencyRecord, evaluate_slo
 
 from ._common import require_answer
 

@@ -15,8 +15,8 @@ independent, so a set-up of several is simulated one instance at a time:
   instance keeps the KV until it is sent (here it frees it at the first token), transfers
   sharing a link, and the decode pool refusing transfers when full (they queue instead).
 
-Results are :class:`~kvlab.goodput.LatencyRecord` lists for
-:func:`~kvlab.goodput.evaluate_slo`; :func:`rate_at_attainment` finds the highest request rate
+Results are :class:`~kvlab.slo.LatencyRecord` lists for
+:func:`~kvlab.slo.evaluate_slo`; :func:`rate_at_attainment` finds the highest request rate
 whose SLO attainment still reaches a target (DistServe's measure of capacity).
 """
 
@@ -31,7 +31,7 @@ from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.policies import BaselineScheduler
 from kvlab.core.scheduler_api import ScheduledChunk
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.goodput import FailureKind, LatencyRecord
+from kvlab.slo import FailureKind, LatencyRecord
 
 from .costmodel import RooflineCostModel, StepCost
 from .executor import RequestRecord, SimResult, simulate
@@ -196,7 +196,7 @@ def chunk_sweep(workload: Sequence[RequestSpec], cost: RooflineCostModel,
     """Sarathi-Serve's knob: the step's token budget (= the prefill chunk) swept over
     ``chunks`` on one colocated instance. Per chunk size: output-token throughput over the
     makespan, TPOT and TTFT percentiles (linear), from one simulation each."""
-    from kvlab.goodput import percentile
+    from kvlab.slo import percentile
 
     rows = []
     for chunk in chunks:

@@ -1,7 +1,7 @@
 """Goodput and SLO attainment against request rate: the figure and its widget (chapter 11).
 
 The input is precomputed: for each serving set-up, the request rates tried and, per rate, the
-:class:`~kvlab.goodput.LatencyRecord` list one run produced (from the simulator or the load
+:class:`~kvlab.slo.LatencyRecord` list one run produced (from the simulator or the load
 client). Changing the SLO only re-evaluates those records, so the widget answers instantly.
 
 Goodput per run is counted over the window in which the load was offered (from the start of
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvlab.goodput import SLO, LatencyRecord, evaluate_slo
+from kvlab.slo import SLO, LatencyRecord, evaluate_slo
 
 from .style import request_color
 
