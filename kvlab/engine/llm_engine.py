@@ -361,8 +361,9 @@ class LLMEngine:
                 assert sample.ended is not None or self.scheduler.find_request(rid) is not None, \
                     f"the scheduler lost {rid}"
             batch = self.executor.input_batch
+            rows = batch.row_ids()
             for rid in self.kv.requests():   # the runner's tables, kept from deltas alone
-                if rid in batch.row_ids():
+                if rid in rows:
                     table = self.kv.block_table(rid)   # (a rollback is sent with the next step)
                     assert batch.table(rid)[:len(table)] == table, f"runner's table of {rid}"
             samplers = self.executor.samplers
