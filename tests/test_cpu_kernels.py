@@ -262,7 +262,9 @@ def test_a_build_killed_midway_and_stale_lock_files_never_block_the_next(tmp_pat
     (legacy / "lock").write_text("")
     root = tmp_path / "kvlab"
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "KVLAB_CPU_ATTENTION": "1"}
-    first = subprocess.Popen([sys.executable, "-c", _BUILD], env=env,
+    # its own process group, killed whole: a SIGKILL of python alone leaves ninja and the
+    # compiler running, still writing into (and re-dating) the directory the test ages below
+    first = subprocess.Popen([sys.executable, "-c", _BUILD], env=env, start_new_session=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 300
@@ -271,7 +273,7 @@ def test_a_build_killed_midway_and_stale_lock_files_never_block_the_next(tmp_pat
             assert time.monotonic() < deadline, "the first build never started"
             time.sleep(0.05)
     finally:
-        first.send_signal(signal.SIGKILL)
+        os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     killed = list(root.glob("*.tmp-*"))
     assert len(killed) == 1 and not [p for p in root.iterdir() if ".tmp-" not in p.name]
