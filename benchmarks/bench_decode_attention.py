@@ -12,7 +12,7 @@ both; timed separately). Then:
   engine keeps the block-diagonal form there (``engine`` column: what the engine runs).
 - **grouped, permuted** (the earlier attempt): K/V transposed to ``[B, KV, T, D]`` (a copy)
   and one 4-d ``matmul`` over all heads.
-- **compiled**: the C++ kernel of :mod:`kvlab.engine.cpu_kernels`, which reads K/V straight from
+- **compiled**: the C++ kernel of :mod:`kvlab.kernels.cpu`, which reads K/V straight from
   the paged cache with no gather (what the engine runs on CPU where it builds; ``compiled x`` is
   its speedup over the torch path, ``engine``).
 
@@ -35,13 +35,13 @@ sys.path.insert(0, str(REPO))
 
 from _results import write_results  # noqa: E402
 
-from kvlab.engine import cpu_kernels  # noqa: E402
 from kvlab.engine.attention import ChunkSpec, Workspace, build_metadata  # noqa: E402
 from kvlab.engine.bucket_attention import attend_bucket as engine_path  # noqa: E402
 from kvlab.engine.bucket_attention import (  # noqa: E402
     attend_bucket_block_diagonal as block_diagonal,
 )
 from kvlab.engine.bucket_attention import gather_bucket  # noqa: E402
+from kvlab.kernels import cpu as cpu_kernels  # noqa: E402
 
 
 def grouped(q, k_cache, v_cache, b, scale, ws):

@@ -51,9 +51,9 @@ from _results import write_results  # noqa: E402
 
 from kvlab.engine.checkpoint import resolve_model_path  # noqa: E402
 from kvlab.engine.llm import LLM  # noqa: E402
-from kvlab.engine.llm_engine import EngineStats  # noqa: E402
-from kvlab.engine.params import SamplingParams  # noqa: E402
-from kvlab.engine.tokenizer import load_tokenizer  # noqa: E402
+from kvlab.engine.llm_engine import load_tokenizer  # noqa: E402
+from kvlab.engine.outputs import EngineStats  # noqa: E402
+from kvlab.engine.sampler import SamplingParams  # noqa: E402
 
 
 # --------------------------------------------------------------------------- workload
@@ -138,7 +138,7 @@ def chunk_flops(llm: LLM, chunks) -> float:
     """Model FLOPs of one step's chunks (matmuls + attention; lm_head only on sampled rows)."""
     model = llm.engine.model
     cfg = model.cfg
-    body = model.flops_per_token(0, with_lm_head=False)
+    body = model.cfg.flops_per_token(0, with_lm_head=False)
     head = 2.0 * cfg.vocab_size * cfg.hidden_size
     per_ctx = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim
     total = 0.0
@@ -154,7 +154,7 @@ def chunk_linear_flops(llm: LLM, chunks) -> float:
     token, plus the lm_head on sampled rows (attention QK^T/PV and elementwise ops excluded)."""
     model = llm.engine.model
     cfg = model.cfg
-    body = model.flops_per_token(0, with_lm_head=False)
+    body = model.cfg.flops_per_token(0, with_lm_head=False)
     head = 2.0 * cfg.vocab_size * cfg.hidden_size
     return sum(c.num_tokens * body + (head if c.sample else 0.0) for c in chunks)
 

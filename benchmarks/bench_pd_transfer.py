@@ -43,7 +43,7 @@ from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.kv_transfer import KVPayloadCodec, engine_model_fields
 from kvlab.engine.kv_transfer.connectors import SharedStorageConnector, TcpConnector
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.params import SamplingParams
+from kvlab.engine.sampler import SamplingParams
 from kvlab.reference import kv_bytes
 
 PROMPTS = (64, 256, 1024)

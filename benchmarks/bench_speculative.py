@@ -26,7 +26,7 @@ import torch
 from _results import write_results
 
 from kvlab.engine.llm import LLM
-from kvlab.engine.params import SamplingParams
+from kvlab.engine.sampler import SamplingParams
 
 KS = (1, 2, 4, 8)
 MAX_TOKENS = 48

@@ -34,8 +34,11 @@ sys.path.insert(0, str(REPO))
 from _results import write_results  # noqa: E402
 
 from kvlab.engine.llm import LLM  # noqa: E402
-from kvlab.engine.params import SamplingParams  # noqa: E402
-from kvlab.engine.sampling import SamplerState, sample  # noqa: E402
+from kvlab.engine.sampler import (  # noqa: E402
+    SamplerState,
+    SamplingParams,
+    sample,
+)
 from kvlab.engine.structured_outputs import (  # noqa: E402
     GrammarCompiler,
     StructuredOutputsParams,

@@ -28,7 +28,7 @@ from _results import write_results  # noqa: E402
 import kvlab.engine.attention as attention  # noqa: E402
 from kvlab.engine.attention import ChunkSpec, build_metadata, paged_attention  # noqa: E402
 from kvlab.engine.llm import LLM  # noqa: E402
-from kvlab.engine.params import SamplingParams  # noqa: E402
+from kvlab.engine.sampler import SamplingParams  # noqa: E402
 
 #: (query heads, KV heads, head dim) of kvlab-tiny and of the ~25M random Llama
 SHAPES = {"kvlab-tiny": (6, 2, 32), "25M": (8, 2, 64)}

@@ -84,7 +84,7 @@ def check_hf_parity() -> dict:
 def decode_throughput(batches: list[int], steps: int, prompt: int) -> dict:
     from kvlab.engine.hf_parity import save_random_hf_model
     from kvlab.engine.llm import LLM
-    from kvlab.engine.params import SamplingParams
+    from kvlab.engine.sampler import SamplingParams
 
     path = save_random_hf_model(Path(tempfile.mkdtemp()) / "llama-0.5b", "llama", seed=0,
                                 **MODEL_0_5B)
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         print("gpu_check: no CUDA device (torch.cuda.is_available() is False); this check "
               f"needs one GPU (torch {torch.__version__}).", file=sys.stderr)
         sys.exit(2)
-    from kvlab.engine import triton_kernels
+    from kvlab.kernels import triton as triton_kernels
 
     if not triton_kernels.available():
         print("gpu_check: triton is not installed (pip install -e '.[gpu]').", file=sys.stderr)

@@ -26,7 +26,7 @@ from gpu_check import MODEL_0_5B  # noqa: E402
 def main() -> dict:
     from kvlab.engine.hf_parity import save_random_hf_model
     from kvlab.engine.llm import LLM
-    from kvlab.engine.params import SamplingParams
+    from kvlab.engine.sampler import SamplingParams
 
     path = save_random_hf_model(Path(tempfile.mkdtemp()) / "llama-0.5b", "llama", seed=0,
                                 **MODEL_0_5B)

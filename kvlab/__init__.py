@@ -37,7 +37,7 @@ _LAZY = {
     "LLM": "kvlab.engine.llm",
     "LLMEngine": "kvlab.engine.llm_engine",
     "EngineArgs": "kvlab.engine.engine_args",
-    "SamplingParams": "kvlab.engine.params",
+    "SamplingParams": "kvlab.engine.sampler",
     "RequestOutput": "kvlab.engine.outputs",
     "CompletionOutput": "kvlab.engine.outputs",
 }

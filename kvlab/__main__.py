@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     from kvlab.engine.llm import LLM
-    from kvlab.engine.params import SamplingParams
+    from kvlab.engine.sampler import SamplingParams
     from kvlab.models.corpus import sample_prompts, shared_prefix_prompts
 
     try:

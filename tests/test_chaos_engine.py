@@ -25,7 +25,7 @@ from kvlab.core.transfer_faults import DEFAULT_POINT, FaultSchedule
 from kvlab.engine.fault_hook import ENGINE_FAULTS, attach_faults
 from kvlab.engine.kv_transfer import InProcessChannel
 from kvlab.engine.llm import LLM
-from kvlab.engine.params import SamplingParams
+from kvlab.engine.sampler import SamplingParams
 
 pytest.importorskip("xgrammar")
 

@@ -1,4 +1,4 @@
-"""The compiled CPU decode-attention kernel (kvlab.engine.cpu_kernels) against the torch path,
+"""The compiled CPU decode-attention kernel (kvlab.kernels.cpu) against the torch path,
 the dense reference and the engine's own tokens; its input checks; and the fallback."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import textwrap
 
 import pytest
 import torch
+from dense_attention import dense_causal_attention
 
-from kvlab.engine import cpu_kernels
 from kvlab.engine.attention import (
     ChunkSpec,
     build_metadata,
-    dense_causal_attention,
     paged_attention,
 )
 from kvlab.engine.triton_parity import scattered_tables
+from kvlab.kernels import cpu as cpu_kernels
 
 
 def _toolchain() -> bool:
@@ -125,16 +125,16 @@ def test_bad_inputs_are_refused_before_anything_is_written():
 
 @needs_kernel
 def test_engine_tokens_and_logprobs_agree_with_the_torch_path(monkeypatch):
-    from kvlab.engine import attention
     from kvlab.engine.llm import LLM
-    from kvlab.engine.params import SamplingParams
+    from kvlab.engine.sampler import SamplingParams
 
     prompts = ["The river", "Once upon a time the shepherd", "A", "Trern Thyvet was a generous"]
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=2)
     runs = []
     for flag in (True, False):
-        monkeypatch.setattr(attention, "CPU_KERNEL", flag)
+        monkeypatch.setenv("KVLAB_CPU_ATTENTION", "1" if flag else "0")   # read at construction
         llm = LLM("kvlab-tiny")
+        assert (llm.engine.executor.workspace.decode_kernel is not None) == flag
         runs.append(llm.generate(prompts, params))
     for a, b in zip(*runs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -146,9 +146,9 @@ def test_a_failed_build_falls_back_to_the_torch_path(tmp_path):
     # warns once and generates with the torch path
     code = textwrap.dedent("""
         import warnings
-        from kvlab.engine import cpu_kernels
+        from kvlab.kernels import cpu as cpu_kernels
         from kvlab.engine.llm import LLM
-        from kvlab.engine.params import SamplingParams
+        from kvlab.engine.sampler import SamplingParams
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = LLM("kvlab-tiny").generate(["The river"], SamplingParams(max_tokens=4,
@@ -245,7 +245,7 @@ def test_build_name_is_keyed_to_the_environment(monkeypatch):
     assert len({name, other_venv, other_torch, other_include}) == 4
 
 
-_BUILD = "from kvlab.engine import cpu_kernels; print(cpu_kernels.available(), " \
+_BUILD = "from kvlab.kernels import cpu as cpu_kernels; print(cpu_kernels.available(), " \
          "cpu_kernels.build_error())"
 
 

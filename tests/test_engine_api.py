@@ -14,7 +14,7 @@ from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.hf_parity import save_random_hf_model
 from kvlab.engine.llm import LLM
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.params import SamplingParams
+from kvlab.engine.sampler import SamplingParams
 
 VOCAB = 128
 
@@ -329,7 +329,7 @@ def test_rejected_request_with_n_samples_finishes(model_dir, prompts):
     finish_reason 'rejected' on every one of its n samples."""
     import dataclasses
 
-    from kvlab.core.policies import ProductionScheduler
+    from kvlab.core.production_scheduler import ProductionScheduler
 
     def no_queue(kv, config):
         return ProductionScheduler(kv, dataclasses.replace(config, max_waiting=0))

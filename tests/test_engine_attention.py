@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dense_attention import dense_causal_attention
 
 from kvlab.engine.attention import (
     ChunkSpec,
     build_metadata,
-    dense_causal_attention,
     paged_attention,
     write_kv,
 )

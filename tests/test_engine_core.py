@@ -21,17 +21,17 @@ import torch
 
 pytest.importorskip("transformers")
 
+from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.engine_core import EngineBusy, EngineCore, ModelOutput
 from kvlab.core.event_log import EventLog
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import BaselineScheduler
-from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.request import FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.hf_parity import save_random_hf_model
 from kvlab.engine.llm import LLM
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.params import SamplingParams
+from kvlab.engine.sampler import SamplingParams
 from kvlab.sim.executor import CostModelExecutor
 from kvlab.sim.tokens import greedy_tokens, hash_token
 

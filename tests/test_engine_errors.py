@@ -15,7 +15,7 @@ from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.hf_parity import save_random_hf_model
 from kvlab.engine.llm import LLM
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.params import SamplingParams
+from kvlab.engine.sampler import SamplingParams
 
 
 @pytest.fixture(scope="module")

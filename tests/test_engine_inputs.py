@@ -15,12 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvlab.core.checks import is_int
 from kvlab.engine.checkpoint import load_checkpoint, resolve_model_path
 from kvlab.engine.config import ConfigError, ModelConfig
 from kvlab.engine.llm import LLM
-from kvlab.engine.params import MAX_SEED, MIN_TEMPERATURE, SamplingParams, is_int, is_real
-from kvlab.engine.sampling import SamplerState, _filter, sample
-from kvlab.engine.tokenizer import Tokenizer, load_tokenizer
+from kvlab.engine.llm_engine import Tokenizer, load_tokenizer
+from kvlab.engine.sampler import (
+    MAX_SEED,
+    MIN_TEMPERATURE,
+    SamplerState,
+    SamplingParams,
+    filter_logits,
+    is_real,
+    sample,
+)
 from kvlab.models import shipped_model_path
 
 VOCAB = 64
@@ -81,17 +89,17 @@ def test_filter_leaves_rows_without_filters_untouched_by_other_rows():
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=0.7), SamplingParams(top_p=0.5),
               SamplingParams(top_k=3)]
-    together = _filter(logits, params)
+    together = filter_logits(logits, params)
     for i, p in enumerate(params):
-        assert torch.equal(together[i], _filter(logits[i:i + 1], [p])[0])
+        assert torch.equal(together[i], filter_logits(logits[i:i + 1], [p])[0])
 
 
 def test_top_p_keeps_the_most_likely_token_however_small():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     for top_p in (1e-46, 1e-300, 1e-9, 0.01):
-        kept = _filter(logits, [SamplingParams(top_p=top_p)])[0]
+        kept = filter_logits(logits, [SamplingParams(top_p=top_p)])[0]
         assert kept.isfinite().tolist() == [False, True, False, False]
-    kept = _filter(logits, [SamplingParams(top_p=0.9)])[0]  # 0.64 + 0.24 < 0.9: three kept
+    kept = filter_logits(logits, [SamplingParams(top_p=0.9)])[0]  # 0.64 + 0.24 < 0.9: three kept
     assert kept.isfinite().tolist() == [False, True, True, True]
 
 

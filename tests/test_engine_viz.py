@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.hf_parity import save_random_hf_model
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.params import SamplingParams
+from kvlab.engine.sampler import SamplingParams
 from kvlab.viz.engine import engine_step_figure
 
 

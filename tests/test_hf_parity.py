@@ -60,7 +60,7 @@ def test_parity_check_detects_wrong_weights(tmp_path, monkeypatch):
 
 def test_shipped_model_matches_hf():
     """The trained kvlab-tiny (tied embeddings, real tokenizer) through kvlab vs transformers."""
-    from kvlab.engine.tokenizer import load_tokenizer
+    from kvlab.engine.llm_engine import load_tokenizer
     from kvlab.models import shipped_model_path
     from kvlab.models.corpus import sample_prompts, shared_prefix_prompts
 

@@ -71,4 +71,4 @@ def test_reference_is_the_bottom_layer():
 
 def test_engine_api_is_reachable_from_the_top_level():
     modules = _modules_after("import kvlab; kvlab.LLM, kvlab.SamplingParams, kvlab.RequestOutput")
-    assert {"kvlab.engine.llm", "kvlab.engine.params", "kvlab.engine.outputs"} <= modules
+    assert {"kvlab.engine.llm", "kvlab.engine.sampler", "kvlab.engine.outputs"} <= modules

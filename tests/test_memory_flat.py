@@ -20,7 +20,7 @@ import torch
 
 from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.params import SamplingParams
+from kvlab.engine.sampler import SamplingParams
 from kvlab.entrypoints.async_engine import AsyncEngine
 from kvlab.entrypoints.serve import ServerThread, build_app
 

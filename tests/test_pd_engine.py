@@ -19,7 +19,7 @@ from kvlab.engine.checkpoint import load_checkpoint
 from kvlab.engine.kv_transfer import InProcessChannel, KVTransferConfig
 from kvlab.engine.kv_transfer.connectors import HEADER_FILE, PAYLOAD_FILE
 from kvlab.engine.llm import LLM
-from kvlab.engine.params import SamplingParams
+from kvlab.engine.sampler import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
@@ -212,7 +212,7 @@ def test_fail_policy_and_delivery_after_abort(ckpt, tmp_path):
 PRODUCER = textwrap.dedent("""
     import json, sys
     from kvlab.engine.llm import LLM
-    from kvlab.engine.params import SamplingParams
+    from kvlab.engine.sampler import SamplingParams
     port, prompts, faults = int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
     llm = LLM("kvlab-tiny", block_size=8, num_blocks=64, kv_transfer_config={
         "kv_connector": "tcp", "kv_role": "kv_producer",

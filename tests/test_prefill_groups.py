@@ -7,11 +7,11 @@ import random
 
 import pytest
 import torch
+from dense_attention import dense_causal_attention
 
 from kvlab.engine.attention import (
     ChunkSpec,
     build_metadata,
-    dense_causal_attention,
     paged_attention,
     write_kv,
 )
@@ -112,9 +112,9 @@ def test_speculative_engine_verification_paths_match_the_per_chunk_path(monkeypa
     rounding) as every chunk attended alone by SDPA; the path under test really ran."""
     import kvlab.engine.attention as attention
     import kvlab.engine.prefill_groups as prefill_groups
-    from kvlab.engine import cpu_kernels
     from kvlab.engine.llm import LLM
-    from kvlab.engine.params import SamplingParams
+    from kvlab.engine.sampler import SamplingParams
+    from kvlab.kernels import cpu as cpu_kernels
 
     if path == "kernel" and not cpu_kernels.available():
         pytest.skip(f"no CPU kernel here: {cpu_kernels.build_error()}")
@@ -134,7 +134,8 @@ def test_speculative_engine_verification_paths_match_the_per_chunk_path(monkeypa
     runs = {}
     for tested in (False, True):   # the reference: CPU kernel off, every chunk alone
         monkeypatch.setattr(attention, "BATCH_PREFILLS", tested)
-        monkeypatch.setattr(attention, "CPU_KERNEL", tested and path == "kernel")
+        # runners take the compiled kernel when built, as the environment allows
+        monkeypatch.setenv("KVLAB_CPU_ATTENTION", "1" if tested and path == "kernel" else "0")
         used.clear()
         llm = LLM("kvlab-tiny", num_blocks=512, max_num_seqs=8, speculative_config={
             "method": "draft_model", "model": "kvlab-tiny-draft", "num_speculative_tokens": 3})

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dense_attention import dense_causal_attention
 
 from kvlab.core.kv_dtype import kv_dtype_spec
-from kvlab.engine.attention import ChunkSpec, build_metadata, dense_causal_attention
+from kvlab.engine.attention import ChunkSpec, build_metadata
 from kvlab.engine.quantization import QuantizedPagedKVCache, dequantize_kv, quantize_kv
 
 

@@ -1,4 +1,4 @@
-"""The batched exponential-race draw of :func:`kvlab.engine.sampling.sample`.
+"""The batched exponential-race draw of :func:`kvlab.engine.sampler.sample`.
 
 Three properties: (1) for a row with a private generator the race consumes the stream exactly as
 ``torch.multinomial(p, 1, generator=g)`` did before it, so seeded outputs are bit-for-bit those of
@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.engine.params import SamplingParams
-from kvlab.engine.sampling import SamplerState, _filter, sample
+from kvlab.engine.sampler import SamplerState, SamplingParams, filter_logits, sample
 
 VOCAB = 8
 # χ² critical value for 7 degrees of freedom at α = 0.001 (a correct sampler fails 1 run in 1000;
@@ -33,7 +32,7 @@ def test_private_generator_rows_equal_per_row_multinomial():
     for _ in range(10):
         logits = torch.randn(len(params), 64) * 3
         got = sample(logits, states).token_ids
-        probs = _filter(logits, params).softmax(-1)
+        probs = filter_logits(logits, params).softmax(-1)
         want = [int(torch.multinomial(probs[j], 1, generator=twins[j].generator))
                 for j in range(len(params))]
         assert got == want
@@ -76,7 +75,7 @@ def test_race_matches_the_filtered_distribution_chi2():
         rows = 64
         states = [SamplerState.create(params, 1000 * k + i) for i in range(rows)]
         logits = base.expand(rows, VOCAB).contiguous()
-        probs = _filter(base[None], [params]).softmax(-1)[0]
+        probs = filter_logits(base[None], [params]).softmax(-1)[0]
         keep = probs > 0
         counts = torch.zeros(VOCAB)
         for _ in range(250):

@@ -14,10 +14,11 @@ pytest.importorskip("kvlab.engine.llm_engine")
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from kvlab.core.policies import BaselineScheduler, ProductionScheduler  # noqa: E402
+from kvlab.core.baseline_scheduler import BaselineScheduler  # noqa: E402
+from kvlab.core.production_scheduler import ProductionScheduler  # noqa: E402
 from kvlab.engine.hf_parity import save_random_hf_model  # noqa: E402
 from kvlab.engine.llm import LLM  # noqa: E402
-from kvlab.engine.params import SamplingParams  # noqa: E402
+from kvlab.engine.sampler import SamplingParams  # noqa: E402
 
 VOCAB = 128
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

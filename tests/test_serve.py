@@ -188,7 +188,7 @@ def test_client_timeouts_and_abandons_are_counted_by_kind_and_free_kv(server,
 def test_admission_rejects_are_503_and_counted_as_rejects() -> None:
     import dataclasses
 
-    from kvlab.core.policies import ProductionScheduler
+    from kvlab.core.production_scheduler import ProductionScheduler
 
     def one_waiting(kv, cfg):
         return ProductionScheduler(kv, dataclasses.replace(cfg, max_waiting=1))
@@ -286,7 +286,7 @@ def test_chat_errors_and_routes(server) -> None:
 
 def test_chat_and_completion_answers_match_the_engine(server) -> None:
     """Greedy text through HTTP (streamed and not) equals the engine's own generation."""
-    from kvlab.engine.params import SamplingParams
+    from kvlab.engine.sampler import SamplingParams
 
     prompt = "Trern Thyvet was a generous shepherd who lived in"
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0}

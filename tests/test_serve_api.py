@@ -16,9 +16,8 @@ from test_detokenizer import byte_level_tokenizer
 
 from kvlab.engine.detokenizer import REPLACEMENT
 from kvlab.engine.engine_args import EngineArgs
-from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.params import SamplingParams
-from kvlab.engine.tokenizer import Tokenizer
+from kvlab.engine.llm_engine import LLMEngine, Tokenizer
+from kvlab.engine.sampler import SamplingParams
 from kvlab.entrypoints.async_engine import AsyncEngine
 from kvlab.entrypoints.prometheus import parse_metrics
 from kvlab.entrypoints.serve import ServerThread, build_app

@@ -20,7 +20,7 @@ pytest.importorskip("fastapi", reason="transformers serve needs transformers[ser
 
 from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.params import SamplingParams
+from kvlab.engine.sampler import SamplingParams
 from kvlab.entrypoints import bench
 from kvlab.entrypoints.load_client import plan_requests
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvlab.engine.llm import LLM
-from kvlab.engine.params import SamplingParams
+from kvlab.engine.sampler import SamplingParams
 from kvlab.engine.spec_decode import SpeculativeConfig, ngram_lookup, verify
 from kvlab.engine.spec_decode import verifier as verifier_module
 from kvlab.engine.spec_decode.exactness import chi_square_test, power_against_tv

@@ -12,7 +12,7 @@ import torch
 from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm import LLM
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.params import SamplingParams
+from kvlab.engine.sampler import SamplingParams
 from kvlab.engine.structured_outputs import (
     GrammarError,
     StructuredOutputsParams,

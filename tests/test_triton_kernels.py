@@ -59,8 +59,9 @@ def test_parity_harness_detects_a_wrong_kernel(monkeypatch):
     torch stand-ins that share the harness's metadata."""
     import torch
 
-    from kvlab.engine import triton_kernels, triton_parity
+    from kvlab.engine import triton_parity
     from kvlab.engine.attention import write_kv
+    from kvlab.kernels import triton as triton_kernels
 
     def fake_decode(q, kc, vc, table, positions, scale, out=None):
         # attends to positions 0 .. p-1 only (drops the newest token): must be caught

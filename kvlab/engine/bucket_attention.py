@@ -2,7 +2,7 @@
 
 A :class:`~kvlab.engine.attention.DecodeBucket`'s blocks are gathered into a reusable workspace
 as a padded batch ``[B, T, KV, D]`` and attended with batched matmuls under the bucket's length
-mask. Where the compiled CPU kernel (:mod:`kvlab.engine.cpu_kernels`) or the Triton kernel runs,
+mask. Where the compiled CPU kernel (:mod:`kvlab.kernels.cpu`) or the Triton kernel runs,
 this is the reference it is tested against; elsewhere it is the path.
 """
 

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ConfigError, ModelConfig, parse_token_ids
-from .model import LlamaModel, rope_inv_freq
+from .model import LlamaModel
 
 __all__ = ["CheckpointError", "LoadedCheckpoint", "load_checkpoint", "resolve_model_path"]
 
@@ -38,6 +38,16 @@ class LoadedCheckpoint:
     model: LlamaModel
     weights_hash: str          # sha256 over config.json and the safetensors files
     generation_eos: tuple[int, ...]  # eos ids from generation_config.json (may be empty)
+
+
+def tokenizer_hash(file: Path) -> str:
+    """sha256 of a ``tokenizer.json`` and the ``tokenizer_config.json`` beside it (chat template
+    and special-token settings): what identifies a tokenizer in prefix-cache scopes."""
+    data = file.read_bytes()
+    template = file.with_name("tokenizer_config.json")
+    if template.is_file():
+        data += template.read_bytes()
+    return hashlib.sha256(data).hexdigest()
 
 
 def resolve_model_path(model: str | os.PathLike[str]) -> Path:
@@ -187,7 +197,7 @@ def load_checkpoint(
         net = LlamaModel(cfg)
     net.load_state_dict(state, strict=False, assign=True)  # inv_freq is computed, not loaded
     # RoPE frequencies stay float32 whatever the weights' dtype
-    net.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+    net.inv_freq = cfg.rope.inv_freq(cfg.head_dim, cfg.max_position_embeddings)
     net = net.to(device).eval()
     return LoadedCheckpoint(
         path=path, config=cfg, model=net,

@@ -11,12 +11,17 @@ Python's json module accepts) are not sizes or epsilons, ``64.0`` is not an int.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .params import is_int, is_real
+import torch
+
+from kvlab.core.checks import is_int
+
+from .sampler import is_real
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ConfigError", "ModelConfig", "RopeConfig", "parse_token_ids"]
 
@@ -54,6 +59,29 @@ class RopeConfig:
     def as_tuple(self) -> tuple:
         """Hashable form, part of the prefix-cache scope."""
         return tuple(asdict(self).items())
+
+    def inv_freq(self, head_dim: int, max_position_embeddings: int) -> torch.Tensor:
+        """Inverse frequencies ``[head_dim // 2]`` (float32) for this scaling (``linear``
+        divides the positions instead: :meth:`kvlab.engine.model.LlamaModel.rope_cos_sin`)."""
+        base = self.theta
+        if self.rope_type == "dynamic":
+            # NTK-aware base, fixed at the scaled context length (cached K stays valid).
+            scaled_len = self.factor * max_position_embeddings
+            ratio = self.factor * scaled_len / max_position_embeddings - (self.factor - 1)
+            base = base * ratio ** (head_dim / (head_dim - 2))
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if self.rope_type == "llama3":
+            old = self.original_max_position_embeddings
+            low_wavelen = old / self.low_freq_factor
+            high_wavelen = old / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (old / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            inv = torch.where(medium, smoothed, scaled)
+        return inv
 
 
 _MISSING = object()
@@ -200,6 +228,18 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token occupies over all layers (spec rule 1 with B=T=1)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def flops_per_token(self, context_len: int, *, with_lm_head: bool = True) -> float:
+        """Forward FLOPs of one token attending to ``context_len`` positions: 2 per weight of
+        every matmul (the embedding lookup is free) plus ``4 * layers * heads * head_dim *
+        context_len`` for QK^T and PV. Norms, RoPE and activations are ignored."""
+        head = self.vocab_size * self.hidden_size
+        matmul = self.num_params - self.hidden_size * (2 * self.num_layers + 1)
+        matmul -= 0 if self.tie_word_embeddings else head   # the embedding table
+        if not with_lm_head:
+            matmul -= head
+        attn = 4 * self.num_layers * self.num_heads * self.head_dim * context_len
+        return float(2 * matmul + attn)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str = "config.json") -> ModelConfig:

@@ -20,10 +20,10 @@ import torch
 from kvlab.core.checks import is_int
 
 if TYPE_CHECKING:
-    from kvlab.core.scheduler_api import Scheduler
+    from kvlab.core.engine_core import Scheduler
 
     from .checkpoint import LoadedCheckpoint
-    from .tokenizer import Tokenizer
+    from .llm_engine import Tokenizer
 
 #: Default KV budget on CPU when ``num_blocks`` is None (bytes). On CUDA the default is half of
 #: the device memory free after loading the weights.

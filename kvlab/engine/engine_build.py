@@ -1,27 +1,35 @@
-"""Building an LLMEngine's parts from its arguments: checkpoint, context length, scheduler, scope.
+"""Building an LLMEngine's parts from its arguments (:func:`build_parts`): checkpoint, tokenizer,
+context length, KV cache, scheduler, executor, and the prefix-cache scope.
 
 Each function validates what it is given and raises ValueError naming the problem before
-anything is allocated; :class:`~kvlab.engine.llm_engine.LLMEngine` calls them in order.
+anything is allocated.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import BaselineScheduler, ProductionScheduler
-from kvlab.core.scheduler_api import Scheduler
+from kvlab.core.baseline_scheduler import BaselineScheduler
+from kvlab.core.engine_core import Scheduler
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler
+from kvlab.core.radix_cache import CacheScope
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.core.scope import CacheScope
 
 from .checkpoint import LoadedCheckpoint
 from .config import ModelConfig
-from .model import rope_inv_freq
+from .engine_args import EngineArgs, resolve_device, resolve_dtype, size_kv_cache
+from .model_runner import ModelRunner
 from .quantization.setup import EngineQuantization
-from .tokenizer import Tokenizer
+from .spec_decode.setup import Speculator
+
+if TYPE_CHECKING:
+    from .llm_engine import Tokenizer
 
 
 def make_scheduler(kind: str | Callable[..., Scheduler], kv: KVCacheManager,
@@ -57,8 +65,9 @@ def load_engine_checkpoint(model: str | Path | LoadedCheckpoint, quant: EngineQu
         ckpt = model
         ckpt.model.to(device=device, dtype=dtype)
         # RoPE frequencies stay float32 (recomputed: a cast to half precision loses bits)
-        ckpt.model.inv_freq = rope_inv_freq(ckpt.config.rope, ckpt.config.head_dim,
-                                            ckpt.config.max_position_embeddings).to(device)
+        cfg = ckpt.config
+        ckpt.model.inv_freq = cfg.rope.inv_freq(cfg.head_dim,
+                                                cfg.max_position_embeddings).to(device)
     else:
         ckpt = quant.load(model, dtype=dtype, device=device)
     quant.apply(ckpt)
@@ -98,3 +107,70 @@ def engine_cache_scope(ckpt: LoadedCheckpoint, tokenizer: Tokenizer | None, bloc
         security_domain=security_domain,
         **quant.scope_fields(dtype),
     ).key()
+
+
+@dataclass
+class EngineParts:
+    """What an :class:`~kvlab.engine.llm_engine.LLMEngine` is made of."""
+
+    quantization: EngineQuantization
+    checkpoint: LoadedCheckpoint
+    tokenizer: Tokenizer | None
+    device: torch.device
+    dtype: torch.dtype
+    speculator: Speculator | None
+    max_model_len: int
+    num_blocks: int
+    cache: Any                      # PagedKVCache, or the quantized cache of kv_cache_dtype
+    kv: KVCacheManager
+    scheduler_config: SchedulerConfig
+    scheduler: Scheduler
+    kv_transfer: Any                # KVTransfer (chapter 10) or None
+    executor: ModelRunner
+    eos_token_ids: tuple[int, ...]
+
+
+def build_parts(a: EngineArgs, load_tokenizer: Callable[[Path], Tokenizer | None]
+                ) -> EngineParts:
+    """Build an engine's parts from ``a`` in dependency order; every argument is checked before
+    the part it shapes is allocated. ``load_tokenizer`` reads the model directory's tokenizer
+    (unless ``a.tokenizer`` is given)."""
+    quant = EngineQuantization.resolve(a.quantization, a.quantization_group_size,
+                                       a.kv_cache_dtype)
+    transfer = parse_kv_transfer(a.kv_transfer_config, a.enable_prefix_caching, quant)
+    dev = resolve_device(a.device)
+    dtype = resolve_dtype(a.dtype, dev)
+    ckpt = load_engine_checkpoint(a.model, quant, dev, dtype)
+    cfg = ckpt.config
+    tokenizer = a.tokenizer if a.tokenizer is not None else load_tokenizer(ckpt.path)
+    speculator = Speculator.load(a.speculative_config, cfg, tokenizer, dev, dtype)
+    max_model_len = resolve_max_model_len(cfg, a.max_model_len)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    size = size_kv_cache(
+        block_bytes=(quant.kv_bytes_per_token(cfg, itemsize) + Speculator.kv_bytes(
+            speculator, itemsize)) * a.block_size, block_size=a.block_size,
+        num_blocks=a.num_blocks, kv_cache_memory=a.kv_cache_memory, max_num_seqs=a.max_num_seqs,
+        max_model_len=max_model_len, device=dev)
+    ckpt.model.prepare_rope(max_model_len)
+    cache = quant.make_kv_cache(cfg, size.num_blocks, a.block_size, dtype, dev)
+    kv = KVCacheManager(size.num_blocks, a.block_size,
+                        enable_prefix_caching=a.enable_prefix_caching)
+    # A step's batch never holds more requests than tokens (each entry takes >= 1), so the
+    # schedulers' rule max_num_seqs <= max_num_batched_tokens loses nothing here.
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=min(a.max_num_seqs, a.max_num_batched_tokens),
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        prefill_chunk=a.max_prefill_chunk or a.max_num_batched_tokens,
+        num_lookahead_tokens=speculator.num_lookahead if speculator else 0)
+    scheduler = make_scheduler(a.scheduler, kv, scheduler_config)
+    kv_transfer = None
+    if transfer is not None:   # prefill/decode disaggregation (chapter 10)
+        from .kv_transfer import KVPayloadCodec, KVTransfer, engine_model_fields
+        kv_transfer = KVTransfer(transfer, KVPayloadCodec(cache),
+                                 engine_model_fields(ckpt.weights_hash, cfg, dtype))
+        scheduler = kv_transfer.wrap(scheduler)
+    executor = Speculator.make_executor(speculator, ckpt.model, cache, scheduler.get_request,
+                                        max_model_len)
+    return EngineParts(quant, ckpt, tokenizer, dev, dtype, speculator, max_model_len,
+                       size.num_blocks, cache, kv, scheduler_config, scheduler, kv_transfer,
+                       executor, tuple(dict.fromkeys(cfg.eos_token_ids + ckpt.generation_eos)))

@@ -97,7 +97,7 @@ def compare_with_hf(model_dir: str | Path, prompts: Sequence[Sequence[int]], *,
     from transformers import AutoModelForCausalLM
 
     from .llm import LLM
-    from .params import SamplingParams
+    from .sampler import SamplingParams
 
     llm = LLM(model_dir, **engine_kwargs)
     outs = llm.generate([list(p) for p in prompts],

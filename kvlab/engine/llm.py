@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from kvlab.core.scheduler_api import RequestStatus
-from kvlab.engine.engine_args import EngineArgs
-
+from .engine_args import EngineArgs
 from .llm_engine import LLMEngine, Prompt
-from .metrics import Counter, Gauge, Metric, Vector
 from .outputs import RequestOutput
-from .params import SamplingParams
+from .sampler import SamplingParams
+
+if TYPE_CHECKING:
+    from .metrics import Metric
 
 __all__ = ["LLM"]
 
@@ -49,52 +50,20 @@ class LLM:
         self._counter = 0
 
     def get_metrics(self) -> list[Metric]:
-        """The engine's counters in vLLM's shape (:mod:`kvlab.engine.metrics`): ``Counter`` s
-        ``vllm:prompt_tokens``, ``vllm:generation_tokens``, ``vllm:prefix_cache_queries`` /
-        ``_hits`` (prompt tokens looked up / served by the cache), ``vllm:request_success`` per
-        ``finished_reason`` label, ``Gauge`` s ``vllm:num_requests_running`` / ``_waiting``
-        and ``vllm:kv_cache_usage_perc`` (a fraction, as in vLLM); when speculating,
-        ``vllm:spec_decode_num_drafts`` / ``_num_draft_tokens`` / ``_num_accepted_tokens`` and
-        the ``Vector`` ``vllm:spec_decode_num_accepted_tokens_per_pos``."""
-        engine = self.engine
-        with engine.core.lock:
-            st = engine.stats
-            labels = {"engine": "0"}
-            out: list[Metric] = [
-                Counter("vllm:prompt_tokens", dict(labels), st.prompt_tokens),
-                Counter("vllm:generation_tokens", dict(labels), st.generated_tokens),
-                Counter("vllm:prefix_cache_queries", dict(labels), st.prompt_tokens),
-                Counter("vllm:prefix_cache_hits", dict(labels), st.cached_prompt_tokens),
-            ]
-            out += [Counter("vllm:request_success", {**labels, "finished_reason": reason}, n)
-                    for reason, n in sorted(st.finished_by_reason.items())]
-            live = [r.status for r in engine.scheduler.requests() if not r.status.is_terminal]
-            running = sum(status is RequestStatus.RUNNING for status in live)
-            waiting = len(live) - running
-            kv = engine.kv
-            out += [Gauge("vllm:num_requests_running", dict(labels), float(running)),
-                    Gauge("vllm:num_requests_waiting", dict(labels), float(waiting)),
-                    Gauge("vllm:kv_cache_usage_perc", dict(labels),
-                          1.0 - kv.num_allocatable_blocks() / kv.num_blocks)]
-            if engine.speculator is not None:
-                m = engine.speculator.metrics
-                out += [Counter("vllm:spec_decode_num_drafts", dict(labels), m.num_drafts),
-                        Counter("vllm:spec_decode_num_draft_tokens", dict(labels),
-                                m.num_draft_tokens),
-                        Counter("vllm:spec_decode_num_accepted_tokens", dict(labels),
-                                m.num_accepted_tokens),
-                        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels),
-                               list(m.accepted_per_pos))]
-        return out
+        """The engine's counters in vLLM's shape (:func:`kvlab.engine.metrics.engine_metrics`)."""
+        from .metrics import engine_metrics
+
+        return engine_metrics(self.engine)
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
     def quantization_report(self):
-        """Spec rule 7's five facts and the weight / KV bytes (see
-        :meth:`LLMEngine.quantization_report`)."""
-        return self.engine.quantization_report()
+        """Spec rule 7's five facts, weight and KV bytes (:mod:`kvlab.engine.quantization`)."""
+        from .quantization.report import engine_report
+
+        return engine_report(self.engine)
 
     def generate(
         self,
@@ -102,15 +71,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in the order of ``prompts``.
-
-        ``prompts``: one prompt or a list; a prompt is a str or a list of token ids.
-        ``sampling_params``: one for all prompts, or one per prompt. Every prompt is validated
-        before any is queued (a bad one raises and nothing runs). Requests added to
-        ``self.engine`` directly keep running alongside; their outputs produced meanwhile are
-        returned by the engine's next ``step()``. ``use_tqdm``: a progress bar on a terminal
-        (tqdm's convention: shown only when stderr is a TTY).
-        """
+        """Run every prompt (a str or a list of token ids) to completion with one
+        ``SamplingParams`` for all or one each; outputs in the order of ``prompts``. All are
+        validated before any is queued. Requests added to ``self.engine`` directly keep running;
+        its next ``step()`` returns their outputs. ``use_tqdm``: a bar when stderr is a TTY."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]

@@ -1,56 +1,27 @@
-"""LLMEngine: the step-level engine (requests in, one step of the engine core per ``step()``).
+"""LLMEngine: the step-level engine (requests in, one step of the engine core per ``step()``), and
+the text boundary it encodes prompts at (:class:`Tokenizer`).
 
-Ownership: :class:`~kvlab.core.engine_core.EngineCore` runs the one step loop (schedule →
-execute → update) over the scheduler of :mod:`kvlab.core`, which owns requests, queues and KV
-blocks, and the :class:`~kvlab.engine.model_runner.ModelRunner`, which owns the tensors and
-samples. This class owns what neither should know: tokenization, sampling parameters, the
-``n`` samples of a request, timestamps, and the :class:`~kvlab.engine.outputs.RequestOutput`
-objects handed back.
-
-**Parallel sampling fans out at admission** (as in vLLM v1): ``n > 1`` enters the scheduler as
-requests ``r``, ``r#1``, …, with seeds ``s + i``, sharing full prompt blocks through the prefix
-cache; nothing forks mid-step (chapter 7 states the cost).
-
-Threading: one thread calls :meth:`step`; other threads may call :meth:`add_request` and
-:meth:`abort_request` at any time (an abort during a step takes effect when the step ends; its
-final output is returned at once). A second concurrent :meth:`step` raises
-:class:`~kvlab.core.engine_core.EngineBusy`.
-
-Every public method validates its input before mutating anything: a bad request raises
-(ValueError / KeyError / TypeError naming the problem) and the engine is unchanged.
+The engine core (:mod:`kvlab.core.engine_core`) runs schedule -> execute -> update over the
+scheduler, which owns requests and KV blocks, and the model runner, which owns tensors and
+sampler states. This class owns what neither should know: tokens of text, sampling parameters,
+the ``n`` samples of a request (requests ``r``, ``r#1``, ... with seeds ``s + i``, fanned out at
+admission as in vLLM v1), timestamps and the outputs handed back. One thread steps; others may
+add and abort requests. A bad request raises (naming the problem) and changes nothing.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-import torch
-
-from kvlab.core.checks import is_int
 from kvlab.core.engine_core import EngineCore
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.scheduler_api import (
-    RuntimeRequest,
-)
-from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.core.request import RuntimeRequest
 
-from .engine_args import (
-    DEFAULT_KV_CACHE_MEMORY_CPU,
-    SEED_MOD,
-    EngineArgs,
-    resolve_device,
-    resolve_dtype,
-    size_kv_cache,
-)
-from .engine_build import (
-    engine_cache_scope,
-    load_engine_checkpoint,
-    make_scheduler,
-    parse_kv_transfer,
-    resolve_max_model_len,
-)
-from .model_runner import StepInfo
+from .checkpoint import tokenizer_hash
+from .engine_args import SEED_MOD, EngineArgs
+from .engine_build import build_parts, engine_cache_scope
 from .outputs import (
     EngineStats,
     OutputProcessor,
@@ -58,93 +29,109 @@ from .outputs import (
     RequestOutput,
     RequestState,
     SampleState,
-    StepTrace,
 )
-from .params import SamplingParams
-from .quantization.setup import EngineQuantization
-from .sampling import SamplerState
-from .spec_decode.setup import Speculator
+from .sampler import SamplerState, SamplingParams
+from .snapshot import StepTrace
 from .structured_outputs.manager import StructuredOutputManager
-from .tokenizer import load_tokenizer
 
-__all__ = ["DEFAULT_KV_CACHE_MEMORY_CPU", "EngineArgs", "EngineStats", "LLMEngine", "Prompt",
-           "StepTrace"]
+__all__ = ["LLMEngine", "Prompt", "Tokenizer", "load_tokenizer"]
 
 Prompt = str | Sequence[int]
 
 _SAMPLE_SEP = "#"  # sample i > 0 of request "r" runs as request "r#i"
 
 
+def _nonblank_path(value: str | Path, name: str) -> Path:
+    """``value`` as a Path; ValueError naming ``name`` for a blank str (``Path("")`` would
+    silently mean the current directory)."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"{name} must name a file or a directory, got {value!r} "
+                         "(pass '.' for the current directory)")
+    return Path(value)
+
+
+class Tokenizer:
+    """Text to token ids and back, over a ``tokenizer.json`` (the ``tokenizers`` library; no
+    network). ``path``: the file or its directory. ``hash`` identifies it in prefix-cache
+    scopes."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        file = _nonblank_path(path, "Tokenizer: path")
+        if file.is_dir():
+            file = file / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {str(path)!r}")
+        try:
+            self._tok = _HFTokenizer.from_file(str(file))
+        except Exception as err:  # tokenizers raises a bare Exception subclass
+            raise ValueError(f"{file}: cannot parse tokenizer ({err})") from None
+        self.hash = tokenizer_hash(file)
+        self.path = file
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included, in the tokenizer's own encoding
+        (byte-level ``Ġthe``, sentencepiece ``▁the``, ``<0x0A>``)."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    @property
+    def special_token_ids(self) -> tuple[int, ...]:
+        """Ids of the added *special* tokens (BOS, EOS, ...): ``decode`` drops them from text."""
+        added = self._tok.get_added_tokens_decoder()
+        return tuple(sorted(i for i, t in added.items() if t.special))
+
+    @property
+    def decoder_config(self) -> dict | None:
+        """The ``decoder`` section of ``tokenizer.json`` (how token strings turn into text)."""
+        return json.loads(self._tok.to_str()).get("decoder")
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
+    """The tokenizer of a model directory, or None when it ships no ``tokenizer.json``."""
+    path = _nonblank_path(model_dir, "load_tokenizer: model_dir") / "tokenizer.json"
+    return Tokenizer(path) if path.is_file() else None
+
+
 class LLMEngine:
     """A real model stepping through paged KV, built from one frozen :class:`EngineArgs`
-    (``LLMEngine(EngineArgs("kvlab-tiny", max_model_len=256))``). See the module docstring."""
+    (``LLMEngine(EngineArgs("kvlab-tiny", max_model_len=256))``)."""
 
     def __init__(self, args: EngineArgs):
-        from .invariant_hook import attach
         if not isinstance(args, EngineArgs):
             raise TypeError(f"LLMEngine takes an EngineArgs, got {type(args).__name__} "
                             "(LLMEngine(EngineArgs(model, ...)); LLM(model, ...) builds one)")
-        self.args = a = args
-        model, block_size, num_blocks = a.model, a.block_size, a.num_blocks
-        max_num_seqs, max_num_batched_tokens = a.max_num_seqs, a.max_num_batched_tokens
-        max_model_len, enable_prefix_caching = a.max_model_len, a.enable_prefix_caching
-        tokenizer, security_domain = a.tokenizer, a.security_domain
-        quant = EngineQuantization.resolve(a.quantization, a.quantization_group_size,
-                                           a.kv_cache_dtype)
-        transfer = parse_kv_transfer(a.kv_transfer_config, enable_prefix_caching, quant)
-        dev = resolve_device(a.device)
-        dtype = resolve_dtype(a.dtype, dev)
-        ckpt = load_engine_checkpoint(model, quant, dev, dtype)
-        self.quantization = quant
-        self.checkpoint = ckpt
-        self.model = ckpt.model
-        self.config = cfg = ckpt.config
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ckpt.path)
-        self.device, self.dtype = dev, dtype
-        self.speculator = Speculator.load(a.speculative_config, cfg, self.tokenizer, dev, dtype)
-        self.max_model_len = max_model_len = resolve_max_model_len(cfg, max_model_len)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        size = size_kv_cache(
-            block_bytes=(quant.kv_bytes_per_token(cfg, itemsize) + Speculator.kv_bytes(
-                self.speculator, itemsize)) * block_size, block_size=block_size,
-            num_blocks=num_blocks, kv_cache_memory=a.kv_cache_memory, max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len, device=dev)
-        self.model.prepare_rope(max_model_len)
-        self.block_size = block_size
-        self.num_blocks = size.num_blocks
-        self.cache = quant.make_kv_cache(cfg, size.num_blocks, block_size, dtype, dev)
-        self.kv = KVCacheManager(size.num_blocks, block_size,
-                                 enable_prefix_caching=enable_prefix_caching)
-        # A step's batch never holds more requests than tokens (each entry takes >= 1), so the
-        # schedulers' rule max_num_seqs <= max_num_batched_tokens loses nothing here.
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=min(max_num_seqs, max_num_batched_tokens),
-            max_num_batched_tokens=max_num_batched_tokens,
-            prefill_chunk=a.max_prefill_chunk or max_num_batched_tokens,
-            num_lookahead_tokens=self.speculator.num_lookahead if self.speculator else 0)
-        self.scheduler = make_scheduler(a.scheduler, self.kv, self.scheduler_config)
-        self.kv_transfer = None
-        if transfer is not None:   # prefill/decode disaggregation (chapter 10)
-            from .kv_transfer import KVPayloadCodec, KVTransfer, engine_model_fields
-            self.kv_transfer = KVTransfer(transfer, KVPayloadCodec(self.cache),
-                                          engine_model_fields(ckpt.weights_hash, cfg, dtype))
-            self.scheduler = self.kv_transfer.wrap(self.scheduler)
-        self.executor = Speculator.make_executor(self.speculator, self.model, self.cache,
-                                                 self.scheduler.get_request, max_model_len)
+        from .invariant_hook import attach
+
+        p = build_parts(args, load_tokenizer)   # engine_build.py, in dependency order
+        self.args, self.quantization, self.checkpoint = args, p.quantization, p.checkpoint
+        self.model, self.config, self.tokenizer = p.checkpoint.model, p.checkpoint.config, \
+            p.tokenizer
+        self.device, self.dtype, self.speculator = p.device, p.dtype, p.speculator
+        self.max_model_len, self.block_size, self.num_blocks = \
+            p.max_model_len, args.block_size, p.num_blocks
+        self.cache, self.kv, self.scheduler_config = p.cache, p.kv, p.scheduler_config
+        self.scheduler, self.kv_transfer, self.executor = p.scheduler, p.kv_transfer, p.executor
+        self.eos_token_ids = p.eos_token_ids
         self.core = EngineCore(self.scheduler, self.executor)
-        self.invariant_hook = attach(self, a.check_invariants)   # None unless "every_step"
-        self.enable_prefix_caching = enable_prefix_caching
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.seed = a.seed
-        self.security_domain = security_domain
-        self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + ckpt.generation_eos))
+        self.invariant_hook = attach(self, args.check_invariants)   # None unless "every_step"
         self._arrivals = 0
         self._scopes: dict[str, tuple] = {}   # security domain -> prefix-cache scope
         self._ending: dict[str, tuple[str, ...]] = {}   # aborted request id -> its sample ids
         self.last_trace: StepTrace | None = None
         self.stats = EngineStats()
-        self.structured_outputs = StructuredOutputManager(self.tokenizer, cfg.vocab_size,
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.vocab_size,
                                                           self.eos_token_ids)
         self.outputs = OutputProcessor(
             self.scheduler.get_request,
@@ -154,9 +141,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ scope and prompts
     def cache_scope(self, security_domain: str | None = None) -> tuple:
-        """The prefix-cache scope of this engine's requests (spec rule 4), as a hashable key.
-        Computed once per security domain (everything else in it is fixed at construction)."""
-        domain = security_domain or self.security_domain
+        """The prefix-cache scope (spec rule 4) of this engine's requests, as a hashable key,
+        computed once per security domain."""
+        domain = security_domain or self.args.security_domain
         scope = self._scopes.get(domain)
         if scope is None:
             if len(self._scopes) >= 64:   # many tenants: keep the memory bounded
@@ -174,7 +161,7 @@ class LLMEngine:
             ids = tuple(self.tokenizer.encode(prompt))
             text: str | None = prompt
         elif isinstance(prompt, (list, tuple)):
-            if not all(is_int(t) for t in prompt):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 raise TypeError("prompt token ids must be ints")
             ids = tuple(prompt)
             text = None
@@ -190,12 +177,9 @@ class LLMEngine:
         return text, ids
 
     # ------------------------------------------------------------------ requests
-    def _seq_id(self, request_id: str, i: int) -> str:
-        return request_id if i == 0 else f"{request_id}{_SAMPLE_SEP}{i}"
-
     def _runtime_request(self, state: RequestState, sample: SampleState, scope: tuple,
                          seed: int) -> tuple[RuntimeRequest, SamplerState]:
-        """The scheduler's request for ``sample`` and the executor's sampler state for it."""
+        """The scheduler's request for ``sample`` and the runner's sampler state for it."""
         p = state.params
         stops = set(p.stop_token_ids)
         if not p.ignore_eos:
@@ -205,26 +189,18 @@ class LLMEngine:
             stops.update(self.structured_outputs.stop_token_ids_for(p))  # ends at EOS
             sampler.grammar = self.structured_outputs.new_state(p)  # one per sample (n > 1)
         return RuntimeRequest(
-            request_id=sample.seq_id,
-            prompt_token_ids=state.prompt_token_ids,
-            max_tokens=p.max_tokens,
-            scope=scope,
-            stop_token_ids=frozenset(stops),
+            request_id=sample.seq_id, prompt_token_ids=state.prompt_token_ids,
+            max_tokens=p.max_tokens, scope=scope, stop_token_ids=frozenset(stops),
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-            ignore_eos=p.ignore_eos,
-            arrival_time=state.metrics.arrival_time,
+            ignore_eos=p.ignore_eos, arrival_time=state.metrics.arrival_time,
             max_model_len=self.max_model_len,
         ), sampler
 
     def validate_request(self, prompt: Prompt, params: SamplingParams | None = None,
                          request_id: str | None = None
                          ) -> tuple[str | None, tuple[int, ...], SamplingParams]:
-        """Every check :meth:`add_request` makes, without queueing anything.
-
-        Returns ``(prompt text or None, token ids, params)``; raises ValueError / TypeError
-        naming the problem (empty or too long prompt, ids outside the vocabulary, bad params,
-        a request that can never fit the KV cache, a bad or duplicate ``request_id``).
-        """
+        """Every check :meth:`add_request` makes, queueing nothing: ``(prompt text or None, token
+        ids, params)``, or ValueError / TypeError naming the problem."""
         if request_id is not None:
             if not isinstance(request_id, str) or not request_id:
                 raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -243,8 +219,8 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the context: "
                              f"max_model_len={self.max_model_len} leaves no room to generate")
-        if params.n > self.max_num_seqs:
-            raise ValueError(f"n={params.n} samples exceed max_num_seqs={self.max_num_seqs}")
+        if params.n > self.args.max_num_seqs:
+            raise ValueError(f"n={params.n} samples exceed max_num_seqs={self.args.max_num_seqs}")
         longest = min(len(ids) + params.max_tokens, self.max_model_len) - 1  # last token: no KV
         if -(-longest // self.block_size) > self.num_blocks:
             raise ValueError(
@@ -254,9 +230,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     *, security_domain: str | None = None) -> None:
-        """Queue a request (its ``n`` samples). ValueError/TypeError (engine unchanged) on bad
-        input, see :meth:`validate_request`. ``security_domain`` overrides the engine's
-        default tenant. Safe to call from another thread while one thread steps."""
+        """Queue a request (its ``n`` samples); ``security_domain`` overrides the engine's
+        tenant. Bad input raises (see :meth:`validate_request`) and leaves the engine as it was."""
         text, ids, params = self.validate_request(prompt, params, request_id)
         if security_domain is not None and (not isinstance(security_domain, str)
                                             or not security_domain):
@@ -270,11 +245,12 @@ class LLMEngine:
                                  "is still ending in the scheduler; reuse the id after this step")
             seed = params.seed
             if seed is None:  # reproducible per engine: engine seed and arrival order
-                seed = (self.seed * 1_000_003 + self._arrivals) % (2**63)
+                seed = (self.args.seed * 1_000_003 + self._arrivals) % (2**63)
             state = RequestState(request_id, text, ids, params, RequestMetrics(self.clock()))
-            state.samples = [SampleState(self._seq_id(request_id, i), i,
-                                         [] if params.logprobs is not None else None)
-                             for i in range(params.n)]
+            state.samples = [
+                SampleState(request_id if i == 0 else f"{request_id}{_SAMPLE_SEP}{i}", i,
+                            [] if params.logprobs is not None else None)
+                for i in range(params.n)]
             requests = [self._runtime_request(state, s, scope, seed) for s in state.samples]
             for request, sampler in requests:   # validated above: these cannot raise
                 self.executor.add_request(request.request_id, sampler)
@@ -284,9 +260,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Cancel a request (all its samples) and free its KV (at the end of the step in flight,
-        if any). KeyError for an unknown id. Returns its final output (``finish_reason="abort"``
-        on unfinished samples); the next :meth:`step` returns it as well, so a loop that steps
-        until its requests finish (:meth:`LLM.generate`) sees an abort from another thread."""
+        if any); KeyError for an unknown id. Returns its final output (unfinished samples end
+        with ``"abort"``), which the next :meth:`step` returns as well."""
         with self.core.lock:
             state = self.outputs.requests.get(request_id)
             if state is None:
@@ -326,16 +301,15 @@ class LLMEngine:
         return len(self.outputs.requests)
 
     def defer_outputs(self, outputs: Sequence[RequestOutput]) -> None:
-        """Hand ``outputs`` back: the next :meth:`step` returns them (the latest per request)
-        besides its own. :meth:`LLM.generate` uses it for requests it did not add."""
+        """The next :meth:`step` returns ``outputs`` (the latest per request) besides its own."""
         with self.core.lock:
             for out in outputs:
                 self.outputs.defer(out)
 
     # ------------------------------------------------------------------ the step
     def step(self, *, only_finished: bool = False) -> list[RequestOutput]:
-        """Run one step of the engine core. Returns the outputs of every request that got a
-        token, finished, or was rejected (``only_finished``: of those that finished)."""
+        """One step of the engine core: the outputs of every request that got a token, finished
+        or was rejected (``only_finished``: of those that finished)."""
         t0 = time.perf_counter()
         result = self.core.step()
         with self.core.lock:
@@ -343,48 +317,22 @@ class LLMEngine:
             outputs = self.outputs.process(result, self.clock(), self.stats, only_finished)
             for request_id in list(self._ending):
                 self._samples_ending(request_id)     # forgets the aborts that have ended
-            info: StepInfo = result.model.info
+            info = result.model.info
             self.last_trace = StepTrace(result.output, info.metadata, info.request_ids,
                                         info.logits_shape, dict(result.model.sampled),
                                         [r.request_id for r in result.ended])
         self.stats.add_step(result, time.perf_counter() - t0)
         return outputs
 
-    # ------------------------------------------------------------------ inspection
+    # ------------------------------------------------------------------ inspection (labs)
     def check_invariants(self) -> None:
-        """The scheduler's and KV manager's invariants, plus engine bookkeeping agreement."""
-        with self.core.lock:
-            self.scheduler.check_invariants()
-            self.kv.check_invariants()
-            for rid, (state, sample) in self.outputs.samples.items():
-                assert self.outputs.requests.get(state.request_id) is state, f"orphan {rid}"
-                assert sample.ended is not None or self.scheduler.find_request(rid) is not None, \
-                    f"the scheduler lost {rid}"
-            batch = self.executor.input_batch
-            rows = batch.row_ids()
-            for rid in self.kv.requests():   # the runner's tables, kept from deltas alone
-                if rid in rows:
-                    table = self.kv.block_table(rid)   # (a rollback is sent with the next step)
-                    assert batch.table(rid)[:len(table)] == table, f"runner's table of {rid}"
-            samplers = self.executor.samplers
-            for rid in samplers:
-                assert self.scheduler.find_request(rid) is not None, \
-                    f"the executor keeps the sampler of forgotten request {rid}"
-            self.structured_outputs.check_states(
-                (r.request_id, samplers.get(r.request_id), r.output_token_ids)
-                for r in self.scheduler.requests() if not r.status.is_terminal)
-            for state in self.outputs.requests.values():
-                assert state.samples, f"request {state.request_id} has no sample"
+        """The scheduler's, KV manager's and this engine's bookkeeping invariants."""
+        from .invariant_hook import check_engine
 
-    def quantization_report(self):
-        """Spec rule 7's five facts, weight and KV bytes (:mod:`kvlab.engine.quantization`)."""
-        from .quantization.report import build_report
-        with self.core.lock:
-            return build_report(self.quantization, self.model, self.cache, self.block_size,
-                                self.stats.forward_passes)
+        check_engine(self)
 
     def snapshot(self):
-        """Plain-data view of the engine (see :mod:`kvlab.engine.snapshot`)."""
+        """Plain-data view of the engine (:mod:`kvlab.engine.snapshot`)."""
         from .snapshot import take_snapshot
 
         with self.core.lock:

@@ -1,18 +1,10 @@
-"""A Llama-family decoder that reads and writes a paged KV cache.
-
-RMSNorm, rotary embeddings (default / linear / dynamic NTK / llama3), grouped-query attention,
-SwiGLU MLP, optional tied embeddings and optional QKV bias (Qwen2). Plain torch, device-agnostic:
-the same code runs on CPU (float32) and CUDA. The Q/K/V projections are fused into one matrix
-and gate/up into another, so a layer costs four matmuls over the flat batch.
-
-``forward(meta, kv)`` runs one step's flat batch (see :mod:`kvlab.engine.attention`) and returns
-the final hidden states of the rows whose logits are wanted; :meth:`LlamaModel.logits` projects
-them to the vocabulary.
+"""A Llama-family decoder over a paged KV cache: RMSNorm, RoPE (default / linear / dynamic NTK /
+llama3), grouped-query attention, SwiGLU, optional tied embeddings and QKV bias (Qwen2). Q/K/V
+and gate/up are fused, so a layer is four matmuls over the step's flat batch, on CPU or CUDA.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -20,35 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, paged_attention, write_kv
-from .config import ModelConfig, RopeConfig
+from .config import ModelConfig
 
-__all__ = ["LlamaModel", "apply_rope", "rms_norm", "rope_inv_freq"]
-
-
-def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` (float32) for the configured RoPE scaling.
-
-    ``linear`` is applied to positions (see :meth:`LlamaModel.rope_cos_sin`), not here.
-    """
-    base = rope.theta
-    if rope.rope_type == "dynamic":
-        # NTK-aware base, fixed at the scaled context length (cached K stays valid).
-        scaled_len = rope.factor * max_position_embeddings
-        ratio = rope.factor * scaled_len / max_position_embeddings - (rope.factor - 1)
-        base = base * ratio ** (head_dim / (head_dim - 2))
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if rope.rope_type == "llama3":
-        old = rope.original_max_position_embeddings
-        low_wavelen = old / rope.low_freq_factor
-        high_wavelen = old / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
-        smooth = (old / wavelen - rope.low_freq_factor) / (
-            rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv = torch.where(medium, smoothed, scaled)
-    return inv
+__all__ = ["LlamaModel", "apply_rope", "rms_norm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -119,7 +85,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer(
-            "inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings),
+            "inv_freq", cfg.rope.inv_freq(cfg.head_dim, cfg.max_position_embeddings),
             persistent=False)
 
     @property
@@ -172,16 +138,3 @@ class LlamaModel(nn.Module):
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight)
         return logits if logits.dtype == torch.float32 else logits.float()
-
-    def flops_per_token(self, context_len: int, *, with_lm_head: bool = True) -> float:
-        """Forward FLOPs of one token attending to ``context_len`` positions: 2 per weight of
-        every matmul (the embedding lookup is free) plus ``4 * layers * heads * head_dim *
-        context_len`` for QK^T and PV. Norms, RoPE and activations are ignored."""
-        cfg = self.cfg
-        head = cfg.vocab_size * cfg.hidden_size
-        matmul = cfg.num_params - cfg.hidden_size * (2 * cfg.num_layers + 1)
-        matmul -= 0 if cfg.tie_word_embeddings else head   # the embedding table
-        if not with_lm_head:
-            matmul -= head
-        attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context_len
-        return float(2 * matmul + attn)

@@ -1,23 +1,11 @@
-"""ModelRunner: runs a scheduler's decisions on the real model and the real KV tensors.
+"""ModelRunner: the real engine's executor, the one place where scheduler decisions touch tensors.
 
-It is the :class:`~kvlab.core.engine_core.Executor` of the real engine, and the only place where
-:mod:`kvlab.core` decisions touch tensors. Per step it
-
-1. performs the copy-on-write ``copies`` on the cache (before any write of this step),
-2. lays the chunks out as one flat batch (:func:`~kvlab.engine.attention.build_metadata`:
-   positions and slot mappings from the chunks' block tables; a persistent
-   :class:`InputBatch` keeps the tables across steps and writes only what changed, as vLLM
-   v1's model runner does),
-3. runs the forward pass (which writes the new K/V through the slot mapping), and
-4. samples one token from the logits of the last token of every chunk with ``sample=True``,
-   with that request's :class:`~kvlab.engine.sampling.SamplerState`; rows with a grammar
-   (structured outputs) are masked first and their grammar advanced by the token
-   (:func:`~kvlab.engine.structured_outputs.bitmask.sample_with_grammars`).
-
-The executor owns each running request's sampler state (parameters, RNG, grammar): the engine
-hands it over once with :meth:`~ModelRunner.add_request` and ends it with
-:meth:`~ModelRunner.remove_requests`; the executor never looks into the scheduler. It never
-changes requests, queues or KV ownership; the scheduler does.
+Per step: copy-on-write copies (before any write), the chunks' table deltas into the persistent
+:class:`InputBatch`, the step's metadata from its rows, one forward pass (which writes the new
+K/V), and one token per sampling chunk with that request's sampler state (grammar rows masked
+first). The runner owns each running request's sampler state, from :meth:`ModelRunner.add_request`
+to :meth:`ModelRunner.remove_requests`; it never looks into the scheduler, nor changes requests,
+queues or KV ownership.
 """
 
 from __future__ import annotations
@@ -28,35 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.core.engine_core import ModelOutput
-from kvlab.core.scheduler_api import ScheduledChunk, SchedulerOutput
+from kvlab.core.engine_core import ModelOutput, ScheduledChunk, SchedulerOutput
 
-from . import cpu_kernels
-from .attention import (
-    AttentionMetadata,
-    ChunkSpec,
-    DecodeBucket,
-    Workspace,
-    build_metadata,
-    split_buckets,
-)
+from .attention import AttentionMetadata, ChunkSpec, Workspace, build_metadata, decode_rows
 from .kv_cache import PagedKVCache
 from .model import LlamaModel
-from .sampling import SamplerState, sample
+from .sampler import SamplerState, sample
 from .structured_outputs.bitmask import sample_with_grammars
 
-__all__ = ["ExecutorOutput", "InputBatch", "ModelRunner", "StepInfo"]
-
-
-@dataclass
-class ExecutorOutput:
-    """Logits ``[S, V]`` (float32) for ``request_ids[i]``; the step's metadata; timings (s)."""
-
-    request_ids: list[str]
-    logits: torch.Tensor
-    metadata: AttentionMetadata | None
-    prepare_s: float = 0.0   # building index tensors (slot mapping, tables, masks)
-    forward_s: float = 0.0   # copies + model forward + logits (device-synchronised)
+__all__ = ["InputBatch", "ModelRunner", "StepInfo"]
 
 
 @dataclass
@@ -76,11 +44,8 @@ class StepInfo:
 
 
 class ModelRunner:
-    """Execute steps of ``model`` over ``cache`` (both on the same device).
-
-    ``samplers`` holds the sampler state of every request the engine added and has not
-    removed; a chunk that samples must belong to one of them.
-    """
+    """Execute steps of ``model`` over ``cache`` (one device). ``samplers``: the state of every
+    request added and not removed; a chunk that samples belongs to one of them."""
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache):
         cfg = model.cfg
@@ -91,11 +56,10 @@ class ModelRunner:
         self.cache = cache
         self.device = model.device
         self.block_size = cache.block_size
+        # the workspace takes the compiled attention kernel now (built once), not per step
         self.workspace = Workspace(self.device, getattr(cache, "compute_dtype", cache.data.dtype))
         self.input_batch = InputBatch(self.block_size, self.device)
         self.samplers: dict[str, SamplerState] = {}
-        if self.device.type == "cpu":
-            cpu_kernels.available()   # build the attention kernel now, not in the first step
 
     def add_request(self, request_id: str, sampler: SamplerState) -> None:
         """Take over ``request_id``'s sampler state (once, when the engine adds it)."""
@@ -109,56 +73,46 @@ class ModelRunner:
             self.samplers.pop(rid, None)
         self.input_batch.remove(request_ids)
 
+    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
-        """Run ``output`` (copies, forward, sampling); see the module docstring."""
-        self.input_batch.remove(output.preempted)   # their tables are resent whole on resume
-        res = self.forward(output.chunks, output.copies)
+        """Run ``output``: copies, forward, sampling. ValueError (cache untouched) when a
+        chunk's table does not cover it."""
         t0 = time.perf_counter()
-        states = [self.samplers[rid] for rid in res.request_ids]
+        chunks = output.chunks
+        self.input_batch.remove(output.preempted)   # their tables are resent whole on resume
+        self.input_batch.apply(chunks)
+        meta = self.input_batch.build(chunks, self.workspace) if chunks else None
+        sampling = [i for i, c in enumerate(chunks) if c.sample]
+        ids = [chunks[i].request_id for i in sampling]
+        t1 = time.perf_counter()
+        if output.copies:   # copy-on-write targets of this step, before any write
+            self.cache.copy_blocks(output.copies)
+        logits = torch.empty(0, self.model.cfg.vocab_size)
+        if meta is not None:
+            rows = torch.tensor([meta.last_row[i] for i in sampling], dtype=torch.long,
+                                device=self.device)
+            logits = self.model.logits(self.model(meta, self.cache.layers, rows=rows))
+        self._sync()
+        t2 = time.perf_counter()
+        states = [self.samplers[rid] for rid in ids]
         if not states:
             picked = None
         elif any(s.grammar is not None for s in states):   # structured outputs in the batch
-            picked = sample_with_grammars(res.logits, states, sample)
+            picked = sample_with_grammars(logits, states, sample)
         else:
-            picked = sample(res.logits, states)
-        sample_s = time.perf_counter() - t0
-        ids = res.request_ids
+            picked = sample(logits, states)
+        t3 = time.perf_counter()
         info = StepInfo(
-            res.metadata, ids, tuple(res.logits.shape),
+            meta, ids, tuple(logits.shape),
             dict(zip(ids, picked.logprobs, strict=True)) if picked else {},
             dict(zip(ids, picked.top_logprobs, strict=True)) if picked else {},
-            res.prepare_s, res.forward_s, sample_s)
+            t1 - t0, t2 - t1, t3 - t2)
         sampled = dict(zip(ids, picked.token_ids, strict=True)) if picked else {}
-        return ModelOutput(sampled, res.prepare_s + res.forward_s + sample_s, info)
+        return ModelOutput(sampled, t3 - t0, info)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    @torch.inference_mode()
-    def forward(self, chunks: Sequence[ScheduledChunk],
-                copies: Sequence[tuple[int, int]] = ()) -> ExecutorOutput:
-        """Copies, then the forward pass over ``chunks``; the logits of the sampling rows.
-        ValueError (cache untouched) when a chunk's table does not cover it."""
-        t0 = time.perf_counter()
-        self.input_batch.apply(chunks)
-        meta = self.input_batch.build(chunks, self.workspace) if chunks else None
-        sample_idx = [i for i, c in enumerate(chunks) if c.sample]
-        t1 = time.perf_counter()
-        if copies:   # copy-on-write targets of this step, before any write
-            self.cache.copy_blocks(copies)
-        if meta is None:
-            self._sync()
-            return ExecutorOutput([], torch.empty(0, self.model.cfg.vocab_size), None,
-                                  t1 - t0, time.perf_counter() - t1)
-        rows = torch.tensor([meta.last_row[i] for i in sample_idx], dtype=torch.long,
-                            device=self.device)
-        hidden = self.model(meta, self.cache.layers, rows=rows)
-        logits = self.model.logits(hidden)
-        self._sync()
-        t2 = time.perf_counter()
-        return ExecutorOutput([chunks[i].request_id for i in sample_idx], logits, meta,
-                              t1 - t0, t2 - t1)
 
 
 class InputBatch:
@@ -250,22 +204,10 @@ class InputBatch:
         multis = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
         rows = torch.tensor([self._row_of[chunks[i].request_id] for i in singles],
                             dtype=torch.long)
-        pos_list = [chunks[i].start_pos for i in singles]
-        pos = torch.tensor(pos_list, dtype=torch.long)
-        need = [p // bs + 1 for p in pos_list]
-        width = need[-1]
-        tab = self.tables.index_select(0, rows)[:, :width].contiguous()   # [S, width]
-        slots = tab.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
-        span = torch.arange(width * bs)
+        pos = torch.tensor([chunks[i].start_pos for i in singles], dtype=torch.long)
+        tab = self.tables.index_select(0, rows)[:, :int(pos[-1]) // bs + 1].contiguous()
         dtype = workspace.dtype if workspace is not None else torch.float32
-        mask_all = torch.zeros(len(singles), width * bs, dtype=dtype).masked_fill_(
-            span[None, :] > pos[:, None], float("-inf")).to(self.device)
-        buckets = []
-        for lo, hi in split_buckets(need):
-            nb = need[hi - 1]
-            index = tab[lo:hi, :nb].reshape(-1).to(self.device)
-            buckets.append(DecodeBucket(lo, hi - lo, nb, index,
-                                        mask_all[lo:hi, None, :nb * bs]))
+        slots, buckets, tables, lens = decode_rows(tab, pos, bs, self.device, dtype)
         ids = [chunks[i].token_ids[0] for i in singles]
         last_row = [0] * len(chunks)
         for row, i in enumerate(singles):
@@ -289,7 +231,7 @@ class InputBatch:
             num_single=len(singles), buckets=buckets, prefills=prefills, last_row=last_row,
             block_size=bs, workspace=workspace,
             max_position=max(c.start_pos + len(c.token_ids) for c in chunks) - 1,
-            decode_tables=tab.to(self.device), decode_lens=(pos + 1).to(self.device))
+            decode_tables=tables, decode_lens=lens)
 
     def spec(self, chunk: ScheduledChunk, extra: tuple[int, ...] = ()) -> ChunkSpec:
         """``chunk`` (plus ``extra`` tokens, a speculative step's drafts) with its full table."""

@@ -1,40 +1,29 @@
-"""What the engine returns, and how it is built: the output side of the engine.
-
-:class:`RequestOutput` holds one :class:`CompletionOutput` per sample. :class:`OutputProcessor`
-keeps one :class:`RequestState` per client request (its ``n`` samples, metrics, logprobs) and
-folds each :class:`~kvlab.core.engine_core.StepResult` into them: first-scheduled and
-first-token times, prompt and prefix-cache counters, the samples that ended. A request's output
-is cumulative (all tokens so far), so handing back only the latest one per request loses
-nothing. Callers hold the engine core's lock around every processor method.
+"""What the engine returns (:class:`RequestOutput`, one :class:`CompletionOutput` per sample) and
+the :class:`OutputProcessor` that folds each engine-core step into per-request state. An output
+is cumulative (all tokens so far), so only the latest one per request is handed back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+from kvlab.core.request import FinishReason, RequestStatus, RuntimeRequest
 
-from .params import SamplingParams
+from .sampler import SamplingParams
 
 if TYPE_CHECKING:
     from kvlab.core.engine_core import StepResult
-    from kvlab.core.scheduler_api import SchedulerOutput
 
 __all__ = ["CompletionOutput", "EngineStats", "OutputProcessor", "RequestMetrics", "RequestOutput",
-           "RequestState", "SampleState", "StepTrace"]
+           "RequestState", "SampleState"]
 
 
 @dataclass
 class CompletionOutput:
-    """One sample of a request.
-
-    ``logprobs``: None unless requested; else one dict ``token id -> log-probability`` per
-    generated token (raw model log-softmax, see :class:`~kvlab.engine.params.SamplingParams`).
-    ``cumulative_logprob``: sum of the raw log-probabilities of the generated tokens.
-    ``text`` is decoded on first access (step outputs of long runs stay cheap).
-    """
+    """One sample: its tokens, finish reason, per-token ``logprobs`` dicts (None unless asked)
+    and the sum of their raw log-probabilities; ``text`` is decoded on first access."""
 
     index: int
     token_ids: list[int]
@@ -58,7 +47,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Per-request timestamps (seconds on the engine's monotonic clock; None until reached)."""
+    """Per-request timestamps (seconds, the engine's monotonic clock; None until reached)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -99,25 +88,6 @@ class RequestOutput:
                          for o in self.outputs)
         return (f"RequestOutput({self.request_id!r}, prompt={len(self.prompt_token_ids)} tok, "
                 f"cached={self.num_cached_tokens}, finished={self.finished}, [{outs}])")
-
-
-@dataclass
-class StepTrace:
-    """What the last :meth:`LLMEngine.step` did, for teaching and debugging (references only).
-
-    ``scheduler_output``: the scheduler's decisions (chunks, copies, admissions, preemptions);
-    ``metadata``: the executor's flat-batch layout (``input_ids``, ``positions``,
-    ``slot_mapping``, decode buckets, prefill chunks); ``sampled_from``: request ids whose
-    logits rows were sampled, in row order; ``logits_shape``: ``(rows, vocab)``;
-    ``sampled``: token per sequence; ``finished``: sequence ids that ended in this step.
-    """
-
-    scheduler_output: SchedulerOutput
-    metadata: Any
-    sampled_from: list[str]
-    logits_shape: tuple[int, ...]
-    sampled: dict[str, int]
-    finished: list[str]
 
 
 @dataclass

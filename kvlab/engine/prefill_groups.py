@@ -49,7 +49,7 @@ class PrefillGroup:
 @dataclass(frozen=True)
 class KernelRows:
     """Short chunks with a cached prefix (speculative verification) as rows of the CPU decode
-    kernel (:mod:`kvlab.engine.cpu_kernels`): query token ``i`` of a chunk at ``start_pos``
+    kernel (:mod:`kvlab.kernels.cpu`): query token ``i`` of a chunk at ``start_pos``
     attends ``start_pos + i + 1`` positions through its chunk's block table.
 
     ``rows``: ``[R]`` flat rows; ``tables``: ``[R, W]`` block ids (padded with 0); ``lens``:

@@ -7,9 +7,33 @@ take a snapshot without importing torch or reaching into the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["BatchEntry", "EngineSnapshot", "RequestView", "take_snapshot"]
+if TYPE_CHECKING:
+    from kvlab.core.engine_core import SchedulerOutput
+
+__all__ = ["BatchEntry", "EngineSnapshot", "RequestView", "StepTrace", "take_snapshot"]
+
+
+@dataclass
+class StepTrace:
+    """What the last :meth:`LLMEngine.step` did (``engine.last_trace``), for snapshots, teaching
+    and debugging (references only).
+
+    ``scheduler_output``: the scheduler's decisions (chunks, copies, admissions, preemptions);
+    ``metadata``: the executor's flat-batch layout (``input_ids``, ``positions``,
+    ``slot_mapping``, decode buckets, prefill chunks); ``sampled_from``: request ids whose
+    logits rows were sampled, in row order; ``logits_shape``: ``(rows, vocab)``;
+    ``sampled``: token per sequence; ``finished``: sequence ids that ended in this step.
+    """
+
+    scheduler_output: SchedulerOutput
+    metadata: Any
+    sampled_from: list[str]
+    logits_shape: tuple[int, ...]
+    sampled: dict[str, int]
+    finished: list[str]
+
 
 
 @dataclass(frozen=True)

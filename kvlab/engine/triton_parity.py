@@ -1,9 +1,9 @@
 """Triton kernels vs the torch path on random paged caches (used by tests and gpu_check).
 
 :func:`compare` builds a paged cache with shuffled block tables and ragged context lengths,
-stores K/V with both :func:`~kvlab.engine.triton_kernels.store_kv` and the torch
+stores K/V with both :func:`~kvlab.kernels.triton.store_kv` and the torch
 ``index_copy_`` path, and attends the decode rows with both
-:func:`~kvlab.engine.triton_kernels.decode_attention` and the torch decode path, on the metadata
+:func:`~kvlab.kernels.triton.decode_attention` and the torch decode path, on the metadata
 of :func:`~kvlab.engine.attention.build_metadata`. Run ``python -m kvlab.engine.triton_parity``
 (with ``TRITON_INTERPRET=1`` on a CPU) to print the cases as JSON.
 """
@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import triton_kernels
+from kvlab.kernels import triton as triton_kernels
+
 from .attention import ChunkSpec, Workspace, build_metadata
 from .bucket_attention import attend_bucket
 

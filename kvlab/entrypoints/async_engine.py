@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from kvlab.engine.llm_engine import LLMEngine, Prompt
 from kvlab.engine.outputs import RequestOutput
-from kvlab.engine.params import SamplingParams
+from kvlab.engine.sampler import SamplingParams
 
 from .server_metrics import ServerMetrics
 

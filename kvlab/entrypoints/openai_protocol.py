@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab.engine.detokenizer import check_stop
-from kvlab.engine.params import SamplingParams
+from kvlab.engine.sampler import SamplingParams
 
 __all__ = ["APIError", "ParsedRequest", "chat_prompt", "error_body", "parse_request"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab.engine.detokenizer import TextStream
-from kvlab.engine.params import SamplingParams
+from kvlab.engine.sampler import SamplingParams
 from kvlab.engine.structured_outputs.grammar import GrammarError
 
 from .async_engine import AsyncEngine, RequestStream, StreamDelta

@@ -52,8 +52,7 @@ def check_top_p(fn) -> str:
         raise AssertionError("pass a function (probs, top_p) -> set of kept token ids")
     import torch
 
-    from kvlab.engine.params import SamplingParams
-    from kvlab.engine.sampling import _filter
+    from kvlab.engine.sampler import SamplingParams, filter_logits
 
     rng = random.Random(11)
     for trial in range(100):
@@ -62,7 +61,7 @@ def check_top_p(fn) -> str:
         probs = [x / sum(raw) for x in raw]
         top_p = rng.choice([0.3, 0.5, 0.8, 0.9, 0.95])
         logits = torch.tensor(probs, dtype=torch.float64).log()[None, :]
-        kept = _filter(logits, [SamplingParams(temperature=1.0, top_p=top_p)])[0]
+        kept = filter_logits(logits, [SamplingParams(temperature=1.0, top_p=top_p)])[0]
         want = {i for i in range(v) if kept[i] > float("-inf")}
         got = set(fn(list(probs), top_p))
         if got != want:

@@ -23,7 +23,7 @@ from kvlab.core.transfer_faults import FAULT_KINDS, Fault, FaultInjector, FaultS
 
 from ..checkpoint import load_checkpoint
 from ..llm import LLM
-from ..params import SamplingParams
+from ..sampler import SamplingParams
 from .connectors import InProcessChannel
 
 __all__ = ["DEMO_FAULTS", "FaultRun", "PDDemo", "run_two_processes"]

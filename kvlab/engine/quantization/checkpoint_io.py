@@ -32,7 +32,7 @@ from torch import nn
 
 from ..checkpoint import CheckpointError, LoadedCheckpoint
 from ..config import ConfigError, ModelConfig, parse_token_ids
-from ..model import LlamaModel, rope_inv_freq
+from ..model import LlamaModel
 from .formats import PackedWeight, QuantConfig
 from .linear import KernelLog, QuantizedLinear
 
@@ -156,7 +156,7 @@ def load_quantized(path: Path, *, dtype: torch.dtype, device: torch.device,
         bias = tensors.get(f"{name}.bias")
         net.set_submodule(name, QuantizedLinear(packed, None if bias is None else bias.to(dtype),
                                                 log))
-    net.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+    net.inv_freq = cfg.rope.inv_freq(cfg.head_dim, cfg.max_position_embeddings)
     net = net.to(device).eval()
     h = hashlib.sha256()
     for f in (path / "config.json", file):

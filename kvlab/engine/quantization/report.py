@@ -124,3 +124,10 @@ def build_report(quant: EngineQuantization, model: torch.nn.Module, cache,
 def _bits(dtype: str) -> str:
     sizes = {"float32": "32", "float16": "16", "bfloat16": "16", "float64": "64"}
     return sizes.get(dtype, dtype)
+
+
+def engine_report(engine) -> QuantizationReport:
+    """The report of an :class:`~kvlab.engine.llm_engine.LLMEngine` now (taken under its lock)."""
+    with engine.core.lock:
+        return build_report(engine.quantization, engine.model, engine.cache, engine.block_size,
+                            engine.stats.forward_passes)

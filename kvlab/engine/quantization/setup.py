@@ -24,7 +24,6 @@ from kvlab.core.kv_dtype import KVDtypeSpec, kv_bytes_per_token, kv_dtype_spec
 from ..checkpoint import LoadedCheckpoint, load_checkpoint, resolve_model_path
 from ..config import ModelConfig
 from ..kv_cache import PagedKVCache
-from ..model import rope_inv_freq
 from .checkpoint_io import load_quantized, quantization_config_of, quantized_linear_names
 from .formats import QuantConfig
 from .kv_cache import QuantizedPagedKVCache
@@ -126,8 +125,9 @@ class EngineQuantization:
         self.source = "quantized at load"
         if self._cast_to is not None and model.dtype != self._cast_to:
             model.to(self._cast_to)   # QuantizedLinear keeps its int payload and fp16 scales
-            model.inv_freq = rope_inv_freq(ckpt.config.rope, ckpt.config.head_dim,
-                                           ckpt.config.max_position_embeddings).to(model.device)
+            mc = ckpt.config
+            model.inv_freq = mc.rope.inv_freq(mc.head_dim,
+                                              mc.max_position_embeddings).to(model.device)
 
     # ------------------------------------------------------------------ KV cache
     def kv_bytes_per_token(self, cfg: ModelConfig, itemsize: int) -> int:

@@ -39,7 +39,7 @@ def run_acceptance(method: str = "draft_model", k: int = 4, temperature: float =
     (a dict, initially empty) replaces the module's cache: runs there leave the shared engines
     untouched (the widget's kernel-free twin precomputes its frames that way)."""
     from kvlab.engine.llm import LLM
-    from kvlab.engine.params import SamplingParams
+    from kvlab.engine.sampler import SamplingParams
 
     cache = _ENGINES if engines is None else engines
     key = (method, k)

@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.core.engine_core import ModelOutput
-from kvlab.core.scheduler_api import RuntimeRequest, SchedulerOutput
+from kvlab.core.engine_core import ModelOutput, SchedulerOutput
+from kvlab.core.request import RuntimeRequest
 from kvlab.core.spec_plan import stop_cut
 
 from ..attention import ChunkSpec, build_metadata
 from ..kv_cache import PagedKVCache
 from ..model import LlamaModel
 from ..model_runner import ModelRunner, StepInfo
-from ..sampling import SamplerState
+from ..sampler import SamplerState
 from .grammar import GrammarCursor
 from .metrics import SpecDecodeMetrics
 from .proposers import DraftModelProposer, NgramProposer, Proposal, RowContext

@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvlab.core.scheduler_api import RuntimeRequest
+from kvlab.core.request import RuntimeRequest
 
-from ..checkpoint import LoadedCheckpoint, load_checkpoint
+from ..checkpoint import LoadedCheckpoint, load_checkpoint, tokenizer_hash
 from ..config import ModelConfig
 from ..kv_cache import PagedKVCache
 from ..model import LlamaModel
 from ..model_runner import ModelRunner
-from ..tokenizer import Tokenizer, load_tokenizer
 from .config import SpeculativeConfig
 from .executor import SpecExecutor
 from .metrics import SpecDecodeMetrics
 from .proposers import DraftModelProposer, NgramProposer
+
+if TYPE_CHECKING:
+    from ..llm_engine import Tokenizer
 
 __all__ = ["Speculator"]
 
@@ -46,10 +50,10 @@ class Speculator:
                 raise ValueError(f"speculative_config: draft model {config.model!r} has "
                                  f"{draft.config.vocab_size} tokens, the target "
                                  f"{target.vocab_size}: they must share one vocabulary")
-            theirs = load_tokenizer(draft.path)
+            file = Path(draft.path) / "tokenizer.json"
+            theirs = tokenizer_hash(file) if file.is_file() else None
             if (tokenizer is None) != (theirs is None) or (
-                    tokenizer is not None and theirs is not None
-                    and tokenizer.hash != theirs.hash):
+                    tokenizer is not None and tokenizer.hash != theirs):
                 raise ValueError(f"speculative_config: draft model {config.model!r} does not "
                                  "share the target's tokenizer")
         return cls(config, draft)

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.engine.params import SamplingParams
-from kvlab.engine.sampling import filter_logits
+from kvlab.engine.sampler import SamplingParams, filter_logits
 
 __all__ = ["Verdict", "processed_probs", "verify"]
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..sampling import SampleResult, SamplerState, sample
+from ..sampler import SampleResult, SamplerState, sample
 
 if TYPE_CHECKING:
     from .grammar import GrammarState

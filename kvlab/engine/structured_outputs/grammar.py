@@ -2,7 +2,7 @@
 state (backed by xgrammar, the library vLLM and SGLang use).
 
 - :class:`GrammarCompiler` builds xgrammar's ``TokenizerInfo`` from a kvlab
-  :class:`~kvlab.engine.tokenizer.Tokenizer` (its byte-level / sentencepiece encoding read from
+  :class:`~kvlab.engine.llm_engine.Tokenizer` (its byte-level / sentencepiece encoding read from
   ``tokenizer.json``'s decoder; special tokens such as BOS never match text; the model's EOS ids
   are the grammar's stop tokens) and compiles :class:`StructuredOutputsParams`, caching the
   result (LRU, thread-safe). A pattern, schema or grammar that does not compile raises
@@ -20,12 +20,15 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import xgrammar as xgr
 
-from ..tokenizer import Tokenizer
 from .params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from ..llm_engine import Tokenizer
 
 __all__ = ["GrammarCompiler", "GrammarError", "GrammarState", "choice_ebnf", "vocab_type"]
 

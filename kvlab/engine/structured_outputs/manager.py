@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from ..params import SamplingParams
+from ..sampler import SamplingParams
 
 if TYPE_CHECKING:
-    from ..tokenizer import Tokenizer
+    from ..llm_engine import Tokenizer
     from .grammar import GrammarCompiler, GrammarState
 
 __all__ = ["StructuredOutputManager"]

@@ -1,23 +1,22 @@
-"""A compiled CPU kernel for paged decode attention (``csrc/paged_attention_cpu.cpp``).
+"""The compiled CPU kernel for paged decode attention (``csrc/paged_attention_cpu.cpp``).
 
-The torch path of :func:`kvlab.engine.attention.paged_attention` gathers each decode bucket's
-blocks into a workspace and multiplies: the context is read, written and read again, and the
-matmuls are tiny (``G = H // KV`` query rows per KV head). This kernel walks the block tables
-straight from the cache instead, one request per iteration, with a float32 softmax; on this
-project's CPU it is 1.5-3.5x faster than the gather path (``benchmarks/bench_decode_attention.py``).
+It walks each row's block table straight through the cache with a float32 softmax instead of
+gathering the blocks into a workspace (1.5-3.5x faster here:
+``benchmarks/bench_decode_attention.py``). :func:`decode_op` hands a runner the compiled op
+once, at construction; the engine calls it every step with no Python in between.
+:func:`decode_attention` is the checked entry point (tests, benchmarks): the kernel reads raw
+memory, so it validates every index first.
 
-It is built on first use with :func:`torch.utils.cpp_extension.load_inline` (a C++ compiler and
-``ninja`` are needed; about 20 s once) for the CPU's vector width
-(``torch.backends.cpu.get_cpu_capability()``), and cached under ``$TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``) in ``kvlab/<name>_<key>``: the key hashes the source, the flags, the
-compiler, Python, torch's version and include paths and ``sys.prefix``, so two virtual
-environments on one machine keep one build each instead of rebuilding each other's. A build runs
-in a private temporary directory that is renamed into place only once it succeeded: a process
-killed mid-build leaves a stray temporary directory (removed by a later process after an hour),
-never a half-built cache or a ``lock`` file that would make the next process wait forever.
-Where the build fails, or with ``KVLAB_CPU_ATTENTION=0``, :func:`available` is False and the
-engine keeps the torch path, which computes the same attention (tested against each other in
-``tests/test_cpu_kernels.py``).
+Built on first use with :func:`torch.utils.cpp_extension.load_inline` (a C++ compiler and
+``ninja``; about 20 s once) for the CPU's vector width, cached under ``$TORCH_EXTENSIONS_DIR``
+(default ``~/.cache/torch_extensions``) in ``kvlab/<name>_<key>``: the key hashes the source, the
+flags, the compiler, Python, torch's version and include paths and ``sys.prefix``, so two
+virtual environments keep one build each. A build runs in a private temporary directory renamed
+into place only once it succeeded: a process killed mid-build leaves a stray temporary directory
+(removed by a later process after an hour), never a half-built cache or a ``lock`` file that
+would make the next process wait forever. Where the build fails, or with
+``KVLAB_CPU_ATTENTION=0``, there is no op and the engine keeps the torch path, which computes
+the same attention (``tests/test_cpu_kernels.py``).
 """
 
 from __future__ import annotations
@@ -32,12 +31,13 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "available", "build_error", "build_name", "decode_attention"]
+__all__ = ["DTYPES", "available", "build_error", "build_name", "decode_attention", "decode_op"]
 
 #: what the kernel computes in (it accumulates in float32, so float64 stays on the torch path)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -146,6 +146,16 @@ def available() -> bool:
                 warnings.warn(f"kvlab: the CPU attention kernel could not be built ({_error}); "
                               "using the torch path", RuntimeWarning, stacklevel=2)
     return _module is not None
+
+
+def decode_op(device: torch.device | str, dtype: torch.dtype) -> Callable[..., None] | None:
+    """The compiled op for attention on ``device`` in ``dtype``, or None where it cannot run
+    (not the CPU, a dtype outside :data:`DTYPES`, switched off or not built). It is called as
+    ``op(out, q, k_cache, v_cache, tables, lens, scale)`` with the contract of
+    :func:`decode_attention` (contiguous tensors, ``out`` written in place) and checks nothing."""
+    if torch.device(device).type != "cpu" or dtype not in DTYPES or not available():
+        return None
+    return _module.decode_attention
 
 
 def build_error() -> str | None:

@@ -1,0 +1,233 @@
+"""The parameters a request samples with (:class:`SamplingParams`, validated when made) and the
+sampler that applies them (:func:`sample`: greedy, temperature, top-k, top-p, seeds, logprobs).
+
+Every row owns a ``torch.Generator`` seeded from its request's seed, so a request's tokens depend
+only on its own logits and seed, never on the rest of the batch. Reported log-probabilities are
+the model's raw ``log_softmax(logits)``, before temperature, top-k and top-p (vLLM's default).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .structured_outputs.params import StructuredOutputsParams, check_structured_outputs
+
+__all__ = ["MAX_SEED", "MIN_TEMPERATURE", "SampleResult", "SamplerState", "SamplingParams",
+           "filter_logits", "is_real", "sample"]
+
+#: Temperatures below this sample greedily (vLLM's convention): dividing logits by a tinier one
+#: overflows float32 into NaNs.
+MIN_TEMPERATURE = 1e-5
+
+#: Largest accepted ``seed``: torch generators take a 64-bit unsigned seed.
+MAX_SEED = 2**64 - 1
+
+
+def _count(value: object, least: int) -> bool:
+    """An int >= ``least`` that is not a bool (``True`` is an int, never a meaningful count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def is_real(value: object) -> bool:
+    """A finite ``int`` or ``float``, not a ``bool`` (no NaN, no infinity, no int beyond float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float range
+        return False
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token, and when to stop (vLLM's names and meanings).
+
+    ``max_tokens`` (>= 1); ``temperature`` (0, or below ``MIN_TEMPERATURE``: greedy); ``top_k``
+    (0 or -1: all); ``top_p`` in (0, 1], after top-k and temperature, always keeping the most
+    likely token; ``seed`` in ``0 .. 2**64-1``: the request's own stream (sample ``i`` of ``n``
+    uses ``seed + i``; None: from the engine's seed and arrival order); ``stop_token_ids`` (kept
+    in the output; stored as a tuple); ``ignore_eos``; ``n`` samples sharing the prompt's blocks;
+    ``logprobs=k``: per token the k most likely and the sampled one, raw; ``structured_outputs``:
+    exactly one of ``{"json"|"regex"|"choice"|"grammar": ...}``, stored as
+    ``StructuredOutputsParams`` (the request ends when its grammar does).
+
+    A bad value raises ``ValueError`` naming ``SamplingParams.<field>``; any accepted value
+    samples without error.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
+
+    def __post_init__(self) -> None:
+        if not _count(self.max_tokens, 1):
+            raise ValueError(
+                f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        t = self.temperature
+        if not is_real(t) or t < 0:
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {t!r}")
+        object.__setattr__(self, "temperature", float(t))
+        if not _count(self.top_k, -1):
+            raise ValueError(f"SamplingParams.top_k must be an int >= 1, or 0/-1 for all, "
+                             f"got {self.top_k!r}")
+        p = self.top_p
+        if not is_real(p) or not 0 < p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be a number in (0, 1], got {p!r}")
+        object.__setattr__(self, "top_p", float(p))
+        s = self.seed
+        if s is not None and not (_count(s, 0) and s <= MAX_SEED):
+            raise ValueError(f"SamplingParams.seed must be None or an int in 0..2**64-1, got {s!r}")
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes, Mapping)) or not isinstance(stops, Iterable):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of token ids, "
+                             f"got {stops!r}")
+        stops = tuple(stops)  # materialise once: checking would exhaust an iterator
+        if not all(_count(s, 0) for s in stops):
+            raise ValueError(f"SamplingParams.stop_token_ids must be token ids >= 0, got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", stops)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not _count(self.n, 1):
+            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
+        if self.logprobs is not None and not _count(self.logprobs, 0):
+            raise ValueError(f"SamplingParams.logprobs must be None or an int >= 0, "
+                             f"got {self.logprobs!r}")
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs",
+                               check_structured_outputs(self.structured_outputs))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def uses_top_p(self) -> bool:
+        return self.top_p < 1.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError when a stop token id is outside the model's vocabulary."""
+        bad = [s for s in self.stop_token_ids if s >= vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids {bad} outside vocabulary of "
+                             f"{vocab_size} tokens")
+
+
+@dataclass
+class SamplerState:
+    """One sequence's parameters, random stream (None when greedy; rows may share one) and
+    grammar state (structured outputs, else None)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    grammar: Any = None
+
+    @classmethod
+    def create(cls, params: SamplingParams, seed: int, device: torch.device | str = "cpu"
+               ) -> SamplerState:
+        """``seed`` (an int) is taken modulo ``2**64``, so derived seeds never overflow."""
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"SamplerState.create: seed must be an int, got {seed!r}")
+        if params.greedy:
+            return cls(params, None)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed % (MAX_SEED + 1))
+        return cls(params, gen)
+
+
+@dataclass
+class SampleResult:
+    """Per row: the token, its raw log-probability and (if asked) the top-k dict."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+
+
+def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature-scaled logits of non-greedy rows with tokens outside each row's top-k / top-p
+    set at -inf (a row without top-k/top-p is unaffected by the others)."""
+    assert not any(p.greedy for p in params), "greedy rows take the argmax"
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
+                         device=logits.device)
+    scaled = logits / temps[:, None]
+    if not any(p.uses_top_k or p.uses_top_p for p in params):
+        return scaled
+    vocab = logits.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    # top-k: a k larger than the vocabulary keeps everything (and must not overflow a tensor)
+    ks = torch.tensor([min(p.top_k, vocab) if p.uses_top_k else vocab for p in params],
+                      device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
+    # top-p: drop a token once the mass strictly before it reaches top_p. Rows without top-p
+    # compare against +inf (drop nothing, even where float cumsums round up to 1).
+    ps = torch.tensor([p.top_p if p.uses_top_p else float("inf") for p in params],
+                      dtype=logits.dtype, device=logits.device)
+    probs = sorted_logits.softmax(-1)
+    drop = probs.cumsum(-1) - probs >= ps[:, None]
+    drop[:, 0] = False  # the most likely token always survives (a tiny top_p rounds to 0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def _race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row: ``argmax(probs / E)``, ``E ~ Exp(1)`` (the exponential race: the
+    argmax is distributed as ``probs``). One ``exponential_`` per generator, in row order; for
+    a private generator this consumes the stream as ``torch.multinomial(p, 1)`` does."""
+    noise = torch.empty_like(probs)
+    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
+    for j, g in enumerate(generators):
+        groups.setdefault(id(g), (g, []))[1].append(j)
+    for g, rows in groups.values():
+        if len(rows) == 1:
+            noise[rows[0]].exponential_(generator=g)
+        elif rows[-1] - rows[0] + 1 == len(rows):  # contiguous rows: fill the view in place
+            noise[rows[0]:rows[-1] + 1].exponential_(generator=g)
+        else:
+            noise[rows] = torch.empty(len(rows), probs.shape[1], dtype=probs.dtype,
+                                      device=probs.device).exponential_(generator=g)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> SampleResult:
+    """Pick one token per row of ``logits: [S, V]`` (float32) for ``states[i]``."""
+    assert logits.shape[0] == len(states), (logits.shape, len(states))
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        probs = filter_logits(logits[idx], [states[i].params for i in random_rows]).softmax(-1)
+        tokens[idx] = _race(probs, [states[i].generator for i in random_rows])
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    token_list = tokens.tolist()
+    top: list[dict[int, float] | None] = [None] * len(states)
+    want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    if want:
+        k = max(states[i].params.logprobs for i in want)
+        rows = logprobs[torch.tensor(want, device=logits.device)]
+        values, ids = rows.topk(min(max(k, 1), rows.shape[-1]), dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        chosen_list = chosen.tolist()
+        for j, i in enumerate(want):
+            kk = states[i].params.logprobs
+            d = {int(t): float(v) for t, v in zip(ids[j][:kk], values[j][:kk], strict=True)}
+            d[token_list[i]] = chosen_list[i]
+            top[i] = d
+    return SampleResult(token_list, chosen.tolist(), top)
