@@ -25,7 +25,7 @@ from collections import deque
 from _results import write_results
 
 from kvlab.core.block_pool import BlockPool
-from kvlab.core.kv_manager import KVCacheManager
+from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.reference import BlockAllocator
 
 NUM_REQUESTS = 1_500

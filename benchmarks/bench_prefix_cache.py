@@ -22,7 +22,7 @@ import time
 
 from _results import write_results
 
-from kvlab.core.radix import RadixCache
+from kvlab.core.radix_cache import RadixCache
 from kvlab.core.token_trie import TokenTrie
 from kvlab.reference import PrefixCache
 

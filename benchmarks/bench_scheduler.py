@@ -27,10 +27,11 @@ import time
 
 from _results import write_results
 
+from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.engine_core import EngineCore
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import BaselineScheduler, ProductionScheduler
-from kvlab.core.scheduler_api import RuntimeRequest
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler
+from kvlab.core.request import RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.costmodel import RooflineCostModel
 from kvlab.sim.executor import CostModelExecutor, sim_token

@@ -1,6 +1,6 @@
 """The simulator at production scale: 10,000-request open-loop workloads, wall time.
 
-Runs the real scheduler and KV manager (:class:`~kvlab.core.policies.BaselineScheduler`,
+Runs the real scheduler and KV manager (:class:`~kvlab.core.baseline_scheduler.BaselineScheduler`,
 chunked prefill, 2,048-token budget) on the simulated clock of a roofline cost model for two
 catalogue set-ups: Llama-3-8B on one H100 and Llama-3-70B on eight H100s (tensor parallel,
 ``tp=8``), each with 10,000 requests (Poisson arrivals at about 80% of the instance's
@@ -22,9 +22,9 @@ import time
 
 from _results import write_results
 
+from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.event_log import EventLog
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import BaselineScheduler
+from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim import RooflineCostModel, lognormal, make_workload, simulate
 from kvlab.sim.serving import records_from_sim

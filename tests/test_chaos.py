@@ -10,7 +10,8 @@ from collections import Counter
 
 import pytest
 
-from kvlab.core.engine_core import EngineCore, StepObserver
+from kvlab.core.baseline_scheduler import BaselineScheduler
+from kvlab.core.engine_core import EngineCore, ScheduledChunk, SchedulerOutput, StepObserver
 from kvlab.core.faults import STEP_FAULTS, StepFault, StepFaultSchedule
 from kvlab.core.invariant_set import (
     SPEC_INVARIANTS,
@@ -18,9 +19,9 @@ from kvlab.core.invariant_set import (
     InvariantMonitor,
     InvariantViolation,
 )
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import BaselineScheduler, ProductionScheduler
-from kvlab.core.scheduler_api import RuntimeRequest, ScheduledChunk, SchedulerOutput
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler
+from kvlab.core.request import RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.chaos import ChaosConfig, ChaosExecutor, run_chaos
 

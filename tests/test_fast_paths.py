@@ -14,11 +14,12 @@ import random
 
 import pytest
 
+from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.event_log import EventLog
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import BaselineScheduler, ProductionScheduler
-from kvlab.core.scheduler_api import RuntimeRequest
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler
+from kvlab.core.request import RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.tokens import drive
 
@@ -219,7 +220,7 @@ def test_token_slice_equals_slicing_all_token_ids():
 
 # ---------------------------------------------------------------- radix insert below a node
 def test_insert_below_a_node_equals_inserting_the_whole_path():
-    from kvlab.core.radix import RadixCache
+    from kvlab.core.radix_cache import RadixCache
 
     tokens = list(range(1, 13))
     whole, below = RadixCache(2), RadixCache(2)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kvlab.core.scheduler_api import ScheduledChunk
+from kvlab.core.engine_core import ScheduledChunk
 from kvlab.engine.attention import ChunkSpec, build_metadata
 from kvlab.engine.model_runner import InputBatch
 

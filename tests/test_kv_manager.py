@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.core.block_pool import OutOfBlocks
-from kvlab.core.kv_manager import KVCacheManager
+from kvlab.core.kv_cache_manager import KVCacheManager
 
 S = ("model-a", "tenant-1")
 
@@ -450,8 +450,8 @@ def test_core_memory_modules_do_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, kvlab.core.kv_manager, kvlab.core.invariants, kvlab.core.radix, "
-            "kvlab.core.scope; assert 'torch' not in sys.modules")
+    code = ("import sys, kvlab.core.kv_cache_manager, kvlab.core.invariants, "
+            "kvlab.core.radix_cache; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

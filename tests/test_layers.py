@@ -72,3 +72,87 @@ def test_reference_is_the_bottom_layer():
 def test_engine_api_is_reachable_from_the_top_level():
     modules = _modules_after("import kvlab; kvlab.LLM, kvlab.SamplingParams, kvlab.RequestOutput")
     assert {"kvlab.engine.llm", "kvlab.engine.sampler", "kvlab.engine.outputs"} <= modules
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """kvlab module -> the kvlab modules it imports, read from the source (imports inside
+    functions count: a lazy import is still a dependency; ``if TYPE_CHECKING`` ones do not)."""
+    import ast
+    from pathlib import Path
+
+    import kvlab
+
+    root = Path(kvlab.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        todo = [ast.parse(path.read_text())]
+        while todo:
+            node = todo.pop()
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                todo.extend(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                deps |= {base} | {f"{base}.{a.name}" for a in node.names}
+            todo.extend(ast.iter_child_nodes(node))
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def test_kvlab_has_no_import_cycles():
+    """No two kvlab modules import each other, directly or through others (a lazy import
+    inside a function counts): every arrow runs one way, so each layer reads on its own."""
+    graph = _import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:     # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert len(graph) > 100 and not cycles, cycles
+
+
+def test_the_engine_core_never_imports_upward():
+    """kvlab.core imports only kvlab.reference and itself; kvlab.engine never imports the
+    package top level, the server, the simulator, figures, exercises or the lab packages."""
+    graph = _import_graph()
+    for name, deps in graph.items():
+        if name.startswith("kvlab.core"):
+            assert all(d.startswith(("kvlab.core", "kvlab.reference")) for d in deps), (name, deps)
+        if name.startswith("kvlab.engine"):
+            bad = {d for d in deps if d == "kvlab" or d.startswith((
+                "kvlab.entrypoints", "kvlab.sim", "kvlab.viz", "kvlab.exercises",
+                "kvlab.capacity", "kvlab.fragmentation", "kvlab.recovery", "kvlab.slo"))}
+            assert not bad, (name, bad)

@@ -7,17 +7,17 @@ import copy
 import pytest
 
 from kvlab.core.block_pool import OutOfBlocks
-from kvlab.core.event_log import canonical
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.lifecycle import (
+from kvlab.core.event_log import EventLog, SimulatedCrash, canonical
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.request import (
     TRANSITIONS,
-    EventLog,
+    FinishReason,
     IllegalTransition,
     Lifecycle,
-    SimulatedCrash,
+    RequestStatus,
+    RuntimeRequest,
     holds_kv,
 )
-from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
 from kvlab.reference import ALLOWED, Phase, Request
 
 S = RequestStatus
@@ -262,10 +262,3 @@ def test_a_crash_while_writing_the_checkpoint_leaves_the_log_as_it_was():
     assert log.events == before and log.next_index == 2
     rebuilt = EventLog(events=list(before))          # recovery continues the numbering
     assert rebuilt.append("release", "a").seq == 1 and rebuilt.next_index == 3
-
-
-def test_log_format_names_are_reexported_by_lifecycle():
-    from kvlab.core import event_log, lifecycle
-
-    for name in ("EventLog", "Event", "EVENT_KINDS", "SimulatedCrash", "CorruptLog"):
-        assert getattr(lifecycle, name) is getattr(event_log, name)

@@ -32,8 +32,8 @@ from hypothesis.stateful import (
 
 from kvlab.core.block_pool import BlockPool, OutOfBlocks
 from kvlab.core.invariants import check_kv_manager, check_pool, check_radix
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.radix import RadixCache
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.radix_cache import RadixCache
 from kvlab.core.token_trie import TokenTrie
 from kvlab.reference import PrefixCache
 

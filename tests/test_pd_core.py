@@ -13,9 +13,10 @@ import random
 
 import pytest
 
+from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.event_log import EventLog
+from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_install import InstallJournal, InstallRecord, recover_installs
-from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.kv_transfer import (
     REJECT_KINDS,
     check_delivery,
@@ -25,10 +26,14 @@ from kvlab.core.kv_transfer import (
     make_header,
     token_ids_hash,
 )
-from kvlab.core.lifecycle import TRANSITIONS, IllegalTransition, Lifecycle
-from kvlab.core.policies import BaselineScheduler
 from kvlab.core.remote_kv import RemoteKVPolicy, RemoteKVScheduler
-from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest
+from kvlab.core.request import (
+    TRANSITIONS,
+    IllegalTransition,
+    Lifecycle,
+    RequestStatus,
+    RuntimeRequest,
+)
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.core.transfer_faults import FAULT_KINDS, Fault, FaultInjector, FaultSchedule
 from kvlab.reference import REQUIRED_KV_FIELDS

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from kvlab import LLM, SamplingParams
-from kvlab.core.kv_manager import KVCacheManager
+from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.engine.checkpoint import load_checkpoint
 from kvlab.engine.quantization import QuantConfig, QuantizedLinear, save_quantized
 from kvlab.engine.quantization.evaluate import heldout_token_ids, token_logprobs

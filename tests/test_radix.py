@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.core.invariants import check_radix
-from kvlab.core.radix import RadixCache
-from kvlab.core.scope import SCOPE_FIELDS, CacheScope, scope_key
+from kvlab.core.radix_cache import SCOPE_FIELDS, CacheScope, RadixCache, scope_key
 from kvlab.core.token_trie import TokenTrie
 from kvlab.reference import PrefixCache
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.block_pool import OutOfBlocks
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.lifecycle import RUNNING_STATUSES, EventLog, SimulatedCrash
-from kvlab.core.policies import BaselineScheduler, ProductionScheduler
-from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+from kvlab.core.event_log import EventLog, SimulatedCrash
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler
+from kvlab.core.request import RUNNING_STATUSES, FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.recovery import recover, replay
 from kvlab.sim.tokens import drive, greedy_tokens

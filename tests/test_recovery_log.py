@@ -11,11 +11,10 @@ from dataclasses import replace
 
 import pytest
 
-from kvlab.core.event_log import CorruptLog, Event, seal
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.lifecycle import EventLog, SimulatedCrash
-from kvlab.core.policies import ProductionScheduler
-from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+from kvlab.core.event_log import CorruptLog, Event, EventLog, SimulatedCrash, seal
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler
+from kvlab.core.request import FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.recovery import plan_recovery, recover, replay
 from kvlab.sim.tokens import drive

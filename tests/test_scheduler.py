@@ -7,10 +7,12 @@ import random
 
 import pytest
 
+from kvlab.core.baseline_scheduler import BaselineScheduler
+from kvlab.core.engine_core import SchedulerOutput
 from kvlab.core.event_log import EventLog
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import BaselineScheduler, ProductionScheduler, starvation_bound
-from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest, SchedulerOutput
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler, starvation_bound
+from kvlab.core.request import FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.reference import Phase, Request, build_batch
 from kvlab.sim.tokens import drive, greedy_tokens, hash_token

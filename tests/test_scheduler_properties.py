@@ -9,10 +9,10 @@ from __future__ import annotations
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.lifecycle import RUNNING_STATUSES
-from kvlab.core.policies import BaselineScheduler, ProductionScheduler, starvation_bound
-from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+from kvlab.core.baseline_scheduler import BaselineScheduler
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler, starvation_bound
+from kvlab.core.request import RUNNING_STATUSES, FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.tokens import drive, hash_token
 

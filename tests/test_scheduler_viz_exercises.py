@@ -10,10 +10,10 @@ import pytest
 from matplotlib.colors import to_rgba
 from matplotlib.legend import Legend
 
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.lifecycle import RUNNING_STATUSES
-from kvlab.core.policies import BaselineScheduler, default_order_key
-from kvlab.core.scheduler_api import RuntimeRequest
+from kvlab.core.baseline_scheduler import BaselineScheduler
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import default_order_key
+from kvlab.core.request import RUNNING_STATUSES, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.exercises import ch05, ch06
 from kvlab.exercises._common import NotYetAnswered, try_check
@@ -140,7 +140,7 @@ def test_ch05_crash_scenario_orphans():
 
 
 def test_ch05_abort_prediction_check():
-    from kvlab.core.lifecycle import EventLog
+    from kvlab.core.event_log import EventLog
 
     log = EventLog()
     sched = ch05.tight_scheduler(log=log)
@@ -187,7 +187,7 @@ def test_ch05_no_preemption_blocks_check():
 
 
 def test_ch05_crash_design_check():
-    from kvlab.core.lifecycle import EventLog, SimulatedCrash
+    from kvlab.core.event_log import EventLog, SimulatedCrash
     from kvlab.recovery import recover
 
     full = EventLog()
@@ -337,7 +337,7 @@ def test_ch06_stream_gaps_debug_check():
 
 
 def test_recovery_figure_and_explorer():
-    from kvlab.core.policies import ProductionScheduler
+    from kvlab.core.production_scheduler import ProductionScheduler
     from kvlab.viz.lifecycle import RecoveryExplorer, RecoveryRow, event_text, recovery_figure
 
     def make(kv, log):

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import BaselineScheduler, ProductionScheduler
-from kvlab.core.scheduler_api import ScheduledChunk
+from kvlab.core.baseline_scheduler import BaselineScheduler
+from kvlab.core.engine_core import ScheduledChunk
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.costmodel import RooflineCostModel, speculative_step_cost
 from kvlab.sim.executor import SimClock, simulate

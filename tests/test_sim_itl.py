@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import BaselineScheduler
+from kvlab.core.baseline_scheduler import BaselineScheduler
+from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.costmodel import RooflineCostModel
 from kvlab.sim.executor import RequestRecord, SimResult, StepRecord, simulate

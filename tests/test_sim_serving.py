@@ -9,10 +9,11 @@ import random
 
 import pytest
 
+from kvlab.core.baseline_scheduler import BaselineScheduler
+from kvlab.core.engine_core import ScheduledChunk
 from kvlab.core.event_log import EventLog
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import BaselineScheduler, ProductionScheduler
-from kvlab.core.scheduler_api import ScheduledChunk
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim import RooflineCostModel, fixed, make_workload, simulate, uniform
 from kvlab.sim.serving import (

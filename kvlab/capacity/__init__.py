@@ -12,34 +12,15 @@ import math
 from dataclasses import dataclass
 from numbers import Real
 
-from kvlab.capacity.catalog import GPUSpec, ModelShape
+from kvlab.capacity.catalog import DTYPE_BYTES as DTYPE_BYTES  # re-exported: the planner's table
+from kvlab.capacity.catalog import GPUSpec, ModelShape, dtype_bytes
 from kvlab.reference.rule01_capacity import kv_bytes
 
 # ---------------------------------------------------------------------------------------------
 # Capacity planner (production): how many KV blocks, tokens and requests one GPU can hold.
 # ---------------------------------------------------------------------------------------------
 
-#: Bytes per element of the KV (or weight) storage formats the planner knows.
-DTYPE_BYTES: dict[str, float] = {
-    "fp32": 4.0,
-    "bf16": 2.0,
-    "fp16": 2.0,
-    "fp8": 1.0,
-    "fp8_e4m3": 1.0,
-    "int8": 1.0,
-    "int4": 0.5,
-}
-
 GiB = 2**30
-
-
-def dtype_bytes(dtype: str) -> float:
-    """Bytes per element of ``dtype`` (see :data:`DTYPE_BYTES`); ValueError names unknown ones."""
-    try:
-        return DTYPE_BYTES[dtype]
-    except (KeyError, TypeError):
-        raise ValueError(f"kv_dtype/weight dtype {dtype!r} unknown; use one of "
-                         f"{sorted(DTYPE_BYTES)}") from None
 
 
 def kv_element_bytes(dtype: str, scale_group: int | None = None, scale_bytes: float = 2.0) -> float:

@@ -25,6 +25,27 @@ GiB = 2**30
 TB = 10**12
 
 
+#: Bytes per element of the KV (or weight) storage formats the planner knows.
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp8": 1.0,
+    "fp8_e4m3": 1.0,
+    "int8": 1.0,
+    "int4": 0.5,
+}
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes per element of ``dtype`` (see :data:`DTYPE_BYTES`); ValueError names unknown ones."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"kv_dtype/weight dtype {dtype!r} unknown; use one of "
+                         f"{sorted(DTYPE_BYTES)}") from None
+
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The shape of a decoder-only transformer that matters for KV memory and weight memory.
@@ -81,8 +102,6 @@ class ModelShape:
 
     def weight_bytes(self, dtype: str = "bf16") -> float:
         """Bytes of all weights stored in ``dtype`` (``params × element bytes``, no overheads)."""
-        from kvlab.capacity import dtype_bytes
-
         return self.params * dtype_bytes(dtype)
 
 

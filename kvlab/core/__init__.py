@@ -23,23 +23,18 @@ from kvlab.reference import (
     validate_kv_descriptor,
 )
 
+from .baseline_scheduler import BaselineScheduler
 from .block_pool import CACHE_OWNER, BlockPool
+from .engine_core import ScheduledChunk, SchedulerOutput
+from .event_log import EventLog
 from .invariants import KV_MANAGER_INVARIANTS, InvariantSet, check_kv_manager
-from .kv_manager import KVCacheManager
+from .kv_cache_manager import KVCacheManager
 from .kv_snapshot import KVSnapshot
-from .lifecycle import TRANSITIONS, EventLog, Lifecycle
 from .paging import BlockTable, block_table_array, slot_mapping, slots_for
-from .policies import BaselineScheduler, ProductionScheduler
-from .radix import PrefixMatch, RadixCache, RadixSnapshot
-from .scheduler_api import (
-    FinishReason,
-    RequestStatus,
-    RuntimeRequest,
-    ScheduledChunk,
-    SchedulerOutput,
-)
+from .production_scheduler import ProductionScheduler
+from .radix_cache import SCOPE_FIELDS, CacheScope, PrefixMatch, RadixCache, RadixSnapshot, scope_key
+from .request import TRANSITIONS, FinishReason, Lifecycle, RequestStatus, RuntimeRequest
 from .scheduler_config import SchedulerConfig
-from .scope import SCOPE_FIELDS, CacheScope, scope_key
 from .token_trie import TokenTrie
 
 __all__ = [

@@ -1,28 +1,12 @@
-"""The production block pool: refcounted KV blocks with named owners, copy-on-write and fences.
+"""The block pool: refcounted KV blocks with named owners, copy-on-write and copy fences.
 
-This is the reference :class:`~kvlab.reference.BlockAllocator` (spec rule 3) grown into what an
-engine needs:
-
-* **Owners, not just counts.** Every block records *who* holds it (request ids, or
-  :data:`CACHE_OWNER` for the prefix cache). ``refcount(b) == len(owners(b))`` always, so "refcount
-  equals the number of live owners" is checkable, and a second release by the same owner is a
-  no-op instead of a silent corruption of someone else's reference.
-* **States.** A block is *free* (no owner, not fenced), *exclusive* (one owner), *shared* (several
-  owners), *cached* (its only owner is the prefix cache: it holds a reusable prefix and is
-  evictable when the cache says so) or *pending_copy* (source or destination of a copy the
-  executor has not finished yet).
-* **Copy-on-write** returns the ``(old, new)`` payload copies for whoever moves the bytes.
-* **Fences.** Both blocks of a pending copy are fenced until :meth:`BlockPool.complete_copies`:
-  a fenced block is never handed out by :meth:`allocate`, and if its last owner releases it while
-  fenced it is *parked* (not free) until the copy completes.
-* **Eviction.** Allocation takes truly free blocks first (lowest id first, deterministic). When
-  those run out it asks an *evictor* (the prefix cache, see :class:`Evictor`) to drop its
-  references on least-recently-used cached blocks, which makes them free.
-* **All or nothing.** Every method validates its whole input before mutating anything; an
-  exception (ValueError, IndexError, KeyError, :class:`OutOfBlocks`) leaves the pool unchanged.
-  Running short of blocks is an ordinary outcome, signalled by :class:`OutOfBlocks`, never by the
-  builtin ``MemoryError`` (which means the *process* is out of memory and must not be caught as
-  control flow).
+The reference :class:`~kvlab.reference.BlockAllocator` (spec rule 3) grown into what an engine
+needs: every block records *who* holds it (request ids, or :data:`CACHE_OWNER` for the prefix
+cache), so ``refcount(b) == len(owners(b))`` and a second release by one owner is a no-op; a
+block is free, exclusive, shared, cached (only the prefix cache holds it: evictable) or pending a
+copy (fenced until :meth:`BlockPool.complete_copies`). Allocation takes free blocks lowest id
+first, then asks the evictor (the prefix cache). Every method is all-or-nothing; running short
+raises :class:`OutOfBlocks`, never ``MemoryError``. Chapter 3 explains the design.
 """
 
 from __future__ import annotations
@@ -34,10 +18,8 @@ from typing import Protocol
 
 
 class OutOfBlocks(Exception):
-    """Too few allocatable KV blocks for a request: ``needed`` blocks, ``available`` now.
-
-    A scheduler catches it to preempt or wait; nothing was changed by the call that raised it.
-    """
+    """Too few allocatable KV blocks: ``needed``, ``available`` now. Nothing was changed; a
+    scheduler catches it to preempt or wait."""
 
     def __init__(self, message: str, needed: int, available: int) -> None:
         super().__init__(message)
@@ -67,27 +49,18 @@ CACHE_OWNER = _CacheOwner()
 
 
 class Evictor(Protocol):
-    """What the pool needs from a cache to reclaim cached blocks (implemented by RadixCache)."""
+    """What the pool needs from a cache to reclaim cached blocks (RadixCache): the exact
+    count ``evict`` could release now, membership, and ``evict`` (1..num_blocks, LRU; the pool
+    then drops :data:`CACHE_OWNER` from each returned block)."""
 
-    def evictable_blocks(self) -> int:
-        """How many blocks :meth:`evict` could release right now (exact)."""
-
-    def is_evictable(self, block: int) -> bool:
-        """Whether ``block`` is among those counted by :meth:`evictable_blocks`."""
-
-    def evict(self, num_blocks: int) -> list[int]:
-        """Forget at least one and at most ``num_blocks`` blocks (LRU); return them.
-
-        The pool then drops :data:`CACHE_OWNER` from each returned block.
-        """
+    def evictable_blocks(self) -> int: ...
+    def is_evictable(self, block: int) -> bool: ...
+    def evict(self, num_blocks: int) -> list[int]: ...
 
 
 class BlockPool:
-    """``num_blocks`` physical KV blocks with owner-tracked refcounts.
-
-    Block ids are ``0 .. num_blocks - 1``. Owners are any hashable ids; one owner holds a block at
-    most once (a block table never lists a block twice).
-    """
+    """``num_blocks`` physical KV blocks (ids ``0 .. num_blocks - 1``) with owner-tracked
+    refcounts; owners are hashable ids, each holding a block at most once."""
 
     def __init__(self, num_blocks: int):
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
@@ -101,7 +74,6 @@ class BlockPool:
         self._pending: Counter[tuple[int, int]] = Counter()  # (src, dst) -> multiplicity
         self._evictor: Evictor | None = None
 
-    # ------------------------------------------------------------------ queries
     def set_evictor(self, evictor: Evictor | None) -> None:
         """Attach the cache that can release cached blocks when free ones run out."""
         self._evictor = evictor
@@ -174,14 +146,9 @@ class BlockPool:
         """Every block ``owner`` holds, ascending (O(num_blocks); for checks and tests)."""
         return [b for b in range(self.num_blocks) if owner in self._owners[b]]
 
-    # ------------------------------------------------------------------ mutations
     def allocate(self, n: int, owner: Hashable) -> list[int]:
-        """Take ``n`` blocks for ``owner`` (each becomes exclusive); all or nothing.
-
-        Free blocks first, lowest id first; then cached blocks released by the evictor, least
-        recently used first. :class:`OutOfBlocks` (pool unchanged) when fewer than ``n`` are
-        allocatable.
-        """
+        """Take ``n`` blocks for ``owner``, all or nothing: free ones lowest id first, then
+        cached ones the evictor releases (LRU); :class:`OutOfBlocks` when too few."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"number of blocks to allocate must be a non-negative int, got {n!r}")
         self._check_owner(owner)
@@ -299,7 +266,6 @@ class BlockPool:
                     if not self._owners[block]:
                         self._make_free(block)
 
-    # ------------------------------------------------------------------ internals
     def _drop(self, block: int, owner: Hashable) -> bool:
         """Remove ``owner`` from ``block``; True if the block became free."""
         self._owners[block].discard(owner)

@@ -1,55 +1,132 @@
-"""EngineCore: the one step loop of kvlab — schedule, execute, update.
+"""EngineCore: kvlab's one step loop (schedule, execute, update) and the records that cross it.
 
-Every engine in kvlab runs this loop and no other: :class:`~kvlab.engine.llm_engine.LLMEngine`
-with the :class:`~kvlab.engine.model_runner.ModelRunner` (the real model), the simulator with the
-:class:`~kvlab.sim.executor.CostModelExecutor` (roofline time, tokens from a function), and the
-chapters' drivers (:func:`kvlab.sim.tokens.drive`). One :meth:`EngineCore.step`:
-
-1. ``output = scheduler.schedule()``: admissions, chunks, KV allocation, copy-on-write list;
-2. ``result = executor.execute(output)``: the executor performs ``output.copies`` before any
-   write, runs the chunks and samples one token for every chunk with ``sample=True``; the core
-   then lifts the copies' fences (``kv.complete_copies``);
-3. ``ended = scheduler.update_from_output(output, result.sampled)``: tokens appended, stop
-   conditions applied, KV of ended requests released.
-
-If ``execute`` raises, or ``update_from_output`` refuses its result (ValueError: a token
-missing, extra or malformed; nothing was changed), ``scheduler.fail_step`` fails that step's
-requests (FAILED / ERROR, KV released exactly once) and the exception propagates; the core
-keeps serving, and the failed requests are reported by the next step.
-
-Observers (:class:`StepObserver`, registered with :meth:`add_observer`; none by default) plug
-into this one loop: ``before_execute`` after scheduling, ``after_step`` after the update,
-``after_failed_step`` when a step failed; ``defer_copies`` returning True takes over lifting
-that step's copy fences (it must do so before the next execute). The invariant monitor
-(:mod:`kvlab.core.invariant_set`) and the fault injector (:mod:`kvlab.core.faults`) are
-observers; a default engine has none, and the loop then calls nothing but the three steps.
-
-Threading model: one thread calls :meth:`step`; any thread may call :meth:`add_request` and
-:meth:`abort_request`. Each holds :attr:`lock` briefly. The executor runs *outside* the lock,
-so requests can arrive while a step executes; an abort that arrives then is applied when the
-step ends (the executor may still be reading the request's KV). A second :meth:`step` while
-one runs raises :class:`EngineBusy` instead of corrupting state.
+The real engine (:class:`~kvlab.engine.llm_engine.LLMEngine` with its model runner), the
+simulator (:class:`~kvlab.sim.executor.CostModelExecutor`) and the chapters' drivers all run
+:meth:`EngineCore.step`. The scheduler sends :class:`SchedulerOutput` (chunks with block-table
+deltas, copies to run first); the executor answers :class:`ModelOutput`. If ``execute`` raises
+or its answer is refused, ``scheduler.fail_step`` fails that step's requests and the core keeps
+serving. Observers (:class:`StepObserver`, none by default) hook into the loop. One thread calls
+``step``; any thread may add or abort, each holding :attr:`EngineCore.lock` briefly (an abort
+during a step applies when it ends). Chapter 7 walks through it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .scheduler_api import RequestStatus, RuntimeRequest, Scheduler, SchedulerOutput
+from .request import RequestStatus, RuntimeRequest
+
+if TYPE_CHECKING:
+    from .kv_cache_manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Work for one request in one step: feed ``token_ids`` at positions ``start_pos...``.
+
+    The block table travels as a delta (vLLM v1's ``new_block_ids``): the first
+    ``num_kept_blocks`` entries of the table last sent, then ``new_block_ids``. ``sample``: the
+    chunk ends at the request's last token, so its last logits give the next token.
+    ``num_lookahead`` (:mod:`.spec_plan`): draft slots after the chunk, verified in the same
+    forward; the executor then answers 1..num_lookahead+1 tokens.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    new_block_ids: tuple[int, ...]
+    sample: bool
+    is_prefill: bool
+    num_lookahead: int = 0
+    num_kept_blocks: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Tokens this chunk may put through the forward: its own plus the lookahead."""
+        return len(self.token_ids) + self.num_lookahead
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's decisions; ``copies`` are (src_block, dst_block) KV copies to run first."""
+
+    step: int
+    chunks: tuple[ScheduledChunk, ...]
+    copies: tuple[tuple[int, int], ...] = ()
+    preempted: tuple[str, ...] = ()        # request ids preempted (KV released) this step:
+                                           # their tables are gone (resent whole on resume)
+    admitted: tuple[str, ...] = ()         # request ids given a KV table this step (first
+                                           # admission, or re-admission after a preemption)
+    rejected: tuple[str, ...] = ()         # request ids refused at admission this step
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+def check_sampled(output: SchedulerOutput, sampled: Mapping[str, Any]
+                  ) -> dict[str, tuple[int, ...]]:
+    """Validate one step's executor answer; returns ``request id -> tokens`` (a tuple).
+
+    A chunk with ``sample=True`` needs an int, or (with lookahead) a tuple of
+    ``1 .. num_lookahead + 1`` ints >= 0; chunks without ``sample`` get nothing. ValueError
+    names the first problem (and nothing was changed).
+    """
+    expected = {c.request_id: c for c in output.chunks if c.sample}
+    missing = set(expected) - set(sampled)
+    extra = set(sampled) - set(expected)
+    if missing:
+        raise ValueError(f"no sampled token for {sorted(missing)}")
+    if extra:
+        raise ValueError(f"sampled tokens for requests that did not sample: {sorted(extra)}")
+    tokens: dict[str, tuple[int, ...]] = {}
+    for rid, chunk in expected.items():
+        got = sampled[rid]
+        seq = tuple(got) if isinstance(got, (tuple, list)) else (got,)
+        if not 1 <= len(seq) <= chunk.num_lookahead + 1:
+            raise ValueError(f"{rid!r}: {len(seq)} tokens for a chunk with "
+                             f"{chunk.num_lookahead} lookahead slots")
+        for token in seq:
+            if type(token) is not int or token < 0:
+                raise ValueError(f"sampled token for {rid!r} must be an int >= 0, got {token!r}")
+        tokens[rid] = seq
+    return tokens
+
+
+class Scheduler(Protocol):
+    """The scheduler seam of :class:`EngineCore` (``fail_step``: the step in flight could not
+    run; fail its requests, release their KV once, and clear the step)."""
+
+    kv: KVCacheManager
+
+    def add_request(self, request: RuntimeRequest) -> None: ...
+    def abort_request(self, request_id: str) -> RuntimeRequest | None: ...
+    def schedule(self) -> SchedulerOutput: ...
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: Mapping[str, int]) -> list[RuntimeRequest]: ...
+    def fail_step(self, output: SchedulerOutput, message: str) -> list[RuntimeRequest]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def get_request(self, request_id: str) -> RuntimeRequest: ...
+    def find_request(self, request_id: str) -> RuntimeRequest | None: ...
+    def can_forget(self, request_id: str) -> bool: ...
+    def forget(self, request_id: str) -> RuntimeRequest: ...
+    def requests(self) -> Sequence[RuntimeRequest]: ...
+    def check_invariants(self) -> None: ...
 
 
 @dataclass
 class ModelOutput:
-    """What an executor returns for one step.
-
-    ``sampled`` maps each request whose chunk had ``sample=True`` to its new token. ``seconds``
-    is the step's duration on the executor's clock (modelled for the simulator, measured for
-    the real model). ``info`` is executor-specific detail (logits shape, metadata, logprobs).
-    """
+    """An executor's answer for one step: ``sampled`` (request id -> token, for each chunk with
+    ``sample=True``), ``seconds`` on the executor's clock, executor-specific ``info``."""
 
     sampled: Mapping[str, int]
     seconds: float = 0.0
@@ -88,12 +165,8 @@ class EngineBusy(RuntimeError):
 
 @dataclass
 class StepResult:
-    """One step of the core: the scheduler's output, the executor's result and what ended.
-
-    ``ended``: requests that reached a terminal status and were reported this step (finished,
-    rejected, failed). ``aborted``: requests cancelled by aborts that arrived during the step.
-    ``schedule_s`` / ``update_s``: wall time of the two scheduler calls.
-    """
+    """One step: the scheduler's output, the executor's answer, the requests that ended
+    (reported this step) or were aborted during it, and the two scheduler calls' wall time."""
 
     output: SchedulerOutput
     model: ModelOutput
@@ -104,12 +177,9 @@ class StepResult:
 
 
 class EngineCore:
-    """The step loop over a :class:`~kvlab.core.scheduler_api.Scheduler` and an :class:`Executor`.
-
-    ``forget_ended``: drop each request from the scheduler's registry once it has been reported
-    (ended, or returned by an abort), so memory stays proportional to live requests and an
-    ended id can be reused. Drivers that inspect requests after the run pass False.
-    """
+    """The step loop over a :class:`Scheduler` and an :class:`Executor`. ``forget_ended``:
+    drop each request from the scheduler's registry once reported (memory follows the live
+    requests); drivers that inspect requests after the run pass False."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor, *,
                  forget_ended: bool = True) -> None:
@@ -127,7 +197,6 @@ class EngineCore:
             raise TypeError(f"observers subclass StepObserver, got {type(observer).__name__}")
         self.observers.append(observer)
 
-    # ------------------------------------------------------------------ requests
     def add_request(self, request: RuntimeRequest) -> None:
         """Queue ``request`` (the scheduler validates it; on error nothing changed)."""
         with self.lock:
@@ -150,7 +219,6 @@ class EngineCore:
         with self.lock:
             return self.scheduler.has_unfinished_requests()
 
-    # ------------------------------------------------------------------ the loop
     def step(self) -> StepResult:
         """Schedule, execute, update (see the module docstring). EngineBusy if a step is
         already running; the executor's exception, after its step was failed, if it raises."""

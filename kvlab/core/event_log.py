@@ -1,6 +1,6 @@
 """The write-ahead event log of runtime requests, with integrity data on every record.
 
-:class:`~kvlab.core.lifecycle.Lifecycle` appends one :class:`Event` per status change, KV
+:class:`~kvlab.core.request.Lifecycle` appends one :class:`Event` per status change, KV
 acquisition/release and step result; :mod:`kvlab.recovery` replays the log after a crash.
 A log that recovery cannot trust must be *refused*, not replayed into wrong tokens, so every
 record carries three pieces of integrity data:

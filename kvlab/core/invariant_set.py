@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .engine_core import SchedulerOutput
 from .invariant_view import Broken, EngineView, InvariantViolation, require
 from .invariants import live_owners
-from .scheduler_api import RequestStatus, SchedulerOutput
+from .request import RequestStatus
 
 __all__ = ["SPEC_INVARIANTS", "EngineView", "Invariant", "InvariantMonitor",
            "InvariantViolation", "invariant"]

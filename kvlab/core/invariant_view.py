@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .scheduler_api import RuntimeRequest
+from .request import RuntimeRequest
 
 if TYPE_CHECKING:
     from .invariant_set import Invariant

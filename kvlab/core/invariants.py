@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .block_pool import CACHE_OWNER, BlockPool
-from .radix import RadixCache
+from .radix_cache import RadixCache
 
 Check = Callable[[Any], None]
 
@@ -282,7 +282,7 @@ def check_scheduler(scheduler: Any) -> None:
     ended request has a reason and no KV, token counters stay in range; then the KV manager's
     own invariants. AssertionError naming
     the first broken one."""
-    from .lifecycle import RUNNING_STATUSES, WAITING_STATUSES
+    from .request import RUNNING_STATUSES, WAITING_STATUSES
 
     waiting, running = set(scheduler.waiting), set(scheduler.running)
     assert len(waiting) == len(scheduler.waiting), "a request is twice in the waiting queue"

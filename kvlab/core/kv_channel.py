@@ -9,7 +9,7 @@ from typing import Any
 
 from .kv_transfer import Delivery, decode_frame, encode_frame, make_descriptor, make_header
 from .remote_kv_api import scope_domain
-from .scheduler_api import RuntimeRequest
+from .request import RuntimeRequest
 from .transfer_faults import FaultInjector, SendPlan
 
 __all__ = ["EntryExporter", "InProcessChannel", "Inbox"]

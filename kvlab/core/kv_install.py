@@ -116,7 +116,7 @@ class OpRecovery:
 def recover_installs(journal: InstallJournal, kv: Any) -> dict[str, OpRecovery]:
     """After a crash: per operation, was it installed; free every table operations still hold.
 
-    ``kv`` is the surviving :class:`~kvlab.core.kv_manager.KVCacheManager`. Idempotent: a
+    ``kv`` is the surviving :class:`~kvlab.core.kv_cache_manager.KVCacheManager`. Idempotent: a
     second call frees nothing. The journal's ``crash_at`` is cleared (the process restarted).
     ValueError (nothing changed) if the journal is corrupt.
     """

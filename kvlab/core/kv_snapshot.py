@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .kv_manager import KVCacheManager
+    from .kv_cache_manager import KVCacheManager
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """RemoteKVScheduler: prefill/decode disaggregation inside the one step loop.
 
-It wraps any kvlab scheduler (it *is* the :class:`~kvlab.core.scheduler_api.Scheduler` that
+It wraps any kvlab scheduler (it *is* the :class:`~kvlab.core.engine_core.Scheduler` that
 :class:`~kvlab.core.engine_core.EngineCore` steps) and adds the two roles of a KV-transfer
 engine, in the shape of vLLM's KV connector:
 
@@ -42,9 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .block_pool import OutOfBlocks
+from .engine_core import SchedulerOutput
+from .event_log import EventLog
 from .kv_install import InstallJournal
 from .kv_transfer import Delivery, check_delivery, entry_key, make_descriptor, token_ids_hash
-from .lifecycle import EventLog, Lifecycle
 from .remote_kv_api import (
     KVExporter,
     KVSource,
@@ -53,7 +54,7 @@ from .remote_kv_api import (
     TransferDecision,
     scope_domain,
 )
-from .scheduler_api import RequestStatus, RuntimeRequest, SchedulerOutput
+from .request import Lifecycle, RequestStatus, RuntimeRequest
 
 __all__ = ["KVExporter", "KVSource", "KVWriter", "RemoteKVPolicy", "RemoteKVScheduler",
            "TransferDecision", "scope_domain"]

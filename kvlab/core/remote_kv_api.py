@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .kv_transfer import Delivery
-from .scheduler_api import RuntimeRequest
+from .request import RuntimeRequest
 
 __all__ = ["KVExporter", "KVSource", "KVWriter", "RemoteKVPolicy", "TransferDecision",
            "scope_domain"]

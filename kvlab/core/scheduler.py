@@ -1,33 +1,65 @@
-"""What kvlab's schedulers share: the request registry and queues, one step's protocol
-(``schedule`` / ``update_from_output`` / ``fail_step``), KV bookkeeping, and recovery's entry
-point. The policies live in :mod:`.policies`, the budgets in :mod:`.scheduler_config`, request
-validation on :meth:`RuntimeRequest.check_new`, the invariants in
-:func:`kvlab.core.invariants.check_scheduler`.
+"""The scheduler: request registry and queues, and one step's protocol (``schedule`` /
+``update_from_output`` / ``fail_step``). The policies that fill a step subclass it:
+:mod:`.baseline_scheduler` (the default) and :mod:`.production_scheduler`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .block_pool import OutOfBlocks
-from .lifecycle import (
-    WAITING_STATUSES,
-    EventLog,
-    Lifecycle,
-)
-from .scheduler_api import (
-    RequestStatus,
-    RuntimeRequest,
-    ScheduledChunk,
-    SchedulerOutput,
-    StepPlan,
-    check_sampled,
-    stop_reason,
-)
+from .engine_core import ScheduledChunk, SchedulerOutput, check_sampled
+from .request import WAITING_STATUSES, Lifecycle, RequestStatus, RuntimeRequest, stop_reason
 from .scheduler_config import SchedulerConfig
 from .spec_plan import plan_lookahead
+
+if TYPE_CHECKING:
+    from .event_log import EventLog
+    from .kv_cache_manager import KVCacheManager
+
+
+class StepPlan:
+    """Mutable accumulator of one step's decisions (budgets are enforced by ``add_chunk``)."""
+
+    def __init__(self, token_budget: int, max_seqs: int) -> None:
+        self.token_budget = token_budget
+        self.max_seqs = max_seqs
+        self.chunks: list[ScheduledChunk] = []
+        self.copies: list[tuple[int, int]] = []
+        self.preempted: list[str] = []
+        self.admitted: list[str] = []
+        self.used = 0
+        self.scheduled: set[str] = set()
+
+    @property
+    def tokens_left(self) -> int:
+        return self.token_budget - self.used
+
+    @property
+    def seqs_left(self) -> int:
+        return self.max_seqs - len(self.chunks)
+
+    def add_chunk(self, chunk: ScheduledChunk) -> None:
+        if chunk.request_id in self.scheduled:
+            raise AssertionError(f"{chunk.request_id} scheduled twice in one step")
+        n = chunk.num_query_tokens
+        if n <= 0 or n > self.tokens_left or self.seqs_left <= 0:
+            raise AssertionError("a chunk would break the step's budgets")
+        self.chunks.append(chunk)
+        self.used += n
+        self.scheduled.add(chunk.request_id)
+
+    def replace_chunk(self, index: int, chunk: ScheduledChunk) -> None:
+        """Swap chunk ``index`` for a larger version of itself (same request; lookahead added)."""
+        old = self.chunks[index]
+        extra = chunk.num_query_tokens - old.num_query_tokens
+        if chunk.request_id != old.request_id or not 0 <= extra <= self.tokens_left:
+            raise AssertionError("replace_chunk: another request, or beyond the token budget")
+        self.chunks[index] = chunk
+        self.used += extra
+
 
 S = RequestStatus
 
@@ -39,7 +71,7 @@ class SchedulerBase:
     #: events, then whenever it doubles in size since the last compaction.
     compact_min_events: int = 4096
 
-    def __init__(self, kv: Any, config: SchedulerConfig | None = None, *,
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig | None = None, *,
                  log: EventLog | None = None) -> None:
         config = config if config is not None else SchedulerConfig()
         if config.max_num_seqs > config.max_num_batched_tokens:
@@ -61,8 +93,6 @@ class SchedulerBase:
         self._rejected_pending: list[str] = []  # rejected since the last schedule()
         self._compact_at = self.compact_min_events  # log size that triggers the next compaction
 
-    # -- protocol: queries --------------------------------------------------------------------
-
     @property
     def log(self) -> EventLog | None:   # the write-ahead log passed in; None: none kept
         return self.lifecycle.log
@@ -83,9 +113,8 @@ class SchedulerBase:
         return list(self._requests.values())
 
     def forget(self, request_id: str) -> RuntimeRequest:
-        """Drop an ended, reported request from the registry (the engine core does, so memory
-        follows the live requests). KeyError unknown id; ValueError (nothing changed) unless
-        :meth:`can_forget`."""
+        """Drop an ended, reported request from the registry (ValueError unless
+        :meth:`can_forget`; KeyError for an unknown id)."""
         request = self.get_request(request_id)
         if not self.can_forget(request_id):
             raise ValueError(f"request {request_id!r} is {request.status.value}: not ended, "
@@ -100,8 +129,7 @@ class SchedulerBase:
                 and not any(r is request for r in self._ended)
                 and request_id not in self._inflight_ids)
 
-    def _next_seq(self) -> int:
-        """The next value of the counter that orders arrivals and admissions."""
+    def _next_seq(self) -> int:   # orders arrivals and admissions
         self._counter += 1
         return self._counter
 
@@ -111,8 +139,6 @@ class SchedulerBase:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._ended or self._inflight_ids)
-
-    # -- protocol: request arrival and abort --------------------------------------------------
 
     def add_request(self, request: RuntimeRequest) -> None:
         """Queue ``request``; reject it (REJECTED + reason) if it can never fit or on overload."""
@@ -135,11 +161,8 @@ class SchedulerBase:
         self.waiting.append(rid)
 
     def abort_request(self, request_id: str) -> RuntimeRequest | None:
-        """Cancel a request (client abort) and free its KV. Idempotent: an ended request is
-        returned unchanged, an unknown id returns None. RuntimeError (nothing changed) for a
-        request in the step in flight: the executor may still be reading its KV, so an abort
-        that arrives then waits for the step's end (:class:`~kvlab.core.engine_core.EngineCore`
-        holds it until then)."""
+        """Cancel a request and free its KV (idempotent; None for an unknown id). RuntimeError
+        for a request in the step in flight: the runner may still read its KV."""
         request = self._requests.get(request_id)
         if request is None or request.status.is_terminal:
             return request
@@ -151,8 +174,6 @@ class SchedulerBase:
         in_queue.remove(request_id)
         self.lifecycle.release(request, self.kv)
         return request
-
-    # -- protocol: one step -------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's chunks; allocates their KV. See the policy class for the rules."""
@@ -167,15 +188,9 @@ class SchedulerBase:
         if self.config.num_lookahead_tokens:
             plan_lookahead(self, plan)    # speculative decoding's draft slots
         chunks = tuple(plan.chunks)
-        output = SchedulerOutput(
-            step=self._step,
-            chunks=chunks,
-            copies=tuple(plan.copies),
-            preempted=tuple(plan.preempted),
-            admitted=tuple(plan.admitted),
-            rejected=tuple(self._rejected_pending),
-            num_batched_tokens=sum(c.num_query_tokens for c in chunks),
-        )
+        output = SchedulerOutput(self._step, chunks, tuple(plan.copies), tuple(plan.preempted),
+                                 tuple(plan.admitted), tuple(self._rejected_pending),
+                                 sum(c.num_query_tokens for c in chunks))
         self._rejected_pending = []
         self._inflight = output
         self._inflight_ids = {c.request_id for c in chunks}
@@ -184,12 +199,8 @@ class SchedulerBase:
     def update_from_output(
         self, output: SchedulerOutput, sampled: Mapping[str, int]
     ) -> list[RuntimeRequest]:
-        """Apply a step's results; returns requests that ended (finished, rejected, failed).
-
-        ``sampled`` maps every request whose chunk had ``sample=True`` to its new token (a
-        tuple with lookahead, :mod:`.spec_plan`). Validated before anything changes
-        (ValueError: the step stays in flight).
-        """
+        """Apply a step's tokens (``request id -> token``, a tuple with lookahead); returns the
+        requests that ended. Validated first (ValueError: nothing changed)."""
         inflight = self._inflight
         if inflight is None or output is not inflight:
             if output.is_empty and not sampled:
@@ -232,14 +243,8 @@ class SchedulerBase:
         self._inflight_ids = set()
 
     def fail_step(self, output: SchedulerOutput, message: str) -> list[RuntimeRequest]:
-        """The step in flight could not run (the executor raised, or its result was refused).
-
-        Every request of the step becomes FAILED (ERROR, ``message`` in ``status_message``) and
-        releases its KV once; the step's pending copies are completed first (their targets
-        belong only to these requests). The step is cleared, and the next
-        ``update_from_output()`` reports the failed requests. Others are untouched. Returns
-        the failed requests; ValueError (nothing changed) if ``output`` is not in flight.
-        """
+        """The step in flight could not run: its requests become FAILED (``message``) and
+        release their KV once; the next ``update_from_output()`` reports them."""
         if self._inflight is None or output is not self._inflight:
             raise ValueError(f"fail_step: output of step {output.step} is not the step in flight")
         if not isinstance(message, str):
@@ -269,30 +274,23 @@ class SchedulerBase:
 
     def restore(self, requests: Sequence[RuntimeRequest], running_order: Sequence[str],
                  step: int) -> None:
-        """Install recovered requests into this empty scheduler (the entry point of recovery).
-
-        Waiting requests are queued preempted-first, each group in arrival order; running
-        requests in ``running_order`` (their admission order before the crash).
-        """
+        """Install recovered requests into this empty scheduler (crash recovery, chapter 5):
+        preempted then waiting ones queued in arrival order, running ones in ``running_order``."""
         if self._requests or self._step:
             raise RuntimeError("restore needs a fresh scheduler")
         for request in requests:
             rid = request.request_id
             self._requests[rid] = request
             request.arrival_seq = self._next_seq()
-        self.waiting = (
-            [r.request_id for r in requests if r.status == S.PREEMPTED]
-            + [r.request_id for r in requests if r.status == S.WAITING])
+        self.waiting = [r.request_id for s in (S.PREEMPTED, S.WAITING)
+                        for r in requests if r.status == s]
         for rid in running_order:
             self.running.append(rid)
             self._requests[rid].admit_seq = self._next_seq()
         self._step = step
 
-    # -- invariants ---------------------------------------------------------------------------
-
     def check_invariants(self) -> None:
-        """AssertionError naming the first broken invariant (see
-        :func:`kvlab.core.invariants.check_scheduler`)."""
+        """AssertionError naming the first broken invariant (:mod:`kvlab.core.invariants`)."""
         from .invariants import check_scheduler
 
         check_scheduler(self)
@@ -301,8 +299,6 @@ class SchedulerBase:
     def inflight_ids(self) -> frozenset[str]:
         """Ids of the requests whose chunks are in the step in flight."""
         return frozenset(self._inflight_ids)
-
-    # -- helpers for policies -----------------------------------------------------------------
 
     def _schedule_into(self, plan: StepPlan) -> None:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -8,14 +8,14 @@ up to ``k + 1`` query tokens. The rules:
 
 * a request gets ``k_r = min(k, max_kv_slots - num_tokens, token budget left)`` slots: never a
   slot past what ``prompt + max_tokens`` (or ``max_model_len``) can use, so the admission
-  reservation of :class:`~kvlab.core.policies.ProductionScheduler` still covers it;
+  reservation of :class:`~kvlab.core.production_scheduler.ProductionScheduler` still covers it;
 * the slots come from ``kv.grow``; when the pool is short the request simply does not
   speculate this step (``k_r = 0``): lookahead never preempts anyone;
 * the executor answers with a tuple of ``1 .. k_r + 1`` tokens (accepted drafts, then the
-  corrected or bonus token); :func:`~kvlab.core.scheduler_api.check_sampled` validates a
+  corrected or bonus token); :func:`~kvlab.core.engine_core.check_sampled` validates a
   step's answers and
   the scheduler applies them one by one (stopping at a stop token), then
-  :meth:`~kvlab.core.kv_manager.KVCacheManager.truncate` gives back the blocks past the accepted
+  :meth:`~.kv_cache_manager.KVCacheManager.truncate` gives back the blocks past the accepted
   tokens. Rejected positions inside a kept block are stale slots that the next step overwrites;
   they are never committed to the prefix cache because commits cover computed tokens only.
 """
@@ -26,10 +26,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .block_pool import OutOfBlocks
-from .scheduler_api import RuntimeRequest, StepPlan, stop_reason
+from .request import RuntimeRequest, stop_reason
 
 if TYPE_CHECKING:
-    from .scheduler import SchedulerBase
+    from .scheduler import SchedulerBase, StepPlan
 
 __all__ = ["lookahead_limit", "plan_lookahead", "stop_cut"]
 

@@ -10,16 +10,16 @@ differential test in ``tests/test_radix.py`` checks it):
   matches).
 
 Instead of scanning every entry, it walks a path-compressed trie over token ids, one per scope
-(scopes are compared by :func:`~kvlab.core.scope.scope_key`), so a lookup costs O(length of the
+(scopes are compared by :func:`~.radix_cache.scope_key`), so a lookup costs O(length of the
 match), independent of the number of entries. The engine's block-granular prefix cache, with
-locking and eviction, is :class:`kvlab.core.radix.RadixCache`.
+locking and eviction, is :class:`kvlab.core.radix_cache.RadixCache`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .scope import CacheScope, scope_key
+from .radix_cache import CacheScope, scope_key
 
 __all__ = ["TokenTrie"]
 

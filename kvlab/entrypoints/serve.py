@@ -315,7 +315,7 @@ def make_engine(args: argparse.Namespace):
 
     import torch
 
-    from kvlab.core.policies import ProductionScheduler
+    from kvlab.core.production_scheduler import ProductionScheduler
     from kvlab.engine.engine_args import EngineArgs
     from kvlab.engine.llm_engine import LLMEngine
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 from kvlab.core.block_pool import OutOfBlocks
-from kvlab.core.kv_manager import KVCacheManager
+from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.reference import BlockAllocator
 
 from ._common import require_answer

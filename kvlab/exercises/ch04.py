@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from kvlab.core.kv_manager import KVCacheManager
+from kvlab.core.kv_cache_manager import KVCacheManager
 
 from ._common import require_answer
 
@@ -31,8 +31,8 @@ _TURN_REASONS = {
 def conversation_hit(prompt_tokens: int, output_tokens: int, new_tokens: int,
                      block_size: int) -> int:
     """Run turn one on a real scheduler, then look up turn two (history + new tokens)."""
-    from kvlab.core.policies import ProductionScheduler
-    from kvlab.core.scheduler_api import RuntimeRequest
+    from kvlab.core.production_scheduler import ProductionScheduler
+    from kvlab.core.request import RuntimeRequest
     from kvlab.core.scheduler_config import SchedulerConfig
     from kvlab.sim.tokens import drive
 

@@ -1,7 +1,7 @@
 """Chapter 5 exercises: predict what an abort changes, derive the pool that avoids preemption,
 debug a recovery planner, and design a crash test.
 
-Each check computes the truth with :mod:`kvlab.core.lifecycle` / :mod:`kvlab.recovery`
+Each check computes the truth with :mod:`kvlab.core.request` / :mod:`kvlab.recovery`
 on a real scheduler and raises ``AssertionError`` saying what is wrong (which entry diverges,
 too high or too low, that a named request is not the one), never the answer.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import contextlib
 
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.lifecycle import RUNNING_STATUSES, EventLog, SimulatedCrash
-from kvlab.core.policies import ProductionScheduler
-from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest
+from kvlab.core.event_log import EventLog, SimulatedCrash
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler
+from kvlab.core.request import RUNNING_STATUSES, FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.recovery import RecoveryPlan, plan_recovery, recover, replay
 from kvlab.recovery.replay import met_stop

@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 from itertools import pairwise
 
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import BaselineScheduler, ProductionScheduler, default_order_key
-from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest
+from kvlab.core.baseline_scheduler import BaselineScheduler
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler, default_order_key
+from kvlab.core.request import RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.reference import Phase, Request, build_batch
 from kvlab.sim.tokens import drive

@@ -13,10 +13,10 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.core.engine_core import EngineCore, StepObserver
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import ProductionScheduler
-from kvlab.core.scheduler_api import RuntimeRequest, SchedulerOutput
+from kvlab.core.engine_core import EngineCore, SchedulerOutput, StepObserver
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler
+from kvlab.core.request import RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.chaos import ChaosExecutor
 from kvlab.sim.fault_lab import Mutation, run_lab

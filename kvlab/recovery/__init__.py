@@ -1,7 +1,7 @@
 """Crash recovery from the lifecycle event log (spec rules 5 and 11).
 
 The scheduler writes every status change and every KV acquisition/release to an
-:class:`~kvlab.core.lifecycle.EventLog` in write-ahead order (intent, then the KV manager call,
+:class:`~kvlab.core.event_log.EventLog` in write-ahead order (intent, then the KV manager call,
 then the outcome; status changes before the release they cause). The model of a crash: the
 scheduler process dies between two log appends; its queues are lost, the KV manager (think of a
 block pool owned by a separate process, or device memory that a restarted scheduler re-attaches
@@ -48,8 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.core.event_log import CorruptLog, Event, EventLog
-from kvlab.core.lifecycle import RUNNING_STATUSES, Lifecycle
-from kvlab.core.scheduler_api import FinishReason, RequestStatus
+from kvlab.core.request import RUNNING_STATUSES, FinishReason, Lifecycle, RequestStatus
 from kvlab.recovery.replay import ReplayedRequest, met_stop, replay
 
 __all__ = ["CorruptLog", "RecoveryPlan", "RecoveryReport", "ReplayedRequest", "plan_recovery",

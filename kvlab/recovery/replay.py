@@ -2,7 +2,7 @@
 
 :func:`replay` is pure (it touches no KV manager and does not change the events it reads) and
 refuses, with :class:`~kvlab.core.event_log.CorruptLog` naming the first bad record, any log
-that is not exactly what a :class:`~kvlab.core.lifecycle.Lifecycle` could have written before a
+that is not exactly what a :class:`~kvlab.core.request.Lifecycle` could have written before a
 crash. Recovery replays before it changes anything, so a refused log changes nothing.
 
 The checks, in the order they are made:
@@ -16,7 +16,7 @@ The checks, in the order they are made:
    event 0 is its one and only ``add``. An event of a request never added is refused.
 4. **Data and meaning.** Each kind's data has its arity and types, and must make sense for
    the request as replayed so far: a transition starts from the replayed status and is allowed
-   by :data:`~kvlab.core.lifecycle.TRANSITIONS` (finish reason included); an outcome
+   by :data:`~kvlab.core.request.TRANSITIONS` (finish reason included); an outcome
    (``acquired``, ``acquire_failed``, ``released``) answers an open intent; the move to
    RUNNING follows a completed acquisition; FINISHED comes with the stop condition the
    replayed outputs meet (:func:`met_stop`); ``progress`` comes while running with KV, never
@@ -36,14 +36,17 @@ from typing import Any
 
 from kvlab.core.checks import is_int
 from kvlab.core.event_log import EVENT_KINDS, LOG_ID, CorruptLog, Event
-from kvlab.core.lifecycle import (
+from kvlab.core.request import (
     ALLOWED_REASONS,
     RUNNING_STATUSES,
     TRANSITIONS,
     WAITING_STATUSES,
+    FinishReason,
+    RequestStatus,
+    RuntimeRequest,
     request_template,
+    stop_reason,
 )
-from kvlab.core.scheduler_api import FinishReason, RequestStatus, RuntimeRequest, stop_reason
 
 S = RequestStatus
 ACQUIRE_KINDS = frozenset({"admit", "fork"})

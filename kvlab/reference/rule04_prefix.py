@@ -4,7 +4,7 @@ A key binds an immutable compatibility ``scope`` (model/weights version, tokeniz
 adapter, RoPE, dtype/layout/quantisation schema, security domain, ...) to the exact token ids.
 A hit requires the scope to match exactly; the production radix tree keeps that contract.
 Its production twin is :class:`kvlab.core.token_trie.TokenTrie`; the engine's block-granular
-prefix cache is :class:`kvlab.core.radix.RadixCache`.
+prefix cache is :class:`kvlab.core.radix_cache.RadixCache`.
 """
 
 from __future__ import annotations

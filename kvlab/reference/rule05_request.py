@@ -2,8 +2,8 @@
 
 A request is in exactly one phase. ``finish`` (-> FINISHED) and ``cancel`` (-> CANCELLED) are
 idempotent: repeating them is a no-op, every other illegal move raises and changes nothing.
-The engine's runtime request and its lifecycle are in :mod:`kvlab.core.scheduler_api` and
-:mod:`kvlab.core.lifecycle`.
+The engine's runtime request and its lifecycle are in :mod:`kvlab.core.request` and
+:mod:`kvlab.core.request`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The chaos run (torch-free): random traffic and scheduled faults, invariants on every step.
 
 :func:`run_chaos` drives one :class:`~kvlab.core.engine_core.EngineCore` (the one step loop)
-over a :class:`~kvlab.core.policies.ProductionScheduler` with prefix caching, chunked prefill
-and ``n > 1`` requests (fanned out as LLMEngine does), and a :class:`ChaosExecutor` that
+over a :class:`~kvlab.core.production_scheduler.ProductionScheduler` with prefix caching,
+chunked prefill and ``n > 1`` requests (fanned out as LLMEngine does), and a :class:`ChaosExecutor` that
 produces tokens from a deterministic function of the context and **speculates** (a draft
 "model" that agrees with the target most of the time, or n-gram prompt lookup), verifying
 greedily as the real verifier does at temperature 0. Requests arrive and are aborted at random,
@@ -24,13 +24,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.core.engine_core import EngineCore, ModelOutput, StepObserver
+from kvlab.core.baseline_scheduler import BaselineScheduler
+from kvlab.core.engine_core import EngineCore, ModelOutput, SchedulerOutput, StepObserver
 from kvlab.core.event_log import CorruptLog, EventLog, SimulatedCrash
 from kvlab.core.faults import FaultInjector, InjectedFault, StepFaultSchedule
 from kvlab.core.invariant_set import EngineView, InvariantMonitor
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import BaselineScheduler, ProductionScheduler
-from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest, SchedulerOutput
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler
+from kvlab.core.request import RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.recovery import recover
 

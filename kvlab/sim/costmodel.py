@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from kvlab.capacity import dtype_bytes
 from kvlab.capacity.catalog import GPUSpec, ModelShape, get_gpu, get_model
-from kvlab.core.scheduler_api import ScheduledChunk
+from kvlab.core.engine_core import ScheduledChunk
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ class RooflineCostModel:
         (slots a static batch computes for requests that already finished).
 
         A chunk's lookahead slots are verified in this step's forward, so a chunk costs its
-        :attr:`~kvlab.core.scheduler_api.ScheduledChunk.num_query_tokens` (tokens plus
+        :attr:`~kvlab.core.engine_core.ScheduledChunk.num_query_tokens` (tokens plus
         lookahead) and, when it samples, ``num_lookahead + 1`` LM-head rows.
         """
         work = [(c.num_query_tokens, c.start_pos, (c.num_lookahead + 1) if c.sample else 0)

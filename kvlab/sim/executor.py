@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.core.engine_core import EngineCore, ModelOutput
-from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest, SchedulerOutput
+from kvlab.core.engine_core import EngineCore, ModelOutput, SchedulerOutput
+from kvlab.core.request import RequestStatus, RuntimeRequest
 
 from .costmodel import RooflineCostModel, StepCost
 from .workload import RequestSpec, to_request
@@ -210,7 +210,7 @@ def simulate(
 ) -> SimResult:
     """Run ``workload`` through ``scheduler`` on a simulated clock priced by ``cost``.
 
-    ``scheduler`` is any :class:`~kvlab.core.scheduler_api.Scheduler` (it may also offer
+    ``scheduler`` is any :class:`~kvlab.core.engine_core.Scheduler` (it may also offer
     ``padding(output) -> [(num_tokens, start_pos)]`` for dummy work it makes the GPU do, as a
     static batch does). The loop is :class:`~kvlab.core.engine_core.EngineCore`'s, with a
     :class:`CostModelExecutor`. ``until``: stop at that simulated time (unfinished requests

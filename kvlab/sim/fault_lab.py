@@ -31,9 +31,9 @@ from kvlab.core.faults import (
     StepFaultSchedule,
 )
 from kvlab.core.invariant_set import EngineView, InvariantMonitor, InvariantViolation
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import ProductionScheduler
-from kvlab.core.scheduler_api import RuntimeRequest
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler
+from kvlab.core.request import RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 
 from .chaos import ChaosExecutor

@@ -15,9 +15,9 @@ from typing import Any
 
 from kvlab.core.engine_core import EngineCore
 from kvlab.core.event_log import EventLog
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import ProductionScheduler
-from kvlab.core.scheduler_api import RuntimeRequest
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler
+from kvlab.core.request import RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 
 from .chaos import STOP, ChaosExecutor

@@ -10,7 +10,7 @@ the token ids of the exported slots as little-endian int64.
 
 :func:`run_pair` drives a producer :class:`~kvlab.core.engine_core.EngineCore` and a consumer
 one (both :class:`~kvlab.core.remote_kv.RemoteKVScheduler` over a
-:class:`~kvlab.core.policies.BaselineScheduler`) through the in-process channel, with a
+:class:`~kvlab.core.baseline_scheduler.BaselineScheduler`) through the in-process channel, with a
 :class:`~kvlab.core.transfer_faults.FaultSchedule`, and compares with a single engine.
 """
 
@@ -21,15 +21,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.core.engine_core import EngineCore, ModelOutput
+from kvlab.core.baseline_scheduler import BaselineScheduler
+from kvlab.core.engine_core import EngineCore, ModelOutput, SchedulerOutput
 from kvlab.core.event_log import SimulatedCrash
+from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_channel import EntryExporter, InProcessChannel
 from kvlab.core.kv_install import recover_installs
-from kvlab.core.kv_manager import KVCacheManager
 from kvlab.core.kv_transfer import LAYOUT, Delivery
-from kvlab.core.policies import BaselineScheduler
 from kvlab.core.remote_kv import RemoteKVPolicy, RemoteKVScheduler
-from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest, SchedulerOutput
+from kvlab.core.request import RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.core.transfer_faults import FaultInjector, FaultSchedule
 

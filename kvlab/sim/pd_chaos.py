@@ -23,15 +23,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.engine_core import EngineCore, ModelOutput, StepObserver
 from kvlab.core.faults import FaultInjector, InjectedFault, StepFaultSchedule
 from kvlab.core.install_audit import InstallAudit
 from kvlab.core.invariant_set import EngineView, InvariantMonitor
+from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_channel import EntryExporter, InProcessChannel
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import BaselineScheduler, ProductionScheduler
+from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.remote_kv import RemoteKVPolicy, RemoteKVScheduler
-from kvlab.core.scheduler_api import RequestStatus, RuntimeRequest
+from kvlab.core.request import RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.core.transfer_faults import DEFAULT_POINT, FaultSchedule
 from kvlab.core.transfer_faults import FaultInjector as TransferInjector

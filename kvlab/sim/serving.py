@@ -27,9 +27,9 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvlab.core.kv_manager import KVCacheManager
-from kvlab.core.policies import BaselineScheduler
-from kvlab.core.scheduler_api import ScheduledChunk
+from kvlab.core.baseline_scheduler import BaselineScheduler
+from kvlab.core.engine_core import ScheduledChunk
+from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.slo import FailureKind, LatencyRecord
 

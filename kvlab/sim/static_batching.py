@@ -6,7 +6,7 @@ batch decodes one token per member per step until its *longest* member is done. 
 finish early leave their slot idle but still computed (padding), as in FasterTransformer-style
 serving, and nobody joins a running batch. KV for prompt + max_tokens is reserved at admission.
 
-It implements the same :class:`~kvlab.core.scheduler_api.Scheduler` protocol as the
+It implements the same :class:`~kvlab.core.engine_core.Scheduler` protocol as the
 iteration-level schedulers, so the simulator runs all of them unchanged.
 """
 
@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvlab.core.scheduler import SchedulerBase
-from kvlab.core.scheduler_api import RequestStatus, SchedulerOutput, StepPlan
+from kvlab.core.engine_core import SchedulerOutput
+from kvlab.core.request import RequestStatus
+from kvlab.core.scheduler import SchedulerBase, StepPlan
 
 S = RequestStatus
 

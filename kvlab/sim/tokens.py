@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.core.engine_core import EngineCore
-from kvlab.core.scheduler_api import RuntimeRequest, SchedulerOutput
+from kvlab.core.engine_core import EngineCore, SchedulerOutput
+from kvlab.core.request import RuntimeRequest
 
 from .executor import CostModelExecutor
 

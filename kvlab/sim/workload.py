@@ -1,7 +1,7 @@
 """Synthetic workloads: Poisson arrivals and length distributions (seeded, no torch).
 
 A workload is a list of :class:`RequestSpec` sorted by arrival time. :func:`to_request` turns a
-spec into a :class:`~kvlab.core.scheduler_api.RuntimeRequest` with deterministic token ids
+spec into a :class:`~kvlab.core.request.RuntimeRequest` with deterministic token ids
 (requests of the same ``prefix_group`` share their first ``shared_prefix`` tokens) and a fixed
 output length (``max_tokens = output_len``, EOS ignored), the usual set-up of serving papers.
 """
@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvlab.core.scheduler_api import RuntimeRequest
+from kvlab.core.request import RuntimeRequest
 
 LengthDist = Callable[[random.Random], int]
 

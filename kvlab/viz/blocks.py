@@ -1,6 +1,6 @@
 """Chapter 3 figures: the KV pool coloured by block state, with refcounts, step by step.
 
-* :func:`pool_figure` — pure: a :class:`~kvlab.core.kv_manager.KVSnapshot` in, a Figure out. The
+* :func:`pool_figure` — pure: a :class:`~kvlab.core.kv_snapshot.KVSnapshot` in, a Figure out. The
   pool is drawn one cell per physical block, coloured by state (free / exclusive / shared /
   cached / pending copy), with its refcount; below it, every request's block table.
 * :func:`fork_scenario` — a scripted run of a real :class:`KVCacheManager`: parallel sampling
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvlab.core.kv_manager import KVCacheManager
+from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_snapshot import KVSnapshot
 
 from ._widgets import figure_widget

@@ -128,7 +128,7 @@ def recovery_snapshot(crash_at: int, events: Sequence, held: dict[str, bool],
 
 
 def event_text(event) -> str:
-    """A short human-readable line for a :class:`~kvlab.core.lifecycle.Event`."""
+    """A short human-readable line for a :class:`~kvlab.core.event_log.Event`."""
     d = event.data
     if event.kind == "transition":
         what = f"{d[0]} -> {d[1]}" + (f" ({d[2]})" if d[2] else "")

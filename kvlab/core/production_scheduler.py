@@ -1,110 +1,27 @@
-"""The scheduling policies over a paged KV cache (spec rules 5, 6 and 11).
+"""An opt-in policy: token-budget continuous batching with admission control (spec rules 6, 11).
 
-Two schedulers implement the :class:`~kvlab.core.scheduler_api.Scheduler` protocol:
-
-* :class:`BaselineScheduler` is the spec's reference :func:`kvlab.reference.build_batch`
-  (decode first, then FIFO prefill chunks into what is left of the token budget) wrapped to own
-  real requests and real KV. Where KV is ample its batch *is* ``build_batch``'s (tested). When KV
-  runs short it does what early engines did: it admits a waiting request only if its first
-  chunk fits (head of line: it never skips ahead), and when a running request cannot grow it
-  preempts the most recently admitted running request that is not yet scheduled this step
-  (recompute: its KV is freed, it waits at the front of the queue and keeps its tokens).
-* :class:`ProductionScheduler` shares one token budget between decodes and chunked prefills
-  and adds admission control with KV reservation, priority classes, deadlines (EDF), cache
-  affinity, ageing with a stated starvation bound, a deterministic preemption victim policy and
-  an explicit overload policy. Its policy is documented on the class.
-
-Both are deterministic: no clocks, no randomness, no set-order dependence.
-
-Common rules (:class:`~kvlab.core.scheduler.SchedulerBase`):
-
-* ``add_request`` validates its input (``ValueError``, scheduler unchanged) and then *rejects*
-  (status REJECTED, reason in ``status_message``) a request that can never fit: its prompt does
-  not fit ``max_model_len``, or prompt + max_tokens needs more KV blocks than the pool has.
-  Rejected requests appear in the next output's ``rejected`` and in the list returned by the
-  next ``update_from_output``.
-* ``num_computed_tokens`` advances in ``update_from_output`` (KV is written when the step ran),
-  so ``schedule()`` may not be called again before the previous output was consumed.
-* Every non-terminal request is in exactly one queue: ``waiting`` (WAITING or PREEMPTED, holds
-  no KV) or ``running`` (RUNNING, holds a block table). ``check_invariants`` checks it.
+One token budget shared by decodes and chunked prefills, with KV reservation, priority classes,
+deadlines (EDF), cache affinity, ageing with a stated starvation bound, a deterministic
+preemption victim policy and an explicit overload policy (all on the class). Deterministic: no
+clocks, no randomness, no set-order dependence. The default policy is :mod:`.baseline_scheduler`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
-
-from kvlab.reference import Phase
-from kvlab.reference import Request as ReferenceRequest
+from typing import TYPE_CHECKING
 
 from .block_pool import OutOfBlocks
-from .lifecycle import RUNNING_STATUSES, EventLog
-from .scheduler import SchedulerBase
-from .scheduler_api import RequestStatus, RuntimeRequest, StepPlan
+from .request import RUNNING_STATUSES, RequestStatus, RuntimeRequest
+from .scheduler import SchedulerBase, StepPlan
 from .scheduler_config import SchedulerConfig
 
+if TYPE_CHECKING:
+    from .event_log import EventLog
+    from .kv_cache_manager import KVCacheManager
+
 S = RequestStatus
-
-
-class BaselineScheduler(SchedulerBase):
-    """The spec's decode-first ``build_batch`` as a real scheduler (see the module docstring).
-
-    Per step: every running decode gets one token (running order), then running prefills and
-    then waiting requests (FIFO; preempted requests at the front) get
-    ``min(tokens left, prefill_chunk, budget left)``; stop at ``max_num_seqs`` entries or an
-    exhausted budget, exactly like ``build_batch``. KV: a waiting request is admitted only if its
-    first chunk fits (otherwise admission stops: no skipping); a running request that cannot
-    grow preempts the newest-admitted running request not yet scheduled this step. No
-    reservation, no priorities, no deadlines, no overload limit.
-    """
-
-    def _schedule_into(self, plan: StepPlan) -> None:
-        chunk_cap = self.config.prefill_chunk
-        running = [self._requests[rid] for rid in self.running]
-        decodes = [r for r in running if r.is_decoding]
-        prefills = [r for r in running if not r.is_decoding]
-
-        def victims() -> list[RuntimeRequest]:
-            pool = [self._requests[rid] for rid in self.running if rid not in plan.scheduled]
-            return sorted(pool, key=lambda r: -r.admit_seq)
-
-        for request in decodes + prefills:
-            if plan.seqs_left == 0 or plan.tokens_left == 0:
-                return
-            if request.status not in RUNNING_STATUSES:   # preempted earlier in this step
-                continue
-            n = 1 if request.is_decoding else min(
-                request.num_uncomputed_tokens, chunk_cap, plan.tokens_left)
-            start = request.num_computed_tokens
-            if self._ensure_kv(plan, request, n, victims):
-                plan.add_chunk(self._chunk(request, start, n))
-        for rid in list(self.waiting):
-            if plan.seqs_left == 0 or plan.tokens_left == 0:
-                return
-            request = self._requests[rid]
-            cached = self._uncomputed_prefix_hit(request)
-            n = min(request.num_tokens - cached, chunk_cap, plan.tokens_left)
-            need = self.kv.blocks_needed(None, cached + n, request.scope, request.all_token_ids)
-            if need > self.kv.num_allocatable_blocks():
-                return   # head of line: wait for KV, never skip ahead
-            try:
-                self._admit(plan, request, cached, n)
-            except OutOfBlocks:
-                return
-
-    def reference_view(self) -> list[ReferenceRequest]:
-        """This scheduler's state as the spec's reference ``Request`` list, in the order
-        ``build_batch`` must see it (running, then waiting) for the two to agree."""
-        view = []
-        for rid in self.running + self.waiting:
-            r = self._requests[rid]
-            phase = (Phase.WAITING if r.status is not S.RUNNING
-                     else Phase.DECODE if r.is_decoding else Phase.PREFILL)
-            left = r.num_uncomputed_tokens if phase != Phase.WAITING else (
-                r.num_tokens - self._uncomputed_prefix_hit(r))
-            view.append(ReferenceRequest(rid, left, len(r.output_token_ids), phase))
-        return view
 
 
 OrderKey = Callable[[RuntimeRequest, int, int], tuple]
@@ -158,7 +75,7 @@ class ProductionScheduler(SchedulerBase):
     tests check it on random workloads.
     """
 
-    def __init__(self, kv: Any, config: SchedulerConfig | None = None, *,
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig | None = None, *,
                  log: EventLog | None = None, order_key: OrderKey | None = None) -> None:
         super().__init__(kv, config, log=log)   # checks max_num_seqs <= max_num_batched_tokens
         self.order_key: OrderKey = order_key if order_key is not None else default_order_key

@@ -1,38 +1,62 @@
-"""The engine's prefix cache: block-granular radix trees per compatibility scope (spec rule 4).
+"""The prefix cache: block-granular radix trees, one per compatibility scope (spec rule 4).
 
-:class:`RadixCache` indexes physical KV blocks by the exact token prefix they hold, so a new
-request can reuse them. It keeps the reference :class:`~kvlab.reference.PrefixCache`'s scope
-contract (a hit only within an identical scope) but works in whole blocks and adds what an
-engine needs: locking and eviction. (The token-granular twin of ``PrefixCache``, with its
-``put``/``longest`` API, is :class:`kvlab.core.token_trie.TokenTrie`.)
-
-**The tree** is block-granular: each node is one full block of ``block_size`` tokens (the
-node's *chunk*) and the physical block holding their KV; a node's path from the scope's root
-spells the whole prefix, so the KV in the block is valid only for that exact path, in that scope.
-
-* :meth:`match` — the longest cached path, whole blocks only, capped at ``len(tokens) - 1``
-  tokens so the last prompt token is always computed (its logits produce the first output).
-  Pure: no LRU side effect.
-* :meth:`insert` — add a request's full blocks. Where the path already exists the existing block
-  is kept (first writer wins); the caller learns which of its blocks were newly adopted.
-* :meth:`lock` / :meth:`unlock` — a request using a path locks it (every node from the root down);
-  unlocking stamps the path as most recently used.
-* :meth:`evict` — forget unlocked *leaves*, least recently used first; a parent becomes a
-  candidate once its last child is gone, so a path is always forgotten from its tail.
-
-The radix cache owns no memory itself: it returns block ids and the caller (KVCacheManager)
-moves references in the :class:`~kvlab.core.block_pool.BlockPool`. Scopes are compared by
-:func:`~kvlab.core.scope.scope_key`; a hit across any differing scope field is impossible
-because different scopes live in different trees.
+Each node is one full block of ``block_size`` tokens and the physical block holding their KV;
+a node's path from its scope's root spells the whole prefix. :meth:`RadixCache.match` finds the
+longest cached path (whole blocks, at most ``len(tokens) - 1`` tokens, no side effect);
+:meth:`~RadixCache.insert` adds a request's full blocks (first writer wins); a request locks its
+path while it runs; :meth:`~RadixCache.evict` drops unlocked leaves, least recently used first.
+It owns no memory: the KV cache manager moves references in the block pool. Chapter 4 explains.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from .scope import CacheScope, scope_key
+SCOPE_FIELDS: tuple[str, ...] = ("model", "weights_version", "tokenizer", "chat_template",
+                                  "adapter", "rope", "kv_dtype", "kv_layout", "quant_schema",
+                                  "security_domain")
+
+
+@dataclass(frozen=True)
+class CacheScope:
+    """Everything besides token ids that a cached KV block depends on (spec rule 4). Every
+    field is a required non-empty str (``"none"`` explicitly): a default would silently match."""
+
+    model: str
+    weights_version: str
+    tokenizer: str
+    chat_template: str
+    adapter: str
+    rope: str
+    kv_dtype: str
+    kv_layout: str
+    quant_schema: str
+    security_domain: str
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, str):
+                raise TypeError(f"CacheScope.{f.name} must be a str, got {type(value).__name__}")
+            if not value:
+                raise ValueError(f"CacheScope.{f.name} must be non-empty (use 'none' explicitly)")
+
+    def key(self) -> tuple[tuple[str, str], ...]:
+        """The comparable key: ``(field name, value)`` pairs in a fixed order."""
+        return tuple((name, getattr(self, name)) for name in SCOPE_FIELDS)
+
+
+def scope_key(scope: CacheScope | tuple | list) -> tuple:
+    """A scope as a dict key: a CacheScope's :meth:`~CacheScope.key`, else ``tuple(scope)``
+    as the reference ``PrefixCache`` does; TypeError when that is not hashable."""
+    key = scope.key() if isinstance(scope, CacheScope) else tuple(scope)
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(f"cache scope must be hashable, got {key!r}") from None
+    return key
 
 
 class _Node:
@@ -70,12 +94,8 @@ class _Node:
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """Result of :meth:`RadixCache.match`: ``num_tokens`` cached tokens in ``blocks``.
-
-    ``node`` is the handle to :meth:`RadixCache.lock` (None when nothing matched).
-    ``unlocked_blocks`` counts matched blocks that are currently evictable: locking the match
-    takes them out of the evictable pool.
-    """
+    """:meth:`RadixCache.match`'s answer: ``num_tokens`` cached tokens in ``blocks``; ``node``
+    the handle to lock (None: no match); ``unlocked_blocks`` of them are evictable now."""
 
     num_tokens: int
     blocks: tuple[int, ...]
@@ -128,7 +148,6 @@ class RadixCache:
         self._leaves: set[_Node] = set()  # unlocked non-root nodes without children
         self._heap: list[tuple[int, int, _Node]] = []  # lazy LRU heap over self._leaves
 
-    # ================================================================== queries
     def match(self, scope: CacheScope | tuple, token_ids: Sequence[int], *,
               leave_last: bool = True) -> PrefixMatch:
         """Longest cached path for ``token_ids`` in ``scope``, whole blocks only. No side effects.
@@ -203,22 +222,12 @@ class RadixCache:
         """Scopes with at least one cached block."""
         return list(self._roots)
 
-    # ================================================================== mutations
     def insert(self, scope: CacheScope | tuple, token_ids: Sequence[int],
                blocks: Sequence[int], *, below: _Node | None = None) -> InsertResult:
-        """Index ``blocks[i]`` as the KV of ``token_ids[i*bs:(i+1)*bs]`` under the preceding path.
-
-        Positions whose path already exists keep the existing block (first writer wins; the
-        caller's duplicate stays private to it). Returns the deepest node of the path and the
-        caller's blocks that were newly indexed: the caller must give the cache a reference on
-        them. ValueError (cache unchanged) if ``token_ids`` is shorter than ``len(blocks)``
-        blocks, a block id repeats, or a newly indexed block is already indexed elsewhere.
-        The path is stamped most recently used.
-
-        ``below``: a live node of ``scope`` (a handle from match/insert) whose path spells the
-        tokens that precede ``token_ids``. The blocks are indexed under it, with the same result
-        as inserting the whole path from the root, without walking that prefix again.
-        """
+        """Index ``blocks[i]`` as the KV of ``token_ids[i*bs:(i+1)*bs]`` (under ``below``, a live
+        node whose path spells the preceding tokens, else from the root). An existing path keeps
+        its block (first writer wins); returns the deepest node and the newly indexed blocks,
+        which the caller must give the cache a reference on. ValueError: cache unchanged."""
         key = scope_key(scope)
         if below is not None:
             self._check_alive(below)
@@ -312,7 +321,6 @@ class RadixCache:
                 self._refresh_leaf(parent)
         return evicted
 
-    # ================================================================== views
     def tree_snapshot(self, scope: CacheScope | tuple) -> RadixSnapshot:
         """Plain-data tree of ``scope`` (depth-first, children in chunk order)."""
         key = scope_key(scope)
@@ -354,7 +362,6 @@ class RadixCache:
                 yield node
                 stack.extend(node.children.values())
 
-    # ================================================================== internals
     def _new_node(self, scope: tuple, parent: _Node | None, chunk: tuple, block: int) -> _Node:
         self._next_id += 1
         depth = 0 if parent is None else parent.depth + 1

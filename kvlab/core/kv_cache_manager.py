@@ -1,21 +1,10 @@
 """KVCacheManager: per-request block tables over a refcounted pool and a radix prefix cache.
 
-The object the scheduler allocates from: :class:`~kvlab.core.block_pool.BlockPool` says who holds
-which physical block, :class:`~kvlab.core.radix.RadixCache` which blocks hold which cached
-prefix (chapters 3 and 4 explain the design). The rules:
-
-* The prefix cache is an owner like any other (:data:`~kvlab.core.block_pool.CACHE_OWNER`):
-  ``refcount == live owners`` counts it, copy-on-write protects cached KV with no special case,
-  and a cached block no request uses stays alive until the tree evicts it.
-* A request locks its whole cached path from admission until :meth:`KVCacheManager.free`; only
-  unlocked leaves are evicted, least recently used first.
-* Position ``t`` lives at slot ``block_size * table[t // block_size] + t % block_size`` (spec
-  rule 2). Full blocks are cached by :meth:`KVCacheManager.commit`; when another request cached
-  the same tokens first, its blocks stay canonical and the duplicate stays private.
-* Every mutation validates its input and checks capacity before changing anything: on
-  :class:`~kvlab.core.block_pool.OutOfBlocks`, ValueError or KeyError nothing changed. What an
-  admission or a growth needs is computed once (``_plan_admission``, ``_plan_grow``), for
-  :meth:`KVCacheManager.blocks_needed` and for the mutation alike.
+The object the scheduler allocates from. The prefix cache is an owner like any other
+(:data:`~kvlab.core.block_pool.CACHE_OWNER`), so copy-on-write protects cached KV with no special
+case; a request locks its cached path until :meth:`KVCacheManager.free`. Position ``t`` lives at
+slot ``block_size * table[t // block_size] + t % block_size`` (spec rule 2). Every mutation is
+all-or-nothing: on OutOfBlocks, ValueError or KeyError nothing changed. Chapters 3 and 4.
 """
 
 from __future__ import annotations
@@ -25,10 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .block_pool import CACHE_OWNER, BlockPool, OutOfBlocks
-from .checks import is_int
 from .paging import token_slots
-from .radix import PrefixMatch, RadixCache, _Node
-from .scope import CacheScope, scope_key
+from .radix_cache import CacheScope, PrefixMatch, RadixCache, _Node, scope_key
 
 if TYPE_CHECKING:
     from .kv_snapshot import KVSnapshot
@@ -60,9 +47,9 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
-        if not is_int(num_blocks) or num_blocks <= 0:
+        if type(num_blocks) is not int or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if not is_int(block_size) or block_size <= 0:
+        if type(block_size) is not int or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -81,14 +68,13 @@ class KVCacheManager:
         self.hit_requests = 0
         self.miss_requests = 0
 
-    # ================================================================== queries
     def num_allocatable_blocks(self) -> int:
         """Free blocks plus cached blocks that can be evicted now."""
         return self.pool.num_allocatable()
 
     def blocks_for(self, num_tokens: int) -> int:
         """``ceil(num_tokens / block_size)``."""
-        if not is_int(num_tokens) or num_tokens < 0:
+        if type(num_tokens) is not int or num_tokens < 0:
             raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         return -(-num_tokens // self.block_size)
 
@@ -127,7 +113,7 @@ class KVCacheManager:
     def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
         """Physical slots of positions ``[start, end)``; ValueError outside the table."""
         table = self._table(request_id)
-        if not (is_int(start) and is_int(end) and
+        if not (type(start) is int and type(end) is int and
                 0 <= start <= end <= len(table) * self.block_size):
             raise ValueError(
                 f"positions [{start}, {end}) outside the table of {request_id!r} "
@@ -147,7 +133,6 @@ class KVCacheManager:
         self._table(request_id)
         return self._scopes[request_id]
 
-    # ================================================================== mutations
     def admit(self, request_id: str, scope: CacheScope | tuple, token_ids: Sequence[int],
               num_tokens: int) -> int:
         """Create a table of ``num_tokens`` slots: reuse and lock the cached prefix, allocate
@@ -158,7 +143,7 @@ class KVCacheManager:
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} is already admitted")
         key = scope_key(scope)
-        if not is_int(num_tokens) or num_tokens < 1:
+        if type(num_tokens) is not int or num_tokens < 1:
             raise ValueError(f"a request needs at least one token slot, got {num_tokens!r}")
         plan = self._plan_admission(self.blocks_for(num_tokens), key, token_ids)
         if num_tokens <= plan.cached:
@@ -194,7 +179,7 @@ class KVCacheManager:
         the ``(src, dst)`` copies, fenced until :meth:`complete_copies`. KeyError / ValueError /
         :class:`OutOfBlocks`, unchanged, on an unknown id, bad positions, too few blocks."""
         table = self._table(request_id)
-        if not (is_int(write_from) and is_int(num_tokens)
+        if not (type(write_from) is int and type(num_tokens) is int
                 and 0 <= write_from <= num_tokens):
             raise ValueError(f"need 0 <= write_from <= num_tokens, got {write_from}, {num_tokens}")
         if self._grow_is_noop(table, num_tokens, write_from):   # most decode steps
@@ -216,7 +201,7 @@ class KVCacheManager:
         """Shrink the table to ``num_tokens`` slots (a speculative rollback) and return the
         released tail, which may hold no committed block (ValueError, unchanged)."""
         table = self._table(request_id)
-        keep = self.blocks_for(num_tokens) if is_int(num_tokens) and num_tokens >= 0 else -1
+        keep = self.blocks_for(num_tokens) if type(num_tokens) is int and num_tokens >= 0 else -1
         if keep < self._committed[request_id]:
             raise ValueError(f"truncate({request_id!r}, {num_tokens!r}) would drop cached blocks")
         tail = table[keep:]
@@ -305,7 +290,6 @@ class KVCacheManager:
         del self._sent[request_id]
         return True
 
-    # ================================================================== checks and views
     def requests(self) -> list[str]:
         return list(self._tables)
 
@@ -337,7 +321,6 @@ class KVCacheManager:
             (self.hit_tokens, self.query_tokens, self.hit_requests, self.miss_requests),
         )
 
-    # ================================================================== internals
     def _table(self, request_id: str) -> list[int]:
         try:
             return self._tables[request_id]

@@ -1,0 +1,72 @@
+"""The default policy: the spec's reference ``build_batch`` (spec rule 6) as a real scheduler.
+
+Decode first, then FIFO prefill chunks into what is left of the token budget; where KV is ample
+its batch *is* ``build_batch``'s (tested). When KV runs short it does what early engines did:
+admit a waiting request only if its first chunk fits (head of line, no skipping), and when a
+running request cannot grow, preempt the newest-admitted running request not yet scheduled
+(recompute). The opt-in alternative is :mod:`.production_scheduler`; chapter 6 compares them.
+"""
+
+from __future__ import annotations
+
+from kvlab.reference import Phase
+from kvlab.reference import Request as ReferenceRequest
+
+from .block_pool import OutOfBlocks
+from .request import RUNNING_STATUSES, RequestStatus, RuntimeRequest
+from .scheduler import SchedulerBase, StepPlan
+
+S = RequestStatus
+
+
+class BaselineScheduler(SchedulerBase):
+    """Per step: each running decode gets one token, then running prefills and then waiting
+    requests (FIFO, preempted ones first) get ``min(tokens left, prefill_chunk, budget left)``,
+    until ``max_num_seqs`` entries or the budget run out."""
+
+    def _schedule_into(self, plan: StepPlan) -> None:
+        chunk_cap = self.config.prefill_chunk
+        running = [self._requests[rid] for rid in self.running]
+        decodes = [r for r in running if r.is_decoding]
+        prefills = [r for r in running if not r.is_decoding]
+
+        def victims() -> list[RuntimeRequest]:
+            pool = [self._requests[rid] for rid in self.running if rid not in plan.scheduled]
+            return sorted(pool, key=lambda r: -r.admit_seq)
+
+        for request in decodes + prefills:
+            if plan.seqs_left == 0 or plan.tokens_left == 0:
+                return
+            if request.status not in RUNNING_STATUSES:   # preempted earlier in this step
+                continue
+            n = 1 if request.is_decoding else min(
+                request.num_uncomputed_tokens, chunk_cap, plan.tokens_left)
+            start = request.num_computed_tokens
+            if self._ensure_kv(plan, request, n, victims):
+                plan.add_chunk(self._chunk(request, start, n))
+        for rid in list(self.waiting):
+            if plan.seqs_left == 0 or plan.tokens_left == 0:
+                return
+            request = self._requests[rid]
+            cached = self._uncomputed_prefix_hit(request)
+            n = min(request.num_tokens - cached, chunk_cap, plan.tokens_left)
+            need = self.kv.blocks_needed(None, cached + n, request.scope, request.all_token_ids)
+            if need > self.kv.num_allocatable_blocks():
+                return   # head of line: wait for KV, never skip ahead
+            try:
+                self._admit(plan, request, cached, n)
+            except OutOfBlocks:
+                return
+
+    def reference_view(self) -> list[ReferenceRequest]:
+        """This scheduler's state as the spec's reference ``Request`` list, in the order
+        ``build_batch`` must see it (running, then waiting) for the two to agree."""
+        view = []
+        for rid in self.running + self.waiting:
+            r = self._requests[rid]
+            phase = (Phase.WAITING if r.status is not S.RUNNING
+                     else Phase.DECODE if r.is_decoding else Phase.PREFILL)
+            left = r.num_uncomputed_tokens if phase != Phase.WAITING else (
+                r.num_tokens - self._uncomputed_prefix_hit(r))
+            view.append(ReferenceRequest(rid, left, len(r.output_token_ids), phase))
+        return view
