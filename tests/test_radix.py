@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.core.invariants import check_radix
+from kvlab.core.kv_snapshot import radix_snapshot
 from kvlab.core.radix_cache import SCOPE_FIELDS, CacheScope, RadixCache, scope_key
 from kvlab.core.token_trie import TokenTrie
 from kvlab.reference import PrefixCache
@@ -166,10 +167,10 @@ def test_tree_snapshot_is_plain_data():
     cache = RadixCache(block_size=2)
     cache.insert("s", [1, 2, 3, 4], [0, 1])
     cache.insert("s", [1, 2, 5, 6], [0, 2])
-    snap = cache.tree_snapshot("s")
+    snap = radix_snapshot(cache, "s")
     assert [n.block for n in snap.nodes] == [0, 1, 2]
     assert snap.nodes[1].parent_id == snap.nodes[0].node_id
-    assert cache.tree_snapshot("nothing").nodes == ()
+    assert radix_snapshot(cache, "nothing").nodes == ()
 
 
 def test_bad_arguments():
@@ -200,12 +201,12 @@ def test_radix_figure_highlights_the_hit_path():
     cache.insert("s", [1, 2, 5, 6], [0, 2])
     m = cache.match("s", [1, 2, 5, 6, 7])
     cache.lock(m.node)
-    fig = radix_figure(cache.tree_snapshot("s"), highlight=m.blocks)
+    fig = radix_figure(radix_snapshot(cache, "s"), highlight=m.blocks)
     patches = {p.get_gid(): p for p in fig.axes[0].patches if p.get_gid()}
     assert {"node-0", "node-1", "node-2", "node-root"} <= set(patches)
     assert patches["node-2"].get_linewidth() > patches["node-1"].get_linewidth()
     plt.close(fig)
-    view = RadixView(cache.tree_snapshot("s"), {"q": (m.num_tokens, m.blocks)})
+    view = RadixView(radix_snapshot(cache, "s"), {"q": (m.num_tokens, m.blocks)})
     plt.close(view.figure())
     assert view.widget() is not None
     fig = hit_rate_figure({"few-shot": {"computed_off": 10, "computed_on": 2, "hit_rate": 0.8}})

@@ -29,10 +29,10 @@ from .engine_core import ScheduledChunk, SchedulerOutput
 from .event_log import EventLog
 from .invariants import KV_MANAGER_INVARIANTS, InvariantSet, check_kv_manager
 from .kv_cache_manager import KVCacheManager
-from .kv_snapshot import KVSnapshot
+from .kv_snapshot import KVSnapshot, RadixSnapshot, radix_snapshot
 from .paging import BlockTable, block_table_array, slot_mapping, slots_for
 from .production_scheduler import ProductionScheduler
-from .radix_cache import SCOPE_FIELDS, CacheScope, PrefixMatch, RadixCache, RadixSnapshot, scope_key
+from .radix_cache import SCOPE_FIELDS, CacheScope, PrefixMatch, RadixCache, scope_key
 from .request import TRANSITIONS, FinishReason, Lifecycle, RequestStatus, RuntimeRequest
 from .scheduler_config import SchedulerConfig
 from .token_trie import TokenTrie
@@ -75,6 +75,7 @@ __all__ = [
     "goodput",
     "kv_bytes",
     "physical_slot",
+    "radix_snapshot",
     "scope_key",
     "slot_mapping",
     "slots_for",

@@ -1,12 +1,37 @@
-"""KVSnapshot: a plain-data picture of a KV cache manager, for figures and checks."""
+"""Plain-data pictures of the KV cache manager and its radix tree, for figures and checks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .radix_cache import CacheScope, scope_key
+
 if TYPE_CHECKING:
     from .kv_cache_manager import KVCacheManager
+    from .radix_cache import RadixCache
+
+
+@dataclass(frozen=True)
+class RadixNodeView:
+    """Plain-data view of one tree node (for figures)."""
+
+    node_id: int
+    parent_id: int | None
+    depth: int
+    chunk: tuple[int, ...]
+    block: int
+    lock_ref: int
+    last_access: int
+
+
+@dataclass(frozen=True)
+class RadixSnapshot:
+    """Plain-data view of the tree of one scope; ``nodes`` in depth-first order."""
+
+    block_size: int
+    scope: tuple
+    nodes: tuple[RadixNodeView, ...]
 
 
 @dataclass(frozen=True)
@@ -70,3 +95,22 @@ def snapshot_of(kv: KVCacheManager) -> KVSnapshot:
         hit_requests=kv.hit_requests,
         miss_requests=kv.miss_requests,
     )
+
+
+def radix_snapshot(cache: RadixCache, scope: CacheScope | tuple) -> RadixSnapshot:
+    """Plain-data tree of ``scope`` (depth-first, children in chunk order)."""
+    key = scope_key(scope)
+    views: list[RadixNodeView] = []
+
+    def visit(node) -> None:
+        for chunk in sorted(node.children):
+            child = node.children[chunk]
+            views.append(RadixNodeView(
+                child.node_id, None if node.is_root else node.node_id, child.depth,
+                child.chunk, child.block, child.lock_ref, child.last_access))
+            visit(child)
+
+    for root_key, root in cache.roots():
+        if root_key == key:
+            visit(root)
+    return RadixSnapshot(cache.block_size, key, tuple(views))

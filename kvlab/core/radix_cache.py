@@ -111,28 +111,6 @@ class InsertResult:
     new_blocks: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class RadixNodeView:
-    """Plain-data view of one tree node (for figures)."""
-
-    node_id: int
-    parent_id: int | None
-    depth: int
-    chunk: tuple[int, ...]
-    block: int
-    lock_ref: int
-    last_access: int
-
-
-@dataclass(frozen=True)
-class RadixSnapshot:
-    """Plain-data view of the tree of one scope; ``nodes`` in depth-first order."""
-
-    block_size: int
-    scope: tuple
-    nodes: tuple[RadixNodeView, ...]
-
-
 class RadixCache:
     """Block-granular prefix cache, one radix tree per scope (contract: the module docstring)."""
 
@@ -320,24 +298,6 @@ class RadixCache:
             else:
                 self._refresh_leaf(parent)
         return evicted
-
-    def tree_snapshot(self, scope: CacheScope | tuple) -> RadixSnapshot:
-        """Plain-data tree of ``scope`` (depth-first, children in chunk order)."""
-        key = scope_key(scope)
-        root = self._roots.get(key)
-        views: list[RadixNodeView] = []
-
-        def visit(node: _Node) -> None:
-            for chunk in sorted(node.children):
-                child = node.children[chunk]
-                views.append(RadixNodeView(
-                    child.node_id, None if node.is_root else node.node_id, child.depth,
-                    child.chunk, child.block, child.lock_ref, child.last_access))
-                visit(child)
-
-        if root is not None:
-            visit(root)
-        return RadixSnapshot(self.block_size, key, tuple(views))
 
     def state_tuple(self) -> tuple:
         """Everything observable, as comparable plain data (for before/after tests)."""

@@ -193,10 +193,8 @@ def stop_reason(request: RuntimeRequest) -> FinishReason | None:
     if request.status != RequestStatus.RUNNING or not request.output_token_ids:
         return None
     token = request.output_token_ids[-1]
-    if token in request.stop_token_ids or (
-        request.eos_token_id is not None and token == request.eos_token_id
-        and not request.ignore_eos
-    ):
+    if token in request.stop_token_ids or (token == request.eos_token_id
+                                           and not request.ignore_eos):
         return FinishReason.STOP
     if len(request.output_token_ids) >= request.max_tokens:
         return FinishReason.LENGTH
@@ -213,19 +211,13 @@ TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     S.WAITING_FOR_REMOTE_KV: frozenset({S.WAITING, S.CANCELLED, S.FAILED}),
     S.RUNNING: frozenset({S.FINISHED, S.PREEMPTED, S.CANCELLED, S.FAILED}),
     S.PREEMPTED: frozenset({S.RUNNING, S.CANCELLED, S.FAILED}),
-    S.FINISHED: frozenset(),
-    S.CANCELLED: frozenset(),
-    S.FAILED: frozenset(),
-    S.REJECTED: frozenset(),
+    **{terminal: frozenset() for terminal in (S.FINISHED, S.CANCELLED, S.FAILED, S.REJECTED)},
 }
 RUNNING_STATUSES = frozenset({S.RUNNING})
 WAITING_STATUSES = frozenset({S.WAITING, S.PREEMPTED})
 
-_DEFAULT_REASON = {
-    S.CANCELLED: FinishReason.ABORT,
-    S.FAILED: FinishReason.ERROR,
-    S.REJECTED: FinishReason.REJECTED,
-}
+_DEFAULT_REASON = {S.CANCELLED: FinishReason.ABORT, S.FAILED: FinishReason.ERROR,
+                   S.REJECTED: FinishReason.REJECTED}
 ALLOWED_REASONS = {
     S.FINISHED: frozenset({FinishReason.STOP, FinishReason.LENGTH}),
     S.CANCELLED: frozenset({FinishReason.ABORT}),
@@ -264,19 +256,12 @@ class Lifecycle:
         if request.status == target and target.is_terminal:
             return False
         if target not in TRANSITIONS[request.status]:
-            raise IllegalTransition(
-                f"request {request.request_id!r}: illegal transition "
-                f"{request.status.value} -> {target.value}"
-            )
+            raise IllegalTransition(f"request {request.request_id!r}: illegal transition "
+                                    f"{request.status.value} -> {target.value}")
         return True
 
-    def transition(
-        self,
-        request: RuntimeRequest,
-        target: RequestStatus,
-        reason: FinishReason | None = None,
-        message: str | None = None,
-    ) -> bool:
+    def transition(self, request: RuntimeRequest, target: RequestStatus,
+                   reason: FinishReason | None = None, message: str | None = None) -> bool:
         """Move ``request`` to ``target`` (False: an idempotent terminal repeat). A terminal
         target records ``reason`` (default per status); ``message`` goes to ``status_message``."""
         if not self.check(request, target):
@@ -284,18 +269,13 @@ class Lifecycle:
         if target.is_terminal:
             reason = reason if reason is not None else _DEFAULT_REASON.get(target)
             if reason not in ALLOWED_REASONS[target]:
-                raise ValueError(
-                    f"request {request.request_id!r}: finish reason {reason!r} does not fit "
-                    f"status {target.value}"
-                )
+                raise ValueError(f"request {request.request_id!r}: finish reason {reason!r} "
+                                 f"does not fit status {target.value}")
         elif reason is not None:
             raise ValueError(f"a non-terminal status ({target.value}) takes no finish reason")
-        self._append(
-            "transition",
-            request.request_id,
-            (request.status.value, target.value, reason.value if reason else None)
-            + ((message,) if message is not None else ()),   # the reason survives a crash
-        )
+        self._append("transition", request.request_id,   # the message survives a crash
+                     (request.status.value, target.value, reason.value if reason else None)
+                     + ((message,) if message is not None else ()))
         request.status = target
         if target.is_terminal:
             request.finish_reason = reason

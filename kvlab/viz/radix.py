@@ -1,6 +1,6 @@
 """Chapter 4 figures: the radix prefix tree with a hit path highlighted, and hit-rate curves.
 
-* :func:`radix_figure` — pure: a :class:`~kvlab.core.radix_cache.RadixSnapshot` (a scope's tree) in,
+* :func:`radix_figure` — pure: a :class:`~kvlab.core.kv_snapshot.RadixSnapshot` (a scope's tree) in,
   a Figure out. One box per cached block (its tokens and physical block id), laid out root to
   leaves left to right; locked nodes (in use by a request) are drawn as *shared*, unlocked
   ones as *cached, evictable*; the blocks in ``highlight`` (a lookup's hit path) get a thick
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from kvlab.core.radix_cache import RadixSnapshot
+from kvlab.core.kv_snapshot import RadixSnapshot
 
 from ._widgets import figure_widget
 from .style import BLOCK_STATE_COLORS, INK, MUTED
