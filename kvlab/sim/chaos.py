@@ -5,13 +5,14 @@ over a :class:`~kvlab.core.production_scheduler.ProductionScheduler` with prefix
 chunked prefill and ``n > 1`` requests (fanned out as LLMEngine does), and a
 :class:`ChaosExecutor` that produces tokens from a deterministic function of the context and
 **speculates** (a draft "model" that agrees with the target most of the time, or n-gram prompt
-lookup), verifying greedily as the real verifier does at temperature 0. Requests arrive and
-are aborted at random, some while a step executes. A :class:`~kvlab.core.faults.StepFaultSchedule` derived from the
-seed injects every step fault; a crash is recovered from the event log (after a damaged copy of
-the log has been refused, for the ``recover``-point faults). The full invariant set
-(:data:`~kvlab.core.invariant_set.SPEC_INVARIANTS`) is checked after every step and invariant 2
-before every execute. At the end: every finished request equals the same request run alone
-without faults (and without speculation), and every block is free once the cache is emptied.
+lookup), verifying greedily as the real verifier does at temperature 0. Requests arrive and are
+aborted at random, some while a step executes. A :class:`~kvlab.core.faults.StepFaultSchedule`
+derived from the seed injects every step fault; a crash is recovered from the event log (after a
+damaged copy of the log has been refused, for the ``recover``-point faults). The full invariant
+set (:data:`~kvlab.core.invariant_set.SPEC_INVARIANTS`) is checked after every step and
+invariant 2 before every execute. At the end: every finished request equals the same request run
+alone without faults (and without speculation), and every block is free once the cache is
+emptied.
 
 The model is not needed for any of this: what is under test is the metadata (tables,
 refcounts, queues, log), which the real engine shares with this run.
