@@ -13,6 +13,7 @@ from kvlab.engine.attention import (
     ChunkSpec,
     build_metadata,
     paged_attention,
+    split_buckets,
     write_kv,
 )
 from kvlab.engine.kv_cache import PagedKVCache
@@ -67,7 +68,7 @@ def test_grouped_prefills_equal_attending_each_chunk_alone(seed, heads, kv_heads
     block_size = [1, 4, 16][seed % 3]
     meta, q, k, v, kc, vc, (starts, lengths, full), dim = _step(seed, heads, kv_heads,
                                                                  block_size)
-    groups, alone = group_prefills(meta)
+    groups, alone = group_prefills(meta, split_buckets)
     grouped = sum(g.size for g in groups)
     assert grouped + len(alone) == len(meta.prefills)        # every chunk exactly once
     assert all(g.size >= 2 for g in groups)
@@ -91,11 +92,11 @@ def test_groups_are_formed_when_lengths_repeat():
     computed once per step (cached on the metadata)."""
     chunks = [ChunkSpec([1, 2, 3, 4], 10 + i, list(range(6 * i, 6 * i + 6))) for i in range(8)]
     meta = build_metadata(chunks, 4)
-    groups, alone = group_prefills(meta)
+    groups, alone = group_prefills(meta, split_buckets)
     assert not alone and sum(g.size for g in groups) == 8
     g = groups[0]
     assert g.mask.shape == (g.size, 1, 4, g.span) and g.rows.numel() == g.size * 4
-    assert group_prefills(meta) is meta.prefill_plan
+    assert group_prefills(meta, split_buckets) is meta.prefill_plan
 
 
 def test_bfloat16_grouped_prefills_match_the_per_chunk_path():

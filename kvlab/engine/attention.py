@@ -10,7 +10,7 @@ position ``p`` lives at flat slot ``table[p // block_size] * block_size + p % bl
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 BATCH_PREFILLS = True
 
 __all__ = ["AttentionMetadata", "ChunkSpec", "DecodeBucket", "PrefillChunk", "Workspace",
-           "build_metadata", "decode_rows", "paged_attention", "write_kv"]
+           "build_metadata", "paged_attention", "write_kv"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,6 @@ class Workspace:
         self.device, self.dtype = torch.device(device), dtype
         self.decode_kernel = cpu.decode_op(self.device, dtype)
         self._buffers: dict[str, torch.Tensor] = {}
-        self._index: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor of ``shape`` backed by buffer ``name`` (contents undefined)."""
@@ -83,19 +82,6 @@ class Workspace:
             buf = torch.empty(max(numel, 1), device=self.device, dtype=self.dtype)
             self._buffers[name] = buf
         return buf[:numel].view(shape)
-
-    def head_map(self, heads: int, kv_heads: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``arange(heads)``, each head's KV head, and that map one-hot ``[heads, kv_heads, 1]``
-        (grouped-query attention; cached per shape)."""
-        key = ("head_map", heads, kv_heads)
-        if key not in self._index:
-            h = torch.arange(heads, device=self.device)
-            kv = h // (heads // kv_heads)
-            onehot = torch.zeros(heads, kv_heads, 1, device=self.device, dtype=self.dtype)
-            onehot[h, kv] = 1
-            self._index[key] = (h, kv, onehot)
-        return self._index[key]
 
 
 @dataclass
@@ -137,37 +123,23 @@ def split_buckets(num_blocks_sorted: list[int], min_size: int = 8, max_buckets: 
     return [(bounds[i], bounds[i + 1]) for i in range(k) if bounds[i + 1] > bounds[i]]
 
 
-def decode_rows(tables: torch.Tensor, pos: torch.Tensor, block_size: int,
-                device: torch.device | str, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, list[DecodeBucket], torch.Tensor, torch.Tensor]:
-    """Single-token rows at sorted positions ``pos [S]`` with block tables ``tables [S, W]``
-    (CPU, long, padded, ``W`` covering the last row): their slots (CPU), buckets, tables and
-    context lengths (on ``device``)."""
-    need = (pos // block_size + 1).tolist()
-    slots = tables.gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size
-    # one additive mask for all rows (key position > query position -> -inf), sliced per bucket
-    span = torch.arange(tables.shape[1] * block_size)
-    mask = torch.zeros(len(need), span.numel(), dtype=dtype).masked_fill_(
-        span[None, :] > pos[:, None], float("-inf")).to(device)
-    buckets = [DecodeBucket(lo, hi - lo, need[hi - 1],
-                            tables[lo:hi, :need[hi - 1]].reshape(-1).to(device),
-                            mask[lo:hi, None, :need[hi - 1] * block_size])
-               for lo, hi in split_buckets(need)]
-    return slots, buckets, tables.to(device), (pos + 1).to(device)
-
-
 def build_metadata(chunks: Sequence[ChunkSpec], block_size: int,
-                   device: torch.device | str = "cpu", workspace: Workspace | None = None
+                   device: torch.device | str = "cpu", workspace: Workspace | None = None,
+                   single_tables: Callable[[list[int], int], torch.Tensor] | None = None
                    ) -> AttentionMetadata:
     """Lay out ``chunks`` as one flat batch (single-token chunks first) and index it.
-    ValueError when a chunk is empty or its block table does not cover its positions."""
+    ValueError when a chunk is empty or its block table does not cover its positions.
+    ``single_tables(indices, width)``: the padded ``[S, width]`` tables of the single-token
+    chunks ``indices`` (row order), from a caller that keeps them as a tensor and has checked
+    them (their ``block_table`` is then not read)."""
     if not chunks:
         raise ValueError("build_metadata: no chunks to run")
     for i, c in enumerate(chunks):
         if len(c.token_ids) == 0:
             raise ValueError(f"build_metadata: chunk {i} has no tokens")
         end = c.start_pos + len(c.token_ids)
-        if c.start_pos < 0 or len(c.block_table) * block_size < end:
+        kept = single_tables is not None and len(c.token_ids) == 1
+        if c.start_pos < 0 or (not kept and len(c.block_table) * block_size < end):
             raise ValueError(
                 f"build_metadata: chunk {i} block table ({len(c.block_table)} blocks of "
                 f"{block_size}) does not cover positions {c.start_pos}..{end - 1}")
@@ -184,13 +156,24 @@ def build_metadata(chunks: Sequence[ChunkSpec], block_size: int,
     decode_tables = decode_lens = None
     if singles:
         width = int(pos[-1]) // block_size + 1
-        tables = torch.tensor([list(chunks[i].block_table[:width])
-                               + [0] * (width - min(width, len(chunks[i].block_table)))
-                               for i in singles], dtype=torch.long)
+        tables = single_tables(singles, width) if single_tables is not None else torch.tensor(
+            [list(chunks[i].block_table[:width])
+             + [0] * (width - min(width, len(chunks[i].block_table))) for i in singles],
+            dtype=torch.long)
+        need = (pos // block_size + 1).tolist()
+        slot_parts = [tables.gather(1, (pos // block_size)[:, None])[:, 0] * block_size
+                      + pos % block_size]
+        # one additive mask for all rows (key position > query position -> -inf), sliced per
+        # bucket: rows lo..hi-1 and their first need[hi-1] blocks
+        span = torch.arange(width * block_size)
         dtype = workspace.dtype if workspace is not None else torch.float32
-        slots, buckets, decode_tables, decode_lens = decode_rows(tables, pos, block_size,
-                                                                 device, dtype)
-        slot_parts = [slots]
+        mask = torch.zeros(len(singles), span.numel(), dtype=dtype).masked_fill_(
+            span[None, :] > pos[:, None], float("-inf")).to(device)
+        buckets = [DecodeBucket(lo, hi - lo, need[hi - 1],
+                                tables[lo:hi, :need[hi - 1]].reshape(-1).to(device),
+                                mask[lo:hi, None, :need[hi - 1] * block_size])
+                   for lo, hi in split_buckets(need)]
+        decode_tables, decode_lens = tables.to(device), (pos + 1).to(device)
     prefills: list[PrefillChunk] = []
     offset = len(singles)
     for i in multis:
@@ -277,7 +260,7 @@ def paged_attention(
     if behind and prefills and (BATCH_PREFILLS if batch_prefills is None else batch_prefills):
         from .prefill_groups import attend_groups, group_prefills
 
-        groups, alone = group_prefills(meta, chunks=prefills)
+        groups, alone = group_prefills(meta, split_buckets, chunks=prefills)
         attend_groups(q, flat_k, flat_v, groups, scale, out)
     for c in alone:
         rows = slice(c.offset, c.offset + c.num_tokens)

@@ -75,7 +75,10 @@ def attend_bucket_block_diagonal(q: torch.Tensor, k_cache: torch.Tensor,
     heads = q.shape[1]
     t = b.max_blocks * bs
     gk, gv = gather_bucket(k_cache, v_cache, b, ws)
-    heads_idx, kv_idx, onehot = ws.head_map(heads, kv_heads)
+    heads_idx = torch.arange(heads, device=ws.device)
+    kv_idx = heads_idx // (heads // kv_heads)            # each query head's KV head
+    onehot = torch.zeros(heads, kv_heads, 1, device=ws.device, dtype=ws.dtype)
+    onehot[heads_idx, kv_idx] = 1
     qd = q[:, :, None, :] * onehot  # [B, H, KV, D], zero outside each head's own KV head
     scores = torch.baddbmm(b.mask.to(q.dtype).expand(b.size, heads, t),
                            qd.view(b.size, heads, kv_heads * dim),

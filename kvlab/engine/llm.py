@@ -22,31 +22,14 @@ __all__ = ["LLM"]
 class LLM:
     """Load a model and generate for many prompts at once (continuous batching underneath).
 
-    ``model`` is a shipped model name (``"kvlab-tiny"``) or a local Hugging Face directory. The
-    keyword arguments are :class:`LLMEngine`'s (others: ``max_prefill_chunk``,
-    ``max_model_len``, ``kv_cache_memory``, ``security_domain``, ``tokenizer``).
+    ``model``: a shipped model name (``"kvlab-tiny"``) or a local Hugging Face directory; the
+    keyword arguments are :class:`~kvlab.engine.engine_args.EngineArgs`' (``block_size=16``,
+    ``num_blocks``, ``max_num_seqs=64``, ``max_num_batched_tokens=2048``,
+    ``enable_prefix_caching=True``, ``device``, ``dtype``, ``seed=0``, ``scheduler``, ...).
     """
 
-    def __init__(
-        self,
-        model,
-        *,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        device=None,
-        dtype=None,
-        seed: int = 0,
-        scheduler="baseline",
-        **engine_kwargs,
-    ):
-        self.engine = LLMEngine(EngineArgs(
-            model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, device=device, dtype=dtype, seed=seed,
-            scheduler=scheduler, **engine_kwargs))
+    def __init__(self, model, **engine_args):
+        self.engine = LLMEngine(EngineArgs(model, **engine_args))
         self._counter = 0
 
     def get_metrics(self) -> list[Metric]:

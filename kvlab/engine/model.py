@@ -73,8 +73,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """The decoder. Parameters are created uninitialised-by-design (zeros/ones); load weights
-    with :func:`kvlab.engine.checkpoint.load_model` or ``load_state_dict``."""
+    """The decoder; parameters start as zeros/ones until weights are loaded."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

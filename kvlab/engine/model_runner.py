@@ -18,7 +18,7 @@ import torch
 
 from kvlab.core.engine_core import ModelOutput, ScheduledChunk, SchedulerOutput
 
-from .attention import AttentionMetadata, ChunkSpec, Workspace, build_metadata, decode_rows
+from .attention import AttentionMetadata, ChunkSpec, Workspace, build_metadata
 from .kv_cache import PagedKVCache
 from .model import LlamaModel
 from .sampler import SamplerState, sample
@@ -197,41 +197,15 @@ class InputBatch:
             if len(c.token_ids) == 0 or c.start_pos < 0 or self._len[c.request_id] * bs < end:
                 # the general path raises the precise error
                 return build_metadata([self.spec(c) for c in chunks], bs, self.device, workspace)
-        singles = sorted((i for i, c in enumerate(chunks) if len(c.token_ids) == 1),
-                         key=lambda i: chunks[i].start_pos)
-        if not singles:
-            return build_metadata([self.spec(c) for c in chunks], bs, self.device, workspace)
-        multis = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
-        rows = torch.tensor([self._row_of[chunks[i].request_id] for i in singles],
-                            dtype=torch.long)
-        pos = torch.tensor([chunks[i].start_pos for i in singles], dtype=torch.long)
-        tab = self.tables.index_select(0, rows)[:, :int(pos[-1]) // bs + 1].contiguous()
-        dtype = workspace.dtype if workspace is not None else torch.float32
-        slots, buckets, tables, lens = decode_rows(tab, pos, bs, self.device, dtype)
-        ids = [chunks[i].token_ids[0] for i in singles]
-        last_row = [0] * len(chunks)
-        for row, i in enumerate(singles):
-            last_row[i] = row
-        positions, slot_mapping, prefills = pos, slots, []
-        if multis:
-            sub = build_metadata([self.spec(chunks[i]) for i in multis], bs, self.device,
-                                 workspace)
-            off = len(singles)
-            ids.extend(sub.input_ids.tolist())
-            positions = torch.cat([pos, sub.positions.cpu()])
-            slot_mapping = torch.cat([slots, sub.slot_mapping.cpu()])
-            prefills = [type(p)(p.offset + off, p.num_tokens, p.start_pos, p.slots)
-                        for p in sub.prefills]
-            for j, i in enumerate(multis):
-                last_row[i] = sub.last_row[j] + off
-        return AttentionMetadata(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=positions.to(self.device),
-            slot_mapping=slot_mapping.to(self.device),
-            num_single=len(singles), buckets=buckets, prefills=prefills, last_row=last_row,
-            block_size=bs, workspace=workspace,
-            max_position=max(c.start_pos + len(c.token_ids) for c in chunks) - 1,
-            decode_tables=tables, decode_lens=lens)
+
+        def single_tables(indices: list[int], width: int) -> torch.Tensor:
+            rows = torch.tensor([self._row_of[chunks[i].request_id] for i in indices],
+                                dtype=torch.long)
+            return self.tables.index_select(0, rows)[:, :width].contiguous()
+
+        specs = [ChunkSpec(c.token_ids, c.start_pos, () if len(c.token_ids) == 1
+                           else self.table(c.request_id)) for c in chunks]
+        return build_metadata(specs, bs, self.device, workspace, single_tables)
 
     def spec(self, chunk: ScheduledChunk, extra: tuple[int, ...] = ()) -> ChunkSpec:
         """``chunk`` (plus ``extra`` tokens, a speculative step's drafts) with its full table."""

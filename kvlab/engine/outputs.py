@@ -129,8 +129,7 @@ class EngineStats:
 
     @property
     def overhead_share(self) -> float:
-        """Share of step time spent outside the model forward (scheduling, metadata, sampling,
-        bookkeeping)."""
+        """Share of step time outside the model forward (scheduling, metadata, sampling)."""
         return 1.0 - self.model_time_s / self.step_time_s if self.step_time_s else 0.0
 
 
@@ -164,11 +163,8 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Per-request state and output building (see the module docstring).
-
-    ``lookup(seq_id)`` returns the scheduler's live request; ``decode`` turns token ids into
-    text (None: no tokenizer).
-    """
+    """Per-request state and outputs; ``lookup(seq_id)`` is the scheduler's live request,
+    ``decode`` turns token ids into text (None: no tokenizer). Callers hold the core's lock."""
 
     def __init__(self, lookup: Callable[[str], RuntimeRequest],
                  decode: Callable[[list[int]], str] | None) -> None:
@@ -195,9 +191,8 @@ class OutputProcessor:
 
     def process(self, result: StepResult, now: float, stats: EngineStats,
                 only_finished: bool = False) -> list[RequestOutput]:
-        """Fold one core step in; the outputs of requests that got a token or ended (finished
-        ones are dropped from the processor), after any deferred outputs. Prompt, prefix-cache
-        and finish counters are added to ``stats``."""
+        """Fold one core step in: deferred outputs, then those of requests that got a token or
+        ended (finished ones are dropped); prompt, cache and finish counters go to ``stats``."""
         out, info = result.output, result.model.info
         touched: dict[str, RequestState] = {}
         for c in out.chunks:

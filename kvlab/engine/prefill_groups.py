@@ -12,12 +12,15 @@ Results equal the per-chunk path up to float rounding (``tests/test_prefill_grou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionMetadata, PrefillChunk, split_buckets
+if TYPE_CHECKING:
+    from .attention import AttentionMetadata, PrefillChunk
 
 __all__ = ["KernelRows", "PrefillGroup", "attend_groups", "group_prefills", "kernel_rows"]
 
@@ -88,13 +91,15 @@ def kernel_rows(meta: AttentionMetadata) -> KernelRows:
     return meta.kernel_plan
 
 
-def group_prefills(meta: AttentionMetadata, min_size: int = 2,
+def group_prefills(meta: AttentionMetadata,
+                   split: Callable[..., list[tuple[int, int]]], min_size: int = 2,
                    chunks: list[PrefillChunk] | None = None
                    ) -> tuple[list[PrefillGroup], list[PrefillChunk]]:
     """Batch the step's multi-token chunks that read a cached prefix (``start_pos > 0``) by
-    length: chunks of equal ``num_tokens`` are sorted by context and split like the decode
-    buckets (little padding), and each group of >= ``min_size`` becomes one
-    :class:`PrefillGroup`; the rest (fresh prompts, lone lengths) are returned as they are.
+    length: chunks of equal ``num_tokens`` are sorted by context and cut by ``split`` (the
+    decode buckets' :func:`~kvlab.engine.attention.split_buckets`: little padding); each
+    group of >= ``min_size`` becomes one :class:`PrefillGroup`; the rest (fresh prompts,
+    lone lengths) are returned as they are.
     ``chunks``: a subset of ``meta.prefills`` to plan (default all; the same one every layer).
     Cached on ``meta`` (every layer reuses the plan)."""
     if meta.prefill_plan is not None:
@@ -112,7 +117,7 @@ def group_prefills(meta: AttentionMetadata, min_size: int = 2,
             alone.extend(cs)
             continue
         cs.sort(key=lambda c: c.start_pos)
-        for lo, hi in split_buckets([c.start_pos for c in cs], min_size=4):
+        for lo, hi in split([c.start_pos for c in cs], min_size=4):
             part = cs[lo:hi]
             if len(part) < min_size:
                 alone.extend(part)

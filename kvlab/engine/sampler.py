@@ -33,6 +33,11 @@ def _count(value: object, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
+def _check(ok: bool, name: str, expected: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")
+
+
 def is_real(value: object) -> bool:
     """A finite ``int`` or ``float``, not a ``bool`` (no NaN, no infinity, no int beyond float)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -72,38 +77,24 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
-        if not _count(self.max_tokens, 1):
-            raise ValueError(
-                f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        t = self.temperature
-        if not is_real(t) or t < 0:
-            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {t!r}")
+        t, p, s, stops, lp = self.temperature, self.top_p, self.seed, self.stop_token_ids, \
+            self.logprobs
+        _check(_count(self.max_tokens, 1), "max_tokens", "an int >= 1", self.max_tokens)
+        _check(is_real(t) and t >= 0, "temperature", "a finite number >= 0", t)
         object.__setattr__(self, "temperature", float(t))
-        if not _count(self.top_k, -1):
-            raise ValueError(f"SamplingParams.top_k must be an int >= 1, or 0/-1 for all, "
-                             f"got {self.top_k!r}")
-        p = self.top_p
-        if not is_real(p) or not 0 < p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be a number in (0, 1], got {p!r}")
+        _check(_count(self.top_k, -1), "top_k", "an int >= 1, or 0/-1 for all", self.top_k)
+        _check(is_real(p) and 0 < p <= 1, "top_p", "a number in (0, 1]", p)
         object.__setattr__(self, "top_p", float(p))
-        s = self.seed
-        if s is not None and not (_count(s, 0) and s <= MAX_SEED):
-            raise ValueError(f"SamplingParams.seed must be None or an int in 0..2**64-1, got {s!r}")
-        stops = self.stop_token_ids
-        if isinstance(stops, (str, bytes, Mapping)) or not isinstance(stops, Iterable):
-            raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of token ids, "
-                             f"got {stops!r}")
+        _check(s is None or (_count(s, 0) and s <= MAX_SEED), "seed",
+               "None or an int in 0..2**64-1", s)
+        _check(isinstance(stops, Iterable) and not isinstance(stops, (str, bytes, Mapping)),
+               "stop_token_ids", "a sequence of token ids", stops)
         stops = tuple(stops)  # materialise once: checking would exhaust an iterator
-        if not all(_count(s, 0) for s in stops):
-            raise ValueError(f"SamplingParams.stop_token_ids must be token ids >= 0, got {stops!r}")
+        _check(all(_count(i, 0) for i in stops), "stop_token_ids", "token ids >= 0", stops)
         object.__setattr__(self, "stop_token_ids", stops)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if not _count(self.n, 1):
-            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
-        if self.logprobs is not None and not _count(self.logprobs, 0):
-            raise ValueError(f"SamplingParams.logprobs must be None or an int >= 0, "
-                             f"got {self.logprobs!r}")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
+        _check(_count(self.n, 1), "n", "an int >= 1", self.n)
+        _check(lp is None or _count(lp, 0), "logprobs", "None or an int >= 0", lp)
         if self.structured_outputs is not None:
             object.__setattr__(self, "structured_outputs",
                                check_structured_outputs(self.structured_outputs))
