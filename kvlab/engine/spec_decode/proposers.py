@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.core.scheduler_api import ScheduledChunk
+from kvlab.core.engine_core import ScheduledChunk
 
 from ..attention import ChunkSpec, Workspace, build_metadata
 from ..kv_cache import PagedKVCache
