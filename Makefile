@@ -55,7 +55,7 @@ lab: venv
 	KVLAB_KERNEL_FREE=1 $(VENV)/bin/jupyter lab notebooks/ \
 		--LabApp.app_settings_dir=$(LAB_SETTINGS) $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-# A C++ compiler for the engine's CPU attention kernel (kvlab/engine/cpu_kernels.py; Debian's g++
+# A C++ compiler for the engine's CPU attention kernel (kvlab/kernels/cpu.py; Debian's g++
 # is installed when missing and run as root). Without one the engine warns and uses its torch
 # path, and the stored notebook outputs would gain that warning.
 toolchain:
