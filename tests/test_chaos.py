@@ -11,8 +11,9 @@ from collections import Counter
 import pytest
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
-from kvlab.core.engine_core import EngineCore, ScheduledChunk, SchedulerOutput, StepObserver
+from kvlab.core.engine_core import EngineCore, ScheduledChunk, SchedulerOutput
 from kvlab.core.faults import STEP_FAULTS, StepFault, StepFaultSchedule
+from kvlab.core.interfaces import StepObserver
 from kvlab.core.invariant_set import (
     SPEC_INVARIANTS,
     EngineView,

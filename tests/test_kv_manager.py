@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.paging import token_slots
 
 S = ("model-a", "tenant-1")
 
@@ -28,7 +29,7 @@ def test_admit_allocates_and_commit_caches_full_blocks():
     assert kv.blocks_needed(None, 11, S, prompt) == 3
     assert kv.admit("a", S, prompt, 11) == 0
     assert kv.block_table("a") == [0, 1, 2]
-    assert kv.slot_mapping("a", 3, 6) == [3, 4, 5]
+    assert token_slots(kv.block_table("a"), kv.block_size, 3, 6) == [3, 4, 5]
     kv.commit("a", prompt)
     snap = kv.snapshot()
     assert snap.cached_blocks == 2 and snap.protected_blocks == 2 and snap.evictable_blocks == 0
@@ -169,7 +170,6 @@ def test_errors_leave_manager_unchanged():
     unchanged(kv, lambda: kv.fork("a", "a"), ValueError)
     unchanged(kv, lambda: kv.fork("zz", "y"), KeyError)
     unchanged(kv, lambda: kv.complete_copies([(0, 1)]), ValueError)
-    unchanged(kv, lambda: kv.slot_mapping("a", 0, 5), ValueError)
     unchanged(kv, lambda: kv.block_table("zz"), KeyError)
     assert kv.free("zz") is False
 
@@ -554,5 +554,4 @@ def test_bool_positions_and_sizes_are_rejected_unchanged():
         kv.blocks_for(True)
     unchanged(kv, lambda: kv.grow("a", True, 0), ValueError)
     unchanged(kv, lambda: kv.grow("a", 4, False), ValueError)
-    with pytest.raises(ValueError):
-        kv.slot_mapping("a", False, 2)
+

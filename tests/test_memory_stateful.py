@@ -33,6 +33,8 @@ from hypothesis.stateful import (
 from kvlab.core.block_pool import BlockPool, OutOfBlocks
 from kvlab.core.invariants import check_kv_manager, check_pool, check_radix
 from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_snapshot import radix_nodes
+from kvlab.core.paging import token_slots
 from kvlab.core.radix_cache import RadixCache
 from kvlab.core.token_trie import TokenTrie
 from kvlab.reference import PrefixCache
@@ -266,7 +268,10 @@ class ManagerMachine(RuleBasedStateMachine):
         return sorted(r for r in self.tokens if r not in self.work)
 
     def _read(self, rid: str, end: int) -> list[int | None]:
-        return [self.payload.get(s) for s in self.kv.slot_mapping(rid, 0, end)]
+        return [self.payload.get(s) for s in self._slots(rid, 0, end)]
+
+    def _slots(self, rid: str, start: int, end: int) -> list[int]:
+        return token_slots(self.kv.block_table(rid), self.kv.block_size, start, end)
 
     @rule(head=st.sampled_from(PROMPT_HEADS), tail=st.lists(st.integers(0, 3), max_size=5),
           scope=st.sampled_from([("s1",), ("s2",)]), reserve=st.integers(0, 3))
@@ -327,7 +332,7 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.work)))
         copies, start, end = self.work.pop(rid)
         self._copy(copies)
-        for pos, slot in zip(range(start, end), self.kv.slot_mapping(rid, start, end), strict=True):
+        for pos, slot in zip(range(start, end), self._slots(rid, start, end), strict=True):
             self.payload[slot] = self.tokens[rid][pos]
         self.computed[rid] = end
         if data.draw(st.booleans(), label="commit now"):
@@ -419,7 +424,7 @@ class ManagerMachine(RuleBasedStateMachine):
         # every cached block holds the tokens of its path
         cache = self.kv.prefix_cache
         if cache is not None:
-            for node in cache.iter_nodes():
+            for node in radix_nodes(cache):
                 got = [self.payload.get(node.block * self.bs + i) for i in range(self.bs)]
                 assert got == list(node.chunk), f"cached block {node.block} holds stale KV"
 

@@ -25,6 +25,7 @@ from kvlab.reference import (
 
 from .baseline_scheduler import BaselineScheduler
 from .block_pool import CACHE_OWNER, BlockPool
+from .cache_scope import SCOPE_FIELDS, CacheScope
 from .engine_core import ScheduledChunk, SchedulerOutput
 from .event_log import EventLog
 from .invariants import KV_MANAGER_INVARIANTS, InvariantSet, check_kv_manager
@@ -32,7 +33,7 @@ from .kv_cache_manager import KVCacheManager
 from .kv_snapshot import KVSnapshot, RadixSnapshot, radix_snapshot
 from .paging import BlockTable, block_table_array, slot_mapping, slots_for
 from .production_scheduler import ProductionScheduler
-from .radix_cache import SCOPE_FIELDS, CacheScope, PrefixMatch, RadixCache, scope_key
+from .radix_cache import PrefixMatch, RadixCache, scope_key
 from .request import TRANSITIONS, FinishReason, Lifecycle, RequestStatus, RuntimeRequest
 from .scheduler_config import SchedulerConfig
 from .token_trie import TokenTrie

@@ -1,10 +1,7 @@
-"""The default policy: the spec's reference ``build_batch`` (spec rule 6) as a real scheduler.
-
-Decode first, then FIFO prefill chunks into what is left of the token budget; where KV is ample
-its batch *is* ``build_batch``'s (tested). When KV runs short it does what early engines did:
-admit a waiting request only if its first chunk fits (head of line, no skipping), and when a
-running request cannot grow, preempt the newest-admitted running request not yet scheduled
-(recompute). The opt-in alternative is :mod:`.production_scheduler`; chapter 6 compares them.
+"""The default policy: the spec's ``build_batch`` (rule 6) as a real scheduler. Decode first,
+then FIFO prefill chunks into the rest of the budget (where KV is ample its batch *is*
+``build_batch``'s); short of KV it admits only at the head of the line and preempts the
+newest-admitted request. The opt-in :mod:`.production_scheduler` reserves KV (chapter 6).
 """
 
 from __future__ import annotations

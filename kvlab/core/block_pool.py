@@ -1,12 +1,8 @@
-"""The block pool: refcounted KV blocks with named owners, copy-on-write and copy fences.
-
-The reference :class:`~kvlab.reference.BlockAllocator` (spec rule 3) grown into what an engine
-needs: every block records *who* holds it (request ids, or :data:`CACHE_OWNER` for the prefix
-cache), so ``refcount(b) == len(owners(b))`` and a second release by one owner is a no-op; a
-block is free, exclusive, shared, cached (only the prefix cache holds it: evictable) or pending a
-copy (fenced until :meth:`BlockPool.complete_copies`). Allocation takes free blocks lowest id
-first, then asks the evictor (the prefix cache). Every method is all-or-nothing; running short
-raises :class:`OutOfBlocks`, never ``MemoryError``. Chapter 3 explains the design.
+"""The block pool: refcounted KV blocks with named owners, copy-on-write and copy fences (the
+reference ``BlockAllocator`` of spec rule 3 grown for an engine). Each block records who holds
+it (request ids, or :data:`CACHE_OWNER`), so ``refcount == len(owners)`` and a second release is a
+no-op. Every method is all-or-nothing; running short raises :class:`OutOfBlocks`, never
+``MemoryError``. Chapter 3 explains the design.
 """
 
 from __future__ import annotations
@@ -176,10 +172,8 @@ class BlockPool:
         return taken
 
     def share(self, blocks: Sequence[int], owner: Hashable) -> None:
-        """Add ``owner`` to every block in ``blocks`` (each must already have an owner).
-
-        ValueError when a block is free or already held by ``owner``, or ``blocks`` repeats one.
-        """
+        """Add ``owner`` to every block in ``blocks``; ValueError (unchanged) when one is free,
+        already ``owner``'s, or repeated."""
         blocks = self._check_table(blocks)
         self._check_owner(owner)
         for block in blocks:
@@ -192,12 +186,8 @@ class BlockPool:
             self._refcount[block] += 1
 
     def fork(self, blocks: Sequence[int], parent: Hashable, child: Hashable) -> None:
-        """Give ``child`` a reference on every block of ``parent``'s table ``blocks``.
-
-        Used for parallel sampling (n > 1): the children share the prompt's KV and copy a block
-        only when they write into it. ValueError unless ``parent`` holds every block and
-        ``child`` holds none of them.
-        """
+        """Give ``child`` a reference on every block of ``parent``'s table (chapter 3's fork: it
+        copies a block only when it writes into it); ValueError unless ``parent`` holds all."""
         blocks = self._check_table(blocks)
         if parent == child:
             raise ValueError("a sequence cannot fork into itself")
@@ -207,12 +197,8 @@ class BlockPool:
         self.share(blocks, child)
 
     def release(self, blocks: Iterable[int], owner: Hashable) -> list[int]:
-        """Drop ``owner`` from each block it holds; returns the blocks that became free.
-
-        Idempotent per owner: blocks ``owner`` does not hold are skipped (a second release is a
-        no-op, never a decrement of someone else's reference). Blocks left without owners become
-        free, or stay parked while fenced by a pending copy.
-        """
+        """Drop ``owner`` from each block it holds (others are skipped: a second release is a
+        no-op); returns the blocks that became free (fenced ones stay parked until the copy)."""
         blocks = self._check_table(blocks)
         freed = []
         for block in blocks:
@@ -221,14 +207,9 @@ class BlockPool:
         return freed
 
     def cow(self, blocks: Sequence[int], owner: Hashable) -> list[tuple[int, int]]:
-        """Make each of ``blocks`` exclusive to ``owner`` before it writes; all or nothing.
-
-        For every block that has other owners, ``owner`` moves to a fresh block and the pair
-        ``(old, new)`` is returned: the executor must copy ``old``'s payload into ``new`` and
-        then call :meth:`complete_copies`. Until then both blocks are fenced. Blocks ``owner``
-        holds alone are left as they are. ValueError if ``owner`` does not hold a block;
-        :class:`OutOfBlocks` (pool unchanged) if the new blocks cannot be allocated.
-        """
+        """Make each of ``blocks`` exclusive to ``owner`` before it writes, all or nothing: from
+        every shared one it moves to a fresh block, and ``(old, new)`` is returned for the
+        executor to copy; both stay fenced until :meth:`complete_copies`."""
         blocks = self._check_table(blocks)
         for block in blocks:
             if owner not in self._owners[block]:
@@ -246,10 +227,8 @@ class BlockPool:
         return copies
 
     def complete_copies(self, copies: Iterable[tuple[int, int]]) -> None:
-        """Mark payload copies done: lift their fences; parked blocks without owners become free.
-
-        ValueError (pool unchanged) if any pair is not pending (or listed more often than it is).
-        """
+        """Mark payload copies done: lift their fences (parked ownerless blocks become free);
+        ValueError (unchanged) if a pair is not pending."""
         copies = [tuple(c) for c in copies]
         wanted = Counter(copies)
         for pair, count in wanted.items():
@@ -302,10 +281,6 @@ class BlockPool:
 
     def state_tuple(self) -> tuple:
         """Everything observable about the pool, as comparable plain data (tests, snapshots)."""
-        return (
-            tuple(tuple(sorted(map(repr, o))) for o in self._owners),
-            tuple(self._refcount),
-            tuple(sorted(self._free)),
-            tuple(sorted(self._fence.items())),
-            tuple(self.pending_copies()),
-        )
+        return (tuple(tuple(sorted(map(repr, o))) for o in self._owners), tuple(self._refcount),
+                tuple(sorted(self._free)), tuple(sorted(self._fence.items())),
+                tuple(self.pending_copies()))

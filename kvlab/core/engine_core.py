@@ -1,38 +1,33 @@
 """EngineCore: kvlab's one step loop (schedule, execute, update) and the records that cross it.
 
-The real engine (:class:`~kvlab.engine.llm_engine.LLMEngine` with its model runner), the
-simulator (:class:`~kvlab.sim.executor.CostModelExecutor`) and the chapters' drivers all run
-:meth:`EngineCore.step`. The scheduler sends :class:`SchedulerOutput` (chunks with block-table
-deltas, copies to run first); the executor answers :class:`ModelOutput`. If ``execute`` raises
-or its answer is refused, ``scheduler.fail_step`` fails that step's requests and the core keeps
-serving. Observers (:class:`StepObserver`, none by default) hook into the loop. One thread calls
-``step``; any thread may add or abort, each holding :attr:`EngineCore.lock` briefly (an abort
-during a step applies when it ends). Chapter 7 walks through it.
+The real engine, the simulator and the chapters' drivers all run :meth:`EngineCore.step`: the
+scheduler sends :class:`SchedulerOutput` (chunks with block-table deltas, copies to run first),
+the executor answers :class:`ModelOutput`; a step that raises fails its requests and the core
+keeps serving. One thread steps; any thread may add or abort (an abort during a step applies
+when it ends). Chapter 7 walks through it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from .request import RequestStatus, RuntimeRequest
 
 if TYPE_CHECKING:
-    from .kv_cache_manager import KVCacheManager
+    from .interfaces import Executor, Scheduler, StepObserver
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
     """Work for one request in one step: feed ``token_ids`` at positions ``start_pos...``.
 
-    The block table travels as a delta (vLLM v1's ``new_block_ids``): the first
-    ``num_kept_blocks`` entries of the table last sent, then ``new_block_ids``. ``sample``: the
-    chunk ends at the request's last token, so its last logits give the next token.
-    ``num_lookahead`` (:mod:`.spec_plan`): draft slots after the chunk, verified in the same
-    forward; the executor then answers 1..num_lookahead+1 tokens.
+    The table travels as a delta (vLLM v1's ``new_block_ids``): the first ``num_kept_blocks``
+    entries of the table last sent, then ``new_block_ids``. ``sample``: its last logits give the
+    next token. ``num_lookahead`` (:mod:`.spec_plan`): draft slots verified in the same forward.
     """
 
     request_id: str
@@ -75,12 +70,9 @@ class SchedulerOutput:
 
 def check_sampled(output: SchedulerOutput, sampled: Mapping[str, Any]
                   ) -> dict[str, tuple[int, ...]]:
-    """Validate one step's executor answer; returns ``request id -> tokens`` (a tuple).
-
-    A chunk with ``sample=True`` needs an int, or (with lookahead) a tuple of
-    ``1 .. num_lookahead + 1`` ints >= 0; chunks without ``sample`` get nothing. ValueError
-    names the first problem (and nothing was changed).
-    """
+    """``request id -> tokens`` of one step's executor answer: an int >= 0 for each chunk with
+    ``sample=True`` (a tuple of 1..num_lookahead+1 with lookahead), nothing for the others.
+    ValueError names the first problem."""
     expected = {c.request_id: c for c in output.chunks if c.sample}
     missing = set(expected) - set(sampled)
     extra = set(sampled) - set(expected)
@@ -102,27 +94,6 @@ def check_sampled(output: SchedulerOutput, sampled: Mapping[str, Any]
     return tokens
 
 
-class Scheduler(Protocol):
-    """The scheduler seam of :class:`EngineCore` (``fail_step``: the step in flight could not
-    run; fail its requests, release their KV once, and clear the step)."""
-
-    kv: KVCacheManager
-
-    def add_request(self, request: RuntimeRequest) -> None: ...
-    def abort_request(self, request_id: str) -> RuntimeRequest | None: ...
-    def schedule(self) -> SchedulerOutput: ...
-    def update_from_output(self, output: SchedulerOutput,
-                           sampled: Mapping[str, int]) -> list[RuntimeRequest]: ...
-    def fail_step(self, output: SchedulerOutput, message: str) -> list[RuntimeRequest]: ...
-    def has_unfinished_requests(self) -> bool: ...
-    def get_request(self, request_id: str) -> RuntimeRequest: ...
-    def find_request(self, request_id: str) -> RuntimeRequest | None: ...
-    def can_forget(self, request_id: str) -> bool: ...
-    def forget(self, request_id: str) -> RuntimeRequest: ...
-    def requests(self) -> Sequence[RuntimeRequest]: ...
-    def check_invariants(self) -> None: ...
-
-
 @dataclass
 class ModelOutput:
     """An executor's answer for one step: ``sampled`` (request id -> token, for each chunk with
@@ -131,32 +102,6 @@ class ModelOutput:
     sampled: Mapping[str, int]
     seconds: float = 0.0
     info: Any = None
-
-
-class Executor(Protocol):
-    """Runs one step's decisions: copies first, then the chunks, then one sample per
-    ``sample=True`` chunk. Must not change scheduler or KV-manager state."""
-
-    def execute(self, output: SchedulerOutput) -> ModelOutput: ...
-
-
-class StepObserver:
-    """Base class of the engine core's observers: override the hooks you need (each default
-    does nothing). Observers must not change scheduler state except as their hook allows."""
-
-    def before_execute(self, core: EngineCore, output: SchedulerOutput) -> None:
-        """After ``schedule()``, before the executor runs ``output``."""
-
-    def defer_copies(self, core: EngineCore, output: SchedulerOutput) -> bool:
-        """Return True to lift ``output.copies``' fences yourself (before the next execute)."""
-        return False
-
-    def after_step(self, core: EngineCore, result: StepResult) -> None:
-        """After ``update_from_output()`` applied the step."""
-
-    def after_failed_step(self, core: EngineCore, output: SchedulerOutput,
-                          error: BaseException) -> None:
-        """After the step was failed (the executor raised, or its output was refused)."""
 
 
 class EngineBusy(RuntimeError):
@@ -193,6 +138,8 @@ class EngineCore:
 
     def add_observer(self, observer: StepObserver) -> None:
         """Register an observer (see the module docstring); called in registration order."""
+        from .interfaces import StepObserver
+
         if not isinstance(observer, StepObserver):
             raise TypeError(f"observers subclass StepObserver, got {type(observer).__name__}")
         self.observers.append(observer)

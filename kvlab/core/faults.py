@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .block_pool import OutOfBlocks
-from .engine_core import StepObserver
+from .interfaces import StepObserver
 
 __all__ = ["STEP_FAULTS", "FaultInjector", "StepFault", "StepFaultSchedule"]
 

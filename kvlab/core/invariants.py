@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .block_pool import CACHE_OWNER, BlockPool
+from .kv_snapshot import radix_nodes
 from .radix_cache import RadixCache
 
 Check = Callable[[Any], None]
@@ -115,7 +116,7 @@ def _radix_structure(cache: RadixCache) -> None:
     for key, root in cache.roots():
         _require(root.parent is None and root.scope == key, f"root of scope {key!r} malformed")
         _require(bool(root.children), f"empty tree kept for scope {key!r}")
-    for node in cache.iter_nodes():
+    for node in radix_nodes(cache):
         parent = node.parent
         _require(parent is not None and parent.children.get(node.chunk) is node,
                  f"node {node.node_id} not linked from its parent")
@@ -132,12 +133,12 @@ def _radix_structure(cache: RadixCache) -> None:
     indexed = cache.indexed_blocks()
     _require(len(seen_blocks) == len(indexed),
              f"block index has {len(indexed)} entries, tree {len(seen_blocks)} nodes")
-    leaves = {n for n in cache.iter_nodes() if n.lock_ref == 0 and not n.children}
+    leaves = {n for n in radix_nodes(cache) if n.lock_ref == 0 and not n.children}
     _require(leaves == cache.evictable_leaves(), "evictable-leaf set is stale")
 
 
 def _radix_accounting(cache: RadixCache) -> None:
-    nodes = list(cache.iter_nodes())
+    nodes = list(radix_nodes(cache))
     locked = sum(1 for n in nodes if n.lock_ref > 0)
     _require(cache.protected_blocks() == locked,
              f"protected blocks {cache.protected_blocks()} != locked nodes {locked}")
@@ -219,7 +220,7 @@ def _mgr_locks(mgr) -> None:
         if node is not None:
             for n in node.path():
                 expected[n.node_id] += 1
-    for node in cache.iter_nodes():
+    for node in radix_nodes(cache):
         _require(node.lock_ref == expected[node.node_id],
                  f"node {node.node_id} (block {node.block}) lock {node.lock_ref} "
                  f"!= {expected[node.node_id]} requests on its path")

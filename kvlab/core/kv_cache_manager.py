@@ -1,21 +1,18 @@
-"""KVCacheManager: per-request block tables over a refcounted pool and a radix prefix cache.
-
-The object the scheduler allocates from. The prefix cache is an owner like any other
-(:data:`~kvlab.core.block_pool.CACHE_OWNER`), so copy-on-write protects cached KV with no special
-case; a request locks its cached path until :meth:`KVCacheManager.free`. Position ``t`` lives at
-slot ``block_size * table[t // block_size] + t % block_size`` (spec rule 2). Every mutation is
-all-or-nothing: on OutOfBlocks, ValueError or KeyError nothing changed. Chapters 3 and 4.
+"""KVCacheManager: per-request block tables over a refcounted pool and a radix prefix cache, the
+object the scheduler allocates from. The prefix cache is an owner like any other, so
+copy-on-write protects cached KV with no special case. Every mutation is all-or-nothing (on
+OutOfBlocks, ValueError or KeyError nothing changed). Chapters 3 and 4.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .block_pool import CACHE_OWNER, BlockPool, OutOfBlocks
-from .paging import token_slots
-from .radix_cache import CacheScope, PrefixMatch, RadixCache, _Node, scope_key
+from .cache_scope import CacheScope
+from .radix_cache import InsertResult, PrefixMatch, RadixCache, RadixNode, scope_key
 
 if TYPE_CHECKING:
     from .kv_snapshot import KVSnapshot
@@ -39,12 +36,8 @@ class AdmitPlan:
 
 
 class KVCacheManager:
-    """Block tables for requests over a refcounted pool and a radix prefix cache.
-
-    The decode path is O(1) per request: :meth:`grow` returns at once when the table has room
-    and the block to write is exclusive, :meth:`needs_commit` says when no block became full,
-    and :meth:`commit` inserts only the new blocks below the request's locked node.
-    """
+    """Block tables over a refcounted pool and a radix prefix cache. A decode is O(1) per
+    request: :meth:`grow` returns at once when the block to write is the request's alone."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
         if type(num_blocks) is not int or num_blocks <= 0:
@@ -54,13 +47,11 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
-        self.prefix_cache: RadixCache | None = (
-            RadixCache(block_size) if enable_prefix_caching else None
-        )
+        self.prefix_cache = RadixCache(block_size) if enable_prefix_caching else None
         self.pool.set_evictor(self.prefix_cache)
         self._tables: dict[str, list[int]] = {}
         self._scopes: dict[str, tuple] = {}
-        self._locks: dict[str, _Node | None] = {}  # deepest locked node of each request's path
+        self._locks: dict[str, RadixNode | None] = {}  # deepest locked node of each request's path
         self._committed: dict[str, int] = {}  # full blocks already offered to the cache
         self._sent: dict[str, int] = {}       # leading entries unchanged since table_delta
         self.hit_tokens = 0
@@ -87,9 +78,7 @@ class KVCacheManager:
     def blocks_needed(self, request_id: str | None, num_tokens: int,
                       scope: CacheScope | tuple = (), token_ids: Sequence[int] = (),
                       *, write_from: int | None = None) -> int:
-        """Allocatable blocks that :meth:`admit` (``request_id=None``: fresh blocks past the
-        cached prefix, plus the evictable cached ones it locks) or :meth:`grow` (missing blocks,
-        plus one per shared block to copy-on-write in ``[write_from, num_tokens)``) would use;
+        """Allocatable blocks that :meth:`admit` (``request_id=None``) or :meth:`grow` would use:
         the mutation succeeds iff ``blocks_needed(...) <= num_allocatable_blocks()``."""
         if request_id is None:
             return self._plan_admission(self.blocks_for(num_tokens), scope_key(scope),
@@ -109,17 +98,6 @@ class KVCacheManager:
     def num_slots(self, request_id: str) -> int:
         """Token slots the request's table holds (``len(table) * block_size``)."""
         return len(self._table(request_id)) * self.block_size
-
-    def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
-        """Physical slots of positions ``[start, end)``; ValueError outside the table."""
-        table = self._table(request_id)
-        if not (type(start) is int and type(end) is int and
-                0 <= start <= end <= len(table) * self.block_size):
-            raise ValueError(
-                f"positions [{start}, {end}) outside the table of {request_id!r} "
-                f"({len(table) * self.block_size} slots)"
-            )
-        return token_slots(table, self.block_size, start, end)
 
     def table_delta(self, request_id: str) -> tuple[int, tuple[int, ...]]:
         """``(kept, new_block_ids)``: the table is its first ``kept`` entries as of the last
@@ -174,10 +152,9 @@ class KVCacheManager:
         return cached
 
     def grow(self, request_id: str, num_tokens: int, write_from: int) -> list[tuple[int, int]]:
-        """Make the table hold ``num_tokens`` slots; every shared block covering positions
-        ``[write_from, num_tokens)`` (about to be written) is replaced by a fresh copy. Returns
-        the ``(src, dst)`` copies, fenced until :meth:`complete_copies`. KeyError / ValueError /
-        :class:`OutOfBlocks`, unchanged, on an unknown id, bad positions, too few blocks."""
+        """Make the table hold ``num_tokens`` slots, copying on write every shared block in
+        ``[write_from, num_tokens)``; returns the ``(src, dst)`` copies, fenced until
+        :meth:`complete_copies`. KeyError / ValueError / :class:`OutOfBlocks`: unchanged."""
         table = self._table(request_id)
         if not (type(write_from) is int and type(num_tokens) is int
                 and 0 <= write_from <= num_tokens):
@@ -219,17 +196,13 @@ class KVCacheManager:
         self.pool.complete_copies(copies)
 
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """Cache the request's full blocks whose KV is written (``token_ids``: those tokens, a
-        prefix of prompt + outputs); its lock moves to the deepest cached node. Stops at the
-        first block fenced by a pending copy or also held by another request (a :meth:`fork`):
-        a block is indexed once its committer holds it alone, so every cached block a request
-        uses lies on its own locked path. KeyError unknown id; ValueError past the table."""
+        """Cache the request's full blocks whose KV is written (``token_ids``: those tokens) and
+        move its lock to the deepest cached node; stops at the first block that is fenced or
+        shared (a block is indexed once its committer holds it alone)."""
         table = self._table(request_id)
         if len(token_ids) > len(table) * self.block_size:
-            raise ValueError(
-                f"{len(token_ids)} committed tokens exceed the {len(table) * self.block_size} "
-                f"slots of {request_id!r}"
-            )
+            raise ValueError(f"{len(token_ids)} committed tokens exceed the "
+                             f"{len(table) * self.block_size} slots of {request_id!r}")
         cache = self.prefix_cache
         if cache is None:
             return
@@ -293,7 +266,7 @@ class KVCacheManager:
     def requests(self) -> list[str]:
         return list(self._tables)
 
-    def locked_node(self, request_id: str) -> _Node | None:
+    def locked_node(self, request_id: str) -> RadixNode | None:
         self._table(request_id)
         return self._locks[request_id]
 
@@ -311,15 +284,13 @@ class KVCacheManager:
 
     def state_tuple(self) -> tuple:
         """Everything observable (pool, tree, tables, counters) for before/after comparisons."""
-        return (
-            self.pool.state_tuple(),
-            self.prefix_cache.state_tuple() if self.prefix_cache else None,
-            tuple(sorted((rid, tuple(t)) for rid, t in self._tables.items())),
-            tuple(sorted((rid, repr(s)) for rid, s in self._scopes.items())),
-            tuple(sorted((rid, n.node_id if n else None) for rid, n in self._locks.items())),
-            tuple(sorted(self._committed.items())),
-            (self.hit_tokens, self.query_tokens, self.hit_requests, self.miss_requests),
-        )
+        return (self.pool.state_tuple(),
+                self.prefix_cache.state_tuple() if self.prefix_cache else None,
+                tuple(sorted((rid, tuple(t)) for rid, t in self._tables.items())),
+                tuple(sorted((rid, repr(s)) for rid, s in self._scopes.items())),
+                tuple(sorted((rid, n.node_id if n else None) for rid, n in self._locks.items())),
+                tuple(sorted(self._committed.items())),
+                (self.hit_tokens, self.query_tokens, self.hit_requests, self.miss_requests))
 
     def _table(self, request_id: str) -> list[int]:
         try:
@@ -339,7 +310,7 @@ class KVCacheManager:
         return first == (num_tokens - 1) // bs and self.pool.refcount(table[first]) == 1
 
     def _insert(self, request_id: str, token_ids: Sequence[int], table: list[int], done: int,
-                full: int) -> Any:
+                full: int) -> InsertResult:
         """Index blocks ``done..full-1`` of ``table`` in the tree. The request's locked node
         spells its first ``done`` blocks (admit, commit and fork keep it so), so only the new
         blocks are inserted below it; without a lock the whole path is inserted from the root."""

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .radix_cache import CacheScope, scope_key
+from .cache_scope import CacheScope
+from .radix_cache import scope_key
 
 if TYPE_CHECKING:
     from .kv_cache_manager import KVCacheManager
-    from .radix_cache import RadixCache
+    from .radix_cache import RadixCache, RadixNode
 
 
 @dataclass(frozen=True)
@@ -114,3 +116,13 @@ def radix_snapshot(cache: RadixCache, scope: CacheScope | tuple) -> RadixSnapsho
         if root_key == key:
             visit(root)
     return RadixSnapshot(cache.block_size, key, tuple(views))
+
+
+def radix_nodes(cache: RadixCache) -> Iterator[RadixNode]:
+    """Every non-root node of the tree, any order (for invariant checks)."""
+    for _, root in cache.roots():
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())

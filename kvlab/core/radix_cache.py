@@ -1,51 +1,17 @@
-"""The prefix cache: block-granular radix trees, one per compatibility scope (spec rule 4).
-
-Each node is one full block of ``block_size`` tokens and the physical block holding their KV;
-a node's path from its scope's root spells the whole prefix. :meth:`RadixCache.match` finds the
-longest cached path (whole blocks, at most ``len(tokens) - 1`` tokens, no side effect);
-:meth:`~RadixCache.insert` adds a request's full blocks (first writer wins); a request locks its
-path while it runs; :meth:`~RadixCache.evict` drops unlocked leaves, least recently used first.
-It owns no memory: the KV cache manager moves references in the block pool. Chapter 4 explains.
+"""The prefix cache: block-granular radix trees, one per compatibility scope (spec rule 4). A
+node is one full block of tokens and the physical block holding their KV; its path from the
+root spells the whole prefix. Requests lock their path while they run; eviction drops unlocked
+leaves, least recently used first. It owns no memory: the KV cache manager moves the block
+references. Chapter 4 explains.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-SCOPE_FIELDS: tuple[str, ...] = ("model", "weights_version", "tokenizer", "chat_template",
-                                  "adapter", "rope", "kv_dtype", "kv_layout", "quant_schema",
-                                  "security_domain")
-
-
-@dataclass(frozen=True)
-class CacheScope:
-    """Everything besides token ids that a cached KV block depends on (spec rule 4). Every
-    field is a required non-empty str (``"none"`` explicitly): a default would silently match."""
-
-    model: str
-    weights_version: str
-    tokenizer: str
-    chat_template: str
-    adapter: str
-    rope: str
-    kv_dtype: str
-    kv_layout: str
-    quant_schema: str
-    security_domain: str
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, str):
-                raise TypeError(f"CacheScope.{f.name} must be a str, got {type(value).__name__}")
-            if not value:
-                raise ValueError(f"CacheScope.{f.name} must be non-empty (use 'none' explicitly)")
-
-    def key(self) -> tuple[tuple[str, str], ...]:
-        """The comparable key: ``(field name, value)`` pairs in a fixed order."""
-        return tuple((name, getattr(self, name)) for name in SCOPE_FIELDS)
+from .cache_scope import CacheScope
 
 
 def scope_key(scope: CacheScope | tuple | list) -> tuple:
@@ -59,13 +25,13 @@ def scope_key(scope: CacheScope | tuple | list) -> tuple:
     return key
 
 
-class _Node:
+class RadixNode:
     """One cached block: ``chunk`` (its tokens) under ``parent``, KV in physical ``block``."""
 
     __slots__ = ("block", "children", "chunk", "depth", "last_access", "lock_ref", "node_id",
                  "parent", "scope")
 
-    def __init__(self, node_id: int, scope: tuple, parent: _Node | None, chunk: tuple,
+    def __init__(self, node_id: int, scope: tuple, parent: RadixNode | None, chunk: tuple,
                  block: int, depth: int):
         self.node_id = node_id
         self.scope = scope
@@ -73,7 +39,7 @@ class _Node:
         self.chunk = chunk
         self.block = block
         self.depth = depth  # blocks from the root (the root is 0)
-        self.children: dict[tuple, _Node] = {}
+        self.children: dict[tuple, RadixNode] = {}
         self.lock_ref = 0
         self.last_access = 0
 
@@ -81,10 +47,10 @@ class _Node:
     def is_root(self) -> bool:
         return self.parent is None
 
-    def path(self) -> list[_Node]:
+    def path(self) -> list[RadixNode]:
         """Nodes from just below the root down to this node."""
         nodes = []
-        node: _Node | None = self
+        node: RadixNode | None = self
         while node is not None and node.parent is not None:
             nodes.append(node)
             node = node.parent
@@ -99,7 +65,7 @@ class PrefixMatch:
 
     num_tokens: int
     blocks: tuple[int, ...]
-    node: _Node | None
+    node: RadixNode | None
     unlocked_blocks: int
 
 
@@ -107,7 +73,7 @@ class PrefixMatch:
 class InsertResult:
     """Result of :meth:`RadixCache.insert`: the deepest node of the path and adopted blocks."""
 
-    node: _Node | None
+    node: RadixNode | None
     new_blocks: tuple[int, ...]
 
 
@@ -118,21 +84,18 @@ class RadixCache:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
-        self._roots: dict[tuple, _Node] = {}
-        self._block_node: dict[int, _Node] = {}
+        self._roots: dict[tuple, RadixNode] = {}
+        self._block_node: dict[int, RadixNode] = {}
         self._num_locked = 0
         self._clock = 0
         self._next_id = 0
-        self._leaves: set[_Node] = set()  # unlocked non-root nodes without children
-        self._heap: list[tuple[int, int, _Node]] = []  # lazy LRU heap over self._leaves
+        self._leaves: set[RadixNode] = set()  # unlocked non-root nodes without children
+        self._heap: list[tuple[int, int, RadixNode]] = []  # lazy LRU heap over self._leaves
 
     def match(self, scope: CacheScope | tuple, token_ids: Sequence[int], *,
               leave_last: bool = True) -> PrefixMatch:
-        """Longest cached path for ``token_ids`` in ``scope``, whole blocks only. No side effects.
-
-        With ``leave_last`` (the default) at most ``len(token_ids) - 1`` tokens match, so the
-        caller always computes the last token; without it every full block may match.
-        """
+        """Longest cached path for ``token_ids`` in ``scope``, whole blocks, no side effects; with
+        ``leave_last`` at most ``len(token_ids) - 1`` tokens (the last one is always computed)."""
         bs = self.block_size
         root = self._roots.get(scope_key(scope))
         limit = len(token_ids) - 1 if leave_last else len(token_ids)
@@ -151,7 +114,7 @@ class RadixCache:
         return PrefixMatch(len(blocks) * bs, tuple(blocks),
                            node if blocks else None, unlocked)
 
-    def roots(self) -> list[tuple[tuple, _Node]]:
+    def roots(self) -> list[tuple[tuple, RadixNode]]:
         """``(scope key, root node)`` of every scope that has a tree."""
         return list(self._roots.items())
 
@@ -159,7 +122,7 @@ class RadixCache:
         """Every block the tree indexes (one node each)."""
         return list(self._block_node)
 
-    def evictable_leaves(self) -> frozenset[_Node]:
+    def evictable_leaves(self) -> frozenset[RadixNode]:
         """The unlocked leaves eviction chooses from (kept incrementally)."""
         return frozenset(self._leaves)
 
@@ -185,10 +148,10 @@ class RadixCache:
     def contains_block(self, block: int) -> bool:
         return block in self._block_node
 
-    def node_of(self, block: int) -> _Node | None:
+    def node_of(self, block: int) -> RadixNode | None:
         return self._block_node.get(block)
 
-    def is_alive(self, node: _Node | None) -> bool:
+    def is_alive(self, node: RadixNode | None) -> bool:
         """Whether ``node`` (a handle from match/insert) is still in the tree."""
         if node is None:
             return True
@@ -201,7 +164,7 @@ class RadixCache:
         return list(self._roots)
 
     def insert(self, scope: CacheScope | tuple, token_ids: Sequence[int],
-               blocks: Sequence[int], *, below: _Node | None = None) -> InsertResult:
+               blocks: Sequence[int], *, below: RadixNode | None = None) -> InsertResult:
         """Index ``blocks[i]`` as the KV of ``token_ids[i*bs:(i+1)*bs]`` (under ``below``, a live
         node whose path spells the preceding tokens, else from the root). An existing path keeps
         its block (first writer wins); returns the deepest node and the newly indexed blocks,
@@ -253,7 +216,7 @@ class RadixCache:
         self._touch(node)
         return InsertResult(node, new_blocks)
 
-    def lock(self, node: _Node | None) -> None:
+    def lock(self, node: RadixNode | None) -> None:
         """Protect the path from the root to ``node`` from eviction (re-entrant; counts)."""
         self._check_alive(node)
         if node is None:
@@ -264,7 +227,7 @@ class RadixCache:
                 self._leaves.discard(n)
             n.lock_ref += 1
 
-    def unlock(self, node: _Node | None) -> None:
+    def unlock(self, node: RadixNode | None) -> None:
         """Undo one :meth:`lock` of ``node``; the path becomes most recently used."""
         self._check_alive(node)
         if node is None:
@@ -313,21 +276,13 @@ class RadixCache:
                     stack.append((child, cpath))
         return (tuple(sorted(engine)), self._clock, self._num_locked)
 
-    def iter_nodes(self):
-        """Every non-root node (any order); for invariant checks."""
-        for root in self._roots.values():
-            stack = list(root.children.values())
-            while stack:
-                node = stack.pop()
-                yield node
-                stack.extend(node.children.values())
-
-    def _new_node(self, scope: tuple, parent: _Node | None, chunk: tuple, block: int) -> _Node:
+    def _new_node(self, scope: tuple, parent: RadixNode | None, chunk: tuple,
+                  block: int) -> RadixNode:
         self._next_id += 1
         depth = 0 if parent is None else parent.depth + 1
-        return _Node(self._next_id, scope, parent, chunk, block, depth)
+        return RadixNode(self._next_id, scope, parent, chunk, block, depth)
 
-    def _touch(self, node: _Node) -> None:
+    def _touch(self, node: RadixNode) -> None:
         """Stamp the path to ``node`` with a new clock value (most recently used)."""
         self._clock += 1
         for n in node.path():
@@ -335,7 +290,7 @@ class RadixCache:
         # ancestors have children, so only the deepest node can be an evictable leaf
         self._refresh_leaf(node)
 
-    def _refresh_leaf(self, node: _Node) -> None:
+    def _refresh_leaf(self, node: RadixNode) -> None:
         """Keep ``node``'s membership in the evictable-leaf set (and heap) up to date."""
         if node.lock_ref == 0 and not node.children and not node.is_root:
             self._leaves.add(node)
@@ -346,8 +301,8 @@ class RadixCache:
         else:
             self._leaves.discard(node)
 
-    def _check_alive(self, node: _Node | None) -> None:
-        if node is not None and not isinstance(node, _Node):
+    def _check_alive(self, node: RadixNode | None) -> None:
+        if node is not None and not isinstance(node, RadixNode):
             raise TypeError(f"expected a node handle from match()/insert(), got {node!r}")
         if not self.is_alive(node):
             raise ValueError("node handle is no longer in the cache (evicted)")

@@ -1,6 +1,6 @@
 """RemoteKVScheduler: prefill/decode disaggregation inside the one step loop.
 
-It wraps any kvlab scheduler (it *is* the :class:`~kvlab.core.engine_core.Scheduler` that
+It wraps any kvlab scheduler (it *is* the :class:`~kvlab.core.interfaces.Scheduler` that
 :class:`~kvlab.core.engine_core.EngineCore` steps) and adds the two roles of a KV-transfer
 engine, in the shape of vLLM's KV connector:
 

@@ -1,10 +1,7 @@
-"""A runtime request and its state machine.
-
-:class:`RuntimeRequest` is what the scheduler keeps per request (token ids only; the model
-runner owns its sampling). :class:`Lifecycle` makes every status change, checked against
-:data:`TRANSITIONS`, and ends are idempotent. With an ``EventLog`` attached (opt-in, chapter
-5's crash recovery) each change and KV acquisition/release is logged write-ahead; a default
-engine keeps no log. Which status holds KV: only RUNNING (:func:`holds_kv`).
+"""A runtime request (token ids only; the runner owns its sampling) and its state machine:
+:class:`Lifecycle` makes every status change, checked against :data:`TRANSITIONS`, with
+idempotent ends, and logs each one write-ahead when an ``EventLog`` is attached (opt-in,
+chapter 5's crash recovery). Only a RUNNING request holds KV.
 """
 
 from __future__ import annotations
@@ -24,15 +21,13 @@ class RequestStatus(Enum):
     """Where a runtime request is. Exactly one at any moment (spec rule 5)."""
 
     WAITING = "waiting"        # queued, holds no KV
-    RUNNING = "running"        # holds a block table; prefilling or decoding (derived, see
-                               # RuntimeRequest.is_decoding)
+    RUNNING = "running"        # holds a block table; prefilling or decoding (is_decoding)
     PREEMPTED = "preempted"    # KV taken back; waits to recompute, keeps its generated tokens
     FINISHED = "finished"      # terminal: stop token or length
     CANCELLED = "cancelled"    # terminal: aborted by the client
     FAILED = "failed"          # terminal: an error while running
     REJECTED = "rejected"      # terminal: refused at admission (can never fit, or overload)
-    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # a consumer's request parked until its
-                               # transferred KV is installed (kvlab.core.remote_kv); no KV
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # parked for transferred KV (remote_kv)
 
     @property
     def is_terminal(self) -> bool:
@@ -101,33 +96,26 @@ class RuntimeRequest:
             if type(token) is not int or token < 0:
                 raise ValueError(f"request {rid!r}: prompt_token_ids[{i}] must be an int >= 0, "
                                  f"got {token!r}")
-        if type(self.max_tokens) is not int or self.max_tokens < 1:
-            raise ValueError(f"request {rid!r}: max_tokens must be an int >= 1, "
-                             f"got {self.max_tokens!r}")
-        if self.max_model_len is not None and (
-                type(self.max_model_len) is not int or self.max_model_len < 1):
-            raise ValueError(f"request {rid!r}: max_model_len must be None or an int >= 1, "
-                             f"got {self.max_model_len!r}")
-        stops = self.stop_token_ids
-        if not isinstance(stops, (set, frozenset)) or not all(
-                type(t) is int and t >= 0 for t in stops):
-            raise ValueError(f"request {rid!r}: stop_token_ids must be a frozenset of ints >= 0, "
-                             f"got {stops!r}")
-        eos = self.eos_token_id
-        if eos is not None and (type(eos) is not int or eos < 0):
-            raise ValueError(f"request {rid!r}: eos_token_id must be None or an int >= 0, "
-                             f"got {eos!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"request {rid!r}: ignore_eos must be a bool, "
-                             f"got {self.ignore_eos!r}")
-        if type(self.priority) is not int:
-            raise ValueError(f"request {rid!r}: priority must be an int, "
-                             f"got {self.priority!r}")
-        deadline = self.deadline
-        if deadline is not None and (not isinstance(deadline, (int, float))
-                                     or isinstance(deadline, bool) or deadline != deadline):
-            raise ValueError(f"request {rid!r}: deadline must be None or a number, "
-                             f"got {deadline!r}")
+
+        def nat(value: object, least: int = 0) -> bool:
+            return type(value) is int and value >= least
+
+        eos, stops, deadline = self.eos_token_id, self.stop_token_ids, self.deadline
+        for ok, field_, want in (
+                (nat(self.max_tokens, 1), "max_tokens", "an int >= 1"),
+                (self.max_model_len is None or nat(self.max_model_len, 1), "max_model_len",
+                 "None or an int >= 1"),
+                (isinstance(stops, (set, frozenset)) and all(nat(t) for t in stops),
+                 "stop_token_ids", "a frozenset of ints >= 0"),
+                (eos is None or nat(eos), "eos_token_id", "None or an int >= 0"),
+                (isinstance(self.ignore_eos, bool), "ignore_eos", "a bool"),
+                (type(self.priority) is int, "priority", "an int"),
+                (deadline is None or (isinstance(deadline, (int, float)) and deadline == deadline
+                                      and not isinstance(deadline, bool)),
+                 "deadline", "None or a number")):
+            if not ok:
+                raise ValueError(f"request {rid!r}: {field_} must be {want}, "
+                                 f"got {getattr(self, field_)!r}")
         try:
             scope_key(self.scope)
         except TypeError as error:
@@ -249,8 +237,7 @@ class Lifecycle:
             self.log.append(kind, request_id, data, self._step())
 
     def check(self, request: RuntimeRequest, target: RequestStatus) -> bool:
-        """True if ``request`` may move to ``target``, False if it is already there and the move
-        is an idempotent no-op; raises :class:`IllegalTransition` otherwise."""
+        """True: a legal move; False: an idempotent terminal repeat; else IllegalTransition."""
         if not isinstance(target, RequestStatus):
             raise TypeError(f"target must be a RequestStatus, got {target!r}")
         if request.status == target and target.is_terminal:

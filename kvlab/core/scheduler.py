@@ -67,18 +67,15 @@ S = RequestStatus
 class SchedulerBase:
     """Request registry, queues, KV bookkeeping and output handling shared by both policies."""
 
-    #: The event log is compacted (ended, released requests dropped) when it reaches this many
-    #: events, then whenever it doubles in size since the last compaction.
-    compact_min_events: int = 4096
+    compact_min_events: int = 4096   # compact the event log at this size, then when it doubles
 
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig | None = None, *,
                  log: EventLog | None = None) -> None:
         config = config if config is not None else SchedulerConfig()
         if config.max_num_seqs > config.max_num_batched_tokens:
-            raise ValueError(
-                f"{type(self).__name__} needs max_num_seqs <= max_num_batched_tokens (got "
-                f"{config.max_num_seqs} > {config.max_num_batched_tokens}) so that a full batch "
-                "still gives every request at least one token")
+            raise ValueError(f"{type(self).__name__} needs max_num_seqs <= max_num_batched_tokens "
+                             f"(got {config.max_num_seqs} > {config.max_num_batched_tokens}): a "
+                             "full batch must give every request at least one token")
         self.kv = kv
         self.config = config
         self.lifecycle = Lifecycle(log, step=lambda: self._step)
@@ -179,8 +176,8 @@ class SchedulerBase:
         """Decide this step's chunks; allocates their KV. See the policy class for the rules."""
         if self._inflight is not None:
             if not self._inflight.is_empty:
-                raise RuntimeError(
-                    f"schedule() called before update_from_output() of step {self._inflight.step}")
+                raise RuntimeError(f"schedule() called before update_from_output() of step "
+                                   f"{self._inflight.step}")
             self._inflight = None
         self._step += 1
         plan = StepPlan(self.config.max_num_batched_tokens, self.config.max_num_seqs)
@@ -265,8 +262,7 @@ class SchedulerBase:
         return failed
 
     def _compact_log(self) -> None:
-        """Checkpoint: drop the log events of requests that ended and hold no KV (amortised
-        O(1) per event: the next compaction waits until the log doubles)."""
+        """Drop the log events of requests that ended and hold no KV (amortised O(1))."""
         live = {rid for rid, r in self._requests.items()
                 if not r.status.is_terminal or self.kv.has(rid)}
         self.log.compact({e.request_id for e in self.log.events} - live)  # ended or forgotten
@@ -385,9 +381,7 @@ class SchedulerBase:
                 if pool:
                     self._preempt(plan, pool[0])
                     continue
-                # Nobody else to preempt (the rest is scheduled already, or it runs alone: then
-                # its table holds private duplicates of blocks another request cached first).
-                # Recomputing it later reuses the cache; a lone request always fits then,
-                # because add_request rejected any request whose max_kv_slots exceed the pool.
+                # nobody else to preempt: recompute it later (it reuses the cache, and alone it
+                # always fits: add_request rejected requests whose max_kv_slots exceed the pool)
                 self._preempt(plan, request)
                 return False

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .radix_cache import CacheScope, scope_key
+from .cache_scope import CacheScope
+from .radix_cache import scope_key
 
 __all__ = ["TokenTrie"]
 

@@ -1,10 +1,7 @@
-"""Paged attention over one step's flat batch, and the index tensors it reads.
-
-A step lays its chunks end to end (``N`` tokens), single-token chunks first, sorted by context
-length (:func:`build_metadata`, once per step; every layer reuses it). A chunk of ``q`` tokens at
-``start`` attends causally to positions ``0 .. start+q-1``. Chapter 7 walks the paths of
-:func:`paged_attention`. KV layout per layer: ``[num_blocks, block_size, kv_heads, head_dim]``;
-position ``p`` lives at flat slot ``table[p // block_size] * block_size + p % block_size``.
+"""Paged attention over one step's flat batch, and the index tensors it reads. A step lays its
+chunks end to end, single-token chunks first, sorted by context length (:func:`build_metadata`,
+once per step); a chunk of ``q`` tokens at ``start`` attends causally to positions
+``0 .. start+q-1``. KV per layer: ``[num_blocks, block_size, kv_heads, head_dim]``. Chapter 7.
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ from .bucket_attention import attend_bucket
 if TYPE_CHECKING:
     from .prefill_groups import KernelRows, PrefillGroup
 
-#: default of :func:`paged_attention`'s ``batch_prefills`` (benchmarks switch it off to compare)
-BATCH_PREFILLS = True
+BATCH_PREFILLS = True   # default of paged_attention's batch_prefills (benchmarks compare)
 
 __all__ = ["AttentionMetadata", "ChunkSpec", "DecodeBucket", "PrefillChunk", "Workspace",
            "build_metadata", "paged_attention", "write_kv"]
@@ -86,10 +82,9 @@ class Workspace:
 
 @dataclass
 class AttentionMetadata:
-    """One step's index tensors, on the model's device. Rows ``0 .. num_single-1`` are the
-    single-token chunks (in :class:`DecodeBucket` s, and all at once as ``decode_tables [S, W]``
-    / ``decode_lens [S]`` for the kernels); multi-token chunks follow. ``last_row[c]``: the row
-    of chunk ``c``'s last token (caller's order). The plans are filled on first use."""
+    """One step's index tensors on the model's device: single-token rows first (in buckets, and
+    as ``decode_tables [S, W]`` / ``decode_lens [S]`` for the kernels), then multi-token chunks;
+    ``last_row[c]``: the row of chunk ``c``'s last token. Plans are filled on first use."""
 
     input_ids: torch.Tensor      # [N] long
     positions: torch.Tensor      # [N] long
@@ -127,11 +122,9 @@ def build_metadata(chunks: Sequence[ChunkSpec], block_size: int,
                    device: torch.device | str = "cpu", workspace: Workspace | None = None,
                    single_tables: Callable[[list[int], int], torch.Tensor] | None = None
                    ) -> AttentionMetadata:
-    """Lay out ``chunks`` as one flat batch (single-token chunks first) and index it.
-    ValueError when a chunk is empty or its block table does not cover its positions.
-    ``single_tables(indices, width)``: the padded ``[S, width]`` tables of the single-token
-    chunks ``indices`` (row order), from a caller that keeps them as a tensor and has checked
-    them (their ``block_table`` is then not read)."""
+    """Lay out ``chunks`` as one flat batch (single-token chunks first) and index it; ValueError
+    when a chunk is empty or its table does not cover it. ``single_tables(indices, width)``:
+    the single-token chunks' padded tables from a caller that keeps them as a tensor."""
     if not chunks:
         raise ValueError("build_metadata: no chunks to run")
     for i, c in enumerate(chunks):
@@ -209,19 +202,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, v)
 
 
-def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    *, batch_prefills: bool | None = None, cpu_kernel: bool = True,
-) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
+                    batch_prefills: bool | None = None, cpu_kernel: bool = True) -> torch.Tensor:
     """Attention of the flat batch; ``q: [N, H, D]``, new ``k, v: [N, KV, D]`` -> ``[N, H, D]``.
-
-    :func:`write_kv` must have run first: decodes and chunks behind a cached prefix read their
-    whole context from the cache. The workspace's compiled kernel takes the single-token rows
-    and short chunks behind a prefix (``cpu_kernel=False``: the torch path); on CUDA, Triton
-    takes the decode buckets. ``batch_prefills=False`` attends every chunk alone (default:
-    :data:`BATCH_PREFILLS`).
-    """
+    :func:`write_kv` must have run first (decodes and chunks behind a prefix read the cache).
+    The compiled kernel takes single-token rows and short chunks behind a prefix
+    (``cpu_kernel=False``: the torch path); on CUDA, Triton takes the decode buckets."""
     _, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     gqa = heads != kv_heads

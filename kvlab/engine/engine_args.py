@@ -20,7 +20,7 @@ import torch
 from kvlab.core.checks import is_int
 
 if TYPE_CHECKING:
-    from kvlab.core.engine_core import Scheduler
+    from kvlab.core.interfaces import Scheduler
 
     from .checkpoint import LoadedCheckpoint
     from .llm_engine import Tokenizer

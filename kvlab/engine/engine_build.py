@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
-from kvlab.core.engine_core import Scheduler
+from kvlab.core.cache_scope import CacheScope
+from kvlab.core.interfaces import Scheduler
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
-from kvlab.core.radix_cache import CacheScope
 from kvlab.core.scheduler_config import SchedulerConfig
 
 from .checkpoint import LoadedCheckpoint

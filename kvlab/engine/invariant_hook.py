@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlab.core.engine_core import StepObserver
+from kvlab.core.interfaces import StepObserver
 from kvlab.core.invariant_set import EngineView, InvariantMonitor
 
 MODES = (None, "off", "every_step")

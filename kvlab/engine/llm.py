@@ -20,13 +20,9 @@ __all__ = ["LLM"]
 
 
 class LLM:
-    """Load a model and generate for many prompts at once (continuous batching underneath).
-
-    ``model``: a shipped model name (``"kvlab-tiny"``) or a local Hugging Face directory; the
-    keyword arguments are :class:`~kvlab.engine.engine_args.EngineArgs`' (``block_size=16``,
-    ``num_blocks``, ``max_num_seqs=64``, ``max_num_batched_tokens=2048``,
-    ``enable_prefix_caching=True``, ``device``, ``dtype``, ``seed=0``, ``scheduler``, ...).
-    """
+    """Load a model (a shipped name such as ``"kvlab-tiny"`` or a Hugging Face directory) and
+    generate for many prompts at once; keyword arguments are
+    :class:`~kvlab.engine.engine_args.EngineArgs`' (``block_size``, ``max_num_seqs``, ...)."""
 
     def __init__(self, model, **engine_args):
         self.engine = LLMEngine(EngineArgs(model, **engine_args))
@@ -48,22 +44,16 @@ class LLM:
 
         return engine_report(self.engine)
 
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """Run every prompt (a str or a list of token ids) to completion with one
-        ``SamplingParams`` for all or one each; outputs in the order of ``prompts``. All are
-        validated before any is queued. Requests added to ``self.engine`` directly keep running;
-        its next ``step()`` returns their outputs. ``use_tqdm``: a bar when stderr is a TTY."""
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt (str or token ids) to completion with one ``SamplingParams`` for all
+        or one each; outputs in prompt order. All are validated before any is queued."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        sampling_params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

@@ -1,12 +1,8 @@
-"""LLMEngine: the step-level engine (requests in, one step of the engine core per ``step()``), and
-the text boundary it encodes prompts at (:class:`Tokenizer`).
-
-The engine core (:mod:`kvlab.core.engine_core`) runs schedule -> execute -> update over the
-scheduler, which owns requests and KV blocks, and the model runner, which owns tensors and
-sampler states. This class owns what neither should know: tokens of text, sampling parameters,
-the ``n`` samples of a request (requests ``r``, ``r#1``, ... with seeds ``s + i``, fanned out at
-admission as in vLLM v1), timestamps and the outputs handed back. One thread steps; others may
-add and abort requests. A bad request raises (naming the problem) and changes nothing.
+"""LLMEngine: requests in, one engine-core step per ``step()``, outputs out; and the text
+boundary where prompts are encoded (:class:`Tokenizer`). It owns what the scheduler and the
+runner should not know: text, sampling parameters, the ``n`` samples of a request (``r``,
+``r#1``, ... with seeds ``s + i``, fanned out at admission as in vLLM v1) and timestamps.
+A bad request raises, naming the problem, and changes nothing.
 """
 
 from __future__ import annotations
@@ -42,8 +38,7 @@ _SAMPLE_SEP = "#"  # sample i > 0 of request "r" runs as request "r#i"
 
 
 def _nonblank_path(value: str | Path, name: str) -> Path:
-    """``value`` as a Path; ValueError naming ``name`` for a blank str (``Path("")`` would
-    silently mean the current directory)."""
+    """``value`` as a Path; ValueError for a blank str (``Path("")`` means the current dir)."""
     if isinstance(value, str) and not value.strip():
         raise ValueError(f"{name} must name a file or a directory, got {value!r} "
                          "(pass '.' for the current directory)")
@@ -51,9 +46,8 @@ def _nonblank_path(value: str | Path, name: str) -> Path:
 
 
 class Tokenizer:
-    """Text to token ids and back, over a ``tokenizer.json`` (the ``tokenizers`` library; no
-    network). ``path``: the file or its directory. ``hash`` identifies it in prefix-cache
-    scopes."""
+    """Text to token ids and back over a ``tokenizer.json`` (file or directory; no network);
+    ``hash`` identifies it in prefix-cache scopes."""
 
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as _HFTokenizer
@@ -82,13 +76,12 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def get_vocab(self) -> dict[str, int]:
-        """Token string -> id, added tokens included, in the tokenizer's own encoding
-        (byte-level ``Ġthe``, sentencepiece ``▁the``, ``<0x0A>``)."""
+        """Token string (its own encoding: ``Ġthe``, ``▁the``, ``<0x0A>``) -> id, added ones too."""
         return self._tok.get_vocab(with_added_tokens=True)
 
     @property
     def special_token_ids(self) -> tuple[int, ...]:
-        """Ids of the added *special* tokens (BOS, EOS, ...): ``decode`` drops them from text."""
+        """Ids of the added special tokens (BOS, EOS, ...), which ``decode`` drops."""
         added = self._tok.get_added_tokens_decoder()
         return tuple(sorted(i for i, t in added.items() if t.special))
 
@@ -139,10 +132,8 @@ class LLMEngine:
         self.clock: Callable[[], float] = time.monotonic
         self.cache_scope()   # the default tenant's scope, built once here
 
-    # ------------------------------------------------------------------ scope and prompts
     def cache_scope(self, security_domain: str | None = None) -> tuple:
-        """The prefix-cache scope (spec rule 4) of this engine's requests, as a hashable key,
-        computed once per security domain."""
+        """The prefix-cache scope (spec rule 4) of this engine's requests, once per domain."""
         domain = security_domain or self.args.security_domain
         scope = self._scopes.get(domain)
         if scope is None:
@@ -176,7 +167,6 @@ class LLMEngine:
                              f"(0..{self.config.vocab_size - 1})")
         return text, ids
 
-    # ------------------------------------------------------------------ requests
     def _runtime_request(self, state: RequestState, sample: SampleState, scope: tuple,
                          seed: int) -> tuple[RuntimeRequest, SamplerState]:
         """The scheduler's request for ``sample`` and the runner's sampler state for it."""
@@ -189,18 +179,15 @@ class LLMEngine:
             stops.update(self.structured_outputs.stop_token_ids_for(p))  # ends at EOS
             sampler.grammar = self.structured_outputs.new_state(p)  # one per sample (n > 1)
         return RuntimeRequest(
-            request_id=sample.seq_id, prompt_token_ids=state.prompt_token_ids,
-            max_tokens=p.max_tokens, scope=scope, stop_token_ids=frozenset(stops),
-            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-            ignore_eos=p.ignore_eos, arrival_time=state.metrics.arrival_time,
-            max_model_len=self.max_model_len,
-        ), sampler
+            sample.seq_id, state.prompt_token_ids, p.max_tokens, scope, frozenset(stops),
+            self.eos_token_ids[0] if self.eos_token_ids else None, p.ignore_eos,
+            arrival_time=state.metrics.arrival_time, max_model_len=self.max_model_len), sampler
 
     def validate_request(self, prompt: Prompt, params: SamplingParams | None = None,
                          request_id: str | None = None
                          ) -> tuple[str | None, tuple[int, ...], SamplingParams]:
-        """Every check :meth:`add_request` makes, queueing nothing: ``(prompt text or None, token
-        ids, params)``, or ValueError / TypeError naming the problem."""
+        """Every check :meth:`add_request` makes, queueing nothing: ``(text or None, token ids,
+        params)``, or ValueError / TypeError naming the problem."""
         if request_id is not None:
             if not isinstance(request_id, str) or not request_id:
                 raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -222,10 +209,9 @@ class LLMEngine:
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} samples exceed max_num_seqs={self.args.max_num_seqs}")
         longest = min(len(ids) + params.max_tokens, self.max_model_len) - 1  # last token: no KV
-        if -(-longest // self.block_size) > self.num_blocks:
-            raise ValueError(
-                f"request needs up to {longest} tokens of KV "
-                f"({-(-longest // self.block_size)} blocks) but the cache has {self.num_blocks}")
+        if (blocks := -(-longest // self.block_size)) > self.num_blocks:
+            raise ValueError(f"request needs up to {longest} tokens of KV ({blocks} blocks) but "
+                             f"the cache has {self.num_blocks}")
         return text, ids, params
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
@@ -306,7 +292,6 @@ class LLMEngine:
             for out in outputs:
                 self.outputs.defer(out)
 
-    # ------------------------------------------------------------------ the step
     def step(self, *, only_finished: bool = False) -> list[RequestOutput]:
         """One step of the engine core: the outputs of every request that got a token, finished
         or was rejected (``only_finished``: of those that finished)."""
@@ -324,15 +309,12 @@ class LLMEngine:
         self.stats.add_step(result, time.perf_counter() - t0)
         return outputs
 
-    # ------------------------------------------------------------------ inspection (labs)
     def check_invariants(self) -> None:
-        """The scheduler's, KV manager's and this engine's bookkeeping invariants."""
-        from .invariant_hook import check_engine
+        from .invariant_hook import check_engine  # scheduler, KV manager and engine invariants
 
         check_engine(self)
 
-    def snapshot(self):
-        """Plain-data view of the engine (:mod:`kvlab.engine.snapshot`)."""
+    def snapshot(self):   # plain data, for figures (kvlab.engine.snapshot)
         from .snapshot import take_snapshot
 
         with self.core.lock:

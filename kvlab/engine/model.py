@@ -1,6 +1,5 @@
-"""A Llama-family decoder over a paged KV cache: RMSNorm, RoPE (default / linear / dynamic NTK /
-llama3), grouped-query attention, SwiGLU, optional tied embeddings and QKV bias (Qwen2). Q/K/V
-and gate/up are fused, so a layer is four matmuls over the step's flat batch, on CPU or CUDA.
+"""A Llama-family decoder over a paged KV cache (RoPE variants, GQA, SwiGLU, tied embeddings,
+QKV bias); Q/K/V and gate/up are fused, so a layer is four matmuls over the step's flat batch.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""ModelRunner: the real engine's executor, the one place where scheduler decisions touch tensors.
-
-Per step: copy-on-write copies (before any write), the chunks' table deltas into the persistent
-:class:`InputBatch`, the step's metadata from its rows, one forward pass (which writes the new
-K/V), and one token per sampling chunk with that request's sampler state (grammar rows masked
-first). The runner owns each running request's sampler state, from :meth:`ModelRunner.add_request`
-to :meth:`ModelRunner.remove_requests`; it never looks into the scheduler, nor changes requests,
-queues or KV ownership.
+"""ModelRunner: the real engine's executor, where scheduler decisions touch tensors. Per step:
+copy-on-write copies first, the chunks' table deltas into the persistent :class:`InputBatch`,
+the metadata from its rows, one forward (which writes the new K/V), one token per sampling
+chunk. It owns each running request's sampler state and never looks into the scheduler.
 """
 
 from __future__ import annotations
@@ -29,9 +25,8 @@ __all__ = ["InputBatch", "ModelRunner", "StepInfo"]
 
 @dataclass
 class StepInfo:
-    """Detail of one executed step (``ModelOutput.info``): the flat-batch ``metadata``, the
-    sampled ``request_ids`` in logits-row order, ``logits_shape``, and per sampled request its
-    raw log-probability and (if asked) its top-logprobs dict; timings in seconds."""
+    """``ModelOutput.info`` of a step: metadata, sampled ids in logits-row order, per request
+    the raw log-probability and (if asked) top-logprobs dict, and timings in seconds."""
 
     metadata: AttentionMetadata | None
     request_ids: list[str]
@@ -116,10 +111,8 @@ class ModelRunner:
 
 
 class InputBatch:
-    """The runner's block tables, one persistent row per running request, kept from the
-    scheduler's deltas alone (``num_kept_blocks`` + ``new_block_ids`` of each chunk): a row is
-    made by a request's first chunk, dropped when it is preempted or removed. CPU tensor;
-    indices go to ``device`` per step. Grows its capacity on demand; one per runner."""
+    """The runner's block tables: one persistent row per running request, kept from the chunks'
+    deltas alone (made by its first chunk, dropped on preemption or removal); grows on demand."""
 
     def __init__(self, block_size: int, device: torch.device | str = "cpu",
                  max_rows: int = 64, max_blocks: int = 64):

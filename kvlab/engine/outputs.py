@@ -1,6 +1,5 @@
-"""What the engine returns (:class:`RequestOutput`, one :class:`CompletionOutput` per sample) and
-the :class:`OutputProcessor` that folds each engine-core step into per-request state. An output
-is cumulative (all tokens so far), so only the latest one per request is handed back.
+"""What the engine returns (:class:`RequestOutput`, a :class:`CompletionOutput` per sample,
+cumulative) and the :class:`OutputProcessor` that folds each step into per-request state.
 """
 
 from __future__ import annotations

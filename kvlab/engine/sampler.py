@@ -1,9 +1,7 @@
 """The parameters a request samples with (:class:`SamplingParams`, validated when made) and the
-sampler that applies them (:func:`sample`: greedy, temperature, top-k, top-p, seeds, logprobs).
-
-Every row owns a ``torch.Generator`` seeded from its request's seed, so a request's tokens depend
-only on its own logits and seed, never on the rest of the batch. Reported log-probabilities are
-the model's raw ``log_softmax(logits)``, before temperature, top-k and top-p (vLLM's default).
+sampler that applies them (:func:`sample`). Each row draws from its request's own seeded
+``torch.Generator``, never depending on the rest of the batch; reported log-probabilities are
+the raw ``log_softmax(logits)``, before temperature, top-k and top-p (vLLM's default).
 """
 
 from __future__ import annotations
@@ -20,12 +18,8 @@ from .structured_outputs.params import StructuredOutputsParams, check_structured
 __all__ = ["MAX_SEED", "MIN_TEMPERATURE", "SampleResult", "SamplerState", "SamplingParams",
            "filter_logits", "is_real", "sample"]
 
-#: Temperatures below this sample greedily (vLLM's convention): dividing logits by a tinier one
-#: overflows float32 into NaNs.
-MIN_TEMPERATURE = 1e-5
-
-#: Largest accepted ``seed``: torch generators take a 64-bit unsigned seed.
-MAX_SEED = 2**64 - 1
+MIN_TEMPERATURE = 1e-5   # below it, greedy (vLLM's rule): a tinier divisor overflows float32
+MAX_SEED = 2**64 - 1      # torch generators take a 64-bit unsigned seed
 
 
 def _count(value: object, least: int) -> bool:
@@ -59,10 +53,8 @@ class SamplingParams:
     in the output; stored as a tuple); ``ignore_eos``; ``n`` samples sharing the prompt's blocks;
     ``logprobs=k``: per token the k most likely and the sampled one, raw; ``structured_outputs``:
     exactly one of ``{"json"|"regex"|"choice"|"grammar": ...}``, stored as
-    ``StructuredOutputsParams`` (the request ends when its grammar does).
-
-    A bad value raises ``ValueError`` naming ``SamplingParams.<field>``; any accepted value
-    samples without error.
+    ``StructuredOutputsParams`` (the request ends when its grammar does). A bad value raises
+    ``ValueError`` naming ``SamplingParams.<field>``; any accepted value samples without error.
     """
 
     max_tokens: int = 16
@@ -121,8 +113,7 @@ class SamplingParams:
 
 @dataclass
 class SamplerState:
-    """One sequence's parameters, random stream (None when greedy; rows may share one) and
-    grammar state (structured outputs, else None)."""
+    """One sequence's parameters, random stream (None when greedy) and grammar state."""
 
     params: SamplingParams
     generator: torch.Generator | None

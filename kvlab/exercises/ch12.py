@@ -13,7 +13,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.core.engine_core import EngineCore, SchedulerOutput, StepObserver
+from kvlab.core.engine_core import EngineCore, SchedulerOutput
+from kvlab.core.interfaces import StepObserver
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import RuntimeRequest

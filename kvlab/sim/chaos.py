@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
-from kvlab.core.engine_core import EngineCore, ModelOutput, SchedulerOutput, StepObserver
+from kvlab.core.engine_core import EngineCore, ModelOutput, SchedulerOutput
 from kvlab.core.event_log import CorruptLog, EventLog, SimulatedCrash
 from kvlab.core.faults import FaultInjector, InjectedFault, StepFaultSchedule
+from kvlab.core.interfaces import StepObserver
 from kvlab.core.invariant_set import EngineView, InvariantMonitor
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler

@@ -1,6 +1,6 @@
 """The simulator: the engine's own step loop on a simulated clock, each step priced by a roofline.
 
-:class:`CostModelExecutor` is the :class:`~kvlab.core.engine_core.Executor` of the simulator: it
+:class:`CostModelExecutor` is the :class:`~kvlab.core.interfaces.Executor` of the simulator: it
 charges a step the time a :class:`~kvlab.sim.costmodel.RooflineCostModel` gives it and produces
 each sampled token with a token function instead of a model. :func:`simulate` runs
 :class:`~kvlab.core.engine_core.EngineCore` (the same loop as the real engine) with it, adding
@@ -210,7 +210,7 @@ def simulate(
 ) -> SimResult:
     """Run ``workload`` through ``scheduler`` on a simulated clock priced by ``cost``.
 
-    ``scheduler`` is any :class:`~kvlab.core.engine_core.Scheduler` (it may also offer
+    ``scheduler`` is any :class:`~kvlab.core.interfaces.Scheduler` (it may also offer
     ``padding(output) -> [(num_tokens, start_pos)]`` for dummy work it makes the GPU do, as a
     static batch does). The loop is :class:`~kvlab.core.engine_core.EngineCore`'s, with a
     :class:`CostModelExecutor`. ``until``: stop at that simulated time (unfinished requests

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.core.engine_core import EngineCore, StepObserver
+from kvlab.core.engine_core import EngineCore
 from kvlab.core.faults import (
     STEP_FAULTS,
     FaultInjector,
@@ -30,6 +30,7 @@ from kvlab.core.faults import (
     StepFault,
     StepFaultSchedule,
 )
+from kvlab.core.interfaces import StepObserver
 from kvlab.core.invariant_set import EngineView, InvariantMonitor, InvariantViolation
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler

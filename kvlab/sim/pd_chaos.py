@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
-from kvlab.core.engine_core import EngineCore, ModelOutput, StepObserver
+from kvlab.core.engine_core import EngineCore, ModelOutput
 from kvlab.core.faults import FaultInjector, InjectedFault, StepFaultSchedule
 from kvlab.core.install_audit import InstallAudit
+from kvlab.core.interfaces import StepObserver
 from kvlab.core.invariant_set import EngineView, InvariantMonitor
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_channel import EntryExporter, InProcessChannel

@@ -6,7 +6,7 @@ batch decodes one token per member per step until its *longest* member is done. 
 finish early leave their slot idle but still computed (padding), as in FasterTransformer-style
 serving, and nobody joins a running batch. KV for prompt + max_tokens is reserved at admission.
 
-It implements the same :class:`~kvlab.core.engine_core.Scheduler` protocol as the
+It implements the same :class:`~kvlab.core.interfaces.Scheduler` protocol as the
 iteration-level schedulers, so the simulator runs all of them unchanged.
 """
 
