@@ -156,3 +156,14 @@ def test_the_engine_core_never_imports_upward():
                 "kvlab.entrypoints", "kvlab.sim", "kvlab.viz", "kvlab.exercises",
                 "kvlab.capacity", "kvlab.fragmentation", "kvlab.recovery", "kvlab.slo"))}
             assert not bad, (name, bad)
+
+
+def test_every_kvlab_module_is_at_most_400_lines():
+    """Issue 24's bound: a module holds one thing, small enough to read in one sitting."""
+    from pathlib import Path
+
+    import kvlab
+
+    root = Path(kvlab.__file__).parent
+    sizes = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
+    assert len(sizes) > 100 and not {p: n for p, n in sizes.items() if n > 400}
