@@ -3,6 +3,7 @@ the dense reference and the engine's own tokens; its input checks; and the fallb
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -15,12 +16,15 @@ import torch
 from dense_attention import dense_causal_attention
 
 from kvlab.engine.attention import (
+    PAGED_MAX_TOKENS,
     ChunkSpec,
     build_metadata,
     paged_attention,
+    write_kv,
 )
 from kvlab.engine.triton_parity import scattered_tables
 from kvlab.kernels import cpu as cpu_kernels
+from kvlab.kernels import row_kernel
 
 
 def _toolchain() -> bool:
@@ -30,6 +34,11 @@ def _toolchain() -> bool:
 
 
 needs_kernel = pytest.mark.skipif(not _toolchain(), reason="no C++ compiler or ninja here")
+
+
+def _kernel(meta, dtype=torch.float32):
+    """``meta`` with the compiled op for its paged rows."""
+    return dataclasses.replace(meta, kernel=cpu_kernels.decode_op("cpu", dtype))
 
 
 @needs_kernel
@@ -57,20 +66,17 @@ def test_kernel_equals_torch_path_and_dense_reference(heads, kv_heads, block_siz
     q, kc, vc, chunks = _case(heads * block_size + dim, len(lengths), heads, kv_heads, dim,
                               block_size, lengths, torch.float32)
     meta = build_metadata(chunks, block_size)
-    order = sorted(range(len(chunks)), key=lambda i: chunks[i].start_pos)  # the flat-row order
-    qs = q[order]
-    fast = paged_attention(qs, None, None, kc, vc, meta, dim ** -0.5, cpu_kernel=True)
-    slow = paged_attention(qs, None, None, kc, vc, meta, dim ** -0.5, cpu_kernel=False)
+    fast = paged_attention(q, None, None, kc, vc, _kernel(meta), dim ** -0.5)
+    slow = paged_attention(q, None, None, kc, vc, meta, dim ** -0.5)
     assert torch.allclose(fast, slow, atol=2e-6, rtol=1e-5), (fast - slow).abs().max()
     flat_k, flat_v = kc.view(-1, kv_heads, dim), vc.view(-1, kv_heads, dim)
-    for row, i in enumerate(order):
-        c = chunks[i]
+    for row, c in enumerate(chunks):     # the flat rows are the chunks, in order
         n = c.start_pos + 1
         slots = torch.tensor([c.block_table[p // block_size] * block_size + p % block_size
                               for p in range(n)])
         # the last row of a causal pass over the whole context is this decode step
         qq = torch.zeros(n, heads, dim)
-        qq[-1] = qs[row]
+        qq[-1] = q[row]
         dense = dense_causal_attention(qq, flat_k[slots], flat_v[slots], dim ** -0.5)[-1]
         assert torch.allclose(fast[row], dense, atol=2e-6, rtol=1e-5)
 
@@ -80,15 +86,12 @@ def test_bfloat16_and_several_threads():
     lengths = [1, 17, 64, 300, 33, 2, 128, 90]
     q, kc, vc, chunks = _case(7, len(lengths), 8, 2, 64, 16, lengths, torch.bfloat16)
     meta = build_metadata(chunks, 16)
-    order = sorted(range(len(chunks)), key=lambda i: chunks[i].start_pos)
-    qs = q[order]
-    ref = paged_attention(qs.float(), None, None, kc.float(), vc.float(), meta, 0.125,
-                          cpu_kernel=False)
+    ref = paged_attention(q.float(), None, None, kc.float(), vc.float(), meta, 0.125)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            got = paged_attention(qs, None, None, kc, vc, meta, 0.125, cpu_kernel=True)
+            got = paged_attention(q, None, None, kc, vc, _kernel(meta, torch.bfloat16), 0.125)
             assert got.dtype == torch.bfloat16
             assert torch.allclose(got.float(), ref, atol=2e-2, rtol=2e-2)
     finally:
@@ -134,7 +137,7 @@ def test_engine_tokens_and_logprobs_agree_with_the_torch_path(monkeypatch):
     for flag in (True, False):
         monkeypatch.setenv("KVLAB_CPU_ATTENTION", "1" if flag else "0")   # read at construction
         llm = LLM("kvlab-tiny")
-        assert (llm.engine.executor.workspace.decode_kernel is not None) == flag
+        assert (llm.engine.executor.kernel is not None) == flag
         runs.append(llm.generate(prompts, params))
     for a, b in zip(*runs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -177,23 +180,26 @@ def test_switched_off_by_the_environment(monkeypatch):
 
 
 def test_float64_attention_keeps_full_precision():
-    # the kernel accumulates in float32, so paged_attention leaves float64 to the torch path
+    # the kernel accumulates in float32, so a float64 runner gets no op: the torch path
+    assert row_kernel("cpu", torch.float64) is None
     lengths = [3, 40, 17]
     q, kc, vc, chunks = _case(11, len(lengths), 4, 2, 32, 8, lengths, torch.float64)
-    meta = build_metadata(chunks, 8)
-    order = sorted(range(len(chunks)), key=lambda i: chunks[i].start_pos)
-    got = paged_attention(q[order], None, None, kc, vc, meta, 32 ** -0.5)
-    ref = paged_attention(q[order], None, None, kc, vc, meta, 32 ** -0.5, cpu_kernel=False)
-    assert got.dtype == torch.float64 and torch.equal(got, ref)
+    got = paged_attention(q, None, None, kc, vc, build_metadata(chunks, 8), 32 ** -0.5)
+    flat_k, flat_v = kc.view(-1, 2, 32), vc.view(-1, 2, 32)
+    for row, c in enumerate(chunks):
+        slots = [c.block_table[p // 8] * 8 + p % 8 for p in range(c.start_pos + 1)]
+        qq = torch.zeros(len(slots), 4, 32, dtype=torch.float64)
+        qq[-1] = q[row]
+        dense = dense_causal_attention(qq, flat_k[slots], flat_v[slots], 32 ** -0.5)[-1]
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got[row], dense, rtol=1e-12, atol=1e-12)
 
 
 @needs_kernel
 def test_kernel_rows_equal_dense_attention_for_short_chunks_behind_a_prefix():
-    from kvlab.engine.prefill_groups import KERNEL_MAX_TOKENS
-
     gen = torch.Generator().manual_seed(5)
     bs, kv_heads, heads, dim = 8, 2, 6, 32
-    specs = [(13, 4), (40, 1 + KERNEL_MAX_TOKENS), (7, 2), (0, 5), (21, KERNEL_MAX_TOKENS)]
+    specs = [(13, 4), (40, 1 + PAGED_MAX_TOKENS), (7, 2), (0, 5), (21, PAGED_MAX_TOKENS)]
     num_blocks = 64
     kc = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
     vc = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
@@ -203,26 +209,24 @@ def test_kernel_rows_equal_dense_attention_for_short_chunks_behind_a_prefix():
         nb = -(-(start + n) // bs)
         chunks.append(ChunkSpec(list(range(n)), start, perm[at:at + nb]))
         at += nb
-    meta = build_metadata(chunks, bs)
+    meta = _kernel(build_metadata(chunks, bs))
+    assert meta.dense == (1, 3)          # the long chunk and the fresh prompt
+    assert int(meta.paged_rows.numel()) == 4 + 2 + PAGED_MAX_TOKENS  # short, prefixed
     total = sum(n for _, n in specs)
     q = torch.randn(total, heads, dim, generator=gen)
     k = torch.randn(total, kv_heads, dim, generator=gen)
     v = torch.randn(total, kv_heads, dim, generator=gen)
-    from kvlab.engine.attention import write_kv
-
     write_kv(kc, vc, k, v, meta.slot_mapping)
-    got = paged_attention(q, k, v, kc, vc, meta, dim ** -0.5, cpu_kernel=True)
-    assert meta.kernel_plan is not None
-    assert int(meta.kernel_plan.rows.numel()) == 4 + 2 + KERNEL_MAX_TOKENS  # short, prefixed
+    got = paged_attention(q, k, v, kc, vc, meta, dim ** -0.5)
     flat_k, flat_v = kc.view(-1, kv_heads, dim), vc.view(-1, kv_heads, dim)
-    for c, pc in zip([c for c in chunks if len(c.token_ids) > 1], meta.prefills, strict=True):
+    for i, c in enumerate(chunks):
+        lo, hi = meta.query_start[i], meta.query_start[i + 1]
         end = c.start_pos + len(c.token_ids)
         slots = torch.tensor([c.block_table[p // bs] * bs + p % bs for p in range(end)])
         qq = torch.zeros(end, heads, dim)
-        qq[c.start_pos:] = q[pc.offset:pc.offset + pc.num_tokens]
+        qq[c.start_pos:] = q[lo:hi]
         dense = dense_causal_attention(qq, flat_k[slots], flat_v[slots], dim ** -0.5)
-        assert torch.allclose(got[pc.offset:pc.offset + pc.num_tokens], dense[c.start_pos:],
-                              atol=2e-6, rtol=1e-5)
+        assert torch.allclose(got[lo:hi], dense[c.start_pos:], atol=2e-6, rtol=1e-5)
 
 
 def test_build_name_is_keyed_to_the_environment(monkeypatch):

@@ -7,6 +7,7 @@ import torch
 from dense_attention import dense_causal_attention
 
 from kvlab.engine.attention import (
+    PAGED_MAX_TOKENS,
     ChunkSpec,
     build_metadata,
     paged_attention,
@@ -14,12 +15,15 @@ from kvlab.engine.attention import (
 )
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.triton_parity import scattered_tables
+from kvlab.kernels import cpu as cpu_kernels
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
 
-def _run_schedule(block_size: int, lengths: list[int], seed: int) -> float:
-    """Feed sequences through random chunk schedules; return max |paged - dense|."""
+def _run_schedule(block_size: int, lengths: list[int], seed: int, max_chunk: int = 6,
+                  kernel=None) -> tuple[float, set[str]]:
+    """Feed sequences through random chunk schedules; return max |paged - dense| and the
+    kinds of chunk that ran (decode, short or long behind a prefix, fresh)."""
     gen = torch.Generator().manual_seed(seed)
     seqs = []
     for t in lengths:
@@ -31,19 +35,21 @@ def _run_schedule(block_size: int, lengths: list[int], seed: int) -> float:
     cache = PagedKVCache(1, num_blocks, block_size, KV_HEADS, DIM)
     kc, vc = cache.layers[0]
     done = [0] * len(lengths)
-    worst = 0.0
+    worst, kinds = 0.0, set()
     while any(d < t for d, t in zip(done, lengths, strict=True)):
         chunks, order = [], []
         for i, t in enumerate(lengths):
             if done[i] >= t:
                 continue
             # single tokens (decode-like) and multi-token chunks, randomly mixed
-            size = int(torch.randint(1, 7, (), generator=gen))
+            size = int(torch.randint(1, max_chunk + 1, (), generator=gen))
             size = min(size, t - done[i])
             chunks.append(ChunkSpec(list(range(size)), done[i], tables[i]))
             order.append((i, done[i], size))
-        meta = build_metadata(chunks, block_size)
-        # flat q/k/v in the metadata's row order: singles first, then multis
+            kinds.add("decode" if size == 1 else "fresh" if done[i] == 0 else
+                      "short" if size <= PAGED_MAX_TOKENS else "long")
+        meta = build_metadata(chunks, block_size, kernel=kernel)
+        # flat q/k/v in the metadata's row order (chunk after chunk)
         rows_q, rows_k, rows_v = [None] * meta.num_tokens, [None] * meta.num_tokens, [None] * (
             meta.num_tokens)
         for c_idx, (i, start, size) in enumerate(order):
@@ -62,17 +68,30 @@ def _run_schedule(block_size: int, lengths: list[int], seed: int) -> float:
             want = seqs[i][3][start:start + size]
             worst = max(worst, (got - want).abs().max().item())
             done[i] += size
-    return worst
+    return worst, kinds
 
 
+@pytest.mark.parametrize("kernel", ["torch", "cpu"])
 @pytest.mark.parametrize("block_size", [1, 2, 16])
-def test_paged_equals_dense_mixed_batches(block_size):
-    assert _run_schedule(block_size, [5, 17, 1, 33, 8, 16], seed=block_size) < 1e-5
+def test_paged_equals_dense_mixed_batches(block_size, kernel):
+    """Both branches (paged rows, dense chunks) and both paged-row ops, on schedules that mix
+    decodes, fresh prompts, and short and long chunks behind a cached prefix."""
+    op = None
+    if kernel == "cpu":
+        op = cpu_kernels.decode_op("cpu", torch.float32)
+        if op is None:
+            pytest.skip("the CPU kernel is not built here")
+    seen = set()
+    for max_chunk, lengths in ((6, [5, 17, 1, 33, 8, 16]), (40, [70, 3, 45, 90])):
+        worst, kinds = _run_schedule(block_size, lengths, block_size, max_chunk, op)
+        assert worst < 1e-5
+        seen |= kinds
+    assert seen == {"decode", "fresh", "short", "long"}
 
 
 def test_whole_prefill_matches_reference_without_cache_reads():
     # one chunk from position 0 takes the fresh-K/V path; compare with the reference directly
-    assert _run_schedule(4, [1], seed=3) < 1e-6
+    assert _run_schedule(4, [1], seed=3)[0] < 1e-6
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(11, HEADS, DIM, generator=gen)
     k = torch.randn(11, KV_HEADS, DIM, generator=gen)
@@ -130,7 +149,7 @@ def test_grouped_decode_equals_dense_for_every_grouping(heads, kv_heads):
         chunks.append(ChunkSpec([0], t - 1, table))
         seqs.append((q, k, v))
     meta = build_metadata(chunks, bs)
-    assert meta.num_single == len(lengths) and len(meta.buckets) >= 1
+    assert meta.paged_rows.tolist() == list(range(len(lengths))) and meta.dense == ()
     q_rows = torch.empty(len(lengths), heads, dim)
     for i, (q, _, _) in enumerate(seqs):
         q_rows[meta.last_row[i]] = q[-1]

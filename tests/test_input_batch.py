@@ -14,20 +14,10 @@ from kvlab.engine.model_runner import InputBatch
 
 
 def _same(a, b) -> None:
-    assert torch.equal(a.input_ids, b.input_ids)
-    assert torch.equal(a.positions, b.positions)
-    assert torch.equal(a.slot_mapping, b.slot_mapping)
-    assert a.num_single == b.num_single and a.last_row == b.last_row
-    assert a.max_position == b.max_position and a.block_size == b.block_size
-    assert len(a.buckets) == len(b.buckets)
-    for x, y in zip(a.buckets, b.buckets, strict=True):
-        assert (x.row0, x.size, x.max_blocks) == (y.row0, y.size, y.max_blocks)
-        assert torch.equal(x.block_index, y.block_index)
-        assert torch.equal(x.mask, y.mask)
-    assert len(a.prefills) == len(b.prefills)
-    for x, y in zip(a.prefills, b.prefills, strict=True):
-        assert (x.offset, x.num_tokens, x.start_pos) == (y.offset, y.num_tokens, y.start_pos)
-        assert torch.equal(x.slots, y.slots)
+    for name in ("input_ids", "positions", "slot_mapping", "block_tables", "paged_rows",
+                 "paged_tables", "paged_lens"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert (a.query_start, a.start_pos, a.dense) == (b.query_start, b.start_pos, b.dense)
 
 
 def _chunk(rid, tokens, start, table, kept):

@@ -47,7 +47,7 @@ def test_default_generate_runs_a_bounded_set_of_modules():
     # labs stay off the default path: no log, no observers, no faults, no snapshots
     for lab in ("core/event_log.py", "core/faults.py", "core/invariant_set.py",
                 "engine/snapshot.py", "core/spec_plan.py", "core/production_scheduler.py",
-                "engine/prefill_groups.py", "core/paging.py", "core/checks.py",
+                "core/paging.py", "core/checks.py",
                 "kernels/cpu.py", "core/kv_snapshot.py"):
         assert lab not in lines, f"{lab} runs on a default generate"
     assert len(lines) <= MAX_MODULES and total <= MAX_LINES, (len(lines), total)

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.core.engine_core import ModelOutput, ScheduledChunk, SchedulerOutput
+from kvlab.kernels import row_kernel
 
-from .attention import AttentionMetadata, ChunkSpec, Workspace, build_metadata
+from .attention import AttentionMetadata, ChunkSpec, RowKernel, flat_metadata
 from .kv_cache import PagedKVCache
 from .model import LlamaModel
 from .sampler import SamplerState, sample
@@ -51,8 +52,8 @@ class ModelRunner:
         self.cache = cache
         self.device = model.device
         self.block_size = cache.block_size
-        # the workspace takes the compiled attention kernel now (built once), not per step
-        self.workspace = Workspace(self.device, getattr(cache, "compute_dtype", cache.data.dtype))
+        # the paged rows' attention op, chosen (and compiled) once, not per step
+        self.kernel = row_kernel(self.device, getattr(cache, "compute_dtype", cache.data.dtype))
         self.input_batch = InputBatch(self.block_size, self.device)
         self.samplers: dict[str, SamplerState] = {}
 
@@ -76,7 +77,7 @@ class ModelRunner:
         chunks = output.chunks
         self.input_batch.remove(output.preempted)   # their tables are resent whole on resume
         self.input_batch.apply(chunks)
-        meta = self.input_batch.build(chunks, self.workspace) if chunks else None
+        meta = self.input_batch.build(chunks, self.kernel) if chunks else None
         sampling = [i for i, c in enumerate(chunks) if c.sample]
         ids = [chunks[i].request_id for i in sampling]
         t1 = time.perf_counter()
@@ -178,27 +179,23 @@ class InputBatch:
                 self.tables[row, n:before] = 0
             self._len[c.request_id] = n
 
-    # ------------------------------------------------------------------ metadata
-    def build(self, chunks: Sequence[ScheduledChunk],
-              workspace: Workspace | None = None) -> AttentionMetadata:
-        """The step's metadata from the rows (equal to ``build_metadata`` of the chunks with
-        their full tables); :meth:`apply` the step's deltas first. ValueError (nothing
-        computed) when a chunk is empty or its table does not cover it."""
-        bs = self.block_size
+    def build(self, chunks: Sequence[ScheduledChunk], kernel: RowKernel | None = None
+              ) -> AttentionMetadata:
+        """The step's metadata from the rows, with tensor operations (:meth:`apply` the
+        step's deltas first). ValueError (nothing computed) when a chunk is empty or its row's
+        table does not cover it."""
         for c in chunks:
-            end = c.start_pos + len(c.token_ids)
-            if len(c.token_ids) == 0 or c.start_pos < 0 or self._len[c.request_id] * bs < end:
-                # the general path raises the precise error
-                return build_metadata([self.spec(c) for c in chunks], bs, self.device, workspace)
-
-        def single_tables(indices: list[int], width: int) -> torch.Tensor:
-            rows = torch.tensor([self._row_of[chunks[i].request_id] for i in indices],
-                                dtype=torch.long)
-            return self.tables.index_select(0, rows)[:, :width].contiguous()
-
-        specs = [ChunkSpec(c.token_ids, c.start_pos, () if len(c.token_ids) == 1
-                           else self.table(c.request_id)) for c in chunks]
-        return build_metadata(specs, bs, self.device, workspace, single_tables)
+            end, have = c.start_pos + len(c.token_ids), self._len[c.request_id]
+            if len(c.token_ids) == 0:
+                raise ValueError(f"{c.request_id!r}: a chunk with no tokens")
+            if c.start_pos < 0 or have * self.block_size < end:
+                raise ValueError(f"{c.request_id!r}: its table ({have} blocks of "
+                                 f"{self.block_size}) does not cover positions "
+                                 f"{c.start_pos}..{end - 1}")
+        rows = torch.tensor([self._row_of[c.request_id] for c in chunks], dtype=torch.long)
+        return flat_metadata([c.token_ids for c in chunks], [c.start_pos for c in chunks],
+                             self.tables.index_select(0, rows), self.block_size, self.device,
+                             kernel)
 
     def spec(self, chunk: ScheduledChunk, extra: tuple[int, ...] = ()) -> ChunkSpec:
         """``chunk`` (plus ``extra`` tokens, a speculative step's drafts) with its full table."""

@@ -1,16 +1,15 @@
 """Triton kernels for the CUDA path: paged decode attention and the KV store.
 
-Both read the metadata :func:`kvlab.engine.attention.build_metadata` builds for the torch path,
-unchanged:
+Both read the metadata :func:`kvlab.engine.attention.flat_metadata` builds, unchanged:
 
 - :func:`store_kv` writes ``k, v: [N, KV, D]`` at flat slots ``slot_mapping: [N]`` (what
   :func:`~kvlab.engine.attention.write_kv` does with ``index_copy_``): one program per token.
-- :func:`decode_attention` attends one :class:`~kvlab.engine.attention.DecodeBucket`: its
-  block tables are ``bucket.block_index.view(B, max_blocks)`` and each row's context length is
-  its position + 1 (``meta.positions``). One program per (row, KV head) walks the row's blocks
-  straight from the cache (no gather into a workspace), scores the ``G = H // KV`` query heads
-  of that KV head against each block and keeps an online softmax (running max, running sum,
-  rescaled accumulator) in float32; the output is written in the query dtype.
+- :func:`decode_attention` attends rows of one query token each through their block tables
+  (``meta.paged_tables``); each row's context length is its position + 1. One program per
+  (row, KV head) walks the row's blocks straight from the cache (no gather), scores the
+  ``G = H // KV`` query heads of that KV head against each block and keeps an online softmax
+  (running max, running sum, rescaled accumulator) in float32; the output is in the query
+  dtype.
 
 :func:`available` says whether Triton can run here; :mod:`kvlab.engine.attention` selects
 these kernels automatically for CUDA tensors and keeps its torch code everywhere else. The
@@ -26,7 +25,7 @@ import os
 
 import torch
 
-__all__ = ["available", "decode_attention", "store_kv"]
+__all__ = ["available", "decode_attention", "row_attention", "store_kv"]
 
 
 @functools.cache
@@ -137,3 +136,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                           table.shape[1], KV=kv_heads, G=group, G_P2=_p2(group),
                           D=dim, D_P2=_p2(dim), BS=bs, BS_P2=_p2(bs))
     return out
+
+
+def row_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                  scale: float) -> None:
+    """:func:`decode_attention` in the engine's row-kernel form
+    (:data:`kvlab.engine.attention.RowKernel`): row ``r`` attends ``lens[r]`` positions."""
+    decode_attention(q, k_cache, v_cache, tables, lens - 1, scale, out=out)

@@ -15,7 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..attention import ChunkSpec, Workspace, build_metadata
+from kvlab.kernels import row_kernel
+
+from ..attention import ChunkSpec, build_metadata
 
 __all__ = ["heldout_token_ids", "perplexity", "token_logprobs"]
 
@@ -51,12 +53,12 @@ def token_logprobs(engine, token_ids: Sequence[int], chunk: int = 16) -> torch.T
     cfg, bs = engine.config, engine.block_size
     nb = -(-len(ids) // bs)
     cache = engine.quantization.make_kv_cache(cfg, nb, bs, engine.dtype, engine.device)
-    ws = Workspace(engine.device, engine.dtype)
+    kernel = row_kernel(engine.device, engine.dtype)
     table = list(range(nb))
     rows = []
     for start in range(0, len(ids), chunk):
         part = ids[start:start + chunk]
-        meta = build_metadata([ChunkSpec(part, start, table)], bs, engine.device, ws)
+        meta = build_metadata([ChunkSpec(part, start, table)], bs, engine.device, kernel)
         hidden = engine.model(meta, cache.layers)
         rows.append(engine.model.logits(hidden).double().log_softmax(-1))
     logp = torch.cat(rows)[:-1]

@@ -103,22 +103,13 @@ class QuantizedPagedKVCache:
         for the step's ``meta`` so all layers share it."""
         if self._step is not None and self._step[0] is meta:
             return self._step[1], self._step[2]
-        bs = self.block_size
         dev = self.data.device
-        used = [b.block_index for b in meta.buckets]
-        used += [c.slots // bs for c in meta.prefills if c.start_pos > 0]
-        blocks = torch.unique(torch.cat(used)) if used else torch.zeros(1, dtype=torch.long,
-                                                                            device=dev)
+        blocks = torch.unique(meta.block_tables) if meta.block_tables.numel() else torch.zeros(
+            1, dtype=torch.long, device=dev)
         remap = torch.zeros(self.num_blocks, dtype=torch.long, device=dev)
         remap[blocks] = torch.arange(blocks.numel(), device=dev)
-        buckets = [dataclasses.replace(b, block_index=remap[b.block_index]) for b in meta.buckets]
-        prefills = [dataclasses.replace(c, slots=remap[c.slots // bs] * bs + c.slots % bs)
-                    if c.start_pos > 0 else c for c in meta.prefills]
-        # decode_tables entries past a row's length may name blocks outside ``blocks``: they
-        # remap to 0, a valid id that the length never lets a kernel read
-        tables = None if meta.decode_tables is None else remap[meta.decode_tables]
-        small = dataclasses.replace(meta, buckets=buckets, prefills=prefills,
-                                    decode_tables=tables, prefill_plan=None, kernel_plan=None)
+        small = dataclasses.replace(meta, block_tables=remap[meta.block_tables],
+                                    paged_tables=remap[meta.paged_tables])
         self._step = (meta, small, blocks)
         return small, blocks
 

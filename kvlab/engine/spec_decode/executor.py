@@ -100,7 +100,7 @@ class SpecExecutor(ModelRunner):
         drafts = {rid: p.tokens for rid, p in proposals.items()}
         specs = [ChunkSpec(c.token_ids + drafts.get(c.request_id, ()), c.start_pos,
                            tables[c.request_id]) for c in chunks]
-        meta = build_metadata(specs, self.block_size, self.device, self.workspace)
+        meta = build_metadata(specs, self.block_size, self.device, self.kernel)
         picked: list[int] = []
         for i in sampling:
             n = len(drafts.get(chunks[i].request_id, ())) + 1

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.core.engine_core import ScheduledChunk
+from kvlab.kernels import row_kernel
 
-from ..attention import ChunkSpec, Workspace, build_metadata
+from ..attention import ChunkSpec, build_metadata
 from ..kv_cache import PagedKVCache
 from ..model import LlamaModel
 from .rng import DRAFT, position_generator
@@ -102,14 +103,14 @@ class DraftModelProposer:
         self.block_size = block_size
         self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                   cfg.head_dim, dtype=model.dtype, device=model.device)
-        self.workspace = Workspace(model.device, model.dtype)
+        self.kernel = row_kernel(model.device, model.dtype)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write copies of the step, applied to the draft cache too."""
         self.cache.copy_blocks(copies)
 
     def _run(self, specs: list[ChunkSpec], rows: list[int]) -> torch.Tensor:
-        meta = build_metadata(specs, self.block_size, self.model.device, self.workspace)
+        meta = build_metadata(specs, self.block_size, self.model.device, self.kernel)
         picked = torch.tensor([meta.last_row[i] for i in rows], dtype=torch.long,
                               device=self.model.device)
         return self.model.logits(self.model(meta, self.cache.layers, rows=picked))
