@@ -1,31 +1,39 @@
-"""Decode attention over gathered paged K/V: the grouped formulation vs the block-diagonal one.
+"""Decode attention, one call: the compiled CPU op vs the torch path vs the old bucketed gather.
 
-Both gather a bucket's K/V blocks into ``[B, T, KV, D]`` workspace buffers first (identical in
-both; timed separately). Then:
+Every case is a batch of single-token rows (one decoding request each) with its context in a
+paged cache ``[num_blocks, block_size, KV, D]`` under shuffled block tables, laid out by the
+engine's own :func:`kvlab.engine.attention.build_metadata`. Three ways to attend it:
 
-- **block-diagonal** (kvlab before this change): every query head is placed in the columns of
-  its KV head in a zero ``[B, H, KV * D]`` query, so one ``bmm`` against ``[B, KV * D, T]``
-  scores all heads; ``KV`` times the QK^T and PV work that is needed.
-- **grouped** (kvlab now for groups of 2+ query heads per KV head): heads grouped by KV head,
-  one ``bmm`` pair per KV head on strided views of the gathered buffers (no copy). For
-  multi-head attention (group 1) it degenerates into matrix-vector products and loses, so the
-  engine keeps the block-diagonal form there (``engine`` column: what the engine runs).
-- **grouped, permuted** (the earlier attempt): K/V transposed to ``[B, KV, T, D]`` (a copy)
-  and one 4-d ``matmul`` over all heads.
-- **compiled**: the C++ kernel of :mod:`kvlab.kernels.cpu`, which reads K/V straight from
-  the paged cache with no gather (what the engine runs on CPU where it builds; ``compiled x`` is
-  its speedup over the torch path, ``engine``).
+- **compiled**: ``kvlab.kernels.row_kernel("cpu", float32)``, the C++ op the engine runs on
+  CPU; it walks each row's table through the cache, no gather.
+- **torch** (:func:`kvlab.engine.attention.attend_rows`): the engine's torch path; it gathers
+  every row's blocks into one padded ``[R, KV, W*bs, D]`` (``W``: the widest table of the step)
+  and runs one masked SDPA.
+- **buckets** (the torch path kvlab had before the flat metadata, re-implemented here as the
+  comparison): rows sorted by context, cut into at most 6 contiguous buckets of at least 8 rows,
+  each bucket gathered (into buffers reused across calls, as the old ``Workspace``) only as
+  wide as its own longest row, then one pair of batched matmuls per KV head over its
+  query-head group (``bmm`` on strided views, an additive length mask).
+  ``buckets_fresh``: the same with fresh gather tensors every call, as ``attend_rows`` has,
+  which separates the cost of allocating from that of the formulation.
+  The old engine used a block-diagonal query for multi-head attention (group 1) instead; here
+  the grouped form runs for every group, so the 8/8 case is that formulation's worst.
 
-Every formulation's output is compared with the block-diagonal one (max abs difference) and the
-ratio printed. Writes ``benchmarks/results/decode_attention.json``. Timings are best-of-N on one
-torch thread; on a shared machine run it twice.
+Ragged contexts are where buckets pay: the padded torch path scores ``W*bs`` positions for
+every row, a bucket only its own span. Every output is compared with a float64 run of the torch
+path (max abs difference printed; an AssertionError past ``TOLERANCE``); timings are best-of-N
+of interleaved calls on one torch thread and are never asserted. Writes
+``benchmarks/results/decode_attention.json``. On a shared machine run it twice.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,91 +43,142 @@ sys.path.insert(0, str(REPO))
 
 from _results import write_results  # noqa: E402
 
-from kvlab.engine.attention import ChunkSpec, Workspace, build_metadata  # noqa: E402
-from kvlab.engine.bucket_attention import attend_bucket as engine_path  # noqa: E402
-from kvlab.engine.bucket_attention import (  # noqa: E402
-    attend_bucket_block_diagonal as block_diagonal,
-)
-from kvlab.engine.bucket_attention import gather_bucket  # noqa: E402
-from kvlab.kernels import cpu as cpu_kernels  # noqa: E402
+from kvlab.engine.attention import ChunkSpec, attend_rows, build_metadata  # noqa: E402
+from kvlab.kernels import row_kernel  # noqa: E402
+
+#: float32 outputs must lie this close to the float64 reference
+TOLERANCE = 1e-4
+
+#: (name, batch, heads, kv_heads, head_dim, contexts (lo, hi), block_size); lo == hi: uniform
+CASES = [
+    ("4/2 x32 (old 'kvlab-tiny' row)", 64, 4, 2, 32, (192, 192), 16),
+    ("kvlab-tiny 6/2 x32", 64, 6, 2, 32, (192, 192), 16),
+    ("25M 8/2 x64", 64, 8, 2, 64, (192, 192), 16),
+    ("multi-head 8/8 x64", 64, 8, 8, 64, (192, 192), 16),
+    ("Qwen2-0.5B-like 14/2 x64", 16, 14, 2, 64, (640, 640), 16),
+    ("kvlab-tiny 6/2 x32, ragged", 64, 6, 2, 32, (16, 768), 16),
+    ("25M 8/2 x64, ragged", 64, 8, 2, 64, (16, 768), 16),
+]
 
 
-def grouped(q, k_cache, v_cache, b, scale, ws):
-    """The grouped formulation for every group size (the engine uses it for groups >= 2)."""
-    _, bs, kv_heads, dim = k_cache.shape
+def bucket_plan(lens: torch.Tensor, tables: torch.Tensor, block_size: int,
+                min_size: int = 8, max_buckets: int = 6) -> list[tuple]:
+    """The old decode buckets: rows sorted by context length, split into ``k`` contiguous
+    groups of equal count (``k <= max_buckets``, each ``>= min_size`` rows; one group when all
+    lengths are equal). Each entry: ``(rows, flat block ids, additive mask [b, 1, T])`` with
+    ``T`` the bucket's longest context rounded up to whole blocks."""
+    order = torch.argsort(lens, stable=True)
+    n = order.numel()
+    k = 1 if int(lens.min()) == int(lens.max()) else max(1, min(max_buckets, n // min_size))
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    plan = []
+    for lo, hi in itertools.pairwise(bounds):
+        if hi == lo:
+            continue
+        rows = order[lo:hi]
+        blocks = -(-int(lens[rows].max()) // block_size)
+        span = torch.arange(blocks * block_size)
+        mask = torch.zeros(hi - lo, 1, span.numel()).masked_fill_(
+            span[None, None, :] >= lens[rows][:, None, None], float("-inf"))
+        plan.append((rows, tables[rows, :blocks].reshape(-1).contiguous(), mask))
+    return plan
+
+
+def workspace(plan: list[tuple], k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two gather buffers for the largest bucket of ``plan``, allocated once and reused by
+    every call, as the old engine's ``Workspace`` did (a fresh multi-megabyte tensor per call
+    page-faults on every step)."""
+    rows = max(blocks.numel() for _, blocks, _ in plan)
+    row = k_cache[0].numel()
+    return torch.empty(rows, row, dtype=k_cache.dtype), torch.empty(rows, row, dtype=k_cache.dtype)
+
+
+def attend_buckets(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   plan: list[tuple], scale: float,
+                   ws: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Each bucket: gather its blocks into the workspace ``ws`` (None: fresh tensors) as
+    ``[b, T, KV, D]`` (rows of ``block_size*KV*D``), then for KV head ``j`` score its
+    ``G = H // KV`` query heads with one ``baddbmm`` against the strided view ``K[:, :, j]``
+    and weight ``V[:, :, j]`` with one ``bmm``."""
+    num_blocks, bs, kv_heads, dim = k_cache.shape
     heads = q.shape[1]
-    t = b.max_blocks * bs
-    gk, gv = gather_bucket(k_cache, v_cache, b, ws)
-    k4 = gk.view(b.size, t, kv_heads, dim)
-    v4 = gv.view(b.size, t, kv_heads, dim)
-    qg = q.view(b.size, kv_heads, heads // kv_heads, dim)
-    mask = b.mask.to(q.dtype).expand(b.size, heads // kv_heads, t)
-    outs = [torch.bmm(torch.baddbmm(mask, qg[:, j], k4[:, :, j].transpose(1, 2),
-                                    alpha=scale).softmax(-1), v4[:, :, j])
-            for j in range(kv_heads)]
-    return torch.stack(outs, 1).view(b.size, heads, dim)
+    group = heads // kv_heads
+    flat_k, flat_v = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)
+    out = torch.empty_like(q)
+    for rows, blocks, mask in plan:
+        b, n, t = rows.numel(), blocks.numel(), blocks.numel() // rows.numel() * bs
+        if ws is None:
+            gk, gv = flat_k.index_select(0, blocks), flat_v.index_select(0, blocks)
+        else:
+            gk = torch.index_select(flat_k, 0, blocks, out=ws[0][:n])
+            gv = torch.index_select(flat_v, 0, blocks, out=ws[1][:n])
+        k4, v4 = gk.view(b, t, kv_heads, dim), gv.view(b, t, kv_heads, dim)
+        qg = q.index_select(0, rows).view(b, kv_heads, group, dim)
+        m = mask.expand(b, group, t)
+        outs = [torch.bmm(torch.baddbmm(m, qg[:, j], k4[:, :, j].transpose(1, 2),
+                                        alpha=scale).softmax(-1), v4[:, :, j])
+                for j in range(kv_heads)]
+        out.index_copy_(0, rows, torch.stack(outs, 1).view(b, heads, dim))
+    return out
 
 
-def grouped_permuted(q, k_cache, v_cache, b, scale, ws):
-    """The earlier grouped attempt: transpose the gathered K/V (a copy), one 4-d matmul."""
-    _, bs, kv_heads, dim = k_cache.shape
-    heads = q.shape[1]
-    t = b.max_blocks * bs
-    gk, gv = gather_bucket(k_cache, v_cache, b, ws)
-    k = gk.view(b.size, t, kv_heads, dim).transpose(1, 2)
-    v = gv.view(b.size, t, kv_heads, dim).transpose(1, 2)
-    qg = q.reshape(b.size, kv_heads, heads // kv_heads, dim)
-    s = torch.matmul(qg, k.transpose(-1, -2)) * scale + b.mask.to(q.dtype)[:, None]
-    return torch.matmul(s.softmax(-1), v).reshape(b.size, heads, dim)
-
-
-def gather_only(q, k_cache, v_cache, b, scale, ws):
-    gather_bucket(k_cache, v_cache, b, ws)
-
-
-def compiled(q, k_cache, v_cache, b, scale, ws):
-    lens = (b.mask[:, 0] == 0).sum(-1)  # each row's context: the unmasked key positions
-    return cpu_kernels.decode_attention(q, k_cache, v_cache, b.block_index.view(b.size, -1),
-                                        lens, scale)
-
-
-def case(batch: int, heads: int, kv_heads: int, dim: int, context: int, block_size: int,
-         repeats: int) -> dict:
-    gen = torch.Generator().manual_seed(0)
-    nb = -(-context // block_size)
-    num_blocks = batch * nb + 4
+def case(name: str, batch: int, heads: int, kv_heads: int, dim: int, contexts: tuple[int, int],
+         block_size: int, repeats: int, seed: int = 0) -> dict:
+    """Time the three paths on one shape; raise AssertionError when an output is off."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    ctx = [rng.randint(*contexts) for _ in range(batch)]
+    need = [-(-c // block_size) for c in ctx]
+    num_blocks = sum(need) + 4
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    chunks = [ChunkSpec([0], context - 1, perm[i * nb:(i + 1) * nb]) for i in range(batch)]
-    meta = build_metadata(chunks, block_size)
-    (b,) = meta.buckets
+    starts = [sum(need[:i]) for i in range(batch)]
+    meta = build_metadata([ChunkSpec([0], c - 1, perm[s:s + n])
+                           for c, s, n in zip(ctx, starts, need, strict=True)], block_size)
+    assert meta.paged_rows.numel() == batch and not meta.dense, "every decode row is paged"
+    tables, lens = meta.paged_tables, meta.paged_lens
     q = torch.randn(batch, heads, dim, generator=gen)
-    ws = Workspace()
     scale = dim ** -0.5
-    fns = {"block_diagonal": block_diagonal, "grouped": grouped, "engine": engine_path,
-           "grouped_permuted": grouped_permuted, "gather_only": gather_only}
-    if cpu_kernels.available():
+    plan = bucket_plan(lens, tables, block_size)
+    ws = workspace(plan, k_cache)
+    op = row_kernel("cpu", torch.float32)
+
+    def compiled() -> torch.Tensor:
+        out = torch.empty_like(q)
+        op(out, q, k_cache, v_cache, tables, lens, scale)
+        return out
+
+    fns: dict[str, Callable[[], torch.Tensor]] = {
+        "torch": lambda: attend_rows(q, k_cache, v_cache, tables, lens, scale),
+        "buckets": lambda: attend_buckets(q, k_cache, v_cache, plan, scale, ws),
+        "buckets_fresh": lambda: attend_buckets(q, k_cache, v_cache, plan, scale, None)}
+    if op is not None:
         fns["compiled"] = compiled
-    ref = block_diagonal(q, k_cache, v_cache, b, scale, ws).clone()
-    diff = {n: float((f(q, k_cache, v_cache, b, scale, ws) - ref).abs().max())
-            for n, f in fns.items() if n != "gather_only"}
+    ref = attend_rows(q.double(), k_cache.double(), v_cache.double(), tables, lens, scale)
+    diff = {n: float((f().double() - ref).abs().max()) for n, f in fns.items()}
+    bad = {n: d for n, d in diff.items() if not d <= TOLERANCE}
+    assert not bad, f"{name}: outputs differ from the float64 reference by {bad}"
     best = dict.fromkeys(fns, float("inf"))
     inner = 5
     for _ in range(repeats):  # interleaved, best of `repeats`
         for n, f in fns.items():
             t0 = time.perf_counter()
             for _ in range(inner):
-                f(q, k_cache, v_cache, b, scale, ws)
+                f()
             best[n] = min(best[n], (time.perf_counter() - t0) / inner)
     ms = {n: 1e3 * v for n, v in best.items()}
-    return {"batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
-            "context": context, "block_size": block_size, "ms_per_call": ms,
-            "max_abs_diff_vs_block_diagonal": diff,
-            "grouped_speedup": ms["block_diagonal"] / ms["grouped"],
-            "engine_speedup": ms["block_diagonal"] / ms["engine"],
-            "compiled_speedup_vs_torch_path":
-                ms["engine"] / ms["compiled"] if "compiled" in ms else None}
+    width = tables.shape[1] * block_size
+    return {"name": name, "batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
+            "context_min": min(ctx), "context_max": max(ctx), "block_size": block_size,
+            "buckets": len(plan),
+            "padded_positions": {"torch": batch * width,
+                                 "buckets": sum(m.shape[0] * m.shape[-1] for _, _, m in plan),
+                                 "context": sum(ctx)},
+            "ms_per_call": ms, "max_abs_diff_vs_float64": diff,
+            "compiled_vs_torch": ms["torch"] / ms["compiled"] if op else None,
+            "compiled_vs_buckets": ms["buckets"] / ms["compiled"] if op else None,
+            "buckets_vs_torch": ms["torch"] / ms["buckets"]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -127,31 +186,31 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args(argv)
+    if args.threads < 1 or args.repeats < 1:
+        ap.error("--threads and --repeats must be at least 1")
     torch.set_num_threads(args.threads)
-    shapes = [  # (batch, heads, kv_heads, head_dim, context, block_size)
-        (64, 4, 2, 32, 192, 16),     # kvlab-tiny, 64 decoding
-        (64, 8, 2, 64, 192, 16),     # the ~25M-parameter random Llama of bench_engine_vs_hf
-        (64, 8, 8, 64, 192, 16),     # multi-head (group 1): block-diagonal does 8x the work
-        (16, 14, 2, 64, 640, 16),    # Qwen2-0.5B-like heads, longer context
-    ]
-    cases = [case(*s, repeats=args.repeats) for s in shapes]
-    print(f"torch threads {torch.get_num_threads()} | ms per call (best of {args.repeats})")
-    print(f"{'B':>3s} {'H':>3s} {'KV':>3s} {'D':>3s} {'T':>4s} {'gather':>7s} {'blockdiag':>9s} "
-          f"{'grouped':>8s} {'permuted':>8s} {'speedup':>7s} {'engine x':>8s} {'max|diff|':>9s} "
-          f"{'compiled':>8s} {'compiled x':>10s} {'max|diff|':>9s}")
+    compiled_ok = row_kernel("cpu", torch.float32) is not None
+    cases = [case(*c, repeats=args.repeats) for c in CASES]
+    print(f"torch threads {torch.get_num_threads()} | ms per call (best of {args.repeats}) | "
+          f"x: speedup of the first over the second | diff: max |out - float64|")
+    print(f"{'case':31s} {'B':>3s} {'T':>8s} {'bkts':>4s} {'compiled':>8s} {'torch':>7s} "
+          f"{'buckets':>7s} {'fresh':>7s} {'cmp/torch':>9s} {'cmp/bkts':>8s} {'bkts/torch':>10s} "
+          f"{'diff':>8s}")
     for c in cases:
         m = c["ms_per_call"]
-        print(f"{c['batch']:3d} {c['heads']:3d} {c['kv_heads']:3d} {c['head_dim']:3d} "
-              f"{c['context']:4d} {m['gather_only']:7.3f} {m['block_diagonal']:9.3f} "
-              f"{m['grouped']:8.3f} {m['grouped_permuted']:8.3f} {c['grouped_speedup']:7.2f} "
-              f"{c['engine_speedup']:8.2f} "
-              f"{c['max_abs_diff_vs_block_diagonal']['grouped']:9.1e} "
-              + (f"{m['compiled']:8.3f} {c['compiled_speedup_vs_torch_path']:10.2f} "
-                 f"{c['max_abs_diff_vs_block_diagonal']['compiled']:9.1e}"
-                 if "compiled" in m else "unavailable"))
+        t = (f"{c['context_min']}" if c["context_min"] == c["context_max"]
+             else f"{c['context_min']}-{c['context_max']}")
+        cmp = (f"{m['compiled']:8.3f}" if compiled_ok else f"{'n/a':>8s}")
+        ratios = (f"{c['compiled_vs_torch']:9.2f} {c['compiled_vs_buckets']:8.2f}"
+                  if compiled_ok else f"{'n/a':>9s} {'n/a':>8s}")
+        print(f"{c['name']:31s} {c['batch']:3d} {t:>8s} {c['buckets']:4d} {cmp} "
+              f"{m['torch']:7.3f} {m['buckets']:7.3f} {m['buckets_fresh']:7.3f} {ratios} "
+              f"{c['buckets_vs_torch']:10.2f} "
+              f"{max(c['max_abs_diff_vs_float64'].values()):8.1e}")
     result = {"benchmark": "decode_attention", "torch_threads": torch.get_num_threads(),
               "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-              "compiled_kernel": cpu_kernels.available(), "cases": cases}
+              "repeats": args.repeats, "tolerance": TOLERANCE, "compiled_kernel": compiled_ok,
+              "cases": cases}
     write_results("decode_attention", result)
     return result
 

@@ -1,41 +1,84 @@
-"""Attention of speculative-verification chunks: one padded call per group vs one per chunk.
+"""Attention of speculative-verification chunks: paged rows vs one SDPA call per request.
 
 A verification step feeds each of ``--requests`` running requests a chunk of ``k + 1`` tokens
-after a cached context (spec rule: the drafts plus the last sampled token). Until now every such
-chunk was attended alone (a gather and an SDPA call per request and layer); grouped, chunks of
-equal length run as one padded call per group (:func:`kvlab.engine.attention.group_prefills`).
-Both paths run here on the same metadata, interleaved, one torch thread; medians of the rounds
-with their spread, and the largest output difference. Writes
-``benchmarks/results/verify_attention.json``.
+behind its cached context (the drafts plus the last sampled token). The engine's flat metadata
+(:func:`kvlab.engine.attention.build_metadata`) makes every such token a *paged row* (a chunk of
+at most ``PAGED_MAX_TOKENS`` behind a prefix): query token ``i`` of a chunk at ``start`` attends
+``start + i + 1`` positions through the chunk's table, all rows of the step in one call. Per
+layer, on the same metadata:
+
+- **compiled**: :func:`~kvlab.engine.attention.paged_attention` with the CPU op
+  (``kvlab.kernels.row_kernel``), which walks each row's table through the cache;
+- **torch**: the same with no op, the torch path :func:`~kvlab.engine.attention.attend_rows`
+  (every row's blocks gathered into one padded batch, one masked SDPA);
+- **per request**: the naive alternative, written here: for each request gather its context
+  and run one causal SDPA of its ``k + 1`` queries (a gather and a call per request and layer).
+
+Outputs are checked against a float64 run of the per-request path (AssertionError past
+``TOLERANCE``); interleaved rounds, each the best of a few calls, one torch thread; medians with
+the spread of the ratios. Then the engine end to end with the shipped draft model (greedy):
+``KVLAB_CPU_ATTENTION=1`` vs ``0`` (the op or the torch path, for target and draft), identical
+tokens asserted. Timings are never asserted. Writes ``benchmarks/results/verify_attention.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from _results import write_results  # noqa: E402
 
-import kvlab.engine.attention as attention  # noqa: E402
-from kvlab.engine.attention import ChunkSpec, build_metadata, paged_attention  # noqa: E402
-from kvlab.engine.llm import LLM  # noqa: E402
-from kvlab.engine.sampler import SamplingParams  # noqa: E402
+from kvlab import LLM, SamplingParams  # noqa: E402
+from kvlab.engine.attention import (  # noqa: E402
+    AttentionMetadata,
+    ChunkSpec,
+    build_metadata,
+    paged_attention,
+)
+from kvlab.kernels import row_kernel  # noqa: E402
 
 #: (query heads, KV heads, head dim) of kvlab-tiny and of the ~25M random Llama
 SHAPES = {"kvlab-tiny": (6, 2, 32), "25M": (8, 2, 64)}
 
+#: float32 outputs must lie this close to the float64 reference
+TOLERANCE = 1e-4
 
-def _time(f, n: int) -> float:
-    f()
+
+def per_request(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One causal SDPA per chunk over its context gathered through its table: query ``i`` of a
+    chunk at ``start`` sees positions ``0 .. start + i``."""
+    heads, dim = q.shape[1:]
+    _, bs, kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    for s, start in enumerate(meta.start_pos):
+        lo, hi = meta.query_start[s], meta.query_start[s + 1]
+        end = start + hi - lo
+        blocks = meta.block_tables[s, :-(-end // bs)]
+        kc = k_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:end]
+        vc = v_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:end]
+        mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        o = F.scaled_dot_product_attention(
+            q[lo:hi].transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
+            attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
+        out[lo:hi] = o[0].transpose(0, 1)
+    return out
+
+
+def _best(f: Callable[[], object], n: int) -> float:
     best = float("inf")
     for _ in range(n):
         t = time.perf_counter()
@@ -45,6 +88,8 @@ def _time(f, n: int) -> float:
 
 
 def bench(shape: str, k: int, requests: int, rounds: int, seed: int = 0) -> dict:
+    """One layer's attention of a verification step on ``shape``; AssertionError when an
+    output is off the float64 reference."""
     heads, kv_heads, dim = SHAPES[shape]
     bs = 16
     rng = random.Random(seed)
@@ -56,76 +101,98 @@ def bench(shape: str, k: int, requests: int, rounds: int, seed: int = 0) -> dict
     for n in need:
         tables.append(perm[at:at + n])
         at += n
-    kc = torch.randn(len(perm), bs, kv_heads, dim)
-    vc = torch.randn(len(perm), bs, kv_heads, dim)
+    gen = torch.Generator().manual_seed(seed)
+    kc = torch.randn(len(perm), bs, kv_heads, dim, generator=gen)
+    vc = torch.randn(len(perm), bs, kv_heads, dim, generator=gen)
     meta = build_metadata([ChunkSpec([0] * (k + 1), s, t)
                            for s, t in zip(starts, tables, strict=True)], bs)
     n = meta.num_tokens
-    q = torch.randn(n, heads, dim)
-    kn, vn = torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
+    assert meta.paged_rows.numel() == n and not meta.dense, "verification rows are paged"
+    q = torch.randn(n, heads, dim, generator=gen)
+    # the new K/V were written to the cache before attention (write_kv); the paged rows read
+    # them from there, so these are only the call's arguments
+    kn = torch.randn(n, kv_heads, dim, generator=gen)
+    vn = torch.randn(n, kv_heads, dim, generator=gen)
     scale = dim ** -0.5
+    op = row_kernel("cpu", torch.float32)
+    with_op = dataclasses.replace(meta, kernel=op)
+    fns: dict[str, Callable[[], torch.Tensor]] = {
+        "per_request": lambda: per_request(q, kc, vc, meta, scale),
+        "torch": lambda: paged_attention(q, kn, vn, kc, vc, meta, scale)}
+    if op is not None:
+        fns["compiled"] = lambda: paged_attention(q, kn, vn, kc, vc, with_op, scale)
+    ref = per_request(q.double(), kc.double(), vc.double(), meta, scale)
+    diff = {name: float((f().double() - ref).abs().max()) for name, f in fns.items()}
+    bad = {name: d for name, d in diff.items() if not d <= TOLERANCE}
+    assert not bad, f"{shape} k={k}: outputs differ from the float64 reference by {bad}"
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):   # interleaved rounds, each the best of a few calls
+        for name, f in fns.items():
+            times[name].append(_best(f, 5))
 
-    def grouped():
-        return paged_attention(q, kn, vn, kc, vc, meta, scale)
+    def ratio(slow: str, fast: str) -> dict[str, float] | None:
+        if fast not in times:
+            return None
+        r = [a / b for a, b in zip(times[slow], times[fast], strict=True)]
+        return {"median": statistics.median(r), "min": min(r), "max": max(r)}
 
-    def alone():
-        return paged_attention(q, kn, vn, kc, vc, meta, scale, batch_prefills=False)
-
-    diff = float((grouped() - alone()).abs().max())
-    t_g, t_a = [], []
-    for _ in range(rounds):   # interleaved A/B rounds, each the best of a few calls
-        t_a.append(_time(alone, 5))
-        t_g.append(_time(grouped, 5))
-    ratios = [a / g for a, g in zip(t_a, t_g, strict=True)]
     return {"shape": shape, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "k": k,
-            "requests": requests, "per_chunk_ms": 1e3 * statistics.median(t_a),
-            "grouped_ms": 1e3 * statistics.median(t_g),
-            "speedup_median": statistics.median(ratios),
-            "speedup_min": min(ratios), "speedup_max": max(ratios),
-            "max_abs_diff": diff}
+            "requests": requests, "rows": n,
+            "ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
+            "max_abs_diff_vs_float64": diff,
+            "compiled_vs_per_request": ratio("per_request", "compiled"),
+            "torch_vs_per_request": ratio("per_request", "torch"),
+            "compiled_vs_torch": ratio("torch", "compiled")}
 
 
 def engine_ab(k: int, requests: int, rounds: int, max_tokens: int = 48) -> dict:
     """The engine with speculative decoding (shipped draft model, ``k`` drafts, greedy):
-    target-model time per verification step and tokens/s, grouping on vs off (interleaved
-    rounds, fresh engine each), and whether the two generate the same tokens."""
+    target-model time per step and tokens/s with ``KVLAB_CPU_ATTENTION=1`` (the op) vs ``0``
+    (the torch path), interleaved rounds with a fresh engine each; AssertionError unless both
+    generate the same tokens."""
     from bench_speculative import PROMPTS
 
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(requests)]
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     cfg = {"method": "draft_model", "model": "kvlab-tiny-draft", "num_speculative_tokens": k}
-    res: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
-    outs: dict[bool, list] = {}
+    res: dict[str, list[tuple[float, float]]] = {"0": [], "1": []}
+    outs: dict[str, list] = {}
+    saved = os.environ.get("KVLAB_CPU_ATTENTION")
     for _ in range(rounds):
-        for on in (False, True):
-            attention.BATCH_PREFILLS = on
+        for flag in ("0", "1"):
+            os.environ["KVLAB_CPU_ATTENTION"] = flag   # read when the runners are built
             try:
                 llm = LLM("kvlab-tiny", num_blocks=2048, max_num_seqs=requests,
                           speculative_config=cfg, seed=0)
-                llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)
-                m = llm.engine.speculator.metrics
-                m.reset()
-                steps0 = llm.engine.stats.steps
-                t0 = time.perf_counter()
-                got = llm.generate(prompts, sp, use_tqdm=False)
-                wall = time.perf_counter() - t0
             finally:
-                attention.BATCH_PREFILLS = True
+                if saved is None:
+                    os.environ.pop("KVLAB_CPU_ATTENTION", None)
+                else:
+                    os.environ["KVLAB_CPU_ATTENTION"] = saved
+            assert (llm.engine.executor.kernel is not None) == (flag == "1" and bool(
+                row_kernel("cpu", torch.float32))), f"KVLAB_CPU_ATTENTION={flag} not honoured"
+            llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+            m = llm.engine.speculator.metrics
+            m.reset()
+            steps0 = llm.engine.stats.steps
+            t0 = time.perf_counter()
+            got = llm.generate(prompts, sp, use_tqdm=False)
+            wall = time.perf_counter() - t0
             tokens = sum(len(o.outputs[0].token_ids) for o in got)
-            steps = llm.engine.stats.steps - steps0
-            res[on].append((m.target_time_s / steps, tokens / wall))
-            outs[on] = [o.outputs[0].token_ids for o in got]
-    target = {on: [a for a, _ in r] for on, r in res.items()}
-    tps = {on: [b for _, b in r] for on, r in res.items()}
-    ratio = [a / b for a, b in zip(target[False], target[True], strict=True)]
-    return {"k": k, "requests": requests, "rounds": rounds,
-            "target_ms_per_step_alone": 1e3 * statistics.median(target[False]),
-            "target_ms_per_step_grouped": 1e3 * statistics.median(target[True]),
+            res[flag].append((m.target_time_s / (llm.engine.stats.steps - steps0), tokens / wall))
+            outs[flag] = [o.outputs[0].token_ids for o in got]
+    assert outs["0"] == outs["1"], f"k={k}: the op and the torch path generated different tokens"
+    target = {f: [a for a, _ in r] for f, r in res.items()}
+    tps = {f: [b for _, b in r] for f, r in res.items()}
+    ratio = [a / b for a, b in zip(target["0"], target["1"], strict=True)]
+    return {"k": k, "requests": requests, "rounds": rounds, "max_tokens": max_tokens,
+            "target_ms_per_step_torch": 1e3 * statistics.median(target["0"]),
+            "target_ms_per_step_compiled": 1e3 * statistics.median(target["1"]),
             "target_speedup_median": statistics.median(ratio),
             "target_speedup_min": min(ratio), "target_speedup_max": max(ratio),
-            "tokens_per_s_alone": statistics.median(tps[False]),
-            "tokens_per_s_grouped": statistics.median(tps[True]),
-            "identical_outputs": outs[True] == outs[False]}
+            "tokens_per_s_torch": statistics.median(tps["0"]),
+            "tokens_per_s_compiled": statistics.median(tps["1"]),
+            "identical_outputs": True}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -137,33 +204,51 @@ def main(argv: list[str] | None = None) -> dict:
                     help="interleaved engine A/B rounds with speculative decoding (0: skip)")
     ap.add_argument("--engine-requests", type=int, default=16)
     args = ap.parse_args(argv)
+    if min(args.requests, args.rounds, args.threads, args.engine_requests) < 1 \
+            or args.engine_rounds < 0:
+        ap.error("--requests, --rounds, --threads, --engine-requests must be at least 1 and "
+                 "--engine-rounds at least 0")
     torch.set_num_threads(args.threads)
+    compiled_ok = row_kernel("cpu", torch.float32) is not None
     rows = []
-    print(f"{'shape':11s} {'k':>2s} {'per chunk ms':>12s} {'grouped ms':>10s} "
-          f"{'speedup (min-max)':>20s} {'max diff':>9s}   torch threads {args.threads}")
+    print(f"torch threads {args.threads} | {args.requests} requests x (k+1) tokens, one layer, "
+          f"ms (median of {args.rounds} rounds) | x: per-request time over each (min-max)")
+    print(f"{'shape':11s} {'k':>2s} {'per req':>8s} {'torch':>7s} {'compiled':>8s} "
+          f"{'torch x':>17s} {'compiled x':>17s} {'cmp/torch':>9s} {'max diff':>9s}")
     for shape in SHAPES:
         for k in (1, 4, 8):
             r = bench(shape, k, args.requests, args.rounds)
             rows.append(r)
-            print(f"{shape:11s} {k:2d} {r['per_chunk_ms']:12.2f} {r['grouped_ms']:10.2f} "
-                  f"{r['speedup_median']:8.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f})"
-                  f" {r['max_abs_diff']:9.1e}")
+            ms = r["ms"]
+
+            def x(key: str, r: dict = r) -> str:
+                v = r[key]
+                return f"{v['median']:6.2f} ({v['min']:.2f}-{v['max']:.2f})" if v else "n/a"
+
+            cmp = f"{ms['compiled']:8.2f}" if compiled_ok else f"{'n/a':>8s}"
+            ct = r["compiled_vs_torch"]
+            print(f"{shape:11s} {k:2d} {ms['per_request']:8.2f} {ms['torch']:7.2f} {cmp} "
+                  f"{x('torch_vs_per_request'):>17s} {x('compiled_vs_per_request'):>17s} "
+                  f"{ct['median'] if ct else float('nan'):9.2f} "
+                  f"{max(r['max_abs_diff_vs_float64'].values()):9.1e}")
     engine = []
     if args.engine_rounds:
         sys.path.insert(0, str(REPO / "benchmarks"))
         print("\nengine, shipped draft model, greedy, "
-              f"{args.engine_requests} requests (target-model ms per step, tokens/s)")
-        for k in (2, 4):
+              f"{args.engine_requests} requests: KVLAB_CPU_ATTENTION=0 -> 1 "
+              "(target-model ms per step, tokens/s)")
+        for k in (3,):
             e = engine_ab(k, args.engine_requests, args.engine_rounds)
             engine.append(e)
-            print(f"k={k}: target {e['target_ms_per_step_alone']:.2f} -> "
-                  f"{e['target_ms_per_step_grouped']:.2f} ms/step "
+            print(f"k={k}: target {e['target_ms_per_step_torch']:.2f} -> "
+                  f"{e['target_ms_per_step_compiled']:.2f} ms/step "
                   f"({e['target_speedup_median']:.2f}x, {e['target_speedup_min']:.2f}-"
-                  f"{e['target_speedup_max']:.2f}); tokens/s {e['tokens_per_s_alone']:.0f} -> "
-                  f"{e['tokens_per_s_grouped']:.0f}; identical outputs "
+                  f"{e['target_speedup_max']:.2f}); tokens/s {e['tokens_per_s_torch']:.0f} -> "
+                  f"{e['tokens_per_s_compiled']:.0f}; identical outputs "
                   f"{e['identical_outputs']}")
     result = {"benchmark": "verify_attention", "torch_threads": args.threads,
-              "torch": torch.__version__, "rows": rows, "engine": engine}
+              "torch": torch.__version__, "compiled_kernel": compiled_ok,
+              "tolerance": TOLERANCE, "rows": rows, "engine": engine}
     write_results("verify_attention", result)
     return result
 

@@ -1,4 +1,5 @@
-"""benchmarks/_results.py: where and how every benchmark writes its JSON."""
+"""benchmarks/_results.py: where and how every benchmark writes its JSON; and the committed
+attention results (which the README quotes) agree with themselves."""
 
 from __future__ import annotations
 
@@ -65,3 +66,42 @@ def test_unserialisable_result_raises_before_touching_disk(tmp_path):
     with pytest.raises(TypeError):
         results.write_results("topic", {"a": {1, 2}}, directory=folder)
     assert existing.read_text() == "{}\n"                          # the old file is untouched
+
+
+def _committed(name: str) -> dict:
+    return json.loads((results.RESULTS_DIR / f"{name}.json").read_text())
+
+
+def test_committed_decode_attention_results_are_consistent():
+    """The README's decode-attention figures come from this file: every path's output within
+    the run's tolerance of float64, and each ratio the quotient of the times it names."""
+    r = _committed("decode_attention")
+    assert r["benchmark"] == "decode_attention" and r["torch_threads"] == 1 and r["cases"]
+    for c in r["cases"]:
+        ms = c["ms_per_call"]
+        assert set(ms) == set(c["max_abs_diff_vs_float64"])
+        assert {"torch", "buckets", "buckets_fresh"} <= set(ms)
+        assert ("compiled" in ms) == r["compiled_kernel"]
+        assert max(c["max_abs_diff_vs_float64"].values()) <= r["tolerance"], c["name"]
+        assert c["buckets_vs_torch"] == pytest.approx(ms["torch"] / ms["buckets"])
+        if r["compiled_kernel"]:
+            assert c["compiled_vs_torch"] == pytest.approx(ms["torch"] / ms["compiled"])
+            assert c["compiled_vs_buckets"] == pytest.approx(ms["buckets"] / ms["compiled"])
+        pad = c["padded_positions"]
+        assert pad["context"] <= pad["buckets"] <= pad["torch"]   # buckets pad less, never more
+    assert any(c["context_min"] < c["context_max"] for c in r["cases"])   # a ragged case
+
+
+def test_committed_verify_attention_results_are_consistent():
+    r = _committed("verify_attention")
+    assert r["benchmark"] == "verify_attention" and r["torch_threads"] == 1 and r["rows"]
+    for row in r["rows"]:
+        assert row["rows"] == row["requests"] * (row["k"] + 1)
+        assert max(row["max_abs_diff_vs_float64"].values()) <= r["tolerance"]
+        assert ("compiled" in row["ms"]) == r["compiled_kernel"]
+        for key in ("torch_vs_per_request", "compiled_vs_per_request", "compiled_vs_torch"):
+            v = row[key]
+            assert v is None or v["min"] <= v["median"] <= v["max"], key
+    assert r["engine"] and all(e["identical_outputs"] for e in r["engine"])
+    for e in r["engine"]:
+        assert e["target_speedup_min"] <= e["target_speedup_median"] <= e["target_speedup_max"]
