@@ -9,17 +9,25 @@ student meets it.
    markdown cell is rendered by MyST, admonitions are boxes, citations are rendered, and no raw
    ``{term}``/``{cite}``/``{ref}`` role or ``:::`` fence is left in the text. (jupyterlab-myst
    2.7 loads no BibTeX file: a citation shows its key with a "Citation Not Found" mark, which
-   counts as rendered. myst-nb's ``glue`` roles have no renderer in Lab: a glued value shows
-   as its name, e.g. "load_us µs"; the check counts them and reports, it does not fail.)
-3. **Opens unmodified and saves unchanged**: a copy of the stored ``.ipynb`` is not marked
-   modified once its kernel is idle, and saving it from Lab writes the same notebook (cells,
-   outputs, metadata, widget state) back. (Two settings make this hold: the kernelspec that
-   ``tools/execute_notebook.py`` writes, and ``saveState: false`` in the book's Lab settings —
-   with it on, the widget manager marks every notebook with widgets modified as it restores
-   them, and a save before the cells run writes an empty widget state over the stored one.)
-4. **Solutions collapsed**: every solution cell (tag ``hide-cell``) shows as a collapsed bar,
+   counts as rendered.)
+3. **Numbers in prose are numbers**: in the ``.ipynb`` every ``{eval}`name``` role shows its
+   value, not ``name`` (jupyterlab-myst renders the cell's stored ``user_expressions``, which
+   ``tools/inline_values.py`` writes from the glued outputs), and no name of a glued value is
+   left in the text (a ``{glue:text}`` role, which Lab cannot render, shows its name). In the
+   ``.md``, which holds no outputs, a role shows its name until the cell runs; the count is
+   reported. After Run All (step 6) the values the kernel computed for the roles must be the
+   stored ones, and be shown.
+4. **Opens unmodified and saves unchanged**: a copy of the stored ``.ipynb`` and of the ``.md``
+   source is not marked modified once its kernel is idle, and saving it from Lab writes the same
+   notebook (cells, outputs, metadata, widget state) or the same bytes back. (For the
+   ``.ipynb``: the kernelspec that ``tools/execute_notebook.py`` writes, and ``saveState:
+   false`` in the book's Lab settings — with it on, the widget manager marks every notebook with
+   widgets modified as it restores them, and a save before the cells run writes an empty widget
+   state over the stored one. For the ``.md``: the ``language_info`` in its header, which the
+   kernel writes into the notebook as it starts, and ``jupytext.toml``, which keeps it there.)
+5. **Solutions collapsed**: every solution cell (tag ``hide-cell``) shows as a collapsed bar,
    and the bar says "Solution" (its first line) instead of the start of the answer.
-5. **Run All, then save, keeps the site's widgets**: Run All in Lab finishes without an error,
+6. **Run All, then save, keeps the site's widgets**: Run All in Lab finishes without an error,
    and in the saved notebook every widget output still carries its kernel-free twin
    (``text/html``), which the published site shows (``make lab`` starts the kernels with
    ``KVLAB_KERNEL_FREE=1``; without it a saved widget output has no twin and the site would show
@@ -45,7 +53,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = Path(os.environ.get("KVLAB_LAB_SETTINGS", ROOT / ".jupyter" / "lab" / "settings"))
 WORK = ROOT / "_build" / "lab-check"   # copies the check may save over (git-ignored)
+EVAL_ROLE = re.compile(r"\{eval\}`([^`]+)`")
 RAW_ROLES = ("term", "cite", "cite:p", "cite:t", "ref", "numref", "doc", "abbr", "eq")
+GLUE_ROLE = re.compile(r"\{glue(?::\w+)?\}`([\w.-]+)`")
 
 
 def free_port() -> int:
@@ -87,7 +97,7 @@ const text = md.map(c => (c.querySelector('.jp-RenderedMarkdown, .myst') || c).i
   .join('\n');
 const role = new RegExp('\\{(' + arguments[0].map(r => r.replace(':', '\\:')).join('|') +
                         ')\\}`', 'g');
-const glue = arguments[2];
+const names = arguments[2];   // of glued values and {eval} roles
 const raw = (text.match(role) || []);
 const fences = (text.match(/^(:::|```\{)/mg) || []);
 const cells = [...panel.querySelectorAll('.jp-Cell')];
@@ -98,7 +108,8 @@ const collapsed = cells.filter(c => c.classList.contains('jp-CodeCell') &&
 const tab = [...document.querySelectorAll('.lm-TabBar-tab.lm-mod-current')]
   .find(t => t.innerText.trim() === arguments[1]);
 return {markdown: md.length, rendered: rendered.length, raw: raw, fences: fences.length,
-        glue: glue.filter(k => new RegExp('(^|[^\\w])' + k + '([^\\w]|$)').test(text)).length,
+        names: names.filter(k => new RegExp('(^|[^\\w])' + k + '([^\\w]|$)').test(text)),
+        text: text,
         admonitions: panel.querySelectorAll('aside.myst-admonition').length,
         citations: panel.querySelectorAll('.myst cite, .myst [data-cite], .myst a.cite').length,
         unresolved: panel.querySelectorAll('.myst [title="Citation Not Found"]').length,
@@ -133,7 +144,7 @@ window.jupyterapp.commands.execute('docmanager:save').then(() => done('saved'),
 """
 
 
-def _open(driver, base: str, path: str, timeout: float, glue: list[str]) -> dict:
+def _open(driver, base: str, path: str, timeout: float, names: list[str]) -> dict:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
@@ -146,7 +157,7 @@ def _open(driver, base: str, path: str, timeout: float, glue: list[str]) -> dict
         time.sleep(1)
     time.sleep(3)   # let a metadata update after the kernel's start land, if there is one
     while True:     # MyST renders cell by cell; on a busy machine that takes a while
-        view = driver.execute_script(_INSPECT, list(RAW_ROLES), Path(path).name, glue)
+        view = driver.execute_script(_INSPECT, list(RAW_ROLES), Path(path).name, names)
         if view["rendered"] >= view["markdown"] or time.monotonic() > deadline:
             return view
         time.sleep(2)
@@ -221,18 +232,18 @@ def check(chapter: str = "notebooks/04-prefix-reuse.md", timeout: float = 180,
                 time.sleep(1)
         driver = start_browser()
         try:
-            glue = sorted(set(re.findall(r"\{glue(?::\w+)?\}`([\w.-]+)`",
-                                         (ROOT / chapter).read_text())))
-            views = {"md": _open(driver, base, str(md_copy.relative_to(ROOT)), timeout, glue),
-                     "ipynb": _open(driver, base, str(copy.relative_to(ROOT)), timeout, glue)}
+            source = (ROOT / chapter).read_text()
+            names = sorted(set(GLUE_ROLE.findall(source)) | set(EVAL_ROLE.findall(source)))
+            views = {"md": _open(driver, base, str(md_copy.relative_to(ROOT)), timeout, names)}
+            failures += _md_saves_unchanged(driver, views["md"], md_copy, ROOT / chapter)
+            views["ipynb"] = _open(driver, base, str(copy.relative_to(ROOT)), timeout, names)
             for name, v in views.items():
                 print(f"lab-check: {chapter} ({name}): {v['code']} code cells, "
                       f"{v['rendered']}/{v['markdown']} markdown cells rendered by MyST, "
                       f"{v['admonitions']} admonitions, {v['citations']} citations "
                       f"(+{v['unresolved']} shown as keys: jupyterlab-myst loads no BibTeX), "
                       f"{len(v['raw'])} raw roles, {v['fences']} raw fences, "
-                      f"{v['glue']} of {len(glue)} glued values shown as their names "
-                      "(myst-nb's glue has no Lab renderer), "
+                      f"{len(v['names'])} of {len(names)} inline values shown as their names, "
                       f"{len(v['collapsed'])} collapsed cells, modified: {v['dirty']}")
                 if not v["code"]:
                     failures.append(f"{name}: did not open as a notebook")
@@ -244,16 +255,14 @@ def check(chapter: str = "notebooks/04-prefix-reuse.md", timeout: float = 180,
                                     f"{v['fences']} fences")
                 if not v["admonitions"]:
                     failures.append(f"{name}: no admonition rendered")
-            if "{cite" in (ROOT / chapter).read_text():
+            if "{cite" in source:
                 failures += [f"{name}: the chapter cites, but no citation is rendered"
                              for name, v in views.items()
                              if not v["citations"] + v["unresolved"]]
             ipv = views["ipynb"]
+            failures += _values_shown("ipynb", ipv, stored)
             if ipv["dirty"]:
                 failures.append("ipynb: opened already marked modified")
-            if views["md"]["dirty"]:   # known: Lab adds language_info, which jupytext's text
-                print("lab-check: note: the .md opens marked modified (Lab writes "   # drops
-                      "language_info into the model; the MyST file never stores it)")
             labelled = [t for t in ipv["collapsed"] if t.lstrip().startswith("# Solution")]
             if len(labelled) < solutions:
                 failures.append(f"ipynb: {solutions} solution cells, {len(ipv['collapsed'])} "
@@ -270,7 +279,7 @@ def check(chapter: str = "notebooks/04-prefix-reuse.md", timeout: float = 180,
                 else:
                     print(f"lab-check: {ipynb.name} saved from Lab unchanged")
             if run:
-                failures += _run_all_and_save(driver, copy, timeout)
+                failures += _run_all_and_save(driver, copy, timeout, stored, names)
         finally:
             driver.quit()
     finally:
@@ -281,8 +290,59 @@ def check(chapter: str = "notebooks/04-prefix-reuse.md", timeout: float = 180,
     return not failures
 
 
-def _run_all_and_save(driver, copy: Path, timeout: float) -> list[str]:
-    """Step 5: Run All in Lab, save, and look at the saved widget outputs."""
+def shown_values(nb: dict) -> dict[str, str]:
+    """``{expression: text}`` that jupyterlab-myst shows for the stored ``user_expressions`` of
+    notebook ``nb`` (a text/plain result without its quotes, as its plain-text renderer)."""
+    values = {}
+    for cell in nb["cells"]:
+        for entry in cell["metadata"].get("user_expressions", []):
+            text = "".join(entry["result"].get("data", {}).get("text/plain", ""))
+            values.setdefault(entry["expression"], re.sub(r"""^(["'])(.*)\1$""", r"\2", text))
+    return values
+
+
+def _values_shown(name: str, view: dict, nb: dict) -> list[str]:
+    """Step 3: no glued value or ``{eval}`` role shown as its name, and every value that the
+    stored ``user_expressions`` hold shown in the text."""
+    found = []
+    if view["names"]:
+        found.append(f"{name}: {len(view['names'])} inline values shown as their names, not "
+                     f"their values: {view['names'][:6]}")
+    roles = [e for c in nb["cells"] if c["cell_type"] == "markdown"
+             for e in EVAL_ROLE.findall("".join(c["source"]))]
+    values = shown_values(nb)
+    if set(roles) - set(values):
+        found.append(f"{name}: {{eval}} roles without a stored value (run "
+                     f"tools/inline_values.py): {sorted(set(roles) - set(values))[:6]}")
+    missing = sorted(k for k, text in values.items() if text not in view["text"])
+    if missing:
+        found.append(f"{name}: stored values not shown: {[(k, values[k]) for k in missing][:6]}")
+    elif values:
+        print(f"lab-check: {name}: {len(roles)} inline values shown as numbers "
+              f"({', '.join(f'{k}={values[k]}' for k in sorted(values)[:4])}, ...)")
+    return found
+
+
+def _md_saves_unchanged(driver, view: dict, md_copy: Path, source: Path) -> list[str]:
+    """Step 4 for the MyST source: not marked modified when opened, saved back byte for byte."""
+    found = ["md: opened already marked modified"] if view["dirty"] else []
+    saved = driver.execute_async_script(_SAVE)
+    time.sleep(2)
+    if saved != "saved":
+        return [*found, f"md: save from Lab failed ({saved})"]
+    if md_copy.read_bytes() != source.read_bytes():
+        pairs = zip(source.read_text().splitlines(), md_copy.read_text().splitlines(),
+                    strict=False)
+        lines = [f"{i + 1}: {a!r} -> {b!r}" for i, (a, b) in enumerate(pairs) if a != b]
+        return [*found, f"md: saving from Lab changed it: {lines[:3] or 'its length'}"]
+    print(f"lab-check: {source.name} saved from Lab unchanged")
+    return found
+
+
+def _run_all_and_save(driver, copy: Path, timeout: float, stored: dict,
+                      names: list[str]) -> list[str]:
+    """Step 6: Run All in Lab, save, and look at the saved widget outputs and at the values
+    the kernel computed for the ``{eval}`` roles."""
     started = time.monotonic()
     ran = driver.execute_async_script(_RUN_ALL)
     deadline = started + 10 * timeout
@@ -302,6 +362,14 @@ def _run_all_and_save(driver, copy: Path, timeout: float) -> list[str]:
     print(f"lab-check: Run All in {time.monotonic() - started:.0f} s, {len(errors)} errors; "
           f"saved: {twins} of {widgets} widget outputs carry their kernel-free twin")
     found = [f"ipynb: Run All raised in {', '.join(errors[:3])}"] if errors else []
+    computed, kept = shown_values(nb), shown_values(stored)
+    changed = sorted(k for k in set(computed) | set(kept) if computed.get(k) != kept.get(k))
+    if changed:
+        pairs = [(k, kept.get(k), computed.get(k)) for k in changed]
+        found.append("ipynb: after Run All the kernel's values for the {eval} roles differ "
+                     f"from the stored ones (name, stored, computed): {pairs[:4]}")
+    view = driver.execute_script(_INSPECT, list(RAW_ROLES), copy.name, names)
+    found += _values_shown("ipynb after Run All", view, nb)
     if twins < widgets:
         found.append(f"ipynb: saved after Run All, {widgets - twins} of {widgets} widget "
                      "outputs lost their kernel-free twin (the site would show no widget)")
