@@ -16,7 +16,8 @@ layer, on the same metadata:
 
 Outputs are checked against a float64 run of the per-request path (AssertionError past
 ``TOLERANCE``); interleaved rounds, each the best of a few calls, one torch thread; medians with
-the spread of the ratios. Then the engine end to end with the shipped draft model (greedy):
+the spread of the ratios, in process CPU time (other processes on a shared machine stretch wall
+time, which is kept beside it). Then the engine end to end with the shipped draft model (greedy):
 ``KVLAB_CPU_ATTENTION=1`` vs ``0`` (the op or the torch path, for target and draft), identical
 tokens asserted. Timings are never asserted. Writes ``benchmarks/results/verify_attention.json``.
 """
@@ -78,13 +79,14 @@ def per_request(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-def _best(f: Callable[[], object], n: int) -> float:
-    best = float("inf")
+def _best(f: Callable[[], object], n: int) -> tuple[float, float]:
+    """The least wall time and the least process CPU time of ``n`` calls of ``f``."""
+    wall = cpu = float("inf")
     for _ in range(n):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         f()
-        best = min(best, time.perf_counter() - t)
-    return best
+        wall, cpu = min(wall, time.perf_counter() - t), min(cpu, time.process_time() - c)
+    return wall, cpu
 
 
 def bench(shape: str, k: int, requests: int, rounds: int, seed: int = 0) -> dict:
@@ -125,10 +127,13 @@ def bench(shape: str, k: int, requests: int, rounds: int, seed: int = 0) -> dict
     diff = {name: float((f().double() - ref).abs().max()) for name, f in fns.items()}
     bad = {name: d for name, d in diff.items() if not d <= TOLERANCE}
     assert not bad, f"{shape} k={k}: outputs differ from the float64 reference by {bad}"
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[str, list[float]] = {name: [] for name in fns}   # CPU time
+    walls: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):   # interleaved rounds, each the best of a few calls
         for name, f in fns.items():
-            times[name].append(_best(f, 5))
+            w, c = _best(f, 5)
+            walls[name].append(w)
+            times[name].append(c)
 
     def ratio(slow: str, fast: str) -> dict[str, float] | None:
         if fast not in times:
@@ -139,6 +144,7 @@ def bench(shape: str, k: int, requests: int, rounds: int, seed: int = 0) -> dict
     return {"shape": shape, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "k": k,
             "requests": requests, "rows": n,
             "ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
+            "wall_ms": {name: 1e3 * statistics.median(t) for name, t in walls.items()},
             "max_abs_diff_vs_float64": diff,
             "compiled_vs_per_request": ratio("per_request", "compiled"),
             "torch_vs_per_request": ratio("per_request", "torch"),
@@ -147,7 +153,8 @@ def bench(shape: str, k: int, requests: int, rounds: int, seed: int = 0) -> dict
 
 def engine_ab(k: int, requests: int, rounds: int, max_tokens: int = 48) -> dict:
     """The engine with speculative decoding (shipped draft model, ``k`` drafts, greedy):
-    target-model time per step and tokens/s with ``KVLAB_CPU_ATTENTION=1`` (the op) vs ``0``
+    target-model wall time per step, tokens/s and tokens per CPU-second of the process with
+    ``KVLAB_CPU_ATTENTION=1`` (the op) vs ``0``
     (the torch path), interleaved rounds with a fresh engine each; AssertionError unless both
     generate the same tokens."""
     from bench_speculative import PROMPTS
@@ -155,7 +162,7 @@ def engine_ab(k: int, requests: int, rounds: int, max_tokens: int = 48) -> dict:
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(requests)]
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     cfg = {"method": "draft_model", "model": "kvlab-tiny-draft", "num_speculative_tokens": k}
-    res: dict[str, list[tuple[float, float]]] = {"0": [], "1": []}
+    res: dict[str, list[tuple[float, float, float]]] = {"0": [], "1": []}
     outs: dict[str, list] = {}
     saved = os.environ.get("KVLAB_CPU_ATTENTION")
     for _ in range(rounds):
@@ -175,16 +182,19 @@ def engine_ab(k: int, requests: int, rounds: int, max_tokens: int = 48) -> dict:
             m = llm.engine.speculator.metrics
             m.reset()
             steps0 = llm.engine.stats.steps
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             got = llm.generate(prompts, sp, use_tqdm=False)
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             tokens = sum(len(o.outputs[0].token_ids) for o in got)
-            res[flag].append((m.target_time_s / (llm.engine.stats.steps - steps0), tokens / wall))
+            res[flag].append((m.target_time_s / (llm.engine.stats.steps - steps0), tokens / wall,
+                              tokens / cpu))
             outs[flag] = [o.outputs[0].token_ids for o in got]
     assert outs["0"] == outs["1"], f"k={k}: the op and the torch path generated different tokens"
-    target = {f: [a for a, _ in r] for f, r in res.items()}
-    tps = {f: [b for _, b in r] for f, r in res.items()}
+    target = {f: [a for a, _, _ in r] for f, r in res.items()}
+    tps = {f: [b for _, b, _ in r] for f, r in res.items()}
+    tpc = {f: [c for _, _, c in r] for f, r in res.items()}
     ratio = [a / b for a, b in zip(target["0"], target["1"], strict=True)]
+    cpu_ratio = [b / a for a, b in zip(tpc["0"], tpc["1"], strict=True)]
     return {"k": k, "requests": requests, "rounds": rounds, "max_tokens": max_tokens,
             "target_ms_per_step_torch": 1e3 * statistics.median(target["0"]),
             "target_ms_per_step_compiled": 1e3 * statistics.median(target["1"]),
@@ -192,6 +202,11 @@ def engine_ab(k: int, requests: int, rounds: int, max_tokens: int = 48) -> dict:
             "target_speedup_min": min(ratio), "target_speedup_max": max(ratio),
             "tokens_per_s_torch": statistics.median(tps["0"]),
             "tokens_per_s_compiled": statistics.median(tps["1"]),
+            "tokens_per_cpu_s_torch": statistics.median(tpc["0"]),
+            "tokens_per_cpu_s_compiled": statistics.median(tpc["1"]),
+            "tokens_per_cpu_s_speedup_median": statistics.median(cpu_ratio),
+            "tokens_per_cpu_s_speedup_min": min(cpu_ratio),
+            "tokens_per_cpu_s_speedup_max": max(cpu_ratio),
             "identical_outputs": True}
 
 
@@ -212,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     compiled_ok = row_kernel("cpu", torch.float32) is not None
     rows = []
     print(f"torch threads {args.threads} | {args.requests} requests x (k+1) tokens, one layer, "
-          f"ms (median of {args.rounds} rounds) | x: per-request time over each (min-max)")
+          f"CPU ms (median of {args.rounds} rounds) | x: per-request time over each (min-max)")
     print(f"{'shape':11s} {'k':>2s} {'per req':>8s} {'torch':>7s} {'compiled':>8s} "
           f"{'torch x':>17s} {'compiled x':>17s} {'cmp/torch':>9s} {'max diff':>9s}")
     for shape in SHAPES:
@@ -244,7 +259,11 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{e['target_ms_per_step_compiled']:.2f} ms/step "
                   f"({e['target_speedup_median']:.2f}x, {e['target_speedup_min']:.2f}-"
                   f"{e['target_speedup_max']:.2f}); tokens/s {e['tokens_per_s_torch']:.0f} -> "
-                  f"{e['tokens_per_s_compiled']:.0f}; identical outputs "
+                  f"{e['tokens_per_s_compiled']:.0f}; tokens per CPU-s "
+                  f"{e['tokens_per_cpu_s_torch']:.0f} -> {e['tokens_per_cpu_s_compiled']:.0f} "
+                  f"({e['tokens_per_cpu_s_speedup_median']:.2f}x, "
+                  f"{e['tokens_per_cpu_s_speedup_min']:.2f}-"
+                  f"{e['tokens_per_cpu_s_speedup_max']:.2f}); identical outputs "
                   f"{e['identical_outputs']}")
     result = {"benchmark": "verify_attention", "torch_threads": args.threads,
               "torch": torch.__version__, "compiled_kernel": compiled_ok,

@@ -79,7 +79,7 @@ def test_committed_decode_attention_results_are_consistent():
     assert r["benchmark"] == "decode_attention" and r["torch_threads"] == 1 and r["cases"]
     for c in r["cases"]:
         ms = c["ms_per_call"]
-        assert set(ms) == set(c["max_abs_diff_vs_float64"])
+        assert set(ms) == set(c["max_abs_diff_vs_float64"]) == set(c["wall_ms_per_call"])
         assert {"torch", "buckets", "buckets_fresh"} <= set(ms)
         assert ("compiled" in ms) == r["compiled_kernel"]
         assert max(c["max_abs_diff_vs_float64"].values()) <= r["tolerance"], c["name"]
@@ -99,9 +99,11 @@ def test_committed_verify_attention_results_are_consistent():
         assert row["rows"] == row["requests"] * (row["k"] + 1)
         assert max(row["max_abs_diff_vs_float64"].values()) <= r["tolerance"]
         assert ("compiled" in row["ms"]) == r["compiled_kernel"]
+        assert set(row["ms"]) == set(row["wall_ms"]) == set(row["max_abs_diff_vs_float64"])
         for key in ("torch_vs_per_request", "compiled_vs_per_request", "compiled_vs_torch"):
             v = row[key]
             assert v is None or v["min"] <= v["median"] <= v["max"], key
     assert r["engine"] and all(e["identical_outputs"] for e in r["engine"])
     for e in r["engine"]:
-        assert e["target_speedup_min"] <= e["target_speedup_median"] <= e["target_speedup_max"]
+        for key in ("target_speedup", "tokens_per_cpu_s_speedup"):
+            assert e[f"{key}_min"] <= e[f"{key}_median"] <= e[f"{key}_max"], key
