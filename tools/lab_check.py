@@ -97,7 +97,10 @@ const text = md.map(c => (c.querySelector('.jp-RenderedMarkdown, .myst') || c).i
   .join('\n');
 const role = new RegExp('\\{(' + arguments[0].map(r => r.replace(':', '\\:')).join('|') +
                         ')\\}`', 'g');
-const names = arguments[2];   // of glued values and {eval} roles
+// a {glue:text} role, which Lab cannot render, shows its key as text; an {eval} role without a
+// value shows its expression as inline code
+const [glued, evals] = arguments[2];
+const codes = [...panel.querySelectorAll('.jp-MarkdownCell .myst code')].map(e => e.innerText);
 const raw = (text.match(role) || []);
 const fences = (text.match(/^(:::|```\{)/mg) || []);
 const cells = [...panel.querySelectorAll('.jp-Cell')];
@@ -108,7 +111,8 @@ const collapsed = cells.filter(c => c.classList.contains('jp-CodeCell') &&
 const tab = [...document.querySelectorAll('.lm-TabBar-tab.lm-mod-current')]
   .find(t => t.innerText.trim() === arguments[1]);
 return {markdown: md.length, rendered: rendered.length, raw: raw, fences: fences.length,
-        names: names.filter(k => new RegExp('(^|[^\\w])' + k + '([^\\w]|$)').test(text)),
+        names: glued.filter(k => new RegExp('(^|[^\\w])' + k + '([^\\w]|$)').test(text))
+          .concat(evals.filter(k => codes.includes(k))),
         text: text,
         admonitions: panel.querySelectorAll('aside.myst-admonition').length,
         citations: panel.querySelectorAll('.myst cite, .myst [data-cite], .myst a.cite').length,
@@ -144,7 +148,7 @@ window.jupyterapp.commands.execute('docmanager:save').then(() => done('saved'),
 """
 
 
-def _open(driver, base: str, path: str, timeout: float, names: list[str]) -> dict:
+def _open(driver, base: str, path: str, timeout: float, names: list[list[str]]) -> dict:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
@@ -233,7 +237,8 @@ def check(chapter: str = "notebooks/04-prefix-reuse.md", timeout: float = 180,
         driver = start_browser()
         try:
             source = (ROOT / chapter).read_text()
-            names = sorted(set(GLUE_ROLE.findall(source)) | set(EVAL_ROLE.findall(source)))
+            names = [sorted(set(GLUE_ROLE.findall(source))),
+                     sorted(set(EVAL_ROLE.findall(source)))]
             views = {"md": _open(driver, base, str(md_copy.relative_to(ROOT)), timeout, names)}
             failures += _md_saves_unchanged(driver, views["md"], md_copy, ROOT / chapter)
             views["ipynb"] = _open(driver, base, str(copy.relative_to(ROOT)), timeout, names)
@@ -243,7 +248,8 @@ def check(chapter: str = "notebooks/04-prefix-reuse.md", timeout: float = 180,
                       f"{v['admonitions']} admonitions, {v['citations']} citations "
                       f"(+{v['unresolved']} shown as keys: jupyterlab-myst loads no BibTeX), "
                       f"{len(v['raw'])} raw roles, {v['fences']} raw fences, "
-                      f"{len(v['names'])} of {len(names)} inline values shown as their names, "
+                      f"{len(v['names'])} of {sum(map(len, names))} inline values shown as "
+                      "their names, "
                       f"{len(v['collapsed'])} collapsed cells, modified: {v['dirty']}")
                 if not v["code"]:
                     failures.append(f"{name}: did not open as a notebook")
@@ -340,7 +346,7 @@ def _md_saves_unchanged(driver, view: dict, md_copy: Path, source: Path) -> list
 
 
 def _run_all_and_save(driver, copy: Path, timeout: float, stored: dict,
-                      names: list[str]) -> list[str]:
+                      names: list[list[str]]) -> list[str]:
     """Step 6: Run All in Lab, save, and look at the saved widget outputs and at the values
     the kernel computed for the ``{eval}`` roles."""
     started = time.monotonic()
