@@ -249,3 +249,28 @@ def test_simulate_until_stops_early():
     result = simulate(BaselineScheduler(kv, SchedulerConfig()), wl, CM, until=1.0)
     assert 1.0 <= result.makespan < 1.2
     assert any(r.status != "finished" for r in result.requests)
+
+
+@pytest.mark.parametrize("lo, hi", [(3, 32000), (0, 1), (0, 2), (0, 3), (5, 6), (-10, 10),
+                                    (0, 65536), (0, 65537), (0, 2**31 + 1), (0, 2**32),
+                                    (1, 2**32 + 5)])
+def test_randrange_list_draws_what_randrange_draws(lo: int, hi: int) -> None:
+    import random
+
+    from kvlab.sim.workload import _randrange_list
+
+    for n in (0, 1, 7, 3000):
+        for seed in ("tokens:r1", 3):
+            a, b = random.Random(seed), random.Random(seed)
+            want = [a.randrange(lo, hi) for _ in range(n)]
+            got = _randrange_list(b, lo, hi, n)
+            assert got == want and all(type(x) is int for x in got)
+
+
+def test_randrange_list_refuses_an_empty_range() -> None:
+    import random
+
+    from kvlab.sim.workload import _randrange_list
+
+    with pytest.raises(ValueError, match="empty range"):
+        _randrange_list(random.Random(0), 5, 5, 3)

@@ -148,3 +148,54 @@ def test_chunk_sweep_trades_tpot_for_throughput() -> None:
     assert small["tpot_p99_s"] < large["tpot_p99_s"]
     assert small["throughput_tok_s"] < large["throughput_tok_s"]
     assert all(not math.isnan(r["ttft_p99_s"]) for r in rows)
+
+
+def test_memoised_runs_equal_fresh_ones_and_return_copies() -> None:
+    from kvlab.sim import serving
+
+    wl = make_workload(40, 30.0, uniform(16, 400), uniform(2, 40), seed=5)
+    serving._colocated_instance.cache_clear()
+    first = run_colocated(wl, CM, CFG, replicas=2)
+    assert serving._colocated_instance.cache_info().misses == 2
+    first.append("not a record")                       # the caller's list is its own
+    again = run_colocated(list(wl), CM, CFG, replicas=2)
+    assert serving._colocated_instance.cache_info().hits == 2
+    fresh = []
+    for part in serving._deal(wl, 2):
+        fresh += records_from_sim(simulate(BaselineScheduler(
+            KVCacheManager(CM.kv_blocks(16), 16, enable_prefix_caching=False), CFG), part, CM,
+            record_steps=False))
+    assert again == fresh == first[:-1]
+    # another input is another simulation, not a stale hit
+    other = run_colocated(wl[:-1], CM, CFG, replicas=2)
+    assert len(other) == len(wl) - 1
+    rows = chunk_sweep(wl, CM, [128, 256])
+    rows[0]["chunk"] = -1                              # a returned row is a copy
+    assert [r["chunk"] for r in chunk_sweep(wl, CM, [128, 256])] == [128, 256]
+
+
+def test_unhashable_inputs_bypass_the_memo() -> None:
+    from kvlab.sim import serving
+
+    calls = []
+
+    def factory(kv, cfg, _seen=calls):                # a plain function is hashable: memoised
+        calls.append(1)
+        return BaselineScheduler(kv, cfg)
+
+    wl = make_workload(10, 30.0, uniform(16, 64), uniform(2, 8), seed=6)
+    run_colocated(wl, CM, CFG, scheduler=factory)
+    run_colocated(wl, CM, CFG, scheduler=factory)
+    assert len(calls) == 1
+
+    class Unhashable:
+        __hash__ = None
+
+        def __call__(self, kv, cfg):
+            calls.append(2)
+            return BaselineScheduler(kv, cfg)
+
+    fn = Unhashable()
+    assert run_colocated(wl, CM, CFG, scheduler=fn) == run_colocated(wl, CM, CFG, scheduler=fn)
+    assert calls.count(2) == 2
+    assert serving.MEMO_SIZE >= 64

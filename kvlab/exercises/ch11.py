@@ -123,7 +123,15 @@ def _attainment(rate: float) -> float:
 
 @functools.lru_cache(maxsize=1)
 def _capacity() -> float:
-    return rate_at_attainment(RATE_GRID, [_attainment(r) for r in RATE_GRID], 0.9)
+    """:func:`rate_at_attainment` over :data:`RATE_GRID`, simulating the grid from the lowest
+    rate only up to the first that misses 90%: the rates above it cannot change the answer."""
+    rates, att = [], []
+    for rate in RATE_GRID:
+        rates.append(rate)
+        att.append(_attainment(rate))
+        if att[-1] < 0.9:
+            break
+    return rate_at_attainment(rates, att, 0.9)
 
 
 def _fingerprint(records) -> list[tuple]:

@@ -18,11 +18,19 @@ independent, so a set-up of several is simulated one instance at a time:
 Results are :class:`~kvlab.slo.LatencyRecord` lists for
 :func:`~kvlab.slo.evaluate_slo`; :func:`rate_at_attainment` finds the highest request rate
 whose SLO attainment still reaches a target (DistServe's measure of capacity).
+
+A simulation is a pure function of its inputs (frozen values: the specs, the cost model, the
+scheduler configuration and factory), so :func:`run_colocated` and :func:`chunk_sweep` keep
+the last results of each instance they simulated (an LRU of :data:`MEMO_SIZE` entries) and
+return a fresh copy when asked again: a check that re-runs the reader's simulation, or a
+sweep run twice, costs nothing the second time. Inputs that cannot be hashed are simulated
+every time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -70,6 +78,38 @@ def _instance(cost: RooflineCostModel, config: SchedulerConfig, block_size: int,
     return scheduler(kv, config)   # no event log: a simulation never recovers
 
 
+#: How many instance simulations :func:`run_colocated` and :func:`chunk_sweep` remember.
+MEMO_SIZE = 256
+
+
+def _memoised(fn):
+    """``fn`` behind an LRU of :data:`MEMO_SIZE` results keyed by its (hashable) arguments;
+    unhashable arguments bypass it. ``fn`` must return an immutable value."""
+    cached = functools.lru_cache(maxsize=MEMO_SIZE)(fn)
+
+    @functools.wraps(fn)
+    def call(*args):
+        try:
+            hash(args)
+        except TypeError:
+            return fn(*args)
+        return cached(*args)
+
+    call.cache_clear = cached.cache_clear    # type: ignore[attr-defined]
+    call.cache_info = cached.cache_info      # type: ignore[attr-defined]
+    return call
+
+
+@_memoised
+def _colocated_instance(part: tuple[RequestSpec, ...], cost: RooflineCostModel,
+                        config: SchedulerConfig, block_size: int, num_blocks: int | None,
+                        scheduler: SchedulerFactory,
+                        until: float | None) -> tuple[LatencyRecord, ...]:
+    sched = _instance(cost, config, block_size, num_blocks, scheduler)
+    return tuple(records_from_sim(simulate(sched, part, cost, record_steps=False,
+                                           until=until)))
+
+
 def _deal(workload: Sequence[RequestSpec], n: int) -> list[list[RequestSpec]]:
     specs = sorted(workload, key=lambda s: (s.arrival_time, s.request_id))
     return [specs[i::n] for i in range(n)]
@@ -80,15 +120,15 @@ def run_colocated(workload: Sequence[RequestSpec], cost: RooflineCostModel,
                   num_blocks: int | None = None,
                   scheduler: SchedulerFactory = BaselineScheduler,
                   until: float | None = None) -> list[LatencyRecord]:
-    """``replicas`` colocated instances, requests dealt round robin in arrival order."""
+    """``replicas`` colocated instances, requests dealt round robin in arrival order (each
+    instance's result memoised, see the module docstring)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     out: list[LatencyRecord] = []
     for part in _deal(workload, replicas):
         if part:
-            sched = _instance(cost, config, block_size, num_blocks, scheduler)
-            out += records_from_sim(simulate(sched, part, cost, record_steps=False,
-                                             until=until))
+            out += _colocated_instance(tuple(part), cost, config, block_size, num_blocks,
+                                       scheduler, until)
     return out
 
 
@@ -195,21 +235,27 @@ def chunk_sweep(workload: Sequence[RequestSpec], cost: RooflineCostModel,
                 scheduler: SchedulerFactory = BaselineScheduler) -> list[dict]:
     """Sarathi-Serve's knob: the step's token budget (= the prefill chunk) swept over
     ``chunks`` on one colocated instance. Per chunk size: output-token throughput over the
-    makespan, TPOT and TTFT percentiles (linear), from one simulation each."""
+    makespan, TPOT and TTFT percentiles (linear), from one simulation each (memoised, see the
+    module docstring)."""
+    specs = tuple(workload)
+    return [dict(_chunk_row(specs, cost, chunk, max_num_seqs, block_size, scheduler))
+            for chunk in chunks]
+
+
+@_memoised
+def _chunk_row(specs: tuple[RequestSpec, ...], cost: RooflineCostModel, chunk: int,
+               max_num_seqs: int, block_size: int,
+               scheduler: SchedulerFactory) -> tuple[tuple[str, float], ...]:
     from kvlab.slo import percentile
 
-    rows = []
-    for chunk in chunks:
-        cfg = SchedulerConfig(max_num_seqs=min(max_num_seqs, chunk),
-                              max_num_batched_tokens=chunk, prefill_chunk=chunk)
-        sched = _instance(cost, cfg, block_size, None, scheduler)
-        res = simulate(sched, workload, cost, record_steps=False)
-        done = [r for r in res.requests if r.status == "finished"]
-        tpots = [r.tpot for r in done if r.tpot is not None]
-        rows.append({
-            "chunk": chunk, "finished": len(done),
-            "throughput_tok_s": sum(r.output_tokens for r in done) / res.makespan,
-            "tpot_p50_s": percentile(tpots, 50), "tpot_p99_s": percentile(tpots, 99),
-            "ttft_p50_s": percentile([r.ttft for r in done], 50),
-            "ttft_p99_s": percentile([r.ttft for r in done], 99)})
-    return rows
+    cfg = SchedulerConfig(max_num_seqs=min(max_num_seqs, chunk),
+                          max_num_batched_tokens=chunk, prefill_chunk=chunk)
+    sched = _instance(cost, cfg, block_size, None, scheduler)
+    res = simulate(sched, specs, cost, record_steps=False)
+    done = [r for r in res.requests if r.status == "finished"]
+    tpots = [r.tpot for r in done if r.tpot is not None]
+    return (("chunk", chunk), ("finished", len(done)),
+            ("throughput_tok_s", sum(r.output_tokens for r in done) / res.makespan),
+            ("tpot_p50_s", percentile(tpots, 50)), ("tpot_p99_s", percentile(tpots, 99)),
+            ("ttft_p50_s", percentile([r.ttft for r in done], 50)),
+            ("ttft_p99_s", percentile([r.ttft for r in done], 99)))
