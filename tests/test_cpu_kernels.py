@@ -196,7 +196,7 @@ def test_float64_attention_keeps_full_precision():
 
 
 @needs_kernel
-def test_kernel_rows_equal_dense_attention_for_short_chunks_behind_a_prefix():
+def test_paged_rows_equal_dense_attention_for_short_chunks_behind_a_prefix():
     gen = torch.Generator().manual_seed(5)
     bs, kv_heads, heads, dim = 8, 2, 6, 32
     specs = [(13, 4), (40, 1 + PAGED_MAX_TOKENS), (7, 2), (0, 5), (21, PAGED_MAX_TOKENS)]
@@ -209,7 +209,7 @@ def test_kernel_rows_equal_dense_attention_for_short_chunks_behind_a_prefix():
         nb = -(-(start + n) // bs)
         chunks.append(ChunkSpec(list(range(n)), start, perm[at:at + nb]))
         at += nb
-    meta = _kernel(build_metadata(chunks, bs))
+    meta = build_metadata(chunks, bs, kernel=cpu_kernels.decode_op("cpu", torch.float32))
     assert meta.dense == (1, 3)          # the long chunk and the fresh prompt
     assert int(meta.paged_rows.numel()) == 4 + 2 + PAGED_MAX_TOKENS  # short, prefixed
     total = sum(n for _, n in specs)

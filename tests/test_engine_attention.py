@@ -129,8 +129,8 @@ def test_copy_blocks_copies_all_layers_and_validates():
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 1), (8, 2), (6, 3)])
 def test_grouped_decode_equals_dense_for_every_grouping(heads, kv_heads):
-    """MHA (group 1), MQA (one KV head) and GQA: each decode row of a bucket equals the dense
-    causal reference's last row over its own context."""
+    """MHA (group 1), MQA (one KV head) and GQA: each decode row (the torch path) equals the
+    dense causal reference's last row over its own context."""
     gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
     bs, dim, lengths = 4, 8, [1, 3, 4, 9, 17, 12, 5, 8, 2]
     cache = PagedKVCache(1, 64, bs, kv_heads, dim)

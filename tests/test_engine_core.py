@@ -10,6 +10,7 @@ events' timeouts are only a safety net against a hang).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import io
 import threading
@@ -22,7 +23,7 @@ import torch
 pytest.importorskip("transformers")
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
-from kvlab.core.engine_core import EngineBusy, EngineCore, ModelOutput
+from kvlab.core.engine_core import EngineBusy, EngineCore
 from kvlab.core.event_log import EventLog
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import FinishReason, RequestStatus, RuntimeRequest
@@ -715,7 +716,7 @@ class _Tamper:
         if self.tamper is not None:
             self.tamper(output, sampled)
             self.tamper = None
-        return ModelOutput(sampled, result.seconds, result.info)
+        return dataclasses.replace(result, sampled=sampled)
 
 
 def _ghost(output, sampled):

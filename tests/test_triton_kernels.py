@@ -50,7 +50,7 @@ def test_triton_kernels_match_torch(results, name):
         # and the torch path each lie within a couple of ulps (2**-7) of the float32 answer
         assert r["max_abs_diff_vs_float32_reference"] < 2 ** -6, r
         assert r["max_abs_diff_vs_torch_path"] < 2 ** -5, r
-    assert r["buckets"] >= 1 and r["rows"] == len(CASES[name].lengths)
+    assert r["rows"] == len(CASES[name].lengths)
 
 
 def test_parity_harness_detects_a_wrong_kernel(monkeypatch):

@@ -1,10 +1,10 @@
 """Speculative verification's shape (many short chunks behind a cached prefix, mixed with
-decodes and fresh prompts) through both branches of paged attention: the short chunks become
-paged rows, and the torch path, the compiled CPU op and the dense reference agree."""
+decodes and fresh prompts) through both branches of paged attention: with a kernel the short
+chunks become paged rows, without one they stay SDPA chunks, and both agree with the dense
+reference."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -78,14 +78,15 @@ def test_verification_rows_equal_the_dense_reference_on_both_ops(seed, heads, kv
     block_size = [1, 4, 16][seed % 3]
     meta, q, k, v, kc, vc, (starts, lengths, full), dim = _step(seed, heads, kv_heads,
                                                                  block_size)
-    # every chunk behind a prefix is short here, so only fresh prompts are dense
-    assert meta.dense == tuple(i for i, s in enumerate(starts) if s == 0 and lengths[i] > 1)
-    assert meta.paged_rows.numel() == sum(n for s, n in zip(starts, lengths, strict=True)
+    fast = _step(seed, heads, kv_heads, block_size, kernel=_kernel(torch.float32))[0]
+    multi = tuple(i for i, n in enumerate(lengths) if n > 1)
+    assert meta.dense == multi and meta.paged_rows.numel() == len(lengths) - len(multi)
+    # with the kernel every chunk behind a prefix (all short here) is paged rows
+    assert fast.dense == tuple(i for i in multi if starts[i] == 0)
+    assert fast.paged_rows.numel() == sum(n for s, n in zip(starts, lengths, strict=True)
                                           if s > 0 or n == 1)
     torch_out = paged_attention(q, k, v, kc, vc, meta, dim ** -0.5)
-    kernel_out = paged_attention(q, k, v, kc, vc,
-                                 dataclasses.replace(meta, kernel=_kernel(torch.float32)),
-                                 dim ** -0.5)
+    kernel_out = paged_attention(q, k, v, kc, vc, fast, dim ** -0.5)
     torch.testing.assert_close(kernel_out, torch_out, rtol=1e-5, atol=1e-5)
     for i, (s, n) in enumerate(zip(starts, lengths, strict=True)):
         kk, vv = full[i]
@@ -97,11 +98,12 @@ def test_verification_rows_equal_the_dense_reference_on_both_ops(seed, heads, kv
 
 
 def test_a_chunk_longer_than_the_bound_stays_dense():
-    """One token over :data:`PAGED_MAX_TOKENS` behind a prefix is an SDPA chunk; at the bound
-    it is paged rows (each reading the context through the table)."""
+    """With a kernel, one token over :data:`PAGED_MAX_TOKENS` behind a prefix is an SDPA chunk;
+    at the bound it is paged rows (each reading the context through the table)."""
     n = PAGED_MAX_TOKENS
     chunks = [ChunkSpec([0] * n, 5, list(range(8))), ChunkSpec([0] * (n + 1), 5, list(range(8)))]
-    meta = build_metadata(chunks, 4)
+    assert build_metadata(chunks, 4).dense == (0, 1)   # the torch path: both SDPA chunks
+    meta = build_metadata(chunks, 4, kernel=lambda *args: None)   # the layout a kernel gets
     assert meta.dense == (1,) and meta.paged_rows.tolist() == list(range(n))
     assert meta.paged_lens.tolist() == list(range(6, 6 + n))
     assert meta.paged_tables.shape == (n, -(-(5 + n) // 4))
@@ -110,8 +112,8 @@ def test_a_chunk_longer_than_the_bound_stays_dense():
 def test_bfloat16_kernel_rows_match_the_torch_path():
     meta, q, k, v, kc, vc, _, dim = _step(3, 4, 2, 4, dtype=torch.bfloat16)
     ref = paged_attention(q, k, v, kc, vc, meta, dim ** -0.5)
-    fast = paged_attention(q, k, v, kc, vc,
-                           dataclasses.replace(meta, kernel=_kernel(torch.bfloat16)), dim ** -0.5)
+    fast_meta = _step(3, 4, 2, 4, dtype=torch.bfloat16, kernel=_kernel(torch.bfloat16))[0]
+    fast = paged_attention(q, k, v, kc, vc, fast_meta, dim ** -0.5)
     torch.testing.assert_close(fast, ref, rtol=2e-2, atol=2e-2)
 
 

@@ -96,12 +96,19 @@ def check_sampled(output: SchedulerOutput, sampled: Mapping[str, Any]
 
 @dataclass
 class ModelOutput:
-    """An executor's answer for one step: ``sampled`` (request id -> token, for each chunk with
-    ``sample=True``), ``seconds`` on the executor's clock, executor-specific ``info``."""
+    """An executor's answer for one step. ``sampled``: request id -> its new tokens, for each
+    chunk with ``sample=True`` (one; up to ``num_lookahead + 1`` when it speculated; a bare int
+    is accepted for one). Per token, where the executor computes them: ``logprobs`` and
+    ``top_logprobs`` (a dict, or None when not asked). ``drafts``: request id -> (drafts
+    proposed, accepted). ``seconds`` on the executor's clock; ``info``: its own trace of the
+    step (timings, metadata) for observers and figures."""
 
-    sampled: Mapping[str, int]
+    sampled: Mapping[str, tuple[int, ...] | int]
     seconds: float = 0.0
-    info: Any = None
+    info: object = None
+    logprobs: Mapping[str, list[float]] = field(default_factory=dict)
+    top_logprobs: Mapping[str, list[dict[int, float] | None]] = field(default_factory=dict)
+    drafts: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class EngineBusy(RuntimeError):

@@ -18,8 +18,9 @@ from kvlab.kernels import triton
 __all__ = ["PAGED_MAX_TOKENS", "AttentionMetadata", "ChunkSpec", "RowKernel", "attend_rows",
            "build_metadata", "flat_metadata", "paged_attention", "write_kv"]
 
-#: a chunk behind a cached prefix with at most this many tokens is attended row by row through
-#: its table, as decodes are (each row re-reads the context, so long chunks stay with SDPA)
+#: with a kernel, a chunk behind a cached prefix with at most this many tokens is attended row
+#: by row through its table, as decodes are (each row re-reads the context, so long chunks stay
+#: with SDPA; the torch path's gather would copy the context once per row, so there they all do)
 PAGED_MAX_TOKENS = 16
 
 #: ``op(out, q, k_cache, v_cache, tables, lens, scale)``: row ``r`` of ``q [R, H, D]`` attends
@@ -42,8 +43,8 @@ class AttentionMetadata:
     """One step's flat batch of ``N`` token rows and ``B`` chunks, as fixed-shape tensors on
     the model's device. Chunk ``s`` owns rows ``query_start[s] .. query_start[s+1]-1``, starts
     at position ``start_pos[s]`` and reads table ``block_tables[s]`` (padded with block 0).
-    *Paged* rows (single-token chunks, short chunks behind a prefix) attend through
-    ``paged_tables``/``paged_lens``; the ``dense`` chunks run one causal SDPA each."""
+    *Paged* rows (single-token chunks; with a kernel, short chunks behind a prefix too) attend
+    through ``paged_tables``/``paged_lens``; the ``dense`` chunks run one causal SDPA each."""
 
     input_ids: torch.Tensor       # [N] long
     positions: torch.Tensor       # [N] long
@@ -87,8 +88,8 @@ def flat_metadata(token_ids: Sequence[Sequence[int]], start_pos: Sequence[int],
     first = torch.tensor(query_start[:-1]).repeat_interleave(n_t)
     positions = torch.arange(query_start[-1]) - first + torch.tensor(start_pos)[seq]
     slots = tables[seq, positions // block_size] * block_size + positions % block_size
-    paged = [n == 1 or (p > 0 and n <= PAGED_MAX_TOKENS) for p, n in zip(start_pos, lens,
-                                                                          strict=True)]
+    paged = [n == 1 or (kernel is not None and p > 0 and n <= PAGED_MAX_TOKENS)
+             for p, n in zip(start_pos, lens, strict=True)]
     rows = torch.tensor(paged).repeat_interleave(n_t).nonzero()[:, 0]
     paged_lens = positions[rows] + 1
     width = -(-int(paged_lens.max()) // block_size) if rows.numel() else 0

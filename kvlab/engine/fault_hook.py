@@ -108,7 +108,7 @@ class EngineFaults:
             result = self._execute(output)
         finally:
             del proposer.propose                     # the bound method shows through again
-        spec = getattr(result.info, "spec", {})
+        spec = result.drafts
         if spec and all(accepted == 0 for _, accepted in spec.values()):
             self.rejected_all += 1
         return result

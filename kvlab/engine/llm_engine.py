@@ -127,7 +127,6 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.vocab_size,
                                                           self.eos_token_ids)
         self.outputs = OutputProcessor(
-            self.scheduler.get_request,
             self.tokenizer.decode if self.tokenizer is not None else None)
         self.clock: Callable[[], float] = time.monotonic
         self.cache_scope()   # the default tenant's scope, built once here

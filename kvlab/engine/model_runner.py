@@ -26,14 +26,12 @@ __all__ = ["InputBatch", "ModelRunner", "StepInfo"]
 
 @dataclass
 class StepInfo:
-    """``ModelOutput.info`` of a step: metadata, sampled ids in logits-row order, per request
-    the raw log-probability and (if asked) top-logprobs dict, and timings in seconds."""
+    """``ModelOutput.info`` of a step: metadata, sampled ids in logits-row order, the logits'
+    shape and timings in seconds."""
 
     metadata: AttentionMetadata | None
     request_ids: list[str]
     logits_shape: tuple[int, ...]
-    logprobs: dict[str, float]
-    top_logprobs: dict[str, dict[int, float] | None]
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
@@ -98,13 +96,13 @@ class ModelRunner:
         else:
             picked = sample(logits, states)
         t3 = time.perf_counter()
-        info = StepInfo(
-            meta, ids, tuple(logits.shape),
-            dict(zip(ids, picked.logprobs, strict=True)) if picked else {},
-            dict(zip(ids, picked.top_logprobs, strict=True)) if picked else {},
-            t1 - t0, t2 - t1, t3 - t2)
-        sampled = dict(zip(ids, picked.token_ids, strict=True)) if picked else {}
-        return ModelOutput(sampled, t3 - t0, info)
+        info = StepInfo(meta, ids, tuple(logits.shape), t1 - t0, t2 - t1, t3 - t2)
+        if picked is None:
+            return ModelOutput({}, t3 - t0, info)
+        return ModelOutput(
+            {rid: (t,) for rid, t in zip(ids, picked.token_ids, strict=True)}, t3 - t0, info,
+            {rid: [lp] for rid, lp in zip(ids, picked.logprobs, strict=True)},
+            {rid: [top] for rid, top in zip(ids, picked.top_logprobs, strict=True)})
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

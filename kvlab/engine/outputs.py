@@ -114,8 +114,7 @@ class EngineStats:
         self.steps += 1
         self.forward_passes += bool(result.output.chunks)
         self.computed_tokens += result.output.num_batched_tokens
-        self.generated_tokens += sum(len(t) if isinstance(t, tuple) else 1
-                                     for t in result.model.sampled.values())
+        self.generated_tokens += sum(len(t) for t in result.model.sampled.values())
         self.schedule_time_s += result.schedule_s + result.update_s
         self.prepare_time_s += info.prepare_s
         self.model_time_s += info.forward_s
@@ -134,12 +133,14 @@ class EngineStats:
 
 @dataclass
 class SampleState:
-    """One sample of a request (one RuntimeRequest in the scheduler)."""
+    """One sample of a request (one RuntimeRequest in the scheduler), kept from the steps'
+    results alone: its tokens, logprobs and, once it ended, the request the core handed back."""
 
     seq_id: str
     index: int
     logprobs: list[dict[int, float]] | None
     cumulative_logprob: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
     ended: RuntimeRequest | None = None     # the scheduler's request once it was reported
 
 
@@ -162,12 +163,11 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Per-request state and outputs; ``lookup(seq_id)`` is the scheduler's live request,
-    ``decode`` turns token ids into text (None: no tokenizer). Callers hold the core's lock."""
+    """Per-request state and outputs, folded from each step's :class:`StepResult` (it never
+    reads the scheduler); ``decode`` turns token ids into text (None: no tokenizer). Callers
+    hold the core's lock."""
 
-    def __init__(self, lookup: Callable[[str], RuntimeRequest],
-                 decode: Callable[[list[int]], str] | None) -> None:
-        self.lookup = lookup
+    def __init__(self, decode: Callable[[list[int]], str] | None) -> None:
         self.decode = decode
         self.requests: dict[str, RequestState] = {}
         self.samples: dict[str, tuple[RequestState, SampleState]] = {}
@@ -192,35 +192,39 @@ class OutputProcessor:
                 only_finished: bool = False) -> list[RequestOutput]:
         """Fold one core step in: deferred outputs, then those of requests that got a token or
         ended (finished ones are dropped); prompt, cache and finish counters go to ``stats``."""
-        out, info = result.output, result.model.info
+        out, model = result.output, result.model
         touched: dict[str, RequestState] = {}
+        starts = {}
         for c in out.chunks:
+            starts[c.request_id] = c.start_pos
             entry = self.samples.get(c.request_id)
             if entry is not None and entry[0].metrics.first_scheduled_time is None:
                 entry[0].metrics.first_scheduled_time = now
-        ended = {r.request_id: r for r in result.ended}
+        for rid in out.preempted:
+            entry = self.samples.get(rid)
+            if entry is not None and entry[1].index == 0:
+                entry[0].metrics.num_preemptions += 1
         for rid in out.admitted:
             entry = self.samples.get(rid)
             if entry is None or entry[0].admitted:
                 continue  # other samples and re-admissions after preemption are not counted
             state = entry[0]
             state.admitted = True
-            # admitted and ended in this very step: the core has forgotten it already
-            req = ended[rid] if rid in ended else self.lookup(rid)
-            state.num_cached_tokens = req.num_cached_tokens
-            stats.prompt_tokens += req.num_prompt_tokens
-            stats.cached_prompt_tokens += min(req.num_cached_tokens, req.num_prompt_tokens)
-        for rid in result.model.sampled:
+            # an admission's first chunk starts after the prefix the cache served
+            cached, prompt = starts[rid], len(state.prompt_token_ids)
+            state.num_cached_tokens = cached
+            stats.prompt_tokens += prompt
+            stats.cached_prompt_tokens += min(cached, prompt)
+        for rid in model.sampled:
             entry = self.samples.get(rid)
             if entry is None:
                 continue          # aborted during the step
             state, sample = entry
-            lps, tops = info.logprobs[rid], info.top_logprobs[rid]
-            multi = isinstance(lps, list)              # a speculating request's tokens
-            sample.cumulative_logprob += sum(lps) if multi else lps
+            sample.token_ids.extend(model.sampled[rid])
+            sample.cumulative_logprob += sum(model.logprobs[rid])
             if sample.logprobs is not None:
-                sample.logprobs.extend(tops if multi else [tops])
-            spec = getattr(info, "spec", {}).get(rid)
+                sample.logprobs.extend(model.top_logprobs[rid])
+            spec = model.drafts.get(rid)
             if spec is not None and sample.index == 0:
                 state.metrics.spec_num_drafts += 1 if spec[0] else 0
                 state.metrics.spec_num_draft_tokens += spec[0]
@@ -228,7 +232,7 @@ class OutputProcessor:
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             touched[state.request_id] = state
-        for req in ended.values():
+        for req in result.ended:
             entry = self.samples.get(req.request_id)
             if entry is not None:
                 entry[1].ended = req
@@ -256,18 +260,22 @@ class OutputProcessor:
         completions = []
         all_done = True
         for sample in state.samples:
-            req = sample.ended or self.lookup(sample.seq_id)
-            reason = req.finish_reason.value if req.finish_reason is not None else None
-            if req.status is RequestStatus.CANCELLED or (force_finished and reason is None):
+            req = sample.ended
+            reason = None
+            if req is not None:
+                reason = req.finish_reason.value if req.finish_reason is not None else None
+                if req.status is RequestStatus.CANCELLED:
+                    reason = FinishReason.ABORT.value
+                assert req.output_token_ids == sample.token_ids, sample.seq_id
+                assert sample.index or req.num_preemptions == state.metrics.num_preemptions
+            if force_finished and reason is None:
                 reason = FinishReason.ABORT.value
             if reason is None:
                 all_done = False
             completions.append(CompletionOutput(
-                index=sample.index, token_ids=list(req.output_token_ids), finish_reason=reason,
+                index=sample.index, token_ids=list(sample.token_ids), finish_reason=reason,
                 logprobs=None if sample.logprobs is None else list(sample.logprobs),
                 cumulative_logprob=sample.cumulative_logprob, _decode=self.decode))
-            if sample.index == 0:
-                state.metrics.num_preemptions = req.num_preemptions
         return RequestOutput(state.request_id, state.prompt, list(state.prompt_token_ids),
                              completions, force_finished or all_done, state.metrics,
                              state.num_cached_tokens)

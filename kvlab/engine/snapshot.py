@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvlab.core.engine_core import SchedulerOutput
 
+    from .attention import AttentionMetadata
+
 __all__ = ["BatchEntry", "EngineSnapshot", "RequestView", "StepTrace", "take_snapshot"]
 
 
@@ -22,16 +24,16 @@ class StepTrace:
 
     ``scheduler_output``: the scheduler's decisions (chunks, copies, admissions, preemptions);
     ``metadata``: the executor's flat-batch layout (``input_ids``, ``positions``,
-    ``slot_mapping``, decode buckets, prefill chunks); ``sampled_from``: request ids whose
+    ``slot_mapping``, the paged rows and dense chunks); ``sampled_from``: request ids whose
     logits rows were sampled, in row order; ``logits_shape``: ``(rows, vocab)``;
-    ``sampled``: token per sequence; ``finished``: sequence ids that ended in this step.
+    ``sampled``: the new tokens per sequence; ``finished``: sequence ids that ended.
     """
 
     scheduler_output: SchedulerOutput
-    metadata: Any
+    metadata: AttentionMetadata | None
     sampled_from: list[str]
     logits_shape: tuple[int, ...]
-    sampled: dict[str, int]
+    sampled: dict[str, tuple[int, ...]]
     finished: list[str]
 
 
@@ -105,15 +107,13 @@ def take_snapshot(engine: Any, *, include_finished: bool = False) -> EngineSnaps
     out = trace.scheduler_output if trace is not None else None
     meta = trace.metadata if trace is not None else None
     if out is not None and meta is not None:
-        positions, slot_mapping = meta.positions.tolist(), meta.slot_mapping.tolist()
+        slot_mapping = meta.slot_mapping.tolist()
         for i, c in enumerate(out.chunks):
-            # the chunk's rows end at last_row (after any drafts) and hold consecutive
-            # positions, so its first row is where the position is start_pos
-            last = meta.last_row[i]
-            first = last - (positions[last] - c.start_pos)
+            first = meta.query_start[i]    # the chunk's rows (then any drafts)
             slots = tuple(slot_mapping[first:first + c.num_tokens])
+            tokens = trace.sampled.get(c.request_id, ())
             batch.append(BatchEntry(c.request_id, c.start_pos, c.num_tokens, c.is_prefill,
-                                    c.sample, slots, trace.sampled.get(c.request_id)))
+                                    c.sample, slots, tokens[0] if tokens else None))
     ks = kv.snapshot()
     st = engine.stats
     stats = {

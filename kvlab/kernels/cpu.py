@@ -1,9 +1,10 @@
 """The compiled CPU kernel for paged decode attention (``csrc/paged_attention_cpu.cpp``).
 
 It walks each row's block table straight through the cache with a float32 softmax instead of
-gathering the blocks into a workspace (1.5-3.5x faster here:
-``benchmarks/bench_decode_attention.py``). :func:`decode_op` hands a runner the compiled op
-once, at construction; the engine calls it every step with no Python in between.
+gathering the blocks first, as the torch path does (``benchmarks/bench_decode_attention.py``
+measures both). :func:`decode_op` hands a runner the compiled op once, at construction
+(through :func:`kvlab.kernels.row_kernel`); the engine calls it every step with no Python in
+between.
 :func:`decode_attention` is the checked entry point (tests, benchmarks): the kernel reads raw
 memory, so it validates every index first.
 

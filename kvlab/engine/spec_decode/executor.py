@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -52,10 +52,8 @@ def grammar_of(state: SamplerState) -> GrammarCursor | None:
 
 @dataclass
 class SpecStepInfo(StepInfo):
-    """:class:`~kvlab.engine.model_runner.StepInfo` plus, per sampling request, ``(drafts
-    proposed, drafts accepted)`` and ``draft_s`` (proposer time)."""
+    """:class:`~kvlab.engine.model_runner.StepInfo` plus ``draft_s`` (proposer time)."""
 
-    spec: dict[str, tuple[int, int]] = field(default_factory=dict)
     draft_s: float = 0.0
 
 
@@ -96,7 +94,7 @@ class SpecExecutor(ModelRunner):
         self._sync()
         t2 = time.perf_counter()
         if not chunks:
-            return ModelOutput({}, t2 - t0, SpecStepInfo(None, [], (0,), {}, {}))
+            return ModelOutput({}, t2 - t0, SpecStepInfo(None, [], (0,)))
         drafts = {rid: p.tokens for rid, p in proposals.items()}
         specs = [ChunkSpec(c.token_ids + drafts.get(c.request_id, ()), c.start_pos,
                            tables[c.request_id]) for c in chunks]
@@ -115,9 +113,9 @@ class SpecExecutor(ModelRunner):
         self.metrics.draft_time_s += t2 - t1
         self.metrics.target_time_s += t3 - t2
         ids = [chunks[i].request_id for i in sampling]
-        info = SpecStepInfo(meta, ids, tuple(logits.shape), logprobs, tops, t1 - t0, t3 - t2,
-                            t4 - t3, spec=spec, draft_s=t2 - t1)
-        return ModelOutput(sampled, t4 - t0, info)
+        info = SpecStepInfo(meta, ids, tuple(logits.shape), t1 - t0, t3 - t2, t4 - t3,
+                            draft_s=t2 - t1)
+        return ModelOutput(sampled, t4 - t0, info, logprobs, tops, spec)
 
     def _verify(self, step, chunks, sampling, rows, proposals, logits):
         """Rejection-sample every sampling request of the step (probabilities and
@@ -135,9 +133,9 @@ class SpecExecutor(ModelRunner):
                 for m, prop in zip(masks, props, strict=True)])
         probs = processed_probs(logits, row_params, allowed)
         lp_all = torch.log_softmax(logits, dim=-1)
-        sampled: dict[str, int | tuple[int, ...]] = {}
-        logprobs: dict[str, object] = {}
-        tops: dict[str, object] = {}
+        sampled: dict[str, tuple[int, ...]] = {}
+        logprobs: dict[str, list[float]] = {}
+        tops: dict[str, list[dict[int, float] | None]] = {}
         spec: dict[str, tuple[int, int]] = {}
         row = 0
         for i, ctx, prop in zip(sampling, ctxs, props, strict=True):
@@ -159,7 +157,7 @@ class SpecExecutor(ModelRunner):
                 self.metrics.record(step, rid, k, verdict.num_accepted, verdict.rejected)
                 spec[rid] = (k, verdict.num_accepted)
             chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
-            top = None
+            top: list[dict[int, float] | None] = [None] * len(tokens)
             want = ctx.params.logprobs
             if want is not None:
                 values, ids = lp[:len(tokens)].topk(min(max(want, 1), lp.shape[-1]), dim=-1)
@@ -169,11 +167,7 @@ class SpecExecutor(ModelRunner):
                                                           values[j, :want].tolist(), strict=True)}
                     d[t] = chosen[j]
                     top.append(d)
-            if c.num_lookahead:
-                sampled[rid], logprobs[rid], tops[rid] = tokens, chosen, top
-            else:
-                sampled[rid], logprobs[rid] = tokens[0], chosen[0]
-                tops[rid] = top[0] if top is not None else None
+            sampled[rid], logprobs[rid], tops[rid] = tuple(tokens), chosen, top
         return sampled, logprobs, tops, spec
 
     @staticmethod
