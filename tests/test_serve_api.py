@@ -376,3 +376,37 @@ def test_stop_token_sets_stop_reason_to_its_id(server):
     assert c["finish_reason"] == "stop" and c["stop_reason"] == stop_id
     assert got["usage"]["completion_tokens"] == first + 1     # the stop token is kept
     assert c["text"] == ref.tokenizer.decode(ids[:first + 1])
+
+
+def test_penalties_and_min_tokens_over_http(server):
+    """The OpenAI client's ``presence_penalty`` / ``frequency_penalty`` and vLLM's
+    ``repetition_penalty`` / ``min_tokens`` reach the sampler: the server's answer equals
+    ``LLM``-level generation with the same parameters; bad values are 400s naming the field."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    prompt = "Once upon a time the shepherd"
+    ids = server.engine.tokenizer.encode(prompt)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                            presence_penalty=0.6, frequency_penalty=1.1,
+                            repetition_penalty=1.3, min_tokens=5)
+    ref = LLMEngine(EngineArgs(MODEL, max_model_len=128))
+    ref.add_request("r", ids, params)
+    while ref.has_unfinished_requests():
+        outs = ref.step()
+    want = outs[0].outputs[0]
+    got = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, presence_penalty=0.6,
+        frequency_penalty=1.1, extra_body={"ignore_eos": True, "repetition_penalty": 1.3,
+                                           "min_tokens": 5})
+    assert got.choices[0].text == want.text and got.usage.completion_tokens == 24
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert plain.choices[0].text != want.text            # the penalties changed the answer
+    for extra, field in (({"presence_penalty": 3}, "presence_penalty"),
+                         ({"repetition_penalty": 0}, "repetition_penalty"),
+                         ({"min_tokens": 30, "max_tokens": 24}, "min_tokens"),
+                         ({"min_tokens": 500, "max_tokens": None}, "min_tokens")):
+        body = {"model": MODEL, "prompt": prompt, **{"max_tokens": 24, **extra}}
+        r = httpx.post(server.url + "/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (extra, r.text)
+    wait_until(lambda: idle(server.engine))

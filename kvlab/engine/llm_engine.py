@@ -173,7 +173,9 @@ class LLMEngine:
         stops = set(p.stop_token_ids)
         if not p.ignore_eos:
             stops.update(self.eos_token_ids[1:])  # extra eos ids act as stop tokens
-        sampler = SamplerState.create(p, (seed + sample.index) % SEED_MOD, self.device)
+        masked = stops if p.ignore_eos else stops | set(self.eos_token_ids[:1])  # min_tokens
+        sampler = SamplerState.create(p, (seed + sample.index) % SEED_MOD, self.device,
+                                      state.prompt_token_ids, sorted(masked))
         if p.structured_outputs is not None:
             stops.update(self.structured_outputs.stop_token_ids_for(p))  # ends at EOS
             sampler.grammar = self.structured_outputs.new_state(p)  # one per sample (n > 1)
@@ -199,6 +201,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.check_vocab(self.config.vocab_size)
+        if params.penalized and self.args.speculative_config is not None:
+            raise ValueError("SamplingParams penalties and min_tokens are not supported with "
+                             "speculative decoding")
         if params.structured_outputs is not None:
             self.structured_outputs.validate(params)  # compiles (cached): a bad grammar raises
         text, ids = self.encode_prompt(prompt)

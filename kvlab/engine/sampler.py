@@ -1,14 +1,16 @@
 """The parameters a request samples with (:class:`SamplingParams`, validated when made) and the
 sampler that applies them (:func:`sample`). Each row draws from its request's own seeded
 ``torch.Generator``, never depending on the rest of the batch; reported log-probabilities are
-the raw ``log_softmax(logits)``, before temperature, top-k and top-p (vLLM's default).
+the raw ``log_softmax(logits)``, before penalties, temperature, top-k and top-p (vLLM's
+default). Order, as vLLM's sampler: min-tokens mask, penalties, then greedy or temperature,
+top-k, top-p and the draw.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,7 +18,7 @@ import torch
 from .structured_outputs.params import StructuredOutputsParams, check_structured_outputs
 
 __all__ = ["MAX_SEED", "MIN_TEMPERATURE", "SampleResult", "SamplerState", "SamplingParams",
-           "filter_logits", "is_real", "sample"]
+           "filter_logits", "is_real", "penalize", "sample"]
 
 MIN_TEMPERATURE = 1e-5   # below it, greedy (vLLM's rule): a tinier divisor overflows float32
 MAX_SEED = 2**64 - 1      # torch generators take a 64-bit unsigned seed
@@ -53,8 +55,12 @@ class SamplingParams:
     in the output; stored as a tuple); ``ignore_eos``; ``n`` samples sharing the prompt's blocks;
     ``logprobs=k``: per token the k most likely and the sampled one, raw; ``structured_outputs``:
     exactly one of ``{"json"|"regex"|"choice"|"grammar": ...}``, stored as
-    ``StructuredOutputsParams`` (the request ends when its grammar does). A bad value raises
-    ``ValueError`` naming ``SamplingParams.<field>``; any accepted value samples without error.
+    ``StructuredOutputsParams`` (the request ends when its grammar does). Penalties (OpenAI's and
+    vLLM's): ``presence_penalty`` and ``frequency_penalty`` in [-2, 2] subtract, per token already
+    generated, once and per occurrence; ``repetition_penalty`` > 0 divides positive (multiplies
+    negative) logits of tokens in the prompt or the output; ``min_tokens``: EOS and the stop ids
+    are masked until that many tokens were generated. A bad value raises ``ValueError`` naming
+    ``SamplingParams.<field>``; any accepted value samples without error.
     """
 
     max_tokens: int = 16
@@ -67,6 +73,10 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         t, p, s, stops, lp = self.temperature, self.top_p, self.seed, self.stop_token_ids, \
@@ -87,6 +97,15 @@ class SamplingParams:
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
         _check(_count(self.n, 1), "n", "an int >= 1", self.n)
         _check(lp is None or _count(lp, 0), "logprobs", "None or an int >= 0", lp)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(is_real(v) and -2 <= v <= 2, name, "a number in [-2, 2]", v)
+            object.__setattr__(self, name, float(v))
+        rp = self.repetition_penalty
+        _check(is_real(rp) and rp > 0, "repetition_penalty", "a finite number > 0", rp)
+        object.__setattr__(self, "repetition_penalty", float(rp))
+        _check(_count(self.min_tokens, 0) and self.min_tokens <= self.max_tokens, "min_tokens",
+               f"an int in 0..max_tokens ({self.max_tokens})", self.min_tokens)
         if self.structured_outputs is not None:
             object.__setattr__(self, "structured_outputs",
                                check_structured_outputs(self.structured_outputs))
@@ -103,6 +122,12 @@ class SamplingParams:
     def uses_top_p(self) -> bool:
         return self.top_p < 1.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty or ``min_tokens`` changes the logits (the sampler keeps history)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.min_tokens
+                    or self.repetition_penalty != 1.0)
+
     def check_vocab(self, vocab_size: int) -> None:
         """ValueError when a stop token id is outside the model's vocabulary."""
         bad = [s for s in self.stop_token_ids if s >= vocab_size]
@@ -113,23 +138,29 @@ class SamplingParams:
 
 @dataclass
 class SamplerState:
-    """One sequence's parameters, random stream (None when greedy) and grammar state."""
+    """One sequence's parameters, random stream (None when greedy) and grammar state; for
+    penalized params also its prompt, the ids ``min_tokens`` masks, and the tokens sampled."""
 
     params: SamplingParams
     generator: torch.Generator | None
     grammar: Any = None
+    prompt_ids: Sequence[int] = ()
+    stop_ids: tuple[int, ...] = ()
+    output_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def create(cls, params: SamplingParams, seed: int, device: torch.device | str = "cpu"
-               ) -> SamplerState:
+    def create(cls, params: SamplingParams, seed: int, device: torch.device | str = "cpu",
+               prompt_ids: Sequence[int] = (), stop_ids: Sequence[int] = ()) -> SamplerState:
         """``seed`` (an int) is taken modulo ``2**64``, so derived seeds never overflow."""
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"SamplerState.create: seed must be an int, got {seed!r}")
-        if params.greedy:
-            return cls(params, None)
-        gen = torch.Generator(device=device)
-        gen.manual_seed(seed % (MAX_SEED + 1))
-        return cls(params, gen)
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(seed % (MAX_SEED + 1))
+        if not params.penalized:
+            return cls(params, gen)
+        return cls(params, gen, None, tuple(prompt_ids), tuple(stop_ids))
 
 
 @dataclass
@@ -168,6 +199,29 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def penalize(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
+    """``logits`` (a copy, when any row changes) after each penalized row's ``min_tokens`` mask
+    and its repetition, frequency and presence penalties (vLLM's formulas and order)."""
+    rows = [i for i, s in enumerate(states) if s.params.penalized]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        s, p, row = states[i], states[i].params, logits[i]
+        if len(s.output_ids) < p.min_tokens and s.stop_ids:
+            row[list(s.stop_ids)] = float("-inf")
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted({*s.prompt_ids, *s.output_ids}), dtype=torch.long,
+                                device=row.device)
+            v = row[seen]
+            row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if s.output_ids and (p.frequency_penalty or p.presence_penalty):
+            ids, counts = torch.tensor(s.output_ids, device=row.device).unique(
+                return_counts=True)
+            row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    return logits
+
+
 def _race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token per row: ``argmax(probs / E)``, ``E ~ Exp(1)`` (the exponential race: the
     argmax is distributed as ``probs``). One ``exponential_`` per generator, in row order; for
@@ -191,6 +245,7 @@ def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> SampleResult
     """Pick one token per row of ``logits: [S, V]`` (float32) for ``states[i]``."""
     assert logits.shape[0] == len(states), (logits.shape, len(states))
     logprobs = torch.log_softmax(logits, dim=-1)
+    logits = penalize(logits, states)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
     if random_rows:
@@ -199,6 +254,9 @@ def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> SampleResult
         tokens[idx] = _race(probs, [states[i].generator for i in random_rows])
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     token_list = tokens.tolist()
+    for s, t in zip(states, token_list, strict=True):
+        if s.params.penalized:
+            s.output_ids.append(t)
     top: list[dict[int, float] | None] = [None] * len(states)
     want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     if want:

@@ -61,14 +61,13 @@ def error_body(message: str, kind: str, param: str | None = None,
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream",
           "stream_options", "ignore_eos", "stop_token_ids", "stop", "user", "logprobs",
-          "presence_penalty", "frequency_penalty", "response_format", "structured_outputs",
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+          "response_format", "structured_outputs",
           "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 #: fields OpenAI or vLLM define that kvlab does not implement: accepted only with the value
 #: that means "off", else a 400 naming the field
 NEUTRAL: dict[str, tuple] = {
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-    "min_tokens": (None, 0), "logit_bias": (None, {}), "best_of": (None, 1),
+    "logit_bias": (None, {}), "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None,),
     "suffix": (None, ""), "include_stop_str_in_output": (None, False),
@@ -123,6 +122,11 @@ class ParsedRequest:
         room = max_model_len - prompt_len
         param = "max_completion_tokens" if self.chat else "max_tokens"
         if self.max_tokens is None:
+            if self.params.min_tokens > room:
+                raise APIError(400, f"min_tokens={self.params.min_tokens} is too large: the "
+                                    f"prompt of {prompt_len} tokens leaves {room} of this "
+                                    f"model's {max_model_len}", param="min_tokens",
+                               code="context_length_exceeded")
             return dataclasses.replace(self.params, max_tokens=room)
         if self.max_tokens > room:
             raise APIError(400, f"{param}={self.max_tokens} is too large: this model's maximum "
@@ -329,8 +333,13 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest
         max_tokens, limit_param = body.get("max_tokens"), "max_tokens"
     else:
         max_tokens, limit_param = COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens"
-    kw: dict[str, Any] = {"max_tokens": 1 if max_tokens is None else max_tokens}
-    for name in ("temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "stop_token_ids"):
+    # max_tokens=None (the rest of the context) is resolved per prompt; until then at least
+    # min_tokens, so that the check min_tokens <= max_tokens waits for the real value
+    least = body.get("min_tokens")
+    kw: dict[str, Any] = {"max_tokens": max_tokens if max_tokens is not None else
+                          least if type(least) is int and least > 1 else 1}
+    for name in ("temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "stop_token_ids",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
         if body.get(name) is not None:
             kw[name] = body[name]
     structured, structured_param = _structured(body)
