@@ -2,17 +2,18 @@
 
 A verification step feeds each of ``--requests`` running requests a chunk of ``k + 1`` tokens
 behind its cached context (the drafts plus the last sampled token). The engine's flat metadata
-(:func:`kvlab.engine.attention.build_metadata`) makes every such token a *paged row* (a chunk of
-at most ``PAGED_MAX_TOKENS`` behind a prefix): query token ``i`` of a chunk at ``start`` attends
-``start + i + 1`` positions through the chunk's table, all rows of the step in one call. Per
-layer, on the same metadata:
+(:func:`kvlab.engine.attention.build_metadata`) of a runner with a row op makes every such token
+a *paged row* (a chunk of at most ``PAGED_MAX_TOKENS`` behind a prefix): query token ``i`` of a
+chunk at ``start`` attends ``start + i + 1`` positions through the chunk's table, all rows of the
+step in one call; without an op the engine keeps them as per-request SDPA calls. Per layer:
 
 - **compiled**: :func:`~kvlab.engine.attention.paged_attention` with the CPU op
   (``kvlab.kernels.row_kernel``), which walks each row's table through the cache;
-- **torch**: the same with no op, the torch path :func:`~kvlab.engine.attention.attend_rows`
-  (every row's blocks gathered into one padded batch, one masked SDPA);
-- **per request**: the naive alternative, written here: for each request gather its context
-  and run one causal SDPA of its ``k + 1`` queries (a gather and a call per request and layer).
+- **torch**: the same rows through the torch path :func:`~kvlab.engine.attention.attend_rows`
+  (every row's blocks gathered into one padded batch, one masked SDPA), which is why the engine
+  does not make them rows without an op;
+- **per request**: what the engine runs without an op, written here: for each request gather
+  its context and run one causal SDPA of its ``k + 1`` queries.
 
 Outputs are checked against a float64 run of the per-request path (AssertionError past
 ``TOLERANCE``); interleaved rounds, each the best of a few calls, one torch thread; medians with
@@ -56,6 +57,11 @@ SHAPES = {"kvlab-tiny": (6, 2, 32), "25M": (8, 2, 64)}
 
 #: float32 outputs must lie this close to the float64 reference
 TOLERANCE = 1e-4
+
+
+def _no_op(*args: object) -> None:
+    """Stands in for a row op where none is built: only the layout is wanted from it."""
+    raise AssertionError("the layout-only op is never called")
 
 
 def per_request(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -106,8 +112,12 @@ def bench(shape: str, k: int, requests: int, rounds: int, seed: int = 0) -> dict
     gen = torch.Generator().manual_seed(seed)
     kc = torch.randn(len(perm), bs, kv_heads, dim, generator=gen)
     vc = torch.randn(len(perm), bs, kv_heads, dim, generator=gen)
+    op = row_kernel("cpu", torch.float32)
+    # the layout a runner with an op gets: every verified token a paged row (without an op the
+    # engine keeps these chunks as SDPA calls, what ``per_request`` times)
     meta = build_metadata([ChunkSpec([0] * (k + 1), s, t)
-                           for s, t in zip(starts, tables, strict=True)], bs)
+                           for s, t in zip(starts, tables, strict=True)], bs,
+                          kernel=op if op is not None else _no_op)
     n = meta.num_tokens
     assert meta.paged_rows.numel() == n and not meta.dense, "verification rows are paged"
     q = torch.randn(n, heads, dim, generator=gen)
@@ -116,13 +126,12 @@ def bench(shape: str, k: int, requests: int, rounds: int, seed: int = 0) -> dict
     kn = torch.randn(n, kv_heads, dim, generator=gen)
     vn = torch.randn(n, kv_heads, dim, generator=gen)
     scale = dim ** -0.5
-    op = row_kernel("cpu", torch.float32)
-    with_op = dataclasses.replace(meta, kernel=op)
+    rows = dataclasses.replace(meta, kernel=None)   # the same rows through attend_rows
     fns: dict[str, Callable[[], torch.Tensor]] = {
         "per_request": lambda: per_request(q, kc, vc, meta, scale),
-        "torch": lambda: paged_attention(q, kn, vn, kc, vc, meta, scale)}
+        "torch": lambda: paged_attention(q, kn, vn, kc, vc, rows, scale)}
     if op is not None:
-        fns["compiled"] = lambda: paged_attention(q, kn, vn, kc, vc, with_op, scale)
+        fns["compiled"] = lambda: paged_attention(q, kn, vn, kc, vc, meta, scale)
     ref = per_request(q.double(), kc.double(), vc.double(), meta, scale)
     diff = {name: float((f().double() - ref).abs().max()) for name, f in fns.items()}
     bad = {name: d for name, d in diff.items() if not d <= TOLERANCE}
