@@ -24,7 +24,8 @@ student meets it.
    false`` in the book's Lab settings — with it on, the widget manager marks every notebook with
    widgets modified as it restores them, and a save before the cells run writes an empty widget
    state over the stored one. For the ``.md``: the ``language_info`` in its header, which the
-   kernel writes into the notebook as it starts, and ``jupytext.toml``, which keeps it there.)
+   kernel writes into the notebook as it starts, and ``notebooks/jupytext.toml``, which keeps it
+   there; the check copies it beside its copies, as Jupytext finds it beside the chapters.)
 5. **Solutions collapsed**: every solution cell (tag ``hide-cell``) shows as a collapsed bar,
    and the bar says "Solution" (its first line) instead of the start of the answer.
 6. **Run All, then save, keeps the site's widgets**: Run All in Lab finishes without an error,
@@ -212,6 +213,7 @@ def check(chapter: str = "notebooks/04-prefix-reuse.md", timeout: float = 180,
     copy, md_copy = WORK / ipynb.name, WORK / Path(chapter).name   # a save cannot touch the book
     shutil.copy2(ROOT / ipynb, copy)
     shutil.copy2(ROOT / chapter, md_copy)
+    shutil.copy2(ROOT / "notebooks" / "jupytext.toml", WORK)   # the chapters' Jupytext rules
     subprocess.run([sys.executable, "-m", "jupyter", "trust", str(copy)], check=True,
                    capture_output=True)   # as `make lab` trusts the stored notebooks
     stored = json.loads(copy.read_text())
