@@ -69,7 +69,10 @@ class RopeConfig:
             scaled_len = self.factor * max_position_embeddings
             ratio = self.factor * scaled_len / max_position_embeddings - (self.factor - 1)
             base = base * ratio ** (head_dim / (head_dim - 2))
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        # on the CPU whatever the default device (a meta-device model would run this through
+        # torch's reference decompositions, which import torch._dynamo: seconds at start-up)
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+        inv = 1.0 / (base ** (exponents / head_dim))
         if self.rope_type == "llama3":
             old = self.original_max_position_embeddings
             low_wavelen = old / self.low_freq_factor
