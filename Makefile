@@ -39,6 +39,7 @@ notebooks: venv
 # One chapter: make notebook NB=notebooks/03-refcounts-cow.md
 notebook: venv
 	$(PY) tools/execute_notebook.py --timeout $(NB_TIMEOUT) $(NB)
+	$(PY) tools/inline_values.py $(NB)
 
 book: venv
 	$(VENV)/bin/jupyter-book build . --config book.yml --toc toc.yml -W -n --keep-going
@@ -79,8 +80,9 @@ site-check: venv browser book
 	$(PY) tools/site_check.py _build/html
 
 # A chapter in JupyterLab started as `make lab` starts it (tools/lab_check.py): the .md opens as a
-# notebook, MyST renders (admonitions, citations, no raw roles), the .ipynb opens unmodified and
-# saves unchanged, solutions are collapsed and labelled, Run All + save keeps the widgets' twins.
+# notebook, MyST renders (admonitions, citations, no raw roles), numbers in prose show as numbers,
+# the .md and the .ipynb open unmodified and save unchanged, solutions are collapsed and
+# labelled, Run All + save keeps the widgets' twins.
 lab-check: venv browser
 	$(PY) tools/lab_check.py notebooks/04-prefix-reuse.md
 
