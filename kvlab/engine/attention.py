@@ -156,9 +156,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
                     ) -> torch.Tensor:
     """Attention of the flat batch; ``q: [N, H, D]``, new ``k, v: [N, KV, D]`` -> ``[N, H, D]``.
-    :func:`write_kv` must have run first (paged rows and chunks behind a prefix read the
-    cache). Two branches: the paged rows (``meta.kernel`` or :func:`attend_rows`), then one
-    SDPA per dense chunk."""
+    :func:`write_kv` must have run first. Two branches: the paged rows (``meta.kernel`` or
+    :func:`attend_rows`), then one SDPA per dense chunk."""
     num, heads, dim = q.shape
     _, bs, kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)

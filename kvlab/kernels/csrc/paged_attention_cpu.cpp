@@ -1,14 +1,15 @@
 // Paged decode attention for CPU tensors: kvlab's counterpart of the Triton kernel
-// (kvlab/engine/triton_kernels.py) and of vLLM's CPU attention kernels.
+// (kvlab/kernels/triton.py) and of vLLM's CPU attention kernels.
 //
-// Each row is one decoding request with one query token. Its keys and values are read straight
-// from the paged cache [num_blocks, block_size, kv_heads, head_dim] through its block table;
+// Each row is one query token (a decode, or one token of a short chunk). Its keys and values
+// are read straight from the paged cache [num_blocks, block_size, kv_heads, head_dim] through
+// its block table;
 // nothing is gathered into a workspace first. Per row: scores q.k for every cached position,
 // a softmax in float32, then the probability-weighted sum of V. Query head h uses KV head
 // h / (heads / kv_heads) (grouped-query attention). Rows are independent: at::parallel_for
 // spreads them over torch's threads.
 //
-// Built by kvlab/engine/cpu_kernels.py with -ffast-math, which lets the compiler vectorise
+// Built by kvlab/kernels/cpu.py with -ffast-math, which lets the compiler vectorise
 // exp() (glibc's vector math) and the dot-product reductions. That is safe here because no
 // value is infinite or NaN on a well-formed input: the running maximum starts from the first
 // score, and only positions 0 .. len-1 are ever touched (no -inf mask).
@@ -93,7 +94,7 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
 
 // out, q: [rows, heads, dim] contiguous; k_cache, v_cache: [num_blocks, block_size, kv_heads,
 // dim] contiguous; tables: [rows, width] int64; lens: [rows] int64, 1 <= lens[r] <=
-// width * block_size. The caller (cpu_kernels.decode_attention) checks all of it.
+// width * block_size. The caller (kvlab.kernels.cpu.decode_attention) checks all of it.
 void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                       torch::Tensor v_cache, torch::Tensor tables, torch::Tensor lens,
                       double scale) {
