@@ -15,7 +15,7 @@ import torch
 from kvlab.core.engine_core import ModelOutput, ScheduledChunk, SchedulerOutput
 from kvlab.kernels import row_kernel
 
-from .attention import AttentionMetadata, ChunkSpec, RowKernel, flat_metadata
+from .attention import AttentionMetadata, RowKernel, flat_metadata
 from .kv_cache import PagedKVCache
 from .model import LlamaModel
 from .sampler import SamplerState, sample
@@ -194,7 +194,3 @@ class InputBatch:
         return flat_metadata([c.token_ids for c in chunks], [c.start_pos for c in chunks],
                              self.tables.index_select(0, rows), self.block_size, self.device,
                              kernel)
-
-    def spec(self, chunk: ScheduledChunk, extra: tuple[int, ...] = ()) -> ChunkSpec:
-        """``chunk`` (plus ``extra`` tokens, a speculative step's drafts) with its full table."""
-        return ChunkSpec(chunk.token_ids + extra, chunk.start_pos, self.table(chunk.request_id))
