@@ -1,0 +1,104 @@
+"""One engine (kvlab or vLLM) in its own process, driven by ``bench_vs_vllm.py`` over stdin.
+
+Run as ``python _engine_driver.py --engine kvlab|vllm --model DIR --workloads FILE --threads N``
+with the interpreter of that engine's virtual environment (this file imports nothing of kvlab
+at module level, so vLLM's environment can run it). It builds the engine, warms it up on the
+head of every workload (vLLM compiles its model there), prints ``READY {json}`` and then, for
+each line ``NAME`` read from stdin, runs workload ``NAME`` once through the engine's offline
+``generate`` (greedy, ``ignore_eos``) and prints ``RESULT {json}``: wall and process-CPU
+seconds, generated tokens, every request's token ids (and kvlab's time by phase). ``quit``
+or end of input ends it. Other output (vLLM's logs) never starts with those two words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _kvlab(model: str, threads: int):
+    import torch
+
+    torch.set_num_threads(threads)
+    from kvlab.engine.llm import LLM
+    from kvlab.engine.sampler import SamplingParams
+
+    llm = LLM(model)
+
+    def generate(workload):
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                  for _, n in workload]
+        outs = llm.generate([p for p, _ in workload], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def phases():
+        st = llm.engine.stats
+        return {"step": st.step_time_s, "schedule": st.schedule_time_s,
+                "metadata": st.prepare_time_s, "forward": st.model_time_s,
+                "sampling": st.sample_time_s}
+
+    return generate, phases
+
+
+def _vllm(model: str, threads: int):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", seed=0)
+
+    def generate(workload):
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+                  for _, n in workload]
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p, _ in workload]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return generate, None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engine", choices=("kvlab", "vllm"), required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--workloads", required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    if args.threads < 1:
+        raise SystemExit("--threads must be >= 1")
+    with open(args.workloads) as f:
+        workloads = {k: [(list(p), int(n)) for p, n in v] for k, v in json.load(f).items()}
+    if args.engine == "kvlab":
+        # the same cores vLLM's OpenMP threads are bound to
+        os.sched_setaffinity(0, set(range(args.threads)))
+    t0, c0 = time.perf_counter(), time.process_time()
+    generate, phases = (_kvlab if args.engine == "kvlab" else _vllm)(args.model, args.threads)
+    built = time.perf_counter() - t0, time.process_time() - c0
+    for w in workloads.values():   # warm-up: the head of every workload, short outputs
+        generate([(p, min(n, 8)) for p, n in w[:4]])
+    ready = {"build_s": built[0], "build_cpu_s": built[1],
+             "startup_s": time.perf_counter() - t0, "startup_cpu_s": time.process_time() - c0}
+    print("READY " + json.dumps(ready), flush=True)
+    for line in sys.stdin:
+        name = line.strip()
+        if name in ("", "quit"):
+            break
+        before = phases() if phases else None
+        t0, c0 = time.perf_counter(), time.process_time()
+        outputs = generate(workloads[name])
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        result = {"wall_s": wall, "cpu_s": cpu, "outputs": outputs,
+                  "generated_tokens": sum(len(o) for o in outputs)}
+        if phases:
+            after = phases()
+            result["phases_s"] = {k: after[k] - before[k] for k in after}
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

