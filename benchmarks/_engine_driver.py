@@ -3,9 +3,9 @@
 Run as ``python _engine_driver.py --engine kvlab|vllm --model DIR --workloads FILE --threads N``
 with the interpreter of that engine's virtual environment (this file imports nothing of kvlab
 at module level, so vLLM's environment can run it). It builds the engine, warms it up on the
-head of every workload (vLLM compiles its model there), prints ``READY {json}`` and then, for
-each line ``NAME`` read from stdin, runs workload ``NAME`` once through the engine's offline
-``generate`` (greedy, ``ignore_eos``) and prints ``RESULT {json}``: wall and process-CPU
+head of every ``warmup-*`` workload (vLLM compiles its model there), prints ``READY {json}``,
+then for each line ``NAME`` read from stdin, runs workload ``NAME`` once through the engine's
+offline ``generate`` (greedy, ``ignore_eos``) and prints ``RESULT {json}``: wall and process-CPU
 seconds, generated tokens, every request's token ids (and kvlab's time by phase). ``quit``
 or end of input ends it. Other output (vLLM's logs) never starts with those two words.
 """
@@ -79,8 +79,9 @@ def main() -> None:
     t0, c0 = time.perf_counter(), time.process_time()
     generate, phases = (_kvlab if args.engine == "kvlab" else _vllm)(args.model, args.threads)
     built = time.perf_counter() - t0, time.process_time() - c0
-    for w in workloads.values():   # warm-up: the head of every workload, short outputs
-        generate([(p, min(n, 8)) for p, n in w[:4]])
+    for name, w in workloads.items():   # warm-up: the head of each warmup-*, short outputs
+        if name.startswith("warmup-"):
+            generate([(p, min(n, 8)) for p, n in w[:8]])
     ready = {"build_s": built[0], "build_cpu_s": built[1],
              "startup_s": time.perf_counter() - t0, "startup_cpu_s": time.process_time() - c0}
     print("READY " + json.dumps(ready), flush=True)

@@ -21,9 +21,10 @@ OP_CLASSES = {
 }
 
 
-def profile_phases(model_dir, workload, threads: int = 1) -> dict:
-    """Run ``workload`` (prompt ids, max_tokens) through ``LLM(model_dir)`` once unprofiled
-    (phases, CPU seconds) and once under torch.profiler (op classes); both as dicts."""
+def profile_phases(model_dir, workload, profiled, threads: int = 1) -> dict:
+    """Run ``workload`` (prompt ids, max_tokens) through ``LLM(model_dir)`` unprofiled (phases,
+    CPU seconds), then ``profiled`` (the same shapes, fresh tokens: no prefix-cache hits from
+    the first run) under torch.profiler (op classes); both as dicts."""
     from kvlab.engine.llm import LLM
     from kvlab.engine.sampler import SamplingParams
 
@@ -45,7 +46,7 @@ def profile_phases(model_dir, workload, threads: int = 1) -> dict:
               "output": d["step_time_s"] - d["schedule_time_s"] - d["prepare_time_s"]
               - d["model_time_s"] - d["sample_time_s"]}
     with torch.profiler.profile() as prof:
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate([p for p, _ in profiled], params, use_tqdm=False)
     classes = dict.fromkeys((*OP_CLASSES, "other"), 0.0)
     for ev in prof.key_averages():
         name = ev.key

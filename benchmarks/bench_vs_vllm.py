@@ -14,7 +14,8 @@ compiled ops do not match this torch). vLLM runs in-process (``VLLM_ENABLE_V1_MU
 ``0-1`` for two), 2 GiB of KV, token-id prompts (``skip_tokenizer_init``) and its defaults
 otherwise; kvlab runs ``LLM(dir)`` at its defaults with ``torch.set_num_threads(n)``, pinned to
 the same cores. Each engine warms up (vLLM compiles there), then the two alternate, two timed
-runs each of every workload; each keeps its best run. The greedy tokens of every run must be
+runs each of every workload, each run with fresh tokens (no run hits the prefix cache an earlier one
+filled); each engine keeps its best run. The greedy tokens of every run must be
 identical across the engines (the script exits 1 after writing the JSON if not).
 
 Reported per thread count, size and workload: generated tokens per wall second and per process
@@ -108,6 +109,16 @@ def build_workloads(vocab: int, seed: int) -> dict[str, list[tuple[list[int], in
     return {"mixed": mixed, "long": long}
 
 
+def run_variants(vocab: int, seed: int, repeats: int) -> dict[str, list]:
+    """``warmup-<w>`` and ``<w>-<r>`` for each workload ``w`` and run ``r``: the same shapes
+    with fresh tokens (seeds ``seed``, ``seed+1``, ...), so no run hits the prefix cache that
+    an earlier run filled; within a run the shared system prompt still does."""
+    out = {f"warmup-{w}": v for w, v in build_workloads(vocab, seed + 1000).items()}
+    for r in range(repeats):
+        out.update({f"{w}-{r}": v for w, v in build_workloads(vocab, seed + r).items()})
+    return out
+
+
 class Engine:
     """A driver process of one engine: started, warmed up, then one workload per call."""
 
@@ -155,26 +166,28 @@ def compare(size: str, model: Path, workloads: dict, threads: int, repeats: int,
         json.dump(workloads, f)
     kv = Engine("kvlab", Path(sys.executable), model, Path(f.name), threads)
     vl = Engine("vllm", vllm_python, model, Path(f.name), threads)
-    runs: dict[str, dict[str, list]] = {w: {"kvlab": [], "vllm": []} for w in workloads}
+    names = [w.split("-")[0] for w in workloads if w.endswith("-0")]
+    runs: dict[str, dict[str, list]] = {w: {"kvlab": [], "vllm": []} for w in names}
     try:
-        for _ in range(repeats):
-            for w in workloads:
-                runs[w]["kvlab"].append(kv.run(w))
-                runs[w]["vllm"].append(vl.run(w))
+        for r in range(repeats):
+            for w in names:
+                runs[w]["kvlab"].append(kv.run(f"{w}-{r}"))
+                runs[w]["vllm"].append(vl.run(f"{w}-{r}"))
     finally:
         kv.close()
         vl.close()
         os.unlink(f.name)
     out = {"startup": {"kvlab": kv.ready, "vllm": vl.ready}, "workloads": {}}
     for w, r in runs.items():
+        same = all(a["outputs"] == b["outputs"] for a, b in zip(r["kvlab"], r["vllm"],
+                                                                 strict=True))
         ref = r["vllm"][0]["outputs"]
-        same = all(x["outputs"] == ref for x in r["kvlab"] + r["vllm"])
         exact = sum(a == b for a, b in zip(r["kvlab"][0]["outputs"], ref, strict=True))
         k, v = best(r["kvlab"]), best(r["vllm"])
         phases = min(r["kvlab"], key=lambda x: x["cpu_s"]).get("phases_s")
         out["workloads"][w] = {
-            "requests": len(workloads[w]),
-            "prompt_tokens": sum(len(p) for p, _ in workloads[w]),
+            "requests": len(workloads[f"{w}-0"]),
+            "prompt_tokens": sum(len(p) for p, _ in workloads[f"{w}-0"]),
             "kvlab": {**k, "phases_s": phases}, "vllm": v,
             "ratio_cpu": k["tokens_per_cpu_s"] / v["tokens_per_cpu_s"],
             "ratio_wall": k["tokens_per_s"] / v["tokens_per_s"],
@@ -219,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 if t != threads[0] and size not in args.two_thread_sizes.split(","):
                     continue
                 model = write_checkpoint(size, root)
-                workloads = build_workloads(SIZES[size]["vocab_size"], args.seed)
+                workloads = run_variants(SIZES[size]["vocab_size"], args.seed, args.repeats)
                 result["sizes"][size] = {"params": num_params(SIZES[size]), **SIZES[size]}
                 r = compare(size, model, workloads, t, args.repeats, vllm_python)
                 result["results"].setdefault(f"{t}_thread", {})[size] = r
@@ -228,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         from _vs_vllm_profile import profile_phases
 
         model = write_checkpoint("25M", root)
+        variants = run_variants(SIZES["25M"]["vocab_size"], args.seed, 2)
         result["profile_25M_mixed"] = profile_phases(
-            model, build_workloads(SIZES["25M"]["vocab_size"], args.seed)["mixed"],
-            threads=threads[0])
+            model, variants["mixed-0"], variants["mixed-1"], threads=threads[0])
     result["identical_tokens"] = ok
     result["bench_wall_s"] = time.perf_counter() - t_start
     write_results(args.out, result)
