@@ -35,6 +35,7 @@ class StepInfo:
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    prompt_logprobs: dict | None = None   # seq id -> its prompt entries, the step they complete
 
 
 class ModelRunner:
@@ -54,11 +55,15 @@ class ModelRunner:
         self.kernel = row_kernel(self.device, getattr(cache, "compute_dtype", cache.data.dtype))
         self.input_batch = InputBatch(self.block_size, self.device)
         self.samplers: dict[str, SamplerState] = {}
+        self.scorer = None   # a PromptScorer once a request asks for prompt logprobs
 
     def add_request(self, request_id: str, sampler: SamplerState) -> None:
         """Take over ``request_id``'s sampler state (once, when the engine adds it)."""
         assert request_id not in self.samplers, f"{request_id} added twice"
         self.samplers[request_id] = sampler
+        if sampler.params.prompt_logprobs is not None and self.scorer is None:
+            from .prompt_logprobs import PromptScorer  # off the default path
+            self.scorer = PromptScorer(self)
 
     def remove_requests(self, request_ids: Iterable[str]) -> None:
         """Drop the state of requests that ended (unknown ids are ignored)."""
@@ -85,7 +90,9 @@ class ModelRunner:
         if meta is not None:
             rows = torch.tensor([meta.last_row[i] for i in sampling], dtype=torch.long,
                                 device=self.device)
-            logits = self.model.logits(self.model(meta, self.cache.layers, rows=rows))
+            scored = self.scorer is not None and self.scorer.plan(chunks)
+            h = self.model(meta, self.cache.layers, rows=None if scored else rows)
+            logits = self.model.logits(self.scorer.score(meta, h, rows) if scored else h)
         self._sync()
         t2 = time.perf_counter()
         states = [self.samplers[rid] for rid in ids]
@@ -96,7 +103,8 @@ class ModelRunner:
         else:
             picked = sample(logits, states)
         t3 = time.perf_counter()
-        info = StepInfo(meta, ids, tuple(logits.shape), t1 - t0, t2 - t1, t3 - t2)
+        info = StepInfo(meta, ids, tuple(logits.shape), t1 - t0, t2 - t1, t3 - t2,
+                        self.scorer and self.scorer.take())
         if picked is None:
             return ModelOutput({}, t3 - t0, info)
         return ModelOutput(

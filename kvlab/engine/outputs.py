@@ -81,6 +81,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # SamplingParams'; [0] None
 
     def __repr__(self) -> str:
         outs = ", ".join(f"#{o.index}: {len(o.token_ids)} tok {o.finish_reason}"
@@ -156,6 +157,7 @@ class RequestState:
     samples: list[SampleState] = field(default_factory=list)
     num_cached_tokens: int = 0
     admitted: bool = False
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def done(self) -> bool:
@@ -215,6 +217,9 @@ class OutputProcessor:
             state.num_cached_tokens = cached
             stats.prompt_tokens += prompt
             stats.cached_prompt_tokens += min(cached, prompt)
+        for rid, entries in (getattr(model.info, "prompt_logprobs", None) or {}).items():
+            if rid in self.samples:
+                self.samples[rid][0].prompt_logprobs = entries
         for rid in model.sampled:
             entry = self.samples.get(rid)
             if entry is None:
@@ -279,4 +284,4 @@ class OutputProcessor:
                 cumulative_logprob=sample.cumulative_logprob, _decode=self.decode))
         return RequestOutput(state.request_id, state.prompt, list(state.prompt_token_ids),
                              completions, force_finished or all_done, state.metrics,
-                             state.num_cached_tokens)
+                             state.num_cached_tokens, state.prompt_logprobs)

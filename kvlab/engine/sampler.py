@@ -53,13 +53,14 @@ class SamplingParams:
     likely token; ``seed`` in ``0 .. 2**64-1``: the request's own stream (sample ``i`` of ``n``
     uses ``seed + i``; None: from the engine's seed and arrival order); ``stop_token_ids`` (kept
     in the output; stored as a tuple); ``ignore_eos``; ``n`` samples sharing the prompt's blocks;
-    ``logprobs=k``: per token the k most likely and the sampled one, raw; ``structured_outputs``:
-    exactly one of ``{"json"|"regex"|"choice"|"grammar": ...}``, stored as
-    ``StructuredOutputsParams`` (the request ends when its grammar does). Penalties (OpenAI's and
-    vLLM's): ``presence_penalty`` and ``frequency_penalty`` in [-2, 2] subtract, per token already
-    generated, once and per occurrence; ``repetition_penalty`` > 0 divides positive (multiplies
-    negative) logits of tokens in the prompt or the output; ``min_tokens``: EOS and the stop ids
-    are masked until that many tokens were generated. A bad value raises ``ValueError`` naming
+    ``logprobs=k``: per token the k most likely and the sampled one, raw (``prompt_logprobs=k``:
+    the same per prompt token after the first); ``structured_outputs``: exactly one of
+    ``{"json"|"regex"|"choice"|"grammar": ...}``, as ``StructuredOutputsParams`` (the request
+    ends when its grammar does). Penalties (OpenAI's and vLLM's): ``presence_penalty`` and
+    ``frequency_penalty`` in [-2, 2] subtract, per token already generated, once and per
+    occurrence; ``repetition_penalty`` > 0 divides positive (multiplies negative) logits of
+    tokens in the prompt or the output; ``min_tokens``: EOS and the stop ids are masked until
+    that many tokens were generated. A bad value raises ``ValueError`` naming
     ``SamplingParams.<field>``; any accepted value samples without error.
     """
 
@@ -77,10 +78,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        t, p, s, stops, lp = self.temperature, self.top_p, self.seed, self.stop_token_ids, \
-            self.logprobs
+        t, p, s, stops = self.temperature, self.top_p, self.seed, self.stop_token_ids
         _check(_count(self.max_tokens, 1), "max_tokens", "an int >= 1", self.max_tokens)
         _check(is_real(t) and t >= 0, "temperature", "a finite number >= 0", t)
         object.__setattr__(self, "temperature", float(t))
@@ -96,7 +97,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stops)
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
         _check(_count(self.n, 1), "n", "an int >= 1", self.n)
-        _check(lp is None or _count(lp, 0), "logprobs", "None or an int >= 0", lp)
+        for name in ("logprobs", "prompt_logprobs"):
+            _check(getattr(self, name) is None or _count(getattr(self, name), 0), name,
+                   "None or an int >= 0", getattr(self, name))
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             _check(is_real(v) and -2 <= v <= 2, name, "a number in [-2, 2]", v)
@@ -158,7 +161,7 @@ class SamplerState:
         if not params.greedy:
             gen = torch.Generator(device=device)
             gen.manual_seed(seed % (MAX_SEED + 1))
-        if not params.penalized:
+        if not params.penalized and params.prompt_logprobs is None:
             return cls(params, gen)
         return cls(params, gen, None, tuple(prompt_ids), tuple(stop_ids))
 
