@@ -260,8 +260,7 @@ BAD = [
     ("/v1/completions", {"logprobs": True}, "logprobs", "invalid_value"),
     ("/v1/completions", {"logprobs": 2.5}, "logprobs", "invalid_value"),
     ("/v1/completions", {"echo": "yes"}, "echo", "invalid_type"),
-    ("/v1/completions", {"echo": True, "logprobs": 0}, "echo",
-     "unsupported_parameter"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens", "invalid_value"),  # only with echo
     ("/v1/completions", {"top_logprobs": 2}, "top_logprobs",
      "unknown_parameter"),
     ("/v1/chat/completions", {"logprobs": 3}, "logprobs", "invalid_type"),
@@ -342,3 +341,57 @@ def test_logprobs_and_stop_need_a_tokenizer(tmp_path):
         ok = httpx.post(srv.url + "/v1/completions", json={
             "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3}, timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+# ---------------------------------------------------------------- echo + logprobs (lm-eval's)
+def _prompt_reference(llm, prompt: str, k: int):
+    """The offline prompt entries and the greedy first token of ``prompt``."""
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=k,
+                                                prompt_logprobs=k), use_tqdm=False)[0]
+    return out.prompt_token_ids, out.prompt_logprobs, out.outputs[0]
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_with_logprobs_scores_the_prompt(server, llm, max_tokens):
+    """OpenAI's completion logprobs over prompt (first token null) and generated tokens; the
+    values are LLM.generate's prompt_logprobs; max_tokens 0 answers the prompt alone."""
+    k = 2
+    ids, plp, gen = _prompt_reference(llm, PROMPT, k)
+    names = server.engine.tokenizer
+    resp = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens,
+                                            temperature=0, echo=True, logprobs=k)
+    c = resp.choices[0]
+    lp = c.logprobs
+    total = ids + (gen.token_ids if max_tokens else [])
+    assert lp.tokens == [names.decode([t]) for t in total]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for j in range(1, len(ids)):
+        assert lp.token_logprobs[j] == pytest.approx(plp[j][ids[j]], abs=1e-6)
+        assert lp.top_logprobs[j] == pytest.approx(
+            {names.decode([t]): v for t, v in plp[j].items()}, abs=1e-6)
+    if max_tokens:
+        assert lp.token_logprobs[-1] == pytest.approx(gen.logprobs[0][gen.token_ids[0]],
+                                                      abs=1e-6)
+        assert c.text == PROMPT + gen.text
+        assert resp.usage.completion_tokens == 1
+    else:
+        assert c.text == PROMPT and resp.usage.completion_tokens == 0
+    text = names.decode(ids)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(text.startswith(names.decode(ids[:j])) for j in range(len(ids)))
+    # lm-eval's sum over a continuation = the offline sum
+    assert sum(lp.token_logprobs[3:len(ids)]) == pytest.approx(
+        sum(plp[j][ids[j]] for j in range(3, len(ids))), abs=1e-5)
+    wait_until(lambda: idle(server.engine))
+
+
+def test_echo_with_logprobs_streams_the_prompt_entries_first(server, llm):
+    ids, plp, _ = _prompt_reference(llm, PROMPT, 1)
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+            "echo": True, "logprobs": 1, "stream": True}) as resp:
+        chunks = [c for c in sse(resp) if c.get("choices")]
+    got = [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert got[0] is None and len(got) == len(ids) + 3
+    assert got[1:len(ids)] == pytest.approx([plp[j][ids[j]] for j in range(1, len(ids))],
+                                            abs=1e-6)

@@ -59,13 +59,16 @@ class ChoiceDelta:
 @dataclass
 class StreamDelta:
     """One step's news for a request. ``finished``: the last delta of the stream; ``error``:
-    why the server ended it early (``"client_too_slow"``), else None."""
+    why the server ended it early (``"client_too_slow"``), else None. ``prompt_logprobs``: the
+    request's prompt entries (``SamplingParams.prompt_logprobs``), in the first delta that has
+    them, else None."""
 
     choices: list[ChoiceDelta]
     finished: bool
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +88,7 @@ class RequestStream:
     backlog: int = 0            # tokens queued and not yet read (engine thread adds, loop takes)
     finished: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    prompt_sent: bool = False   # the prompt logprobs went out (engine thread)
 
     async def next(self) -> StreamDelta:
         delta = await self.queue.get()
@@ -178,6 +182,8 @@ class AsyncEngine:
                 choices.append(ChoiceDelta(c.index, new, c.finish_reason, lps))
         delta = StreamDelta(choices, out.finished, len(out.prompt_token_ids),
                             out.num_cached_tokens)
+        if out.prompt_logprobs is not None and not stream.prompt_sent:
+            delta.prompt_logprobs, stream.prompt_sent = out.prompt_logprobs, True
         with stream.lock:
             stream.backlog += delta.num_tokens
             too_slow = not out.finished and stream.backlog > self.max_backlog_tokens

@@ -14,12 +14,12 @@ Accepted fields are OpenAI's plus vLLM's extensions that kvlab implements (``top
 ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``). Log-probabilities
 follow OpenAI's two APIs: completions take ``logprobs: int`` (0..20 alternatives per token),
 chat takes ``logprobs: bool`` and ``top_logprobs: int`` (0..20; more than 0 only with
-``logprobs: true``, as in vLLM). ``echo`` (completions) prepends the prompt; with ``logprobs`` it
-would need the prompt tokens' log-probabilities, which the engine does not compute, so that pair
-is a 400. A field OpenAI or vLLM define but kvlab does not implement (:data:`NEUTRAL`: tools,
-logit_bias, ...) is accepted only with its "off" value; otherwise, and for a field nobody
-defines, the answer is a 400 naming it, so a client never believes a setting took effect when
-it did not.
+``logprobs: true``, as in vLLM). ``echo`` (completions) prepends the prompt; with ``logprobs`` the
+prompt's tokens are scored too (``SamplingParams.prompt_logprobs``, the first one ``null``), and
+``max_tokens: 0`` then answers the prompt alone (vLLM runs one token and drops it). A field
+OpenAI or vLLM define but kvlab does not implement (:data:`NEUTRAL`: tools, logit_bias, ...) is
+accepted only with its "off" value; otherwise, and for a field nobody defines, the answer is a
+400 naming it, so a client never believes a setting took effect when it did not.
 """
 
 from __future__ import annotations
@@ -97,7 +97,9 @@ class ParsedRequest:
     names the field that set ``params.structured_outputs`` (for a 400 if it does not compile).
     ``logprobs``: alternatives to report per token (completions' ``logprobs``, chat's
     ``top_logprobs``, 0 for chat's bare ``logprobs: true``), None when not asked; it is also
-    ``params.logprobs``. ``echo``: prepend the prompt's text to each choice (completions).
+    ``params.logprobs``. ``echo``: prepend the prompt's text to each choice (completions), and
+    with ``logprobs`` its tokens' entries; ``echo_only``: ``echo`` with ``max_tokens: 0`` (the
+    engine samples one token, which the answer drops).
     """
 
     chat: bool
@@ -111,6 +113,7 @@ class ParsedRequest:
     structured_param: str | None = None
     logprobs: int | None = None
     echo: bool = False
+    echo_only: bool = False
 
     @property
     def prompt(self) -> str | list[int]:
@@ -240,11 +243,6 @@ def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
         if not isinstance(echo, bool):
             raise APIError(400, f"echo must be a boolean, got {echo!r}", param="echo",
                            code="invalid_type")
-        if echo and count is not None:
-            raise APIError(400, "echo with logprobs needs the log-probabilities of the prompt's "
-                                "tokens, which kvlab's engine does not compute (it scores the "
-                                "tokens it generates); send echo or logprobs, not both",
-                           param="echo", code="unsupported_parameter")
         return count, echo
     flag = body.get("logprobs")
     if flag is not None and not isinstance(flag, bool):
@@ -336,6 +334,9 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest
     # max_tokens=None (the rest of the context) is resolved per prompt; until then at least
     # min_tokens, so that the check min_tokens <= max_tokens waits for the real value
     least = body.get("min_tokens")
+    echo_only = echo and max_tokens == 0 and type(max_tokens) is int
+    if echo_only:
+        max_tokens = 1       # vLLM's echo without generation: one token, dropped from the answer
     kw: dict[str, Any] = {"max_tokens": max_tokens if max_tokens is not None else
                           least if type(least) is int and least > 1 else 1}
     for name in ("temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "stop_token_ids",
@@ -347,6 +348,8 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest
         kw["structured_outputs"] = structured
     if logprobs is not None:
         kw["logprobs"] = logprobs
+        if echo:
+            kw["prompt_logprobs"] = logprobs
     try:
         params = SamplingParams(**kw)
     except (ValueError, TypeError) as err:
@@ -358,4 +361,4 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest
             field_name = structured_param
         raise APIError(400, str(err), param=field_name, code="invalid_value") from None
     return ParsedRequest(chat, model, prompts, params, max_tokens, stream, include_usage,
-                         stop, structured_param, logprobs, echo)
+                         stop, structured_param, logprobs, echo, echo_only)

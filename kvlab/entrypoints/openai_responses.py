@@ -36,12 +36,13 @@ LOGPROB_FLOOR = -9999.0
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token: its id, log-probability, the engine's top dict and where its text
-    starts in the choice's text (characters, the echoed prompt included)."""
+    """One token: its id, log-probability, the engine's top dict and where its text starts in
+    the choice's text (characters, the echoed prompt included). An echoed prompt's first token
+    has neither (``logprob`` and ``top`` None, ``null`` in the answer)."""
 
     token_id: int
-    logprob: float
-    top: dict[int, float]
+    logprob: float | None
+    top: dict[int, float] | None
     text_offset: int
 
 
@@ -104,8 +105,9 @@ def _lp(value: float) -> float:
 
 def _completion_logprobs(entries: Sequence[TokenLogprob], names: TokenNames) -> dict:
     return {"tokens": [names.text(e.token_id) for e in entries],
-            "token_logprobs": [_lp(e.logprob) for e in entries],
-            "top_logprobs": [{names.text(t): _lp(v) for t, v in e.top.items()}
+            "token_logprobs": [None if e.logprob is None else _lp(e.logprob) for e in entries],
+            "top_logprobs": [None if e.top is None else
+                             {names.text(t): _lp(v) for t, v in e.top.items()}
                              for e in entries],
             "text_offset": [e.text_offset for e in entries]}
 

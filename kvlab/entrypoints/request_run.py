@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvlab.engine.detokenizer import TextStream
+from kvlab.engine.detokenizer import IncrementalDetokenizer, TextStream
 from kvlab.engine.sampler import SamplingParams
 from kvlab.engine.structured_outputs.grammar import GrammarError
 
@@ -124,7 +124,12 @@ class RequestRun:
         self.n = n = parsed.params.n
         total = len(streams) * n
         self.echo = [w.prompt_text if parsed.echo else "" for w in work for _ in range(n)]
+        self.echo_logprobs = parsed.echo and parsed.logprobs is not None
+        self.echo_only = parsed.echo_only        # max_tokens 0: the sampled token is dropped
+        self.prompt_ids = [w.token_ids for w in work]
+        self.prompt_lps: list[list | None] = [None] * len(streams)
         self.texts = [ChoiceText(decode, parsed.stop, len(self.echo[k])) for k in range(total)]
+        self.decode = decode
         self.want_logprobs = parsed.logprobs is not None
         self.keep = keep and self.want_logprobs
         self.entries: list[list[TokenLogprob]] = [[] for _ in range(total)]
@@ -154,23 +159,36 @@ class RequestRun:
         return [TokenLogprob(t, top[t], top, off)
                 for t, top, off in zip(token_ids, lps, offsets, strict=True)]
 
+    def _prompt_entries(self, s: int) -> list[TokenLogprob]:
+        """The echoed prompt's entries (first token: no logprob), offsets into its decoded
+        text; RuntimeError if the engine sent no prompt logprobs."""
+        lps, ids = self.prompt_lps[s], self.prompt_ids[s]
+        if lps is None or len(lps) != len(ids):
+            raise RuntimeError("the engine returned no prompt logprobs for an echo request")
+        detok, decoded, out = IncrementalDetokenizer(self.decode), 0, []
+        for t, top in zip(ids, lps, strict=True):
+            out.append(TokenLogprob(t, None if top is None else top[t], top, decoded))
+            decoded += len(detok.push([t]))
+        return out
+
     def _apply(self, s: int, delta: StreamDelta) -> list[Event]:
         self.seen[s] = True
         self.prompt_tokens[s] = delta.num_prompt_tokens
         self.error = self.error or delta.error
+        if delta.prompt_logprobs is not None:
+            self.prompt_lps[s] = delta.prompt_logprobs
         events = []
         for c in delta.choices:
             k = s * self.n + c.index
             if self.finish[k] is not None:
                 continue                        # ended by a stop string: the rest is dropped
             ts = self.texts[k]
-            self.tokens[k] += len(c.token_ids)
+            ids, lps = ([], [] if c.logprobs is not None else None) if self.echo_only \
+                else (c.token_ids, c.logprobs)
+            self.tokens[k] += len(ids)
             offsets: list[int] | None = [] if self.want_logprobs else None
-            text = ts.push(c.token_ids, offsets)
-            entries = None if offsets is None else self._logprobs(c.token_ids, c.logprobs,
-                                                                  offsets)
-            if self.keep and entries:
-                self.entries[k].extend(entries)
+            text = ts.push(ids, offsets)
+            entries = None if offsets is None else self._logprobs(ids, lps, offsets)
             reason = "stop" if ts.stopped else None
             if reason is None and c.finish_reason is not None:
                 text += ts.finish()
@@ -184,6 +202,10 @@ class RequestRun:
             first = not self.echoed[k]
             if first:
                 text, self.echoed[k] = self.echo[k] + text, True
+                if entries is not None and self.echo_logprobs:
+                    entries = self._prompt_entries(s) + entries
+            if self.keep and entries:
+                self.entries[k].extend(entries)
             if text or reason is not None or entries or first:
                 events.append(Event(k, text, reason, entries))
         stream = self.streams[s]
