@@ -32,7 +32,7 @@ from collections import Counter
 
 from _results import write_results
 
-from kvlab.core.invariant_set import InvariantViolation
+from kvlab.invariants.spec_invariants import InvariantViolation
 from kvlab.sim.chaos import ChaosConfig, run_chaos
 from kvlab.sim.pd_chaos import run_pd_chaos
 

@@ -36,8 +36,8 @@ from _results import write_results
 
 from kvlab.capacity.catalog import MODELS
 from kvlab.capacity.transfer_cost import LINKS, transfer_table
-from kvlab.core.kv_transfer import check_delivery, encode_frame, make_descriptor, make_header
-from kvlab.core.transfer_faults import SendPlan
+from kvlab.disagg.entry import check_delivery, encode_frame, make_descriptor, make_header
+from kvlab.disagg.transfer_faults import SendPlan
 from kvlab.engine.checkpoint import load_checkpoint
 from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.kv_transfer import KVPayloadCodec, engine_model_fields

@@ -159,7 +159,7 @@ def test_chapter_restates_invariant_7_while_its_statement_overpromises():
     and restates it. Once the statement says only what is checked, the note must go."""
     from pathlib import Path
 
-    from kvlab.core.invariant_set import SPEC_INVARIANTS
+    from kvlab.invariants.spec_invariants import SPEC_INVARIANTS
 
     statement = next(inv.statement for inv in SPEC_INVARIANTS if inv.number == 7)
     chapter = (Path(__file__).parents[1] / "notebooks" / "12-invariants-faults.md").read_text()

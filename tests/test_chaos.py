@@ -12,18 +12,18 @@ import pytest
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.engine_core import EngineCore, ScheduledChunk, SchedulerOutput
-from kvlab.core.faults import STEP_FAULTS, StepFault, StepFaultSchedule
 from kvlab.core.interfaces import StepObserver
-from kvlab.core.invariant_set import (
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler
+from kvlab.core.request import RuntimeRequest
+from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.faults.step_faults import STEP_FAULTS, StepFault, StepFaultSchedule
+from kvlab.invariants.spec_invariants import (
     SPEC_INVARIANTS,
     EngineView,
     InvariantMonitor,
     InvariantViolation,
 )
-from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.core.production_scheduler import ProductionScheduler
-from kvlab.core.request import RuntimeRequest
-from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.chaos import ChaosConfig, ChaosExecutor, run_chaos
 
 SEEDS = range(120)
@@ -218,18 +218,20 @@ def test_invariant_9_catches_admission_without_a_reservation(monkeypatch):
     _expect(9, "engine", lambda: _run(s, reqs))
 
 
-def test_llm_check_invariants_every_step_runs_the_set_and_validates_its_argument():
+def test_check_every_step_runs_the_set_on_a_real_engine_and_validates_its_argument():
     from kvlab import LLM, SamplingParams
+    from kvlab.invariants import check_every_step
 
-    with pytest.raises(ValueError, match="check_invariants"):
-        LLM("kvlab-tiny", num_blocks=32, check_invariants="sometimes")
+    with pytest.raises(TypeError, match="check_every_step takes an LLMEngine"):
+        check_every_step(LLM("kvlab-tiny", num_blocks=32))      # the LLM, not its engine
     llm = LLM("kvlab-tiny", num_blocks=64, block_size=8, max_num_seqs=4, scheduler="production",
-              check_invariants="every_step",
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert llm.engine.core.observers == []                      # off by default
+    hook = check_every_step(llm.engine)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 2
     outs = llm.generate([prompt, [*prompt, 4]], SamplingParams(max_tokens=10, n=2),
                         use_tqdm=False)
     assert all(len(c.token_ids) == 10 for o in outs for c in o.outputs)
     steps = llm.engine.stats.steps
-    assert llm.engine.invariant_hook.monitor.checks >= 9 * steps > 0
-    assert LLM("kvlab-tiny", num_blocks=32).engine.invariant_hook is None   # off by default
+    assert llm.engine.core.observers == [hook]
+    assert hook.monitor.checks >= 9 * steps > 0

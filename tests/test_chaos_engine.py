@@ -2,7 +2,7 @@
 
 A consumer ``LLM`` with the production scheduler, prefix caching, draft-model speculation
 (kvlab-tiny-draft), structured outputs (regex and choice), ``n > 1`` and
-``check_invariants="every_step"`` receives prompt KV from a producer ``LLM`` through the
+``check_every_step`` receives prompt KV from a producer ``LLM`` through the
 ``inprocess`` connector, with a seeded P/D transfer-fault schedule on the producer's sends
 (truncated, corrupted, stale, foreign, incompatible, dropped, duplicated, reordered entries).
 Seeded traffic adds requests between steps and aborts them, some from a second thread while a
@@ -20,12 +20,13 @@ from collections import Counter
 import pytest
 import torch
 
-from kvlab.core.faults import STEP_FAULTS, InjectedFault, StepFault, StepFaultSchedule
-from kvlab.core.transfer_faults import DEFAULT_POINT, FaultSchedule
-from kvlab.engine.fault_hook import ENGINE_FAULTS, attach_faults
+from kvlab.disagg.transfer_faults import DEFAULT_POINT, FaultSchedule
 from kvlab.engine.kv_transfer import InProcessChannel
 from kvlab.engine.llm import LLM
 from kvlab.engine.sampler import SamplingParams
+from kvlab.faults.engine_faults import ENGINE_FAULTS, attach_faults
+from kvlab.faults.step_faults import STEP_FAULTS, InjectedFault, StepFault, StepFaultSchedule
+from kvlab.invariants import check_every_step
 
 pytest.importorskip("xgrammar")
 
@@ -102,14 +103,15 @@ def _chaos_run(seed: int) -> Counter:
     producer.engine.kv_transfer.flush()
 
     consumer = LLM("kvlab-tiny", block_size=8, num_blocks=48, max_num_seqs=6,
-                   scheduler="production", check_invariants="every_step",
+                   scheduler="production",
                    speculative_config={"method": "draft_model", "model": "kvlab-tiny-draft",
                                        "num_speculative_tokens": 3},
                    kv_transfer_config={"kv_connector": "inprocess", "kv_role": "kv_consumer",
                                        "kv_connector_extra_config": {"channel": channel,
                                                                      "timeout_s": 0.2}})
     eng = consumer.engine
-    faults = attach_faults(eng, _step_faults(seed))
+    invariants = check_every_step(eng)
+    faults = attach_faults(eng, _step_faults(seed), invariants)
     live: list[str] = []
     done: dict = {}
     aborts = _MidStepAborts(eng, rng, live, done)
@@ -141,7 +143,7 @@ def _chaos_run(seed: int) -> Counter:
         live[:] = [rid for rid in live if rid not in done]
     faults.release_all()
     assert not eng.has_unfinished_requests()
-    assert eng.invariant_hook.monitor.checks >= 9 * (eng.stats.steps + failed_steps) > 0
+    assert invariants.monitor.checks >= 9 * (eng.stats.steps + failed_steps) > 0
 
     plain = LLM("kvlab-tiny", block_size=8, num_blocks=96)
     completed = failed = 0
@@ -167,7 +169,7 @@ def _chaos_run(seed: int) -> Counter:
     assert failed >= 1 if failed_steps else True
     print(f"seed {seed}: {eng.stats.steps} steps ({failed_steps} failed), {completed} completed, "
           f"{failed} failed samples, {len(done)} requests, {aborts.count} mid-step aborts, "
-          f"{eng.invariant_hook.monitor.checks} invariant checks, step faults "
+          f"{invariants.monitor.checks} invariant checks, step faults "
           f"{dict(faults.injected)} (all-rejected {faults.rejected_all}), transfer decisions "
           f"{dict(stats)}")
     return faults.injected

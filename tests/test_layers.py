@@ -33,7 +33,9 @@ def _modules_after(statement: str) -> set[str]:
     *(f"import kvlab.{lab}, pkgutil, importlib, kvlab.{lab} as p; "
       f"[importlib.import_module('kvlab.{lab}.' + m.name) "
       "for m in pkgutil.iter_modules(p.__path__)]"
-      for lab in ("capacity", "fragmentation", "recovery", "slo")),
+      for lab in ("capacity", "fragmentation", "recovery", "slo", "disagg")),
+    "import kvlab.invariants.spec_invariants, kvlab.invariants.install_audit, "
+    "kvlab.faults.step_faults, kvlab.invariants, kvlab.faults",
 ])
 def test_metadata_layer_never_imports_torch(statement):
     assert "torch" not in _modules_after(statement)
@@ -55,7 +57,8 @@ def test_core_never_imports_the_chapter_labs():
         "[importlib.import_module('kvlab.core.' + m.name) "
         "for m in pkgutil.iter_modules(c.__path__)]")
     above = ("kvlab.capacity", "kvlab.fragmentation", "kvlab.recovery", "kvlab.slo",
-             "kvlab.sim", "kvlab.viz", "kvlab.exercises", "kvlab.engine", "kvlab.entrypoints")
+             "kvlab.disagg", "kvlab.invariants", "kvlab.faults", "kvlab.sim", "kvlab.viz",
+             "kvlab.exercises", "kvlab.engine", "kvlab.entrypoints")
     assert not {m for m in modules if m.startswith(above)}
 
 
@@ -146,7 +149,9 @@ def test_kvlab_has_no_import_cycles():
 
 def test_the_engine_core_never_imports_upward():
     """kvlab.core imports only kvlab.reference and itself; kvlab.engine never imports the
-    package top level, the server, the simulator, figures, exercises or the lab packages."""
+    package top level, the server, the simulator, figures, exercises or the lab packages
+    (invariant monitors and fault injectors attach to it from outside); only its P/D feature,
+    kvlab.engine.kv_transfer, builds on the torch-free half in kvlab.disagg."""
     graph = _import_graph()
     for name, deps in graph.items():
         if name.startswith("kvlab.core"):
@@ -154,7 +159,10 @@ def test_the_engine_core_never_imports_upward():
         if name.startswith("kvlab.engine"):
             bad = {d for d in deps if d == "kvlab" or d.startswith((
                 "kvlab.entrypoints", "kvlab.sim", "kvlab.viz", "kvlab.exercises",
-                "kvlab.capacity", "kvlab.fragmentation", "kvlab.recovery", "kvlab.slo"))}
+                "kvlab.capacity", "kvlab.fragmentation", "kvlab.recovery", "kvlab.slo",
+                "kvlab.invariants", "kvlab.faults"))}
+            if not name.startswith("kvlab.engine.kv_transfer"):
+                bad |= {d for d in deps if d.startswith("kvlab.disagg")}
             assert not bad, (name, bad)
 
 

@@ -17,7 +17,7 @@ then does, for every cut point of a seeded run with speculation and prefix shari
 from __future__ import annotations
 
 from kvlab.core.engine_core import EngineCore
-from kvlab.core.invariant_set import EngineView, InvariantMonitor
+from kvlab.invariants.spec_invariants import EngineView, InvariantMonitor
 from kvlab.recovery import recover
 from kvlab.sim.chaos import ChaosExecutor, solo_tokens
 from kvlab.sim.log_cut import build, make

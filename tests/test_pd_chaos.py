@@ -14,10 +14,10 @@ from collections import Counter
 
 import pytest
 
-import kvlab.core.remote_kv as remote_kv
-from kvlab.core.install_audit import InstallAudit
-from kvlab.core.invariant_set import InvariantViolation
-from kvlab.core.kv_transfer import check_delivery
+import kvlab.disagg.remote_kv_scheduler as remote_kv
+from kvlab.disagg.entry import check_delivery
+from kvlab.invariants.install_audit import InstallAudit
+from kvlab.invariants.spec_invariants import InvariantViolation
 from kvlab.sim.pd_chaos import PD_STEP_FAULTS, PD_TRANSFER_FAULTS, run_pd_chaos
 
 

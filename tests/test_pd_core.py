@@ -16,17 +16,6 @@ import pytest
 from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.event_log import EventLog
 from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.core.kv_install import InstallJournal, InstallRecord, recover_installs
-from kvlab.core.kv_transfer import (
-    REJECT_KINDS,
-    check_delivery,
-    decode_frame,
-    encode_frame,
-    make_descriptor,
-    make_header,
-    token_ids_hash,
-)
-from kvlab.core.remote_kv import RemoteKVPolicy, RemoteKVScheduler
 from kvlab.core.request import (
     TRANSITIONS,
     IllegalTransition,
@@ -35,7 +24,18 @@ from kvlab.core.request import (
     RuntimeRequest,
 )
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.core.transfer_faults import FAULT_KINDS, Fault, FaultInjector, FaultSchedule
+from kvlab.disagg.entry import (
+    REJECT_KINDS,
+    check_delivery,
+    decode_frame,
+    encode_frame,
+    make_descriptor,
+    make_header,
+    token_ids_hash,
+)
+from kvlab.disagg.install_journal import InstallJournal, InstallRecord, recover_installs
+from kvlab.disagg.remote_kv_scheduler import RemoteKVPolicy, RemoteKVScheduler
+from kvlab.disagg.transfer_faults import FAULT_KINDS, Fault, FaultSchedule, TransferFaultInjector
 from kvlab.reference import REQUIRED_KV_FIELDS
 from kvlab.sim.pd import TOY_FIELDS, run_pair
 
@@ -79,7 +79,7 @@ def test_descriptor_has_every_required_field_and_good_entry_passes():
 def test_every_damaged_frame_is_refused_with_its_kind(kind, reason):
     frame, expected = _frame()
     for seed in range(40):    # every byte position / cut the injector may choose
-        plan = FaultInjector(FaultSchedule((Fault(kind, 0),), seed)).on_send(frame)
+        plan = TransferFaultInjector(FaultSchedule((Fault(kind, 0),), seed)).on_send(frame)
         assert len(plan.frames) == 1
         assert check_delivery(decode_frame(plan.frames[0]), expected) == reason
 
@@ -108,13 +108,13 @@ def test_fault_schedule_is_plain_data_and_validated():
 
 def test_drop_duplicate_and_reorder_at_send():
     frame, _ = _frame()
-    inj = FaultInjector(FaultSchedule((Fault("drop", 0), Fault("duplicate", 1, "send"),
+    inj = TransferFaultInjector(FaultSchedule((Fault("drop", 0), Fault("duplicate", 1, "send"),
                                        Fault("out_of_order", 2, "send"))))
     assert inj.on_send(frame).frames == []
     assert inj.on_send(frame).frames == [frame, frame]
     assert inj.on_send(b"A" + frame[1:]).frames == []
     assert inj.on_send(frame).frames == [frame, b"A" + frame[1:]]   # arrives after the next
-    crash = FaultInjector(FaultSchedule((Fault("producer_crash", 0),), 1)).on_send(frame)
+    crash = TransferFaultInjector(FaultSchedule((Fault("producer_crash", 0),), 1)).on_send(frame)
     assert crash.frames == [] and 0 < len(crash.partial) < len(frame)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlab.core.transfer_faults import FAULT_KINDS, Fault, FaultSchedule
+from kvlab.disagg.transfer_faults import FAULT_KINDS, Fault, FaultSchedule
 from kvlab.engine.checkpoint import load_checkpoint
 from kvlab.engine.kv_transfer import InProcessChannel, KVTransferConfig
 from kvlab.engine.kv_transfer.connectors import HEADER_FILE, PAYLOAD_FILE
@@ -251,7 +251,7 @@ def test_consumer_crash_mid_install_on_the_real_engine(ckpt, tmp_path, crash_at,
     3: committed — after the prefix-cache commit). Recovery says whether the blocks were
     installed; installed blocks hold exactly the producer's bytes, and no table survives."""
     from kvlab.core.event_log import SimulatedCrash
-    from kvlab.core.kv_install import recover_installs
+    from kvlab.disagg.install_journal import recover_installs
 
     extra = {"shared_storage_path": str(tmp_path)}
     _produce(ckpt, "shared_storage", **extra)

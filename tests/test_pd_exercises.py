@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.core.kv_transfer import check_delivery
+from kvlab.disagg.entry import check_delivery
 from kvlab.exercises._common import NotYetAnswered
 from kvlab.exercises.ch10 import (
     INSTALL_STEPS,

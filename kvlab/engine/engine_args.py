@@ -68,8 +68,8 @@ class EngineArgs:
     every prefix-cache scope). ``device``: ``"cpu"`` (default) or ``"cuda[:N]"``; ``dtype``:
     float32, float16 or bfloat16. ``quantization`` (``"int8"``, ``"int4"`` or a
     ``QuantConfig``), ``quantization_group_size``, ``kv_cache_dtype`` (``"auto"``, ``"int8"``,
-    ``"fp8_e4m3"``): :mod:`kvlab.engine.quantization`. ``check_invariants="every_step"``:
-    :mod:`kvlab.engine.invariant_hook`.
+    ``"fp8_e4m3"``): :mod:`kvlab.engine.quantization`. The spec's invariants after every
+    step are an observer attached from outside: :func:`kvlab.invariants.check_every_step`.
     """
 
     model: str | Path | LoadedCheckpoint
@@ -89,7 +89,6 @@ class EngineArgs:
     tokenizer: Tokenizer | None = None
     kv_transfer_config: dict | None = None
     speculative_config: dict | None = None
-    check_invariants: str | None = None
     quantization: str | None = None
     quantization_group_size: int = 64
     kv_cache_dtype: str = "auto"
@@ -103,13 +102,11 @@ def check_engine_args(args: EngineArgs) -> None:
     :func:`resolve_device` / :func:`resolve_dtype`; a blank model name is refused where names
     are resolved, :func:`~kvlab.engine.checkpoint.resolve_model_path`)."""
     from .checkpoint import LoadedCheckpoint
-    from .invariant_hook import check_mode
 
     model, block_size, seed = args.model, args.block_size, args.seed
     max_num_seqs, max_num_batched_tokens = args.max_num_seqs, args.max_num_batched_tokens
     enable_prefix_caching, scheduler = args.enable_prefix_caching, args.scheduler
     security_domain = args.security_domain
-    check_mode(args.check_invariants)
 
     if not isinstance(model, (str, Path, LoadedCheckpoint)):
         raise TypeError(f"LLMEngine: model must be a str, a Path or a LoadedCheckpoint, "

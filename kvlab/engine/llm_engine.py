@@ -105,8 +105,6 @@ class LLMEngine:
         if not isinstance(args, EngineArgs):
             raise TypeError(f"LLMEngine takes an EngineArgs, got {type(args).__name__} "
                             "(LLMEngine(EngineArgs(model, ...)); LLM(model, ...) builds one)")
-        from .invariant_hook import attach
-
         p = build_parts(args, load_tokenizer)   # engine_build.py, in dependency order
         self.args, self.quantization, self.checkpoint = args, p.quantization, p.checkpoint
         self.model, self.config, self.tokenizer = p.checkpoint.model, p.checkpoint.config, \
@@ -118,7 +116,6 @@ class LLMEngine:
         self.scheduler, self.kv_transfer, self.executor = p.scheduler, p.kv_transfer, p.executor
         self.eos_token_ids = p.eos_token_ids
         self.core = EngineCore(self.scheduler, self.executor)
-        self.invariant_hook = attach(self, args.check_invariants)   # None unless "every_step"
         self._arrivals = 0
         self._scopes: dict[str, tuple] = {}   # security domain -> prefix-cache scope
         self._ending: dict[str, tuple[str, ...]] = {}   # aborted request id -> its sample ids
@@ -314,7 +311,7 @@ class LLMEngine:
         return outputs
 
     def check_invariants(self) -> None:
-        from .invariant_hook import check_engine  # scheduler, KV manager and engine invariants
+        from .consistency import check_engine  # scheduler, KV manager and engine invariants
 
         check_engine(self)
 

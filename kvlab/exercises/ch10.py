@@ -11,7 +11,7 @@ import hashlib
 
 from kvlab.capacity.catalog import get_model
 from kvlab.capacity.transfer_cost import LINKS, kv_transfer_bytes, transfer_seconds
-from kvlab.core.kv_transfer import (
+from kvlab.disagg.entry import (
     ENTRY_FORMAT,
     REJECT_KINDS,
     Delivery,
@@ -22,7 +22,7 @@ from kvlab.core.kv_transfer import (
     make_header,
     seal,
 )
-from kvlab.core.transfer_faults import Fault, FaultInjector, FaultSchedule
+from kvlab.disagg.transfer_faults import Fault, FaultSchedule, TransferFaultInjector
 
 from ._common import require_answer
 
@@ -64,7 +64,7 @@ def _damaged(kinds: tuple[str, ...]) -> tuple[list[Delivery], dict]:
     frame = encode_frame(make_header(desc, 64, payload), payload)
     out = []
     for i, kind in enumerate(kinds):
-        plan = FaultInjector(FaultSchedule((Fault(kind, 0),), seed=100 + i)).on_send(frame)
+        plan = TransferFaultInjector(FaultSchedule((Fault(kind, 0),), seed=100 + i)).on_send(frame)
         out.append(decode_frame(plan.frames[0]))
     expected = {k: v for k, v in desc.items() if k != "request_id"}
     return out, expected
@@ -78,7 +78,7 @@ def classify_entries() -> tuple[list[Delivery], dict]:
 
 def check_classification(answer) -> str:
     """``answer``: for each entry of :func:`classify_entries`, in order, the kind the consumer
-    records (one of ``kvlab.core.kv_transfer.REJECT_KINDS``, or None to install it)."""
+    records (one of ``kvlab.disagg.entry.REJECT_KINDS``, or None to install it)."""
     require_answer(answer, "a list of five kinds")
     entries, expected = classify_entries()
     want = [check_delivery(d, expected) for d in entries]
@@ -88,7 +88,7 @@ def check_classification(answer) -> str:
     unknown = sorted({repr(g) for g in got if g is not None and g not in REJECT_KINDS})
     if unknown:
         raise AssertionError(f"{', '.join(unknown)}: not a kind the consumer records (see "
-                             "kvlab.core.kv_transfer.REJECT_KINDS)")
+                             "kvlab.disagg.entry.REJECT_KINDS)")
     if None in got:
         raise AssertionError("every one of these entries was damaged; the consumer installs "
                              "none of them")
@@ -163,7 +163,7 @@ def check_install_order(order) -> str:
 
 
 # ------------------------------------------------------------------ 5. debug: a colleague's check
-#: The damage of exercise 5, one entry each (the fault kinds of ``kvlab.core.transfer_faults``
+#: The damage of exercise 5, one entry each (the fault kinds of ``kvlab.disagg.transfer_faults``
 #: that change a single entry's bytes).
 DAMAGE_KINDS = ("truncate", "corrupt_payload", "corrupt_descriptor", "stale_model_version",
                 "security_domain", "layers", "kv_heads", "dtype", "rope")
@@ -198,7 +198,7 @@ def colleague_check(delivery: Delivery, expected: dict) -> str | None:
 
 def check_colleague(kind) -> str:
     """``kind``: the fault kind of :func:`damaged_entries` whose entry :func:`colleague_check`
-    installs although :func:`~kvlab.core.kv_transfer.check_delivery` refuses it."""
+    installs although :func:`~kvlab.disagg.entry.check_delivery` refuses it."""
     require_answer(kind, "a fault kind from DAMAGE_KINDS")
     if kind not in DAMAGE_KINDS:
         raise AssertionError(f"choose one of {DAMAGE_KINDS}")

@@ -6,10 +6,11 @@ chunked prefill and ``n > 1`` requests (fanned out as LLMEngine does), and a
 :class:`ChaosExecutor` that produces tokens from a deterministic function of the context and
 **speculates** (a draft "model" that agrees with the target most of the time, or n-gram prompt
 lookup), verifying greedily as the real verifier does at temperature 0. Requests arrive and are
-aborted at random, some while a step executes. A :class:`~kvlab.core.faults.StepFaultSchedule`
-derived from the seed injects every step fault; a crash is recovered from the event log (after a
-damaged copy of the log has been refused, for the ``recover``-point faults). The full invariant
-set (:data:`~kvlab.core.invariant_set.SPEC_INVARIANTS`) is checked after every step and
+aborted at random, some while a step executes. A
+:class:`~kvlab.faults.step_faults.StepFaultSchedule` derived from the seed injects every step
+fault; a crash is recovered from the event log (after a damaged copy of the log has been
+refused, for the ``recover``-point faults). The full invariant set
+(:data:`~kvlab.invariants.spec_invariants.SPEC_INVARIANTS`) is checked after every step and
 invariant 2 before every execute. At the end: every finished request equals the same request run
 alone without faults (and without speculation), and every block is free once the cache is
 emptied.
@@ -28,13 +29,13 @@ from typing import Any
 from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.engine_core import EngineCore, ModelOutput, SchedulerOutput
 from kvlab.core.event_log import CorruptLog, EventLog, SimulatedCrash
-from kvlab.core.faults import FaultInjector, InjectedFault, StepFaultSchedule
 from kvlab.core.interfaces import StepObserver
-from kvlab.core.invariant_set import EngineView, InvariantMonitor
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.faults.step_faults import InjectedFault, StepFaultInjector, StepFaultSchedule
+from kvlab.invariants.spec_invariants import EngineView, InvariantMonitor
 from kvlab.recovery import recover
 
 from .tokens import hash_token
@@ -74,7 +75,7 @@ class ChaosExecutor:
 
     requests: Any                      # request id -> RuntimeRequest
     method: str = "draft"              # "draft" or "ngram"
-    injector: FaultInjector | None = None
+    injector: StepFaultInjector | None = None
     core: Any = None
     drafted: int = 0
     accepted: int = 0
@@ -160,7 +161,7 @@ class ChaosResult:
 class _Checker(StepObserver):
     """The observer that runs the invariant set on the live core."""
 
-    def __init__(self, monitor: InvariantMonitor, injector: FaultInjector,
+    def __init__(self, monitor: InvariantMonitor, injector: StepFaultInjector,
                  enabled: bool = True) -> None:
         self.monitor, self.injector, self.enabled = monitor, injector, enabled
 
@@ -212,7 +213,7 @@ def run_chaos(seed: int, config: ChaosConfig | None = None, *, method: str = "dr
     rng = random.Random(seed)
     schedule = schedule or StepFaultSchedule.from_seed(seed, cfg.steps, rate=cfg.fault_rate)
     result = ChaosResult(seed, schedule=schedule.to_data())
-    injector = FaultInjector(schedule)
+    injector = StepFaultInjector(schedule)
     monitor = InvariantMonitor()
     kv = KVCacheManager(cfg.num_blocks, cfg.block_size)
     sconf = SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
@@ -298,7 +299,7 @@ def run_chaos(seed: int, config: ChaosConfig | None = None, *, method: str = "dr
     return result
 
 
-def _recover(dead: Any, make: Any, injector: FaultInjector, monitor: InvariantMonitor,
+def _recover(dead: Any, make: Any, injector: StepFaultInjector, monitor: InvariantMonitor,
              result: ChaosResult, new_core: Any) -> EngineCore:
     kv = dead.kv
     durable = dead.log.durable()

@@ -4,12 +4,12 @@
 production scheduler with a prefix cache and draft-model speculation, tokens from
 :class:`~kvlab.sim.chaos.ChaosExecutor`) through a fixed, seeded workload: two tenants sending
 the same prompt, requests sharing a prefix, an abort at step 6. A fault from
-:data:`LAB_FAULTS` strikes at steps 4 and 9 (:class:`~kvlab.core.faults.FaultInjector`). The
-implementation is the engine as shipped or one of :data:`MUTATIONS`, each a deliberately
-broken component that breaks one invariant. The full set
-(:data:`~kvlab.core.invariant_set.SPEC_INVARIANTS`) is checked after every step; the trace
-records, per step, the block pool, the queues and the checks, and the first violation (which
-invariant, which request or block, which step) ends the run.
+:data:`LAB_FAULTS` strikes at steps 4 and 9
+(:class:`~kvlab.faults.step_faults.StepFaultInjector`). The implementation is the engine as
+shipped or one of :data:`MUTATIONS`, each a deliberately broken component that breaks one
+invariant. The full set (:data:`~kvlab.invariants.spec_invariants.SPEC_INVARIANTS`) is checked
+after every step; the trace records, per step, the block pool, the queues and the checks, and
+the first violation (which invariant, which request or block, which step) ends the run.
 
 Chapter 12's widget draws these traces (:mod:`kvlab.viz.invariants`); its exercises ask which
 invariant a mutation breaks and grade new checkers against these mutations.
@@ -23,19 +23,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.core.engine_core import EngineCore
-from kvlab.core.faults import (
-    STEP_FAULTS,
-    FaultInjector,
-    InjectedFault,
-    StepFault,
-    StepFaultSchedule,
-)
 from kvlab.core.interfaces import StepObserver
-from kvlab.core.invariant_set import EngineView, InvariantMonitor, InvariantViolation
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.faults.step_faults import (
+    STEP_FAULTS,
+    InjectedFault,
+    StepFault,
+    StepFaultInjector,
+    StepFaultSchedule,
+)
+from kvlab.invariants.spec_invariants import EngineView, InvariantMonitor, InvariantViolation
 
 from .chaos import ChaosExecutor
 
@@ -202,7 +202,7 @@ def run_lab(implementation: str | Mutation = "correct", fault: str = "none", *,
         m.patch(sched)
     faults = () if fault == "none" else tuple(StepFault(s, STEP_FAULTS[fault], fault)
                                               for s in FAULT_STEPS)
-    injector = FaultInjector(StepFaultSchedule(faults, seed))
+    injector = StepFaultInjector(StepFaultSchedule(faults, seed))
     monitor = InvariantMonitor()
     executor = ChaosExecutor(sched.get_request, "draft", injector)
     core = EngineCore(sched, executor, forget_ended=False)

@@ -9,9 +9,9 @@ records every position whose slot holds the wrong token (``violations``).
 the token ids of the exported slots as little-endian int64.
 
 :func:`run_pair` drives a producer :class:`~kvlab.core.engine_core.EngineCore` and a consumer
-one (both :class:`~kvlab.core.remote_kv.RemoteKVScheduler` over a
+one (both :class:`~kvlab.disagg.remote_kv_scheduler.RemoteKVScheduler` over a
 :class:`~kvlab.core.baseline_scheduler.BaselineScheduler`) through the in-process channel, with a
-:class:`~kvlab.core.transfer_faults.FaultSchedule`, and compares with a single engine.
+:class:`~kvlab.disagg.transfer_faults.FaultSchedule`, and compares with a single engine.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.engine_core import EngineCore, ModelOutput, SchedulerOutput
 from kvlab.core.event_log import SimulatedCrash
 from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.core.kv_channel import EntryExporter, InProcessChannel
-from kvlab.core.kv_install import recover_installs
-from kvlab.core.kv_transfer import LAYOUT, Delivery
-from kvlab.core.remote_kv import RemoteKVPolicy, RemoteKVScheduler
 from kvlab.core.request import RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.core.transfer_faults import FaultInjector, FaultSchedule
+from kvlab.disagg.channel import EntryExporter, InProcessChannel
+from kvlab.disagg.entry import LAYOUT, Delivery
+from kvlab.disagg.install_journal import recover_installs
+from kvlab.disagg.remote_kv_scheduler import RemoteKVPolicy, RemoteKVScheduler
+from kvlab.disagg.transfer_faults import FaultSchedule, TransferFaultInjector
 
 from .tokens import hash_token
 
@@ -160,7 +160,7 @@ def run_pair(prompts: Sequence[Sequence[int]], schedule: FaultSchedule | None = 
     ``max_tokens`` for each, fetching KV through the in-process channel; ``schedule`` injects
     faults. Steps of the consumer stand in for time (``timeout_s`` = 3 steps)."""
     schedule = schedule if schedule is not None else FaultSchedule()
-    injector = FaultInjector(schedule)
+    injector = TransferFaultInjector(schedule)
     channel = InProcessChannel()
     # the single engine: the truth
     single, _, _ = _core(num_blocks, block_size)
@@ -242,7 +242,7 @@ def run_pair(prompts: Sequence[Sequence[int]], schedule: FaultSchedule | None = 
 class _FaultySource:
     """The in-process channel seen through the deliver-point faults."""
 
-    def __init__(self, channel: InProcessChannel, injector: FaultInjector) -> None:
+    def __init__(self, channel: InProcessChannel, injector: TransferFaultInjector) -> None:
         self.channel, self.injector = channel, injector
 
     def fetch(self, keys: Sequence[str]) -> list[Delivery]:

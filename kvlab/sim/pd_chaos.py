@@ -3,16 +3,17 @@
 :func:`run_pd_chaos` drives a producer and a consumer :class:`~kvlab.core.engine_core.EngineCore`
 over the toy KV of :mod:`kvlab.sim.pd` (tokens are read back from what the slots hold, so a
 wrong install changes the tokens). The consumer is a
-:class:`~kvlab.core.remote_kv.RemoteKVScheduler` over the **production** scheduler with prefix
-caching. The producer prefills every prompt and exports through the in-process channel under
-a seeded :class:`~kvlab.core.transfer_faults.FaultSchedule` (dropped, truncated, corrupted,
-stale, foreign, incompatible, duplicated, reordered entries). The consumer then serves seeded
-traffic (``n > 1`` fanned out, random aborts, some applied while a step executes) under seeded
-step faults (:class:`~kvlab.core.faults.FaultInjector`: allocation refusal, KV shrinkage,
-executor errors, abort storms). The invariant set runs after every step, and invariant 8 reads
-an independent :class:`~kvlab.core.install_audit.InstallAudit` of every install. At the end
-every finished request must equal the single-engine truth, no position may have read wrong KV,
-and every block must be free.
+:class:`~kvlab.disagg.remote_kv_scheduler.RemoteKVScheduler` over the **production**
+scheduler with prefix caching. The producer prefills every prompt and exports through the
+in-process channel under a seeded :class:`~kvlab.disagg.transfer_faults.FaultSchedule` (dropped,
+truncated, corrupted, stale, foreign, incompatible, duplicated, reordered entries). The consumer
+then serves seeded traffic (``n > 1`` fanned out, random aborts, some applied while a step
+executes) under seeded step faults (:class:`~kvlab.faults.step_faults.StepFaultInjector`:
+allocation refusal, KV shrinkage, executor errors, abort storms). The invariant set runs after
+every step, and invariant 8 reads an independent
+:class:`~kvlab.invariants.install_audit.InstallAudit` of every install. At the end every
+finished request must equal the single-engine truth, no position may have read wrong KV, and
+every block must be free.
 """
 
 from __future__ import annotations
@@ -25,18 +26,17 @@ from typing import Any
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.engine_core import EngineCore, ModelOutput
-from kvlab.core.faults import FaultInjector, InjectedFault, StepFaultSchedule
-from kvlab.core.install_audit import InstallAudit
 from kvlab.core.interfaces import StepObserver
-from kvlab.core.invariant_set import EngineView, InvariantMonitor
 from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.core.kv_channel import EntryExporter, InProcessChannel
 from kvlab.core.production_scheduler import ProductionScheduler
-from kvlab.core.remote_kv import RemoteKVPolicy, RemoteKVScheduler
 from kvlab.core.request import RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.core.transfer_faults import DEFAULT_POINT, FaultSchedule
-from kvlab.core.transfer_faults import FaultInjector as TransferInjector
+from kvlab.disagg.channel import EntryExporter, InProcessChannel
+from kvlab.disagg.remote_kv_scheduler import RemoteKVPolicy, RemoteKVScheduler
+from kvlab.disagg.transfer_faults import DEFAULT_POINT, FaultSchedule, TransferFaultInjector
+from kvlab.faults.step_faults import InjectedFault, StepFaultInjector, StepFaultSchedule
+from kvlab.invariants.install_audit import InstallAudit
+from kvlab.invariants.spec_invariants import EngineView, InvariantMonitor
 
 from .pd import TOY_FIELDS, TokenKV, TokenKVCodec, TokenKVExecutor
 
@@ -67,7 +67,7 @@ class PDChaosResult:
 class _Source:
     """The channel seen through the deliver-point faults."""
 
-    def __init__(self, channel: InProcessChannel, injector: TransferInjector) -> None:
+    def __init__(self, channel: InProcessChannel, injector: TransferFaultInjector) -> None:
         self.channel, self.injector = channel, injector
 
     def fetch(self, keys):
@@ -80,7 +80,7 @@ class _Source:
 class _FaultyExecutor:
     """The toy executor with the step injector's execute-point faults."""
 
-    def __init__(self, inner: TokenKVExecutor, injector: FaultInjector, rng: random.Random,
+    def __init__(self, inner: TokenKVExecutor, injector: StepFaultInjector, rng: random.Random,
                  abort_rate: float) -> None:
         self.inner, self.injector, self.rng, self.abort_rate = inner, injector, rng, abort_rate
         self.core: Any = None
@@ -117,7 +117,7 @@ def run_pd_chaos(seed: int, *, steps: int = 40, num_blocks: int = 64,
                 for _ in range(3)]
     prompts = sorted({p + tuple(rng.randrange(10, 900) for _ in range(rng.randrange(1, 6)))
                       for p in prefixes for _ in range(3)})
-    transfer = TransferInjector(FaultSchedule.random(seed, len(prompts), rate=transfer_rate,
+    transfer = TransferFaultInjector(FaultSchedule.random(seed, len(prompts), rate=transfer_rate,
                                                      kinds=transfer_kinds))
     channel = InProcessChannel()
     # the producer: prefill every prompt, export its full blocks
@@ -141,7 +141,7 @@ def run_pd_chaos(seed: int, *, steps: int = 40, num_blocks: int = 64,
     sched = RemoteKVScheduler(inner, RemoteKVPolicy(TOY_FIELDS, consume=True, timeout_s=3),
                               source=audit.source(_Source(channel, transfer)),
                               writer=TokenKVCodec(mem), clock=lambda: clock[0])
-    injector = FaultInjector(StepFaultSchedule.from_seed(seed, steps, rate=step_fault_rate,
+    injector = StepFaultInjector(StepFaultSchedule.from_seed(seed, steps, rate=step_fault_rate,
                                                          kinds=PD_STEP_FAULTS))
     toy = TokenKVExecutor(sched.get_request, mem)
     executor = _FaultyExecutor(toy, injector, rng, abort_rate)

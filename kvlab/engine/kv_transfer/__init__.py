@@ -2,9 +2,9 @@
 
 :class:`KVTransfer` is what ``EngineArgs(kv_transfer_config=...)`` builds: the connector
 (:mod:`.connectors`), the payload codec (:mod:`.payload`), the seeded fault injector
-(:mod:`kvlab.core.transfer_faults`) and the scheduler wrapper
-(:class:`kvlab.core.remote_kv.RemoteKVScheduler`) that runs the protocol inside the engine's one
-step loop. The entry format is documented in :mod:`kvlab.core.kv_transfer`.
+(:mod:`kvlab.disagg.transfer_faults`) and the scheduler wrapper
+(:class:`kvlab.disagg.remote_kv_scheduler.RemoteKVScheduler`) that runs the protocol inside
+the engine's one step loop. The entry format is documented in :mod:`kvlab.disagg.entry`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvlab.core.kv_channel import EntryExporter
-from kvlab.core.kv_transfer import Delivery
-from kvlab.core.remote_kv import RemoteKVPolicy, RemoteKVScheduler
-from kvlab.core.transfer_faults import FaultInjector
+from kvlab.disagg.channel import EntryExporter
+from kvlab.disagg.entry import Delivery
+from kvlab.disagg.remote_kv_scheduler import RemoteKVPolicy, RemoteKVScheduler
+from kvlab.disagg.transfer_faults import TransferFaultInjector
 
 from .config import KV_CONNECTORS, KV_ROLES, KVTransferConfig
 from .connectors import InProcessChannel, SharedStorageConnector, TcpConnector
@@ -47,7 +47,7 @@ class KVTransfer:
         self.config = config
         self.codec = codec
         self.model_fields = model_fields
-        self.injector = FaultInjector(config.faults)
+        self.injector = TransferFaultInjector(config.faults)
         self.connector = make_connector(config)
         self.exporter = EntryExporter(codec.export, model_fields, self.connector, self.injector)
         self.scheduler: RemoteKVScheduler | None = None

@@ -12,7 +12,7 @@
 ``on_failure``              ``"recompute"`` (default) or ``"fail"``: what a consumer does with
                             a request whose KV is missing or refused
 ``timeout_s``               how long a consumer waits for an entry (default 5 s; kv_both: 0)
-``fault_schedule``          a :class:`~kvlab.core.transfer_faults.FaultSchedule` or its dict
+``fault_schedule``          a :class:`~kvlab.disagg.transfer_faults.FaultSchedule` or its dict
 ==========================  ==================================================================
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvlab.core.transfer_faults import FaultSchedule
+from kvlab.disagg.transfer_faults import FaultSchedule
 
 __all__ = ["KV_CONNECTORS", "KV_ROLES", "KVTransferConfig"]
 

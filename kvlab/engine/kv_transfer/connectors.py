@@ -1,8 +1,8 @@
 """The transports of KV entries: shared storage, TCP on the loopback, and an in-process channel.
 
-All three move the same bytes (an entry: header + payload, see :mod:`kvlab.core.kv_transfer`)
+All three move the same bytes (an entry: header + payload, see :mod:`kvlab.disagg.entry`)
 and expose the same two sides: the producer's ``send(key, plan)`` (a
-:class:`~kvlab.core.transfer_faults.SendPlan`: the frames to write, plus the partial write of a
+:class:`~kvlab.disagg.transfer_faults.SendPlan`: the frames to write, plus the partial write of a
 producer that crashed) and the consumer's ``fetch(keys)`` / ``wait(timeout)``.
 
 **Shared storage** (vLLM's SharedStorageConnector is the model). An entry is the directory
@@ -33,9 +33,9 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvlab.core.kv_channel import Inbox, InProcessChannel
-from kvlab.core.kv_transfer import Delivery, decode_frame, parse_entry
-from kvlab.core.transfer_faults import SendPlan
+from kvlab.disagg.channel import Inbox, InProcessChannel
+from kvlab.disagg.entry import Delivery, decode_frame, parse_entry
+from kvlab.disagg.transfer_faults import SendPlan
 
 __all__ = ["InProcessChannel", "Inbox", "SharedStorageConnector", "TcpConnector"]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.core.kv_snapshot import KVSnapshot
-from kvlab.core.transfer_faults import FAULT_KINDS, Fault, FaultInjector, FaultSchedule
+from kvlab.disagg.transfer_faults import FAULT_KINDS, Fault, FaultSchedule, TransferFaultInjector
 
 from ..checkpoint import load_checkpoint
 from ..llm import LLM
@@ -69,7 +69,7 @@ class PDDemo:
         sched = FaultSchedule((Fault(fault, 0),) if fault != "none" else (), seed)
         for llm in (self.producer, self.consumer):
             kt = llm.engine.kv_transfer
-            kt.injector = FaultInjector(sched)
+            kt.injector = TransferFaultInjector(sched)
             kt.exporter.injector = kt.injector
 
     def run(self, fault: str = "none", seed: int = 0) -> FaultRun:

@@ -1,6 +1,6 @@
 """KV payloads: the engine's paged KV of whole blocks <-> a safetensors entry payload.
 
-The payload of an entry (format in :mod:`kvlab.core.kv_transfer`) holds, for each layer ``l``,
+The payload of an entry (format in :mod:`kvlab.disagg.entry`) holds, for each layer ``l``,
 ``layers.{l}.key`` and ``layers.{l}.value`` of shape ``[num_tokens, kv_heads, head_dim]`` in the
 engine's KV dtype, token-major, so producer and consumer may use different block sizes.
 """
@@ -15,7 +15,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from kvlab.core.kv_transfer import LAYOUT, Delivery
+from kvlab.disagg.entry import LAYOUT, Delivery
 
 from ..kv_cache import PagedKVCache
 
@@ -40,7 +40,8 @@ def engine_model_fields(weights_hash: str, cfg: Any, dtype: torch.dtype) -> dict
 class KVPayloadCodec:
     """Reads whole blocks of ``cache`` into payload bytes and writes payloads into blocks.
 
-    It is both the producer's reader and the consumer's :class:`~kvlab.core.remote_kv.KVWriter`.
+    It is both the producer's reader and the consumer's
+    :class:`~kvlab.disagg.interfaces.KVWriter`.
     """
 
     def __init__(self, cache: PagedKVCache):

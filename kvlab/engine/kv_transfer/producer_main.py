@@ -1,7 +1,7 @@
 """A producer engine as its own OS process: ``python -m kvlab.engine.kv_transfer.producer_main``.
 
 Arguments: ``--port`` (the consumer's TCP port on the loopback), ``--prompts`` (JSON list of
-token-id lists), ``--faults`` (JSON of a :class:`~kvlab.core.transfer_faults.FaultSchedule`),
+token-id lists), ``--faults`` (JSON of a :class:`~kvlab.disagg.transfer_faults.FaultSchedule`),
 ``--block-size``. It prefills every prompt (``max_tokens=1``), exports the KV over TCP, and
 prints one JSON line: its pid, the transfer counters, the faults it applied and, per exported
 entry, the request id and the seconds since start when it was sent.

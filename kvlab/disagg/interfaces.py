@@ -1,5 +1,5 @@
-"""The interfaces of :mod:`kvlab.core.remote_kv`: what the engine plugs in (source, writer,
-exporter), the policy, and the decision records."""
+"""The interfaces of :mod:`kvlab.disagg.remote_kv_scheduler`: what the engine plugs in
+(source, writer, exporter), the policy, and the decision records."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .kv_transfer import Delivery
-from .request import RuntimeRequest
+from kvlab.core.request import RuntimeRequest
+from kvlab.disagg.entry import Delivery
 
 __all__ = ["KVExporter", "KVSource", "KVWriter", "RemoteKVPolicy", "TransferDecision",
            "scope_domain"]

@@ -31,7 +31,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from .event_log import SimulatedCrash, canonical
+from kvlab.core.event_log import SimulatedCrash, canonical
 
 __all__ = ["INSTALL_RECORDS", "InstallJournal", "InstallRecord", "OpRecovery",
            "recover_installs"]

@@ -1,16 +1,16 @@
 """An independent audit of P/D installs: the records invariant 8 reads.
 
-The consumer (:class:`~kvlab.core.remote_kv.RemoteKVScheduler`) checks every delivery before it
-installs it. Invariant 8 must not trust that check, since it is the thing under test. So
-:class:`InstallAudit` keeps its own copy of what arrived: wrap the consumer's KV source with
-:meth:`InstallAudit.source` and every delivery is recorded by entry id. After each step,
-:meth:`InstallAudit.records` turns each new ``installed`` decision of the consumer into
+The consumer (:class:`~kvlab.disagg.remote_kv_scheduler.RemoteKVScheduler`) checks every
+delivery before it installs it. Invariant 8 must not trust that check, since it is the thing
+under test. So :class:`InstallAudit` keeps its own copy of what arrived: wrap the consumer's KV
+source with :meth:`InstallAudit.source` and every delivery is recorded by entry id. After each
+step, :meth:`InstallAudit.records` turns each new ``installed`` decision of the consumer into
 ``(request id, entry id, problem)``, where ``problem`` is this audit's own verdict
-(:func:`~kvlab.core.kv_transfer.check_delivery` against an expectation rebuilt from the request
+(:func:`~kvlab.disagg.entry.check_delivery` against an expectation rebuilt from the request
 and the engine's model fields: prompt hash, security domain, model version, shapes, ...), or
 ``""`` when the entry was fit to install. An install of an entry that never arrived through the
 source is a problem too. The records go into
-:attr:`~kvlab.core.invariant_set.EngineView.installs`.
+:attr:`~kvlab.invariants.spec_invariants.EngineView.installs`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .kv_transfer import Delivery, check_delivery, make_descriptor
-from .remote_kv_api import scope_domain
+from kvlab.disagg.entry import Delivery, check_delivery, make_descriptor
+from kvlab.disagg.interfaces import scope_domain
 
 __all__ = ["InstallAudit"]
 

@@ -7,10 +7,10 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .kv_transfer import Delivery, decode_frame, encode_frame, make_descriptor, make_header
-from .remote_kv_api import scope_domain
-from .request import RuntimeRequest
-from .transfer_faults import FaultInjector, SendPlan
+from kvlab.core.request import RuntimeRequest
+from kvlab.disagg.entry import Delivery, decode_frame, encode_frame, make_descriptor, make_header
+from kvlab.disagg.interfaces import scope_domain
+from kvlab.disagg.transfer_faults import SendPlan, TransferFaultInjector
 
 __all__ = ["EntryExporter", "InProcessChannel", "Inbox"]
 
@@ -75,15 +75,15 @@ class InProcessChannel(Inbox):
 
 
 class EntryExporter:
-    """The producer's :class:`~kvlab.core.remote_kv_api.KVExporter`: ``read(blocks, tokens)``
+    """The producer's :class:`~kvlab.disagg.interfaces.KVExporter`: ``read(blocks, tokens)``
     gives the payload bytes; the descriptor, sealed header and frame are built here, the
     ``injector`` applies the send-point faults, and ``connector.send`` writes the result."""
 
     def __init__(self, read: Callable[[Sequence[int], int], bytes],
                  model_fields: Mapping[str, Any], connector: Any,
-                 injector: FaultInjector | None = None) -> None:
+                 injector: TransferFaultInjector | None = None) -> None:
         self.read, self.model_fields, self.connector = read, dict(model_fields), connector
-        self.injector = injector if injector is not None else FaultInjector()
+        self.injector = injector if injector is not None else TransferFaultInjector()
         self.exported_bytes = 0
         self.exported = 0
 

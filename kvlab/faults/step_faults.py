@@ -31,8 +31,8 @@ point           kind                 what happens
 ``recover``     ``truncated_log``    the last record is torn (data cut): likewise refused
 ==============  ===================  ======================================================
 
-P/D transfer faults reuse :mod:`kvlab.core.transfer_faults` (its own schedule, also data).
-The driver that owns the loop applies ``schedule``-point faults with :meth:`FaultInjector.
+P/D transfer faults reuse :mod:`kvlab.disagg.transfer_faults` (its own schedule, also data).
+The driver that owns the loop applies ``schedule``-point faults with :meth:`StepFaultInjector.
 before_step`; the rest act through the engine core's observer hooks and an executor wrapper.
 """
 
@@ -44,10 +44,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .block_pool import OutOfBlocks
-from .interfaces import StepObserver
+from kvlab.core.block_pool import OutOfBlocks
+from kvlab.core.interfaces import StepObserver
 
-__all__ = ["STEP_FAULTS", "FaultInjector", "StepFault", "StepFaultSchedule"]
+__all__ = ["STEP_FAULTS", "StepFault", "StepFaultInjector", "StepFaultSchedule"]
 
 STEP_FAULTS: dict[str, str] = {
     "alloc_refusal": "schedule", "kv_shrink": "schedule",
@@ -117,7 +117,7 @@ class StepFaultSchedule:
 
 
 @dataclass
-class FaultInjector(StepObserver):
+class StepFaultInjector(StepObserver):
     """Applies a :class:`StepFaultSchedule` to one engine core (an observer plus helpers the
     driver calls). ``injected`` counts faults by kind; ``withheld`` names the KV tables the
     injector holds (KV shrinkage), which the invariant view treats as legitimate owners."""

@@ -26,9 +26,10 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .kv_transfer import Delivery, encode_frame, seal
+from kvlab.disagg.entry import Delivery, encode_frame, seal
 
-__all__ = ["DEFAULT_POINT", "FAULT_KINDS", "Fault", "FaultInjector", "FaultSchedule", "SendPlan"]
+__all__ = ["DEFAULT_POINT", "FAULT_KINDS", "Fault", "FaultSchedule", "SendPlan",
+           "TransferFaultInjector"]
 
 DEFAULT_POINT: dict[str, str] = {
     "drop": "send", "truncate": "send", "corrupt_payload": "send",
@@ -119,7 +120,7 @@ def _flip(data: bytes, pos: int, rng: random.Random) -> bytes:
 
 
 @dataclass
-class FaultInjector:
+class TransferFaultInjector:
     """Applies a :class:`FaultSchedule`; records every fault it applied in ``applied``."""
 
     schedule: FaultSchedule = field(default_factory=FaultSchedule)

@@ -3,7 +3,7 @@
 A *producer* engine prefills a prompt and exports its KV as an **entry**; a *consumer* engine
 installs the entry and decodes. This module fixes what an entry is and how a consumer decides
 whether it may install one. The tensors (:mod:`kvlab.engine.kv_transfer`) and the scheduler
-integration (:mod:`kvlab.core.remote_kv`) build on it.
+integration (:mod:`kvlab.disagg.remote_kv_scheduler`) build on it.
 
 **The entry format** (``kvlab-kv/1``), identical on disk and on the wire:
 

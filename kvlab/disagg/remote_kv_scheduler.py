@@ -13,7 +13,7 @@ last token is **parked** in status ``WAITING_FOR_REMOTE_KV``: the wrapped schedu
 it, and it holds no KV. At the start of every ``schedule()`` the wrapper fetches the entries of
 parked requests from the :class:`KVSource` and, for each delivery:
 
-1. checks it (:func:`~kvlab.core.kv_transfer.check_delivery`: header seal, the reference
+1. checks it (:func:`~kvlab.disagg.entry.check_delivery`: header seal, the reference
    ``validate_kv_descriptor`` against this engine's own expectation, length, SHA-256) and
    decodes it (:meth:`KVWriter.decode`) before touching any state;
 2. journals ``begin``, allocates a table for the **operation** ``"<request>@<entry>"``
@@ -41,12 +41,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .block_pool import OutOfBlocks
-from .engine_core import SchedulerOutput
-from .event_log import EventLog
-from .kv_install import InstallJournal
-from .kv_transfer import Delivery, check_delivery, entry_key, make_descriptor, token_ids_hash
-from .remote_kv_api import (
+from kvlab.core.block_pool import OutOfBlocks
+from kvlab.core.engine_core import SchedulerOutput
+from kvlab.core.event_log import EventLog
+from kvlab.core.request import Lifecycle, RequestStatus, RuntimeRequest
+from kvlab.disagg.entry import Delivery, check_delivery, entry_key, make_descriptor, token_ids_hash
+from kvlab.disagg.install_journal import InstallJournal
+from kvlab.disagg.interfaces import (
     KVExporter,
     KVSource,
     KVWriter,
@@ -54,7 +55,6 @@ from .remote_kv_api import (
     TransferDecision,
     scope_domain,
 )
-from .request import Lifecycle, RequestStatus, RuntimeRequest
 
 __all__ = ["KVExporter", "KVSource", "KVWriter", "RemoteKVPolicy", "RemoteKVScheduler",
            "TransferDecision", "scope_domain"]

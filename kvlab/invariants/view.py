@@ -1,4 +1,4 @@
-"""What an invariant checker reads and how it reports (:mod:`kvlab.core.invariant_set`).
+"""What an invariant checker reads and how it reports (:mod:`kvlab.invariants.spec_invariants`).
 
 :class:`EngineView` is the public state a checker may read; a checker calls :func:`require`,
 which raises :class:`Broken`; the monitor turns that into an :class:`InvariantViolation` naming
@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .request import RuntimeRequest
+from kvlab.core.request import RuntimeRequest
 
 if TYPE_CHECKING:
-    from .invariant_set import Invariant
+    from kvlab.invariants.spec_invariants import Invariant
 
 __all__ = ["Broken", "EngineView", "InvariantViolation", "require"]
 
@@ -47,8 +47,9 @@ def require(condition: bool, subject: str, detail: str) -> None:
 class EngineView:
     """What the checkers may read: public objects and probes, no private fields.
 
-    ``scheduler``: the engine's scheduler (a :class:`~kvlab.core.remote_kv.RemoteKVScheduler`
-    wrapper for P/D is fine); ``kv``: its KV manager; ``step``: the scheduler's step counter;
+    ``scheduler``: the engine's scheduler (a
+    :class:`~kvlab.disagg.remote_kv_scheduler.RemoteKVScheduler` wrapper for P/D is fine);
+    ``kv``: its KV manager; ``step``: the scheduler's step counter;
     ``last``: the last :class:`~kvlab.core.engine_core.StepResult` (None before the first).
     ``withheld``: blocks taken out of the pool by a fault (KV shrinkage): their owners are
     legitimate and they are not available to admission. ``rollback_probes``: callables

@@ -1,5 +1,5 @@
-"""Seeded step faults on the real engine: a :class:`~kvlab.core.faults.FaultInjector` attached
-to an :class:`~kvlab.engine.llm_engine.LLMEngine` (the chaos test's glue).
+"""Seeded step faults on the real engine: a :class:`~kvlab.faults.step_faults.StepFaultInjector`
+attached to an :class:`~kvlab.engine.llm_engine.LLMEngine` (the chaos test's glue).
 
 :func:`attach_faults` registers the injector as the first observer of the engine's core (so a
 late copy lands before the invariant hook looks at the next execute), wraps the executor's
@@ -24,7 +24,9 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
-from kvlab.core.faults import STEP_FAULTS, FaultInjector, StepFaultSchedule
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.faults.step_faults import STEP_FAULTS, StepFaultInjector, StepFaultSchedule
+from kvlab.invariants.every_step import EveryStep
 
 __all__ = ["ENGINE_FAULTS", "EngineFaults", "attach_faults"]
 
@@ -51,21 +53,22 @@ class EngineFaults:
     ``storm_aborts`` holds the outputs of the requests an abort storm cancelled,
     ``rejected_all`` counts the forced-rejection steps whose verification accepted nothing."""
 
-    def __init__(self, engine: Any, schedule: StepFaultSchedule) -> None:
+    def __init__(self, engine: LLMEngine, schedule: StepFaultSchedule,
+                 invariants: EveryStep | None = None) -> None:
         bad = sorted({f.kind for f in schedule.faults} - set(ENGINE_FAULTS))
         if bad:
             raise ValueError(f"faults {bad} are not supported on the real engine "
                              f"(supported: {list(ENGINE_FAULTS)})")
         self.engine = engine
-        self.injector = FaultInjector(schedule)
+        self.injector = StepFaultInjector(schedule)
         self.aborts = _EngineAborts(engine)
         self.rejected_all = 0
         self.step = 0
         self._execute = engine.executor.execute
         engine.executor.execute = self._faulty_execute
         engine.core.observers.insert(0, self.injector)
-        if engine.invariant_hook is not None:
-            engine.invariant_hook.withheld = self.injector.withheld
+        if invariants is not None:       # the tables kv_shrink holds are not leaks
+            invariants.withheld = self.injector.withheld
 
     @property
     def injected(self) -> Counter:
@@ -114,6 +117,8 @@ class EngineFaults:
         return result
 
 
-def attach_faults(engine: Any, schedule: StepFaultSchedule) -> EngineFaults:
-    """Attach ``schedule``'s faults to ``engine`` (ValueError for crash/log faults)."""
-    return EngineFaults(engine, schedule)
+def attach_faults(engine: LLMEngine, schedule: StepFaultSchedule,
+                  invariants: EveryStep | None = None) -> EngineFaults:
+    """Attach ``schedule``'s faults to ``engine`` (ValueError for crash/log faults), telling
+    ``invariants`` (attached first, :func:`kvlab.invariants.check_every_step`) what they hold."""
+    return EngineFaults(engine, schedule, invariants)

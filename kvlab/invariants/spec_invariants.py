@@ -13,7 +13,7 @@ Use::
     monitor.before_execute(view, output)   # invariant 2 (what the step will write)
     monitor.check(view)                    # all nine, after the step
 
-``EngineArgs(check_invariants="every_step")`` and the chaos run (:mod:`kvlab.sim.chaos`) do this
+:func:`kvlab.invariants.check_every_step` and the chaos run (:mod:`kvlab.sim.chaos`) do this
 on every step through :class:`~kvlab.core.engine_core.EngineCore`'s observers.
 """
 
@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine_core import SchedulerOutput
-from .invariant_view import Broken, EngineView, InvariantViolation, require
-from .invariants import live_owners
-from .request import RequestStatus
+from kvlab.core.engine_core import SchedulerOutput
+from kvlab.core.invariants import live_owners
+from kvlab.core.request import RequestStatus
+from kvlab.invariants.view import Broken, EngineView, InvariantViolation, require
 
 __all__ = ["SPEC_INVARIANTS", "EngineView", "Invariant", "InvariantMonitor",
            "InvariantViolation", "invariant"]
