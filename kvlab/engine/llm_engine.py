@@ -61,8 +61,7 @@ class Tokenizer:
             self._tok = _HFTokenizer.from_file(str(file))
         except Exception as err:  # tokenizers raises a bare Exception subclass
             raise ValueError(f"{file}: cannot parse tokenizer ({err})") from None
-        self.hash = tokenizer_hash(file)
-        self.path = file
+        self.hash, self.path = tokenizer_hash(file), file
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
@@ -123,8 +122,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.vocab_size,
                                                           self.eos_token_ids)
-        self.outputs = OutputProcessor(
-            self.tokenizer.decode if self.tokenizer is not None else None)
+        self.outputs = OutputProcessor(self.tokenizer.decode if self.tokenizer else None)
         self.clock: Callable[[], float] = time.monotonic
         self.cache_scope()   # the default tenant's scope, built once here
 
@@ -145,20 +143,17 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer.json: pass prompts as token ids")
-            ids = tuple(self.tokenizer.encode(prompt))
-            text: str | None = prompt
+            text, ids = prompt, tuple(self.tokenizer.encode(prompt))
         elif isinstance(prompt, (list, tuple)):
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 raise TypeError("prompt token ids must be ints")
-            ids = tuple(prompt)
-            text = None
+            text, ids = None, tuple(prompt)
         else:
             raise TypeError(f"prompt must be a str or a sequence of token ids, "
                             f"got {type(prompt).__name__}")
         if not ids:
             raise ValueError("empty prompt: a request needs at least one prompt token")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
+        if bad := [t for t in ids if not 0 <= t < self.config.vocab_size]:
             raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary "
                              f"(0..{self.config.vocab_size - 1})")
         return text, ids
@@ -312,11 +307,9 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         from .consistency import check_engine  # scheduler, KV manager and engine invariants
-
         check_engine(self)
 
     def snapshot(self):   # plain data, for figures (kvlab.engine.snapshot)
         from .snapshot import take_snapshot
-
         with self.core.lock:
             return take_snapshot(self)
