@@ -256,8 +256,10 @@ _BUILD = "from kvlab.kernels import cpu as cpu_kernels; print(cpu_kernels.availa
 @needs_kernel
 def test_a_build_killed_midway_and_stale_lock_files_never_block_the_next(tmp_path):
     """SIGKILL a first build while it compiles (and leave torch's old-layout ``lock`` file, which
-    made the next process wait forever): the next process builds and loads the kernel, and the
-    one after it loads that build without compiling again."""
+    made the next process wait forever): the next process removes the dead build's directory,
+    leaves a live build's alone, builds and loads the kernel, and the one after it loads that
+    build without compiling again."""
+    import fcntl
     import signal
     import time
 
@@ -267,7 +269,7 @@ def test_a_build_killed_midway_and_stale_lock_files_never_block_the_next(tmp_pat
     root = tmp_path / "kvlab"
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "KVLAB_CPU_ATTENTION": "1"}
     # its own process group, killed whole: a SIGKILL of python alone leaves ninja and the
-    # compiler running, still writing into (and re-dating) the directory the test ages below
+    # compiler running, still writing into the directory
     first = subprocess.Popen([sys.executable, "-c", _BUILD], env=env, start_new_session=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -281,17 +283,24 @@ def test_a_build_killed_midway_and_stale_lock_files_never_block_the_next(tmp_pat
         first.wait()
     killed = list(root.glob("*.tmp-*"))
     assert len(killed) == 1 and not [p for p in root.iterdir() if ".tmp-" not in p.name]
-    done = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True,
-                          text=True, timeout=900)
+    assert (killed[0] / "owner").is_file()
+    prefix = killed[0].name.split(".tmp-")[0]
+    live, fresh = root / f"{prefix}.tmp-live", root / f"{prefix}.tmp-fresh"
+    live.mkdir()
+    fresh.mkdir()                       # just made by a builder that has not locked it yet
+    with open(live / "owner", "w") as held:             # a build in progress elsewhere
+        fcntl.flock(held, fcntl.LOCK_EX)
+        done = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True,
+                              text=True, timeout=900)
     assert done.returncode == 0 and done.stdout.split() == ["True", "None"], done.stderr[-3000:]
+    assert not killed[0].exists()                       # its builder is dead: removed
+    assert live.exists() and fresh.exists()             # live (or not yet claimed): kept
     final = [p for p in root.iterdir() if ".tmp-" not in p.name]
     assert len(final) == 1 and not (final[0] / "lock").exists()
     assert (final[0] / f"{final[0].name}.so").is_file()
-    assert killed[0].exists()          # a recent leftover is left alone (it may be live) ...
-    os.utime(killed[0], (0, 0))        # ... an old one is removed by the next process
     ninja = (final[0] / "build.ninja").stat().st_mtime_ns
     again = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True,
                            text=True, timeout=300)
     assert again.stdout.split() == ["True", "None"], again.stderr[-3000:]
     assert (final[0] / "build.ninja").stat().st_mtime_ns == ninja    # loaded, not rebuilt
-    assert not killed[0].exists()
+    assert not live.exists() and fresh.exists()         # the lock is free now: removed

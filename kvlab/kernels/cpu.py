@@ -14,7 +14,8 @@ Built on first use with :func:`torch.utils.cpp_extension.load_inline` (a C++ com
 flags, the compiler, Python, torch's version and include paths and ``sys.prefix``, so two
 virtual environments keep one build each. A build runs in a private temporary directory renamed
 into place only once it succeeded: a process killed mid-build leaves a stray temporary directory
-(removed by a later process after an hour), never a half-built cache or a ``lock`` file that
+(removed by the next process: the builder holds an ``flock`` on its ``owner`` file, which the
+kernel releases when the builder dies), never a half-built cache or a ``lock`` file that
 would make the next process wait forever. Where the build fails, or with
 ``KVLAB_CPU_ATTENTION=0``, there is no op and the engine keeps the torch path, which computes
 the same attention (``tests/test_cpu_kernels.py``).
@@ -23,6 +24,7 @@ the same attention (``tests/test_cpu_kernels.py``).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -53,7 +55,7 @@ _module: Any = None
 _error: str | None = None
 
 
-#: a temporary build directory older than this is a killed build's leftover (seconds)
+#: a temporary build directory without an ``owner`` file older than this is a leftover (seconds)
 STALE_BUILD_S = 3600.0
 
 
@@ -89,14 +91,37 @@ def _import(name: str, directory: Path) -> Any:
     return module
 
 
+def _claim(tmp: Path) -> int:
+    """Mark ``tmp`` as this process's live build: an exclusive ``flock`` on ``tmp/owner``, taken
+    before the name appears (so no other process ever sees an unlocked owner of a live build)."""
+    fd = os.open(tmp / "owner.new", os.O_CREAT | os.O_WRONLY, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(tmp / "owner.new", tmp / "owner")
+    return fd
+
+
 def _remove_stale(root: Path, name: str) -> None:
-    """Delete temporary build directories of killed builds (older than ``STALE_BUILD_S``)."""
+    """Delete the temporary directories of dead builds: those whose ``owner`` lock is free (its
+    builder died, the kernel released the lock) and, without an owner, those older than
+    ``STALE_BUILD_S``."""
     for tmp in root.glob(f"{name}.tmp-*"):
         try:
-            if time.time() - tmp.stat().st_mtime > STALE_BUILD_S:
-                shutil.rmtree(tmp, ignore_errors=True)
+            fd = os.open(tmp / "owner", os.O_RDONLY)
+        except FileNotFoundError:
+            with contextlib.suppress(OSError):
+                if time.time() - tmp.stat().st_mtime > STALE_BUILD_S:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            continue
         except OSError:
-            pass
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue                                   # a live build holds it
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def _build() -> Any:
@@ -118,6 +143,7 @@ def _build() -> Any:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-", dir=root))
+    owner = _claim(tmp)
     try:
         module = load_inline(name, cpp_sources=_SOURCE.read_text(), functions=["decode_attention"],
                              extra_cflags=_cflags(capability), build_directory=str(tmp))
@@ -127,6 +153,7 @@ def _build() -> Any:
             os.rename(tmp, final)
         return module
     finally:
+        os.close(owner)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
