@@ -169,8 +169,7 @@ def build_parts(a: EngineArgs, load_tokenizer: Callable[[Path], Tokenizer | None
         kv_transfer = KVTransfer(transfer, KVPayloadCodec(cache),
                                  engine_model_fields(ckpt.weights_hash, cfg, dtype))
         scheduler = kv_transfer.wrap(scheduler)
-    executor = Speculator.make_executor(speculator, ckpt.model, cache, scheduler.get_request,
-                                        max_model_len)
+    executor = Speculator.make_executor(speculator, ckpt.model, cache, max_model_len)
     return EngineParts(quant, ckpt, tokenizer, dev, dtype, speculator, max_model_len,
                        size.num_blocks, cache, kv, scheduler_config, scheduler, kv_transfer,
                        executor, tuple(dict.fromkeys(cfg.eos_token_ids + ckpt.generation_eos)))

@@ -235,7 +235,7 @@ class LLMEngine:
                 for i in range(params.n)]
             requests = [self._runtime_request(state, s, scope, seed) for s in state.samples]
             for request, sampler in requests:   # validated above: these cannot raise
-                self.executor.add_request(request.request_id, sampler)
+                self.executor.add_request(request, sampler)
                 self.core.add_request(request)
             self.outputs.add(state)
             self._arrivals += 1

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.core.engine_core import ModelOutput, ScheduledChunk, SchedulerOutput
+from kvlab.core.request import RuntimeRequest
 from kvlab.kernels import row_kernel
 
 from .attention import AttentionMetadata, RowKernel, flat_metadata
@@ -57,10 +58,10 @@ class ModelRunner:
         self.samplers: dict[str, SamplerState] = {}
         self.scorer = None   # a PromptScorer once a request asks for prompt logprobs
 
-    def add_request(self, request_id: str, sampler: SamplerState) -> None:
-        """Take over ``request_id``'s sampler state (once, when the engine adds it)."""
-        assert request_id not in self.samplers, f"{request_id} added twice"
-        self.samplers[request_id] = sampler
+    def add_request(self, request: RuntimeRequest, sampler: SamplerState) -> None:
+        """Take over ``request``'s sampler state (sent once, when the engine adds it)."""
+        assert request.request_id not in self.samplers, f"{request.request_id} added twice"
+        self.samplers[request.request_id] = sampler
         if sampler.params.prompt_logprobs is not None and self.scorer is None:
             from .prompt_logprobs import PromptScorer  # off the default path
             self.scorer = PromptScorer(self)

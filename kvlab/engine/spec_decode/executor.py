@@ -21,13 +21,13 @@ with zero drafts, so one request's tokens depend on its seed alone.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvlab.core.engine_core import ModelOutput, SchedulerOutput
-from kvlab.core.request import RuntimeRequest
+from kvlab.core.request import RequestStatus, RuntimeRequest
 from kvlab.core.spec_plan import stop_cut
 
 from ..attention import ChunkSpec, build_metadata
@@ -59,16 +59,27 @@ class SpecStepInfo(StepInfo):
 
 class SpecExecutor(ModelRunner):
     """Executor of a speculating engine: ``model`` over ``cache``, drafts from ``proposer``.
-    Sampler states as :class:`ModelRunner`'s; ``requests`` looks up a request's tokens
-    (the proposers read its context)."""
+    Sampler states as :class:`ModelRunner`'s; ``requests``: its own copy of each request, sent
+    once at :meth:`add_request` and extended by the tokens it emits (the proposers read the
+    context, the stop cut its stop conditions), so it never reads the scheduler's."""
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache,
-                 requests: Callable[[str], RuntimeRequest],
                  proposer: DraftModelProposer | NgramProposer,
                  metrics: SpecDecodeMetrics) -> None:
         super().__init__(model, cache)
-        self.requests = requests
+        self.requests: dict[str, RuntimeRequest] = {}
         self.proposer, self.metrics = proposer, metrics
+
+    def add_request(self, request: RuntimeRequest, sampler: SamplerState) -> None:
+        super().add_request(request, sampler)
+        self.requests[request.request_id] = replace(
+            request, output_token_ids=list(request.output_token_ids), status=RequestStatus.RUNNING)
+
+    def remove_requests(self, request_ids: Iterable[str]) -> None:
+        request_ids = list(request_ids)
+        super().remove_requests(request_ids)
+        for rid in request_ids:
+            self.requests.pop(rid, None)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
@@ -77,7 +88,7 @@ class SpecExecutor(ModelRunner):
         sampling = [i for i, c in enumerate(chunks) if c.sample]
         rows: dict[str, RowContext] = {}
         for i in sampling:
-            request = self.requests(chunks[i].request_id)
+            request = self.requests[chunks[i].request_id]
             state = self.samplers[request.request_id]
             seed = state.generator.initial_seed() if state.generator is not None else None
             rows[request.request_id] = RowContext(request.all_token_ids, state.params, seed,
@@ -150,7 +161,8 @@ class SpecExecutor(ModelRunner):
                 return None if seed is None else position_generator(seed, first + j, TARGET)
 
             verdict = verify(p, prop.tokens, None if prop.q is None else prop.q.cpu(), gens)
-            tokens = verdict.tokens[:stop_cut(self.requests(rid), verdict.tokens)]
+            tokens = verdict.tokens[:stop_cut(self.requests[rid], verdict.tokens)]
+            self.requests[rid].output_token_ids.extend(tokens)
             if ctx.constraint is not None:
                 ctx.constraint.commit(tokens)
             if c.num_lookahead:

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-
-from kvlab.core.request import RuntimeRequest
 
 from ..checkpoint import LoadedCheckpoint, load_checkpoint, tokenizer_hash
 from ..config import ModelConfig
@@ -71,16 +68,15 @@ class Speculator:
 
     @staticmethod
     def make_executor(speculator: Speculator | None, model: LlamaModel, cache: PagedKVCache,
-                      requests: Callable[[str], RuntimeRequest], max_model_len: int
-                      ) -> SpecExecutor | ModelRunner:
+                      max_model_len: int) -> SpecExecutor | ModelRunner:
         """The engine's executor: :class:`ModelRunner` without a speculator, else a
         :class:`SpecExecutor` whose draft cache gets the target cache's geometry."""
         if speculator is None:
             return ModelRunner(model, cache)
-        return speculator.executor(model, cache, requests, max_model_len)
+        return speculator.executor(model, cache, max_model_len)
 
     def executor(self, model: LlamaModel, cache: PagedKVCache,
-                 requests: Callable[[str], RuntimeRequest], max_model_len: int) -> SpecExecutor:
+                 max_model_len: int) -> SpecExecutor:
         """A :class:`SpecExecutor` for this config."""
         cfg = self.config
         if self.draft is not None:
@@ -89,4 +85,4 @@ class Speculator:
                 self.draft.model, cache.num_blocks, cache.block_size)
         else:
             proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-        return SpecExecutor(model, cache, requests, proposer, self.metrics)
+        return SpecExecutor(model, cache, proposer, self.metrics)
