@@ -44,6 +44,7 @@ def test_logprobs_and_greedy_tokens_match_hf(tmp_path, arch, overrides, engine_k
 def test_parity_check_detects_wrong_weights(tmp_path, monkeypatch):
     """The comparison is not vacuous: perturbing one kvlab weight breaks it."""
     from kvlab.engine.llm import LLM
+    from kvlab.kernels import cpu_linear
 
     path = save_random_hf_model(tmp_path / "m", "llama", seed=2)
     original = LLM.__init__
@@ -52,6 +53,7 @@ def test_parity_check_detects_wrong_weights(tmp_path, monkeypatch):
         original(self, model, **kw)
         with torch.no_grad():
             self.engine.model.layers[0].o.weight.add_(0.01)
+        cpu_linear.pack_linears(self.engine.model)   # a weight changed in place is repacked
 
     monkeypatch.setattr(LLM, "__init__", perturbed)
     report = compare_with_hf(path, _prompts(3), max_tokens=4)

@@ -20,6 +20,7 @@ from kvlab.core.interfaces import Scheduler
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.kernels.cpu_linear import pack_linears
 
 from .checkpoint import LoadedCheckpoint
 from .config import ModelConfig
@@ -152,6 +153,9 @@ def build_parts(a: EngineArgs, load_tokenizer: Callable[[Path], Tokenizer | None
         num_blocks=a.num_blocks, kv_cache_memory=a.kv_cache_memory, max_num_seqs=a.max_num_seqs,
         max_model_len=max_model_len, device=dev)
     ckpt.model.prepare_rope(max_model_len)
+    drafts = (speculator.draft.model,) if speculator and speculator.draft else ()
+    for model in (ckpt.model, *drafts):   # CPU: oneDNN, weights packed once (cpu_linear)
+        pack_linears(model)
     cache = quant.make_kv_cache(cfg, size.num_blocks, a.block_size, dtype, dev)
     kv = KVCacheManager(size.num_blocks, a.block_size,
                         enable_prefix_caching=a.enable_prefix_caching)
