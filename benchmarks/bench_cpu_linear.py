@@ -22,9 +22,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _results import write_results  # noqa: E402
+from _results import write_results
 
-from kvlab.kernels import cpu_linear  # noqa: E402
+from kvlab.kernels import cpu_linear
 
 SHAPES = {"qkv": (1024, 512), "o": (512, 512), "gate_up": (4096, 512), "down": (512, 2048)}
 ROWS = (1, 4, 16, 64, 256)
