@@ -30,10 +30,10 @@ SHAPES = {"qkv": (1024, 512), "o": (512, 512), "gate_up": (4096, 512), "down": (
 ROWS = (1, 4, 16, 64, 256)
 
 
-def cpu_time(fn, calls: int) -> float:
+def cpu_time(layer: nn.Module, x: torch.Tensor, calls: int) -> float:
     t = time.process_time()
     for _ in range(calls):
-        fn()
+        layer(x)
     return (time.process_time() - t) / calls
 
 
@@ -61,16 +61,16 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(2):
                     plain(x), packed(x)
                 for _ in range(5):
-                    best["F.linear"] = min(best["F.linear"], cpu_time(lambda: plain(x), args.calls))
-                    best["packed"] = min(best["packed"], cpu_time(lambda: packed(x), args.calls))
+                    best["F.linear"] = min(best["F.linear"], cpu_time(plain, x, args.calls))
+                    best["packed"] = min(best["packed"], cpu_time(packed, x, args.calls))
                 speedup = best["F.linear"] / best["packed"]
                 gflops = 2 * m * n * k / best["packed"] / 1e9
                 cases.append({"layer": name, "rows": m, "out": n, "in": k,
                               "f_linear_us": best["F.linear"] * 1e6,
                               "packed_us": best["packed"] * 1e6, "speedup": speedup,
                               "packed_gflops": gflops, "max_rel_diff": rel})
-                print(f"{name:8s} {m:4d} x {k:4d} -> {n:4d}  F.linear {best['F.linear'] * 1e6:8.1f} us"
-                      f"  packed {best['packed'] * 1e6:8.1f} us  {speedup:5.2f}x  "
+                print(f"{name:8s} {m:4d} x {k:4d} -> {n:4d}  "
+                      f"F.linear {best['F.linear'] * 1e6:8.1f} us  packed {best['packed'] * 1e6:8.1f} us  {speedup:5.2f}x  "
                       f"{gflops:6.1f} GFLOP/s  rel diff {rel:.1e}")
     speedups = [c["speedup"] for c in cases]
     print(f"packed / F.linear: {min(speedups):.2f}-{max(speedups):.2f}x")
