@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                               "packed_us": best["packed"] * 1e6, "speedup": speedup,
                               "packed_gflops": gflops, "max_rel_diff": rel})
                 print(f"{name:8s} {m:4d} x {k:4d} -> {n:4d}  "
-                      f"F.linear {best['F.linear'] * 1e6:8.1f} us  packed {best['packed'] * 1e6:8.1f} us  {speedup:5.2f}x  "
+                      f"F.linear {best['F.linear'] * 1e6:8.1f} us  "
+                      f"packed {best['packed'] * 1e6:8.1f} us  {speedup:5.2f}x  "
                       f"{gflops:6.1f} GFLOP/s  rel diff {rel:.1e}")
     speedups = [c["speedup"] for c in cases]
     print(f"packed / F.linear: {min(speedups):.2f}-{max(speedups):.2f}x")
