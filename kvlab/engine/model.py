@@ -65,10 +65,10 @@ class DecoderLayer(nn.Module):
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
         else:  # a quantized KV layer (kvlab.engine.quantization.kv_cache) stores and reads
             attn = k_cache.write_and_attend(q, k, v, meta, cfg.head_dim ** -0.5)
-        x = x + self.o(attn.reshape(n, self.q_size))
+        x = self.o(attn.reshape(n, self.q_size)).add_(x)
         hs = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         gate, up = self.gate_up(hs).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate).mul_(up)).add_(x)   # in place: fewer buffers
 
 
 class LlamaModel(nn.Module):
