@@ -76,7 +76,10 @@ def test_parity_harness_detects_a_wrong_kernel(monkeypatch):
             k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
             w = torch.einsum("hd,thd->ht", q[i].float(), k.float()) * scale
             rows.append(torch.einsum("ht,thd->hd", w.softmax(-1), v.float()))
-        return torch.stack(rows).to(q.dtype)
+        result = torch.stack(rows).to(q.dtype)
+        if out is not None:   # row_attention passes its output buffer, as the kernel fills it
+            out.copy_(result)
+        return result
 
     monkeypatch.setattr(triton_kernels, "available", lambda: True)
     monkeypatch.setattr(triton_kernels, "store_kv", write_kv)
