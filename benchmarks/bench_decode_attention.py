@@ -2,7 +2,7 @@
 
 Every case is a batch of single-token rows (one decoding request each) with its context in a
 paged cache ``[num_blocks, block_size, KV, D]`` under shuffled block tables, laid out by the
-engine's own :func:`kvlab.engine.attention.build_metadata`. Three ways to attend it:
+engine's own :func:`kvlab.engine.chunk_metadata.build_metadata`. Three ways to attend it:
 
 - **compiled**: ``kvlab.kernels.row_kernel("cpu", float32)``, the C++ op the engine runs on
   CPU; it walks each row's table through the cache, no gather.
@@ -45,7 +45,8 @@ sys.path.insert(0, str(REPO))
 
 from _results import write_results  # noqa: E402
 
-from kvlab.engine.attention import ChunkSpec, attend_rows, build_metadata  # noqa: E402
+from kvlab.engine.attention import attend_rows  # noqa: E402
+from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata  # noqa: E402
 from kvlab.kernels import row_kernel  # noqa: E402
 
 #: float32 outputs must lie this close to the float64 reference

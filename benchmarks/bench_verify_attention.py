@@ -2,10 +2,11 @@
 
 A verification step feeds each of ``--requests`` running requests a chunk of ``k + 1`` tokens
 behind its cached context (the drafts plus the last sampled token). The engine's flat metadata
-(:func:`kvlab.engine.attention.build_metadata`) of a runner with a row op makes every such token
-a *paged row* (a chunk of at most ``PAGED_MAX_TOKENS`` behind a prefix): query token ``i`` of a
-chunk at ``start`` attends ``start + i + 1`` positions through the chunk's table, all rows of the
-step in one call; without an op the engine keeps them as per-request SDPA calls. Per layer:
+(:func:`kvlab.engine.chunk_metadata.build_metadata`) of a runner with a row op makes every such
+token a *paged row* (a chunk of at most ``PAGED_MAX_TOKENS`` behind a prefix): query token ``i``
+of a chunk at ``start`` attends ``start + i + 1`` positions through the chunk's table, all rows
+of the step in one call; without an op the engine keeps them as per-request SDPA calls. Per
+layer:
 
 - **compiled**: :func:`~kvlab.engine.attention.paged_attention` with the CPU op
   (``kvlab.kernels.row_kernel``), which walks each row's table through the cache;
@@ -44,12 +45,8 @@ sys.path.insert(0, str(REPO))
 from _results import write_results  # noqa: E402
 
 from kvlab import LLM, SamplingParams  # noqa: E402
-from kvlab.engine.attention import (  # noqa: E402
-    AttentionMetadata,
-    ChunkSpec,
-    build_metadata,
-    paged_attention,
-)
+from kvlab.engine.attention import AttentionMetadata, paged_attention  # noqa: E402
+from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata  # noqa: E402
 from kvlab.kernels import row_kernel  # noqa: E402
 
 #: (query heads, KV heads, head dim) of kvlab-tiny and of the ~25M random Llama

@@ -6,13 +6,8 @@ import pytest
 import torch
 from dense_attention import dense_causal_attention
 
-from kvlab.engine.attention import (
-    PAGED_MAX_TOKENS,
-    ChunkSpec,
-    build_metadata,
-    paged_attention,
-    write_kv,
-)
+from kvlab.engine.attention import PAGED_MAX_TOKENS, paged_attention, write_kv
+from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.triton_parity import scattered_tables
 from kvlab.kernels import cpu as cpu_kernels

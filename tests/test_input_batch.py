@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvlab.core.engine_core import ScheduledChunk
-from kvlab.engine.attention import ChunkSpec, build_metadata
+from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata
 from kvlab.engine.model_runner import InputBatch
 
 

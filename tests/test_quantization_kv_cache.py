@@ -8,7 +8,7 @@ import torch
 from dense_attention import dense_causal_attention
 
 from kvlab.core.kv_dtype import kv_dtype_spec
-from kvlab.engine.attention import ChunkSpec, build_metadata
+from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata
 from kvlab.engine.quantization import QuantizedPagedKVCache, dequantize_kv, quantize_kv
 
 

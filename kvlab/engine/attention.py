@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from kvlab.kernels import triton
 
-__all__ = ["PAGED_MAX_TOKENS", "AttentionMetadata", "ChunkSpec", "RowKernel", "attend_rows",
-           "build_metadata", "flat_metadata", "paged_attention", "write_kv"]
+__all__ = ["PAGED_MAX_TOKENS", "AttentionMetadata", "RowKernel", "attend_rows", "flat_metadata",
+           "paged_attention", "write_kv"]
 
 #: with a kernel, a chunk behind a cached prefix with at most this many tokens is attended row
 #: by row through its table, as decodes are (each row re-reads the context, so long chunks stay
@@ -27,15 +27,6 @@ PAGED_MAX_TOKENS = 16
 #: the first ``lens[r]`` positions of table ``tables[r]``, written into ``out`` (contiguous)
 RowKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                       torch.Tensor, float], None]
-
-
-@dataclass(frozen=True)
-class ChunkSpec:
-    """One request's tokens in a step: ``token_ids`` at positions ``start_pos ...``."""
-
-    token_ids: Sequence[int]
-    start_pos: int
-    block_table: Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -101,28 +92,6 @@ def flat_metadata(token_ids: Sequence[Sequence[int]], start_pos: Sequence[int],
         paged_rows=rows.to(device), paged_tables=tables[:, :width][seq[rows]].to(device),
         paged_lens=paged_lens.to(device),
         dense=tuple(s for s, p in enumerate(paged) if not p), kernel=kernel)
-
-
-def build_metadata(chunks: Sequence[ChunkSpec], block_size: int,
-                   device: torch.device | str = "cpu", kernel: RowKernel | None = None
-                   ) -> AttentionMetadata:
-    """:func:`flat_metadata` of ``chunks`` with their own tables; ValueError when a chunk is
-    empty or its table does not cover it."""
-    if not chunks:
-        raise ValueError("build_metadata: no chunks to run")
-    for i, c in enumerate(chunks):
-        if len(c.token_ids) == 0:
-            raise ValueError(f"build_metadata: chunk {i} has no tokens")
-        end = c.start_pos + len(c.token_ids)
-        if c.start_pos < 0 or len(c.block_table) * block_size < end:
-            raise ValueError(
-                f"build_metadata: chunk {i} block table ({len(c.block_table)} blocks of "
-                f"{block_size}) does not cover positions {c.start_pos}..{end - 1}")
-    width = max(len(c.block_table) for c in chunks)
-    tables = torch.tensor([list(c.block_table) + [0] * (width - len(c.block_table))
-                           for c in chunks], dtype=torch.long)
-    return flat_metadata([c.token_ids for c in chunks], [c.start_pos for c in chunks], tables,
-                         block_size, device, kernel)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

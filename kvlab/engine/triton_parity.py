@@ -4,7 +4,7 @@
 stores K/V with both :func:`~kvlab.kernels.triton.store_kv` and the torch
 ``index_copy_`` path, and attends the decode rows with both
 :func:`~kvlab.kernels.triton.decode_attention` and the torch decode path, on the metadata
-of :func:`~kvlab.engine.attention.build_metadata`. Run ``python -m kvlab.engine.triton_parity``
+of :func:`~kvlab.engine.chunk_metadata.build_metadata`. Run ``python -m kvlab.engine.triton_parity``
 (with ``TRITON_INTERPRET=1`` on a CPU) to print the cases as JSON.
 """
 
@@ -18,7 +18,8 @@ import torch
 
 from kvlab.kernels import triton as triton_kernels
 
-from .attention import ChunkSpec, attend_rows, build_metadata
+from .attention import attend_rows
+from .chunk_metadata import ChunkSpec, build_metadata
 
 __all__ = ["CASES", "Case", "compare", "scattered_tables"]
 

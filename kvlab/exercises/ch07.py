@@ -21,7 +21,7 @@ def check_slot_mapping(fn) -> str:
     require_answer(fn, "your slot-mapping function")
     if not callable(fn):
         raise AssertionError("pass a function (block_table, start_pos, num_tokens, block_size)")
-    from kvlab.engine.attention import ChunkSpec, build_metadata
+    from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata
 
     rng = random.Random(7)
     for trial in range(200):
@@ -136,7 +136,8 @@ def _attention_outputs(step, start_pos: int, num_tokens: int):
     chunk's prefix (and stale garbage in the chunk's own slots)."""
     import torch
 
-    from kvlab.engine.attention import ChunkSpec, build_metadata, write_kv
+    from kvlab.engine.attention import write_kv
+    from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata
 
     gen = torch.Generator().manual_seed(5)
     block_size, kv_heads, heads, dim = 4, 2, 4, 8

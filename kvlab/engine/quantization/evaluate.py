@@ -17,7 +17,7 @@ import torch
 
 from kvlab.kernels import row_kernel
 
-from ..attention import ChunkSpec, build_metadata
+from ..chunk_metadata import ChunkSpec, build_metadata
 
 __all__ = ["heldout_token_ids", "perplexity", "token_logprobs"]
 

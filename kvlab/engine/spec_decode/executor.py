@@ -30,7 +30,7 @@ from kvlab.core.engine_core import ModelOutput, SchedulerOutput
 from kvlab.core.request import RequestStatus, RuntimeRequest
 from kvlab.core.spec_plan import stop_cut
 
-from ..attention import ChunkSpec, build_metadata
+from ..chunk_metadata import ChunkSpec, build_metadata
 from ..kv_cache import PagedKVCache
 from ..model import LlamaModel
 from ..model_runner import ModelRunner, StepInfo

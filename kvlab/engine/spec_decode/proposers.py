@@ -24,7 +24,7 @@ import torch
 from kvlab.core.engine_core import ScheduledChunk
 from kvlab.kernels import row_kernel
 
-from ..attention import ChunkSpec, build_metadata
+from ..chunk_metadata import ChunkSpec, build_metadata
 from ..kv_cache import PagedKVCache
 from ..model import LlamaModel
 from .rng import DRAFT, position_generator
