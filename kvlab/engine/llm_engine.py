@@ -193,6 +193,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.check_vocab(self.config.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer; this model has none")
         if params.penalized and self.args.speculative_config is not None:
             raise ValueError("SamplingParams penalties and min_tokens are not supported with "
                              "speculative decoding")
@@ -294,6 +296,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.core.step()
         with self.core.lock:
+            if self.outputs.stops is not None:   # a matched stop string ends its sample
+                result = self.outputs.stops.end_matched(result, self.core.abort_request)
             self.executor.remove_requests(r.request_id for r in result.ended + result.aborted)
             outputs = self.outputs.process(result, self.clock(), self.stats, only_finished)
             for request_id in list(self._ending):

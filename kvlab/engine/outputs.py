@@ -29,6 +29,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None   # the stop string, or stop token id, that ended it
     _decode: Callable[[list[int]], str] | None = field(default=None, repr=False, compare=False)
     _text: str | None = field(default=None, repr=False, compare=False)
 
@@ -174,15 +175,22 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.samples: dict[str, tuple[RequestState, SampleState]] = {}
         self.undelivered: dict[str, RequestOutput] = {}
+        self.stops = None   # a StopStrings once a request has SamplingParams.stop
 
     def add(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
+        if state.params.stop:
+            from .stop_strings import StopStrings  # off the default path
+            self.stops = self.stops or StopStrings(self.decode)
+            self.stops.add([s.seq_id for s in state.samples], state.params.stop)
         for sample in state.samples:
             self.samples[sample.seq_id] = (state, sample)
 
     def drop(self, state: RequestState) -> None:
         for sample in state.samples:
             self.samples.pop(sample.seq_id, None)
+        if self.stops is not None:
+            self.stops.drop([s.seq_id for s in state.samples])
         self.requests.pop(state.request_id, None)
         self.undelivered.pop(state.request_id, None)
 
@@ -274,14 +282,20 @@ class OutputProcessor:
                 assert req.output_token_ids == sample.token_ids, sample.seq_id
                 if sample.index == 0:   # exact even when aborted in a step that preempted it
                     state.metrics.num_preemptions = req.num_preemptions
+            stop, text = None, None
+            if self.stops is not None:   # a stop string ends it "stop", its text cut before
+                reason, stop, text = self.stops.ending(sample.seq_id, reason)
+            if reason == "stop" and stop is None and sample.token_ids[-1:] and \
+                    sample.token_ids[-1] in state.params.stop_token_ids:
+                stop = sample.token_ids[-1]            # vLLM: the stop token's id
             if force_finished and reason is None:
                 reason = FinishReason.ABORT.value
-            if reason is None:
-                all_done = False
+            all_done &= reason is not None
             completions.append(CompletionOutput(
                 index=sample.index, token_ids=list(sample.token_ids), finish_reason=reason,
                 logprobs=None if sample.logprobs is None else list(sample.logprobs),
-                cumulative_logprob=sample.cumulative_logprob, _decode=self.decode))
+                cumulative_logprob=sample.cumulative_logprob, stop_reason=stop,
+                _decode=self.decode, _text=text))
         return RequestOutput(state.request_id, state.prompt, list(state.prompt_token_ids),
                              completions, force_finished or all_done, state.metrics,
                              state.num_cached_tokens, state.prompt_logprobs)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .detokenizer import check_stop
 from .structured_outputs.params import StructuredOutputsParams, check_structured_outputs
 
 __all__ = ["MAX_SEED", "MIN_TEMPERATURE", "SampleResult", "SamplerState", "SamplingParams",
@@ -60,7 +61,8 @@ class SamplingParams:
     ``frequency_penalty`` in [-2, 2] subtract, per token already generated, once and per
     occurrence; ``repetition_penalty`` > 0 divides positive (multiplies negative) logits of
     tokens in the prompt or the output; ``min_tokens``: EOS and the stop ids are masked until
-    that many tokens were generated. A bad value raises ``ValueError`` naming
+    that many tokens were generated; ``stop``: strings the text ends before (the match is
+    excluded, ``stop_reason`` is the string). A bad value raises ``ValueError`` naming
     ``SamplingParams.<field>``; any accepted value samples without error.
     """
 
@@ -79,6 +81,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    stop: str | Sequence[str] = ()
 
     def __post_init__(self) -> None:
         t, p, s, stops = self.temperature, self.top_p, self.seed, self.stop_token_ids
@@ -109,6 +112,8 @@ class SamplingParams:
         object.__setattr__(self, "repetition_penalty", float(rp))
         _check(_count(self.min_tokens, 0) and self.min_tokens <= self.max_tokens, "min_tokens",
                f"an int in 0..max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.stop != ():   # a str or strings, stored as a tuple (kvlab.engine.stop_strings)
+            object.__setattr__(self, "stop", check_stop(self.stop, "SamplingParams.stop"))
         if self.structured_outputs is not None:
             object.__setattr__(self, "structured_outputs",
                                check_structured_outputs(self.structured_outputs))
