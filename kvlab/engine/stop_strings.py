@@ -9,7 +9,9 @@ once. Its output then ends with ``finish_reason="stop"``, ``stop_reason`` the st
 before the match and every token up to the one that completed it. vLLM does the same in its
 output processor (``OutputProcessor.process_outputs`` in ``vllm/v1/engine/output_processor.py``,
 v0.32.0: the detokenizer's ``update`` returns the stop string, the request is aborted in the
-core).
+core). One difference: with speculative decoding, tokens accepted in the same step after the
+one that completed the match stay in ``token_ids`` (the text is cut all the same); vLLM trims
+them (``_trim_surplus_tokens``).
 """
 
 from __future__ import annotations
