@@ -72,10 +72,9 @@ def test_each_of_n_samples_stops_on_its_own(llm):
     assert sum(o.finish_reason == "stop" for o in got.outputs) >= 2   # the test sees both kinds
 
 
-def test_the_matched_sample_leaves_the_engine_at_once():
+def test_the_matched_sample_leaves_the_engine_at_once(llm):
     engine = LLMEngine(EngineArgs("kvlab-tiny"))
-    full = LLM("kvlab-tiny").generate(PROMPT, SamplingParams(max_tokens=40, temperature=0),
-                                       use_tqdm=False)[0].outputs[0]
+    full = _one(llm, temperature=0).outputs[0]
     stop = full.text[10:13]
     engine.add_request("s", PROMPT, SamplingParams(max_tokens=40, temperature=0, stop=stop))
     engine.add_request("long", PROMPT, SamplingParams(max_tokens=40, temperature=0))

@@ -38,11 +38,14 @@ def available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def pack_linear(layer: nn.Linear) -> bool:
+def pack_linear(layer: nn.Module) -> bool:
     """Point ``layer.forward`` at oneDNN with its weight packed now; False (layer unchanged)
-    where that cannot run. Call it again after the weight changes."""
+    where that cannot run or ``layer`` is not exactly an ``nn.Linear``. Call it again after the
+    weight changes."""
+    if type(layer) is not nn.Linear:
+        return False
     w = layer.weight
-    if type(layer) is not nn.Linear or w.device.type != "cpu" or not available(w.dtype):
+    if w.device.type != "cpu" or not available(w.dtype):
         return False
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
@@ -59,4 +62,4 @@ def pack_linears(model: nn.Module) -> int:
     the number packed."""
     if os.environ.get("KVLAB_CPU_LINEAR", "1") == "0":
         return 0
-    return sum(pack_linear(m) for m in model.modules() if type(m) is nn.Linear)
+    return sum(pack_linear(m) for m in model.modules())
