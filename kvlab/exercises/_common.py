@@ -6,9 +6,26 @@ so :func:`try_check` re-raises it as :class:`WrongAnswer`, which IPython renders
 alone (``_render_traceback_``). The cell still fails (an nbgrader test cell scores 0, Run All
 stops at a wrong answer); an answer that is still the placeholder only prints a hint, so Run All
 goes on past exercises nobody has tried yet.
+
+A check never computes the answer it grades. The truth of each exercise is computed by the
+instructor edition (``course/answers.py``, sealed by ``tools/seal_answers.py``) and shipped
+here only sealed (:func:`sealed`, data in ``_sealed_answers.py``): a discrete answer as a salted,
+deliberately slow hash, a number as an encoded value (so a check can still say "too high" or
+"too low"), and what a success message reveals encrypted under the right answer. Neither
+``check_…??`` nor a read of this package shows an answer. It is a seal against casual reading,
+not cryptography: a determined student can decode a number or brute-force a small answer space
+(the hash's 20,000 PBKDF2 rounds make that slow, not impossible), which is why grading that
+matters runs through the course's hidden tests.
 """
 
 from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import struct
+from dataclasses import dataclass
 
 
 class _OneLine(AssertionError):
@@ -59,3 +76,125 @@ def try_check(check, *args, **kwargs) -> str:
         raise WrongAnswer(str(verdict) or "the answer does not pass the check.") from None
     print(message)
     return message
+
+
+# --- sealed answers -----------------------------------------------------------------------------
+
+#: PBKDF2 rounds of a sealed answer's hash (about 10 ms a try: a check stays instant, a
+#: brute force over a large answer space does not).
+SEAL_ROUNDS = 20_000
+
+
+def canonical(value) -> str:
+    """The text a sealed answer is hashed from: JSON with tuples as lists, integral floats as
+    ints, sorted keys, so ``(1, 2)``, ``[1, 2]`` and ``[1.0, 2]`` seal alike. Raises
+    ``TypeError`` naming the value if it is not made of numbers, strings, lists and dicts."""
+
+    def norm(v):
+        if isinstance(v, bool) or v is None or isinstance(v, str):
+            return v
+        if isinstance(v, int):
+            return v
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                raise TypeError(f"a sealed answer must be finite, got {v!r}")
+            return int(v) if v.is_integer() else v
+        if isinstance(v, (list, tuple)):
+            return [norm(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): norm(x) for k, x in v.items()}
+        if hasattr(v, "item") and callable(v.item):    # a numpy or torch scalar
+            return norm(v.item())
+        raise TypeError(f"cannot seal or compare {type(v).__name__} {v!r}")
+
+    return json.dumps(norm(value), sort_keys=True, separators=(",", ":"))
+
+
+def _derive(salt: str, value, purpose: bytes) -> bytes:
+    return hashlib.pbkdf2_hmac("sha256", purpose + canonical(value).encode(),
+                               bytes.fromhex(salt), SEAL_ROUNDS)
+
+
+def _stream(seed: bytes, n: int) -> bytes:
+    out, counter = b"", 0
+    while len(out) < n:
+        out += hashlib.sha256(seed + counter.to_bytes(4, "big")).digest()
+        counter += 1
+    return out[:n]
+
+
+def _xor(data: bytes, seed: bytes) -> bytes:
+    return bytes(a ^ b for a, b in zip(data, _stream(seed, len(data)), strict=True))
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """One exercise's sealed truth (see the module docstring); made by :func:`seal`, read by
+    :func:`sealed`. ``digest`` seals the exact answer, ``number`` (optional) its value for
+    direction feedback, ``reveal`` (optional) facts a success message may show."""
+
+    key: str
+    salt: str
+    digest: str
+    number: str | None = None
+    reveal: str | None = None
+
+    def is_answer(self, value) -> bool:
+        """Whether ``value`` is the sealed answer (in :func:`canonical` form)."""
+        try:
+            return _derive(self.salt, value, b"answer:").hex() == self.digest
+        except TypeError:
+            return False
+
+    def value(self) -> float:
+        """The sealed number (for "too high" / "too low"); ``KeyError`` if none was sealed."""
+        if self.number is None:
+            raise KeyError(f"{self.key} seals no number")
+        raw = _xor(base64.b64decode(self.number), b"kvlab-number:" + self.key.encode())
+        return struct.unpack("<d", raw)[0]
+
+    def direction(self, got: float, tolerance: float = 0.0) -> str | None:
+        """``"too high"``, ``"too low"``, or None when ``got`` is within ``tolerance``."""
+        truth = self.value()
+        if abs(got - truth) <= tolerance:
+            return None
+        return "too high" if got > truth else "too low"
+
+    def revealed(self, answer) -> dict:
+        """The sealed facts, opened with the right ``answer``; ``ValueError`` if it is not."""
+        if self.reveal is None:
+            return {}
+        if not self.is_answer(answer):
+            raise ValueError(f"{self.key}: only the right answer opens its facts")
+        plain = _xor(base64.b64decode(self.reveal), _derive(self.salt, answer, b"reveal:"))
+        return json.loads(plain.decode())
+
+
+def seal(key: str, answer, *, number: float | None = None, reveal: dict | None = None,
+         salt: str | None = None) -> Sealed:
+    """Seal ``answer`` under ``key`` (instructor side: ``tools/seal_answers.py``). The salt
+    is derived from the key unless given, so sealing the same truth twice gives the same text
+    and a drifted truth shows as a changed line."""
+    salt = salt or hashlib.sha256(b"kvlab-salt:" + key.encode()).hexdigest()[:32]
+    digest = _derive(salt, answer, b"answer:").hex()
+    enc_number = None
+    if number is not None:
+        raw = struct.pack("<d", float(number))
+        enc_number = base64.b64encode(_xor(raw, b"kvlab-number:" + key.encode())).decode()
+    enc_reveal = None
+    if reveal:
+        plain = json.dumps(reveal, sort_keys=True).encode()
+        enc_reveal = base64.b64encode(_xor(plain, _derive(salt, answer, b"reveal:"))).decode()
+    return Sealed(key, salt, digest, enc_number, enc_reveal)
+
+
+def sealed(key: str) -> Sealed:
+    """The sealed truth of exercise ``key`` (``"ch01.kv_bytes_per_token"``); ``KeyError``
+    naming the key and the command that seals it when it is missing."""
+    from ._sealed_answers import SEALED
+
+    try:
+        return Sealed(key, *SEALED[key])
+    except KeyError:
+        raise KeyError(f"no sealed answer for {key!r}: run `python tools/seal_answers.py "
+                       "--write` (instructor edition)") from None

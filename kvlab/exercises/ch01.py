@@ -2,9 +2,11 @@
 where the KV traffic overtakes the weights, the TP rule, a TP/dtype design for Llama 3 70B, and
 a capacity estimate to debug.
 
-Every check computes the truth with :mod:`kvlab.capacity` (and the roofline cost model)
-under the assumptions the exercise states, and raises ``AssertionError`` saying what is wrong
-(a numeric answer: only too high or too low) without printing the expected value.
+A check with one right answer compares against its sealed truth (``_common.sealed``; the
+instructor edition computes it with :mod:`kvlab.capacity` and the roofline cost model under the
+assumptions stated here). Design and debug checks evaluate the reader's own choice with
+kvlab. Each raises ``AssertionError`` saying what is wrong (a numeric answer: only too high
+or too low) without printing the expected value.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from kvlab.capacity import DTYPE_BYTES, GiB, kv_heads_per_rank, plan_capacity
 from kvlab.capacity.catalog import get_gpu, get_model
 from kvlab.reference import kv_bytes
 
-from ._common import require_answer
+from ._common import require_answer, sealed
 
 #: The cache of :func:`check_kv_bytes_per_token` (exercise 1).
 KV_TOKEN_CASE = {"model": "Llama-3.1-405B", "kv_dtype": "int4", "scale_group": 32,
@@ -62,22 +64,21 @@ def _float_answer(value, what: str) -> float:
     return float(value)
 
 
-def _direction(got: float, truth: float) -> str:
-    return "too high" if got > truth else "too low"
+def _wrong(key: str, got: float, tolerance: float = 0.0) -> str | None:
+    """``"<got> is too high/low"`` against the sealed number ``key``, or None if right."""
+    way = sealed(key).direction(got, tolerance)
+    return None if way is None else f"{got:,} is {way}"
 
 
 def check_kv_bytes_per_token(answer) -> str:
     """Exercise 1: bytes of K and V one token of :data:`KV_TOKEN_CASE`'s model needs, all
     layers, one GPU, in its int4 cache with one fp16 scale per ``scale_group`` elements."""
     answer = _float_answer(answer, "KV bytes per token")
-    c = KV_TOKEN_CASE
-    plan = plan_capacity(get_model(c["model"]), 10**15, kv_dtype=c["kv_dtype"], tp=c["tp"],
-                         scale_group=c["scale_group"], scale_bytes=c["scale_bytes"])
-    truth = plan.kv_bytes_per_token
-    if abs(answer - truth) > 0.5:
-        raise AssertionError(f"{answer:,} is {_direction(answer, truth)}.")
-    return (f"Correct: {truth:,.0f} bytes per token, scales included "
-            f"({truth / 1024:.1f} KiB).")
+    wrong = _wrong("ch01.kv_bytes_per_token", answer, tolerance=0.5)
+    if wrong:
+        raise AssertionError(f"{wrong}.")
+    return (f"Correct: {answer:,.0f} bytes per token, scales included "
+            f"({answer / 1024:.1f} KiB).")
 
 
 def check_max_requests_h100(bf16_answer, fp8_answer) -> str:
@@ -85,38 +86,23 @@ def check_max_requests_h100(bf16_answer, fp8_answer) -> str:
     H100-80GB, with a bf16 and with an fp8 KV cache (each request needs whole blocks)."""
     bf16 = _int_answer(bf16_answer, "bf16 answer")
     fp8 = _int_answer(fp8_answer, "fp8 answer")
-    a = H100_ASSUMPTIONS
-    common = dict(context_len=a["context_len"], block_size=a["block_size"],
-                  gpu_memory_utilization=a["gpu_memory_utilization"],
-                  reserve_bytes=a["reserve_bytes"], weight_dtype=a["weight_dtype"])
-    model, gpu = get_model(a["model"]), get_gpu(a["gpu"])
-    truth = {d: plan_capacity(model, gpu, kv_dtype=d, **common).max_requests
-             for d in ("bf16", "fp8")}
-    wrong = [f"{d}: {got} is {_direction(got, truth[d])}" for d, got in (("bf16", bf16),
-             ("fp8", fp8)) if got != truth[d]]
+    wrong = [f"{d}: {w}" for d, got in (("bf16", bf16), ("fp8", fp8))
+             if (w := _wrong(f"ch01.max_requests_h100.{d}", got))]
     if wrong:
         raise AssertionError("; ".join(wrong) + ".")
-    return (f"Correct: {truth['bf16']} requests with bf16 KV, {truth['fp8']} with fp8 "
+    return (f"Correct: {bf16} requests with bf16 KV, {fp8} with fp8 "
             "(halving the element size doubles the concurrency).")
 
 
 def check_kv_overtakes_weights(answer) -> str:
     """Smallest decode batch of 4,096-token Llama-3-8B requests (bf16 weights and KV) whose
     step reads at least as many KV bytes as weight bytes (the roofline cost model's bytes)."""
-    from kvlab.sim.costmodel import RooflineCostModel
-
     batch = _int_answer(answer, "batch")
     if batch < 1:
         raise AssertionError("a batch holds at least one request")
-    cm = RooflineCostModel.named("Llama-3-8B", "H100-80GB SXM")
-
-    def kv_at_least_weights(b: int) -> bool:
-        return cm.cost([(1, 4095, True)] * b).bytes - cm.weight_bytes >= cm.weight_bytes
-
-    if not kv_at_least_weights(batch):
-        raise AssertionError(f"{batch} is too low.")
-    if kv_at_least_weights(batch - 1):
-        raise AssertionError(f"{batch} is too high.")
+    wrong = _wrong("ch01.kv_overtakes_weights", batch)
+    if wrong:
+        raise AssertionError(f"{wrong}.")
     return (f"Correct: from batch {batch} on the KV cache, not the weights, is most of a "
             "decode step's memory traffic.")
 
@@ -127,15 +113,14 @@ def check_tp_kv_per_rank(first_answer, second_answer) -> str:
     c = TP_RANK_CASE
     answers = (_int_answer(first_answer, f"TP={c['tp'][0]} answer"),
                _int_answer(second_answer, f"TP={c['tp'][1]} answer"))
-    m = get_model(c["model"])
-    truth = [int(plan_capacity(m, 10**15, tp=tp, kv_dtype=c["kv_dtype"]).kv_bytes_per_token)
-             for tp in c["tp"]]
-    problems = [f"TP={tp}: {got:,} is {_direction(got, want)}"
-                for tp, got, want in zip(c["tp"], answers, truth, strict=True) if got != want]
+    problems = [f"TP={tp}: {w}" for tp, got, which in zip(c["tp"], answers,
+                                                          ("first", "second"), strict=True)
+                if (w := _wrong(f"ch01.tp_kv_per_rank.{which}", got))]
     if problems:
         raise AssertionError("; ".join(problems) + ".")
-    return (f"Correct: {truth[0]:,} and {truth[1]:,} bytes per rank: {c['tp'][1] // c['tp'][0]}"
-            f" times the ranks divide the per-rank cache by only {truth[0] // truth[1]}, "
+    first, second = answers     # both right by now
+    return (f"Correct: {first:,} and {second:,} bytes per rank: {c['tp'][1] // c['tp'][0]}"
+            f" times the ranks divide the per-rank cache by only {first // second}, "
             "because a KV head cannot be split: past TP = KV heads it is replicated.")
 
 
@@ -162,9 +147,7 @@ def check_tp_design(tp, kv_dtype) -> str:
     if plan.max_requests < d["min_requests"]:
         raise AssertionError(f"TP={tp} with a {kv_dtype} cache holds fewer than "
                              f"{d['min_requests']} requests of {d['context_len']:,} tokens.")
-    smaller = [t for t in d["tp_choices"] if t < tp
-               and any(_design_plan(t, x).max_requests >= d["min_requests"] for x in dtypes)]
-    if smaller:
+    if sealed("ch01.tp_design.min_tp").direction(tp) == "too high":
         raise AssertionError(f"TP={tp} works, but it is not the fewest GPUs.")
     return (f"Correct: TP={tp} with a {kv_dtype} cache holds {plan.max_requests} requests "
             f"of {d['context_len']:,} tokens; no smaller group can. (Measure the accuracy of "

@@ -1,0 +1,122 @@
+"""The truth of every sealed exercise check — instructor edition: do not hand this file out.
+
+The chapters' checks (``kvlab/exercises/chNN.py``) never compute the answer they grade: they
+compare against sealed values (``kvlab/exercises/_sealed_answers.py``). This module computes
+each of those values with kvlab itself, under the assumptions the check's module states (its
+``*_CASE`` / ``*_ASSUMPTIONS`` constants), and ``tools/seal_answers.py`` seals them:
+
+    python tools/seal_answers.py --write    # after a change to kvlab or to an exercise
+    python tools/seal_answers.py --check    # what tests/test_sealed_answers.py runs
+
+Each entry is a function decorated with ``@truth("chNN.name")`` returning a :class:`Truth`:
+``answer`` is what the check compares exactly (hashed), ``number`` the value it compares for
+"too high" / "too low" (encoded), ``reveal`` facts a success message shows once the answer is
+right (encrypted under the answer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Truth:
+    """One exercise's answer, as :func:`kvlab.exercises._common.seal` seals it."""
+
+    answer: object
+    number: float | None = None
+    reveal: dict = field(default_factory=dict)
+
+
+TRUTHS: dict[str, Callable[[], Truth]] = {}
+
+
+def truth(key: str):
+    """Register the function computing the truth sealed under ``key``."""
+
+    def register(fn: Callable[[], Truth]) -> Callable[[], Truth]:
+        if key in TRUTHS:
+            raise ValueError(f"two truths for {key!r}")
+        TRUTHS[key] = fn
+        return fn
+
+    return register
+
+
+def _number(value: float) -> Truth:
+    """A numeric answer: the exact (rounded to an integer where integral) and its value."""
+    value = float(value)
+    return Truth(int(value) if value.is_integer() else value, number=value)
+
+
+# --- chapter 1: capacity -----------------------------------------------------------------------
+
+def _ch01():
+    from kvlab.capacity import plan_capacity
+    from kvlab.capacity.catalog import get_gpu, get_model
+    from kvlab.exercises import ch01
+
+    return ch01, plan_capacity, get_gpu, get_model
+
+
+@truth("ch01.kv_bytes_per_token")
+def _kv_bytes_per_token() -> Truth:
+    ch01, plan_capacity, _, get_model = _ch01()
+    c = ch01.KV_TOKEN_CASE
+    plan = plan_capacity(get_model(c["model"]), 10**15, kv_dtype=c["kv_dtype"], tp=c["tp"],
+                         scale_group=c["scale_group"], scale_bytes=c["scale_bytes"])
+    return _number(plan.kv_bytes_per_token)
+
+
+def _h100_max_requests(kv_dtype: str) -> Truth:
+    ch01, plan_capacity, get_gpu, get_model = _ch01()
+    a = ch01.H100_ASSUMPTIONS
+    plan = plan_capacity(get_model(a["model"]), get_gpu(a["gpu"]), kv_dtype=kv_dtype,
+                         context_len=a["context_len"], block_size=a["block_size"],
+                         gpu_memory_utilization=a["gpu_memory_utilization"],
+                         reserve_bytes=a["reserve_bytes"], weight_dtype=a["weight_dtype"])
+    return _number(plan.max_requests)
+
+
+truth("ch01.max_requests_h100.bf16")(lambda: _h100_max_requests("bf16"))
+truth("ch01.max_requests_h100.fp8")(lambda: _h100_max_requests("fp8"))
+
+
+@truth("ch01.kv_overtakes_weights")
+def _kv_overtakes_weights() -> Truth:
+    from kvlab.sim.costmodel import RooflineCostModel
+
+    cm = RooflineCostModel.named("Llama-3-8B", "H100-80GB SXM")
+    batch = 1
+    while cm.cost([(1, 4095, True)] * batch).bytes - cm.weight_bytes < cm.weight_bytes:
+        batch += 1
+    return _number(batch)
+
+
+def _tp_kv_per_rank(index: int) -> Truth:
+    ch01, plan_capacity, _, get_model = _ch01()
+    c = ch01.TP_RANK_CASE
+    plan = plan_capacity(get_model(c["model"]), 10**15, tp=c["tp"][index],
+                         kv_dtype=c["kv_dtype"])
+    return _number(int(plan.kv_bytes_per_token))
+
+
+truth("ch01.tp_kv_per_rank.first")(lambda: _tp_kv_per_rank(0))
+truth("ch01.tp_kv_per_rank.second")(lambda: _tp_kv_per_rank(1))
+
+
+@truth("ch01.tp_design.min_tp")
+def _tp_design_min_tp() -> Truth:
+    from kvlab.capacity import DTYPE_BYTES
+
+    ch01, plan_capacity, get_gpu, get_model = _ch01()
+    d = ch01.TP_DESIGN
+    dtypes = [x for x in DTYPE_BYTES if x != "fp32"]
+    for tp in d["tp_choices"]:
+        if any(plan_capacity(get_model(d["model"]), get_gpu(d["gpu"]), tp=tp, kv_dtype=x,
+                             context_len=d["context_len"],
+                             reserve_bytes=d["reserve_bytes"]).max_requests
+               >= d["min_requests"] for x in dtypes):
+            return _number(tp)
+    raise AssertionError("no TP choice holds the requirement: the exercise is unsolvable")
