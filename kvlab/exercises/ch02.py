@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 
 from kvlab.core.paging import slot_mapping
 from kvlab.fragmentation import sharegpt_like_workload, simulate
@@ -28,8 +29,11 @@ BATCH = {"block_tables": [[3, 7], [1], [0, 2, 5]], "block_size": 4,
 ARENA_PREDICT = {"requests": 1000, "seed": 0, "arena_tokens": 16384, "smaller_arena": 8192,
                  "block_size": 16}
 
-#: The workload and arena of :func:`check_block_size_design` (the chapter's own).
-BLOCK_DESIGN = {"requests": 1000, "seed": 0, "arena_tokens": 16384, "min_token_states": 0.95,
+#: The workload and arena of :func:`check_block_size_design` (exercise 5): the chapter's arena
+#: and generator, with short chat turns (mean prompt 40, mean output 80 tokens) instead of the
+#: chapter's ShareGPT-like lengths, so the chapter's block-size table does not answer it.
+BLOCK_DESIGN = {"requests": 1000, "seed": 0, "arena_tokens": 16384, "prompt_mean": 40.0,
+                "output_mean": 80.0, "min_token_states": 0.95,
                 "block_sizes": (4, 8, 16, 32, 64, 128, 256, 512)}
 
 
@@ -69,7 +73,8 @@ def check_blocks_to_add_counterexample(case) -> str:
 
 
 def fast_slot(block_table, block_size, token_pos):
-    """Exercise 1's unchecked slot function (deliberately without validation)."""
+    """An unchecked slot function (deliberately without validation), kept with
+    :func:`check_fast_slot_counterexample` for teachers' own exercises."""
     return block_table[token_pos // block_size] * block_size + token_pos % block_size
 
 
@@ -113,9 +118,12 @@ def tail_waste(lengths, block_size: int) -> int:
 
 
 def check_tail_waste(answer16, answer256) -> str:
-    """Unwritten slots in the last blocks of :data:`TAIL_LENGTHS` at block size 16 and 256."""
+    """Exercise 2: unwritten slots in the last blocks of :data:`TAIL_LENGTHS` at block size 16
+    and 256."""
     for value, what in ((answer16, "block size 16"), (answer256, "block size 256")):
         require_answer(value, what)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise AssertionError(f"{what}: expected a whole number of slots, got {value!r}")
     truth = (tail_waste(TAIL_LENGTHS, 16), tail_waste(TAIL_LENGTHS, 256))
     wrong = [f"block size {q}: {got} is {'too high' if got > want else 'too low'}"
              for q, got, want in ((16, answer16, truth[0]), (256, answer256, truth[1]))
@@ -129,10 +137,14 @@ def check_tail_waste(answer16, answer256) -> str:
 
 
 def check_slot_mapping(answer) -> str:
-    """The flat slot mapping of :data:`BATCH` (one slot per scheduled token, request order)."""
+    """Exercise 3: the flat slot mapping of :data:`BATCH` (one slot per scheduled token, in
+    request order)."""
     require_answer(answer, "slot mapping")
+    try:
+        got = [operator.index(x) for x in answer]
+    except TypeError:
+        raise AssertionError(f"give a list of whole numbers (slots), got {answer!r}") from None
     truth = slot_mapping(**BATCH).tolist()
-    got = [int(x) for x in answer]
     if len(got) != len(truth):
         raise AssertionError(f"the step schedules {len(truth)} tokens; your mapping has "
                              f"{len(got)} entries (one slot per scheduled token).")
@@ -144,8 +156,8 @@ def check_slot_mapping(answer) -> str:
     return f"Correct: {truth}."
 
 
-def check_fast_slot_counterexample(case) -> str:
-    """Exercise 1: an input on which :func:`fast_slot` returns a slot where the reference
+def check_fast_slot_counterexample(case) -> str:  # kept for teachers' own exercises
+    """An input on which :func:`fast_slot` returns a slot where the reference
     :func:`~kvlab.reference.physical_slot` raises."""
     require_answer(case, "counterexample")
     if not isinstance(case, (tuple, list)) or len(case) != 3:
@@ -167,9 +179,12 @@ def check_fast_slot_counterexample(case) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _paged_run(requests: int, seed: int, arena_tokens: int, block_size: int):
-    """The paged simulation of the chapter's workload (cached: the checks reuse runs)."""
-    workload = sharegpt_like_workload(requests, seed=seed)
+def _paged_run(requests: int, seed: int, arena_tokens: int, block_size: int,
+               prompt_mean: float = 161.0, output_mean: float = 338.0):
+    """The paged simulation of a ShareGPT-like workload (the chapter's by default; cached: the
+    checks reuse runs)."""
+    workload = sharegpt_like_workload(requests, seed=seed, prompt_mean=prompt_mean,
+                                      output_mean=output_mean)
     return simulate(workload, "paged", arena_tokens, block_size=block_size)
 
 
@@ -213,14 +228,16 @@ def check_smaller_arena(answer) -> str:
 
 
 def check_block_size_design(block_size) -> str:
-    """Exercise 4: the largest block size in :data:`BLOCK_DESIGN` whose paged run keeps at
-    least ``min_token_states`` of the arena holding token states."""
+    """Exercise 5: the largest block size in :data:`BLOCK_DESIGN` whose paged run of its
+    workload keeps at least ``min_token_states`` of the arena holding token states."""
     require_answer(block_size, "block size")
     d = BLOCK_DESIGN
     if block_size not in d["block_sizes"]:
         raise AssertionError(f"choose one of {d['block_sizes']}, got {block_size!r}")
+
     def good(q: int) -> bool:
-        run = _paged_run(d["requests"], d["seed"], d["arena_tokens"], q)
+        run = _paged_run(d["requests"], d["seed"], d["arena_tokens"], q, d["prompt_mean"],
+                         d["output_mean"])
         return run.token_states >= d["min_token_states"]
 
     if not good(block_size):
