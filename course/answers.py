@@ -120,3 +120,65 @@ def _tp_design_min_tp() -> Truth:
                >= d["min_requests"] for x in dtypes):
             return _number(tp)
     raise AssertionError("no TP choice holds the requirement: the exercise is unsolvable")
+
+
+# --- chapter 3: reference counts and copy-on-write ---------------------------------------------
+
+def _ch03():
+    from kvlab.exercises import ch03
+
+    return ch03
+
+
+@truth("ch03.sampling_blocks.with")
+def _sampling_with() -> Truth:
+    ch03 = _ch03()
+    return _number(ch03._sampling_blocks(**ch03.SAMPLING)[0])
+
+
+@truth("ch03.sampling_blocks.without")
+def _sampling_without() -> Truth:
+    ch03 = _ch03()
+    return _number(ch03._sampling_blocks(**ch03.SAMPLING)[1])
+
+
+@truth("ch03.double_release")
+def _double_release() -> Truth:
+    """The letter of the option that matches what a real ``BlockPool`` does on a second
+    release by the same owner: (a) raises, (b) decrements again, (c) no-op returning [],
+    (d) frees the blocks."""
+    from kvlab.core.block_pool import BlockPool
+
+    pool = BlockPool(2)
+    table = pool.allocate(1, "a")
+    pool.share(table, "b")
+    pool.release(table, "a")
+    before = pool.state_tuple()
+    try:
+        second = pool.release(table, "a")
+    except ValueError:
+        return Truth("a")
+    if second == [] and pool.state_tuple() == before:
+        return Truth("c")
+    return Truth("d" if table[0] in pool.free_blocks() else "b")
+
+
+@truth("ch03.write_order.copies")
+def _write_order_copies() -> Truth:
+    ch03 = _ch03()
+    return _number(ch03.write_order_outcome(**ch03.WRITE_ORDER)[0])
+
+
+@truth("ch03.write_order.in_place")
+def _write_order_in_place() -> Truth:
+    ch03 = _ch03()
+    return Truth(ch03.write_order_outcome(**ch03.WRITE_ORDER)[1])
+
+
+@truth("ch03.max_samples")
+def _max_samples() -> Truth:
+    ch03 = _ch03()
+    n = 1
+    while ch03.samples_fit(n + 1, **ch03.SAMPLES_DESIGN):
+        n += 1
+    return _number(n)

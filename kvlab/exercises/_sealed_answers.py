@@ -45,4 +45,40 @@ SEALED = {
         'y3SCUEPve1w=',
         None,
     ),
+    'ch03.double_release': (
+        '954a10cfe1f49bb03ed0c2a6d93610fa',
+        '00a68ee2426f8dcc595fe6df4dfe953510fc63d3f5362952e73ba6cf3443dbc9',
+        None,
+        None,
+    ),
+    'ch03.max_samples': (
+        '1739dab9f53a10ca7582e96110672d03',
+        'a412c7896724ee6f9889227f8e1014b7c09d946b6843ddc681274e289a27493d',
+        'at8hJMHqPmc=',
+        None,
+    ),
+    'ch03.sampling_blocks.with': (
+        'f98bb08645d87bfd42e8c13e4b1f0470',
+        '6546be50abef1965275a94adecd1857ef1d1d5139d9e277b269ea3239d06185b',
+        'nA8UXlT5AFE=',
+        None,
+    ),
+    'ch03.sampling_blocks.without': (
+        'daa353c25720ae9f2cab46f68ee7c76d',
+        '6bcd64787b0271e99b8637dfdb65828a8e1e76524927159eba933be9d7d7ba93',
+        'xw5PrWEGKh0=',
+        None,
+    ),
+    'ch03.write_order.copies': (
+        'f38a213b673485d2b77ca5ec80fb09ab',
+        '3b71121dd1c490c17ad2a3a677931fbf969ed1d075a3c5f16701e5ec73a3c6ef',
+        'KA1noG4OBP4=',
+        None,
+    ),
+    'ch03.write_order.in_place': (
+        '1e689c9c39e2aa9a2bca81627cd6a18d',
+        'b191f8ac75090569fb58b199c5126e5d6dae8177ac8c1a7763f9c9b35e47841b',
+        None,
+        None,
+    ),
 }

@@ -2,8 +2,10 @@
 predict the copies of a fork written in another order, and size parallel sampling on a real
 KV manager.
 
-Each check computes the truth with :mod:`kvlab.core` (the reference ``BlockAllocator`` or a real
-``KVCacheManager``) and raises ``AssertionError`` saying what is wrong, never the answer.
+A check with one right answer compares against its sealed truth (``_common.sealed``; the
+instructor edition computes it with :mod:`kvlab.core`: the reference ``BlockAllocator`` or a
+real ``KVCacheManager``); the debug checks run the reader's code against the reference. Each
+raises ``AssertionError`` saying what is wrong, never the answer.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.reference import BlockAllocator
 
-from ._common import require_answer
+from ._common import require_answer, sealed
 
 #: Parallel sampling of :func:`check_sampling_blocks` (exercise 2): one prompt, five samples
 #: that stop after different numbers of tokens (one output length per sample).
@@ -143,15 +145,14 @@ def check_sampling_blocks(with_sharing, without_sharing) -> str:
     forked sharing and without sharing (direction only when wrong)."""
     require_answer(with_sharing, "blocks with sharing")
     require_answer(without_sharing, "blocks without sharing")
-    truth = _sampling_blocks(**SAMPLING)
-    if (with_sharing, without_sharing) != truth:
-        wrong = "; ".join(f"{what}: {got} is {'too high' if got > want else 'too low'}"
-                          for what, got, want in (("with sharing", with_sharing, truth[0]),
-                                                  ("without", without_sharing, truth[1]))
-                          if got != want)
+    wrong = "; ".join(f"{what}: {got} is {way}"
+                      for what, key, got in (("with sharing", "with", with_sharing),
+                                             ("without", "without", without_sharing))
+                      if (way := sealed(f"ch03.sampling_blocks.{key}").direction(got)))
+    if wrong:
         raise AssertionError(f"{wrong}.")
-    return (f"Correct: {truth[0]} blocks instead of {truth[1]} "
-            f"({100 * (1 - truth[0] / truth[1]):.0f}% less KV memory).")
+    return (f"Correct: {with_sharing} blocks instead of {without_sharing} "
+            f"({100 * (1 - with_sharing / without_sharing):.0f}% less KV memory).")
 
 
 #: Why each wrong option of :func:`check_double_release` fails (the right one has no entry).
@@ -171,19 +172,10 @@ def check_double_release(answer) -> str:
     fails, from the pool's observed behaviour.
     """
     require_answer(answer, "your letter")
-    from kvlab.core.block_pool import BlockPool
-
     letter = str(answer).strip().lower()
     if letter not in ("a", "b", "c", "d"):
         raise AssertionError(f"answer with one of the letters a, b, c, d, got {answer!r}")
-    pool = BlockPool(2)
-    table = pool.allocate(1, "a")
-    pool.share(table, "b")
-    pool.release(table, "a")
-    before = pool.state_tuple()
-    second = pool.release(table, "a")
-    assert second == [] and pool.state_tuple() == before, "BlockPool.release changed"
-    if letter != "c":
+    if not sealed("ch03.double_release").is_answer(letter):
         raise AssertionError(_DOUBLE_RELEASE_WRONG[letter])
     return ("Correct: releasing is idempotent per owner. A plain counter cannot tell a second "
             "release from another owner's, which is how double frees corrupt shared blocks.")
@@ -222,19 +214,19 @@ def check_write_order(copies, in_place) -> str:
     require_answer(in_place, "the sequence that writes in place")
     if isinstance(copies, bool) or not isinstance(copies, int):
         raise AssertionError(f"the number of copies is a whole number, got {copies!r}")
-    truth_copies, truth_in_place = write_order_outcome(**WRITE_ORDER)
     problems = []
-    if copies != truth_copies:
-        problems.append(f"{copies} copies is {'too many' if copies > truth_copies else 'too few'}")
+    way = sealed("ch03.write_order.copies").direction(copies)
+    if way:
+        problems.append(f"{copies} copies is {way.replace('high', 'many').replace('low', 'few')}")
     seqs = WRITE_ORDER["order"]
     if in_place not in seqs:
         problems.append(f"{in_place!r} is not one of the sequences {seqs}")
-    elif in_place != truth_in_place:
+    elif not sealed("ch03.write_order.in_place").is_answer(in_place):
         problems.append(f"{in_place!r} cannot write in place: when it writes, the partial "
                         "block still has another owner")
     if problems:
         raise AssertionError("; ".join(problems) + ".")
-    return (f"Correct: {truth_copies} copies, and {truth_in_place} writes in place. Whatever "
+    return (f"Correct: {copies} copies, and {in_place} writes in place. Whatever "
             "the order, every writer but the last owner of the partial block copies it.")
 
 
@@ -292,10 +284,11 @@ def check_max_samples(n) -> str:
     require_answer(n, "n")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise AssertionError(f"n must be a positive whole number, got {n!r}")
-    if not samples_fit(n, **SAMPLES_DESIGN):
+    way = sealed("ch03.max_samples").direction(n)
+    if way == "too high":
         raise AssertionError(f"n = {n} is too high: it runs out of blocks before every sample "
                              f"has its {SAMPLES_DESIGN['output_tokens']} tokens.")
-    if samples_fit(n + 1, **SAMPLES_DESIGN):
+    if way:
         raise AssertionError(f"n = {n} is too low.")
     d = SAMPLES_DESIGN
     private = d["num_blocks"] // -(-(d["prompt_tokens"] + d["output_tokens"]) // d["block_size"])
