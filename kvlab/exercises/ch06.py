@@ -3,12 +3,13 @@ first token behind finishing decodes, a token budget that meets an inter-token-l
 another GPU (Sarathi-Serve's trade), and a dashboard's latency numbers to debug.
 
 Each check computes the truth with :mod:`kvlab.core` (and the simulator) and raises
-``AssertionError`` saying what is wrong (which entry, too high or too low), never the answer.
+``AssertionError`` saying what is wrong (which rule a batch breaks, too high or too low, a
+prediction the simulator does not reproduce), never the answer.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from itertools import pairwise
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
@@ -31,20 +32,64 @@ BATCH_BUDGETS = {"token_budget": 8, "max_sequences": 4, "prefill_chunk": 4}
 
 def check_batch(answer) -> str:
     """``answer``: list of ``(request_id, tokens)`` that ``build_batch`` schedules for
-    :data:`BATCH_REQUESTS` under :data:`BATCH_BUDGETS`, in batch order."""
+    :data:`BATCH_REQUESTS` under :data:`BATCH_BUDGETS`, in batch order.
+
+    A wrong batch is told which of ``build_batch``'s rules it breaks (a budget, a decode's one
+    token, a request's prompt, the order), never which entry is wrong or what it should be."""
     require_answer(answer, "a list of (request_id, tokens) pairs")
     reqs = [Request(rid, left, phase=phase) for rid, left, phase in BATCH_REQUESTS]
     want = [(rid, n) for rid, _, n in build_batch(reqs, **BATCH_BUDGETS)]
-    got = [(rid, int(n)) for rid, n in answer]
-    for i, (g, w) in enumerate(zip(got, want, strict=False)):
-        if g != w:
-            what = "the wrong request" if g[0] != w[0] else f"the wrong token count for {g[0]}"
-            raise AssertionError(f"entry {i} {g} has {what}; the entries before it are right.")
-    if len(got) != len(want):
-        raise AssertionError("your batch is right as far as it goes, but "
-                             + ("more requests fit." if len(got) < len(want)
-                                else "it schedules more than the budgets allow."))
-    return f"Correct: {want}."
+    try:
+        got = [(str(rid), n) for rid, n in answer]
+    except (TypeError, ValueError):
+        raise AssertionError("give a list of (request_id, tokens) pairs") from None
+    if got == want:
+        return f"Correct: {want}."
+    raise AssertionError(_batch_rule_broken(got, want))
+
+
+def _batch_rule_broken(got: list[tuple[str, object]], want: list[tuple[str, int]]) -> str:
+    """Why ``got`` is not ``build_batch``'s batch, as the first rule of the policy it breaks."""
+    left = {rid: n for rid, n, _ in BATCH_REQUESTS}
+    decode = {rid for rid, _, phase in BATCH_REQUESTS if phase == Phase.DECODE}
+    listed = [rid for rid, _, _ in BATCH_REQUESTS]
+    b = BATCH_BUDGETS
+    for rid, n in got:
+        if rid not in left:
+            return f"there is no request {rid!r} in BATCH_REQUESTS."
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            return f"{rid}: a scheduled request gets a positive whole number of tokens."
+    ids = [rid for rid, _ in got]
+    if len(set(ids)) != len(ids):
+        return "a request appears twice; build_batch schedules each at most once a step."
+    if len(got) > b["max_sequences"]:
+        return f"{len(got)} requests exceed max_sequences ({b['max_sequences']})."
+    total = sum(n for _, n in got)
+    if total > b["token_budget"]:
+        return f"{total} tokens exceed the token budget ({b['token_budget']})."
+    for rid, n in got:
+        if rid in decode and n != 1:
+            return f"{rid} is decoding: a decode computes one token a step."
+        if rid not in decode and n > min(left[rid], b["prefill_chunk"]):
+            return (f"{rid} gets {n} tokens, more than its prompt has left or prefill_chunk "
+                    "allows.")
+    phases = ["decode" if rid in decode else "prefill" for rid in ids]
+    if "prefill" in phases and "decode" in phases[phases.index("prefill"):]:
+        return "a prefill comes before a decode: build_batch serves every decode first."
+    for group in (decode, set(left) - decode):
+        mine = [rid for rid in ids if rid in group]
+        if mine != [rid for rid in listed if rid in mine]:
+            return ("two requests of the same phase are out of the order in which "
+                    "BATCH_REQUESTS lists them.")
+    prefills = [rid for rid in listed if rid not in decode]
+    mine = [rid for rid in ids if rid not in decode]
+    if mine and prefills[:len(mine)] != mine:
+        return ("a prefill is passed over for one listed after it; build_batch does not skip "
+                "a prefill it can still give tokens to.")
+    if total < sum(n for _, n in want):
+        return ("your batch obeys the budgets but leaves tokens unscheduled that build_batch "
+                "gives out.")
+    return "your batch obeys the budgets, but build_batch splits the tokens differently."
 
 
 # ------------------------------------------------------------------- a deadline the baseline misses
@@ -98,12 +143,6 @@ def check_deadline_policy(order_key) -> str:
         raise AssertionError(f"{unfinished} did not finish")
     return (f"Correct: first token at step {step} (baseline {base}, priority-first {default}); "
             "all four requests finished.")
-
-
-def edf_then_priority(request: RuntimeRequest, hit_tokens: int, step: int) -> tuple:
-    """A solution of :func:`check_deadline_policy`: earliest deadline first, then priority."""
-    deadline = request.deadline if request.deadline is not None else math.inf
-    return (deadline, request.priority, -hit_tokens)
 
 
 # ------------------------------------------------------------------- TTFT behind finishing decodes
@@ -188,28 +227,64 @@ def run_chunk(chunk: int, setting: dict | None = None):
     return simulate(BaselineScheduler(kv, cfg), workload, cm)
 
 
-def itl_p99(chunk: int, setting: dict | None = None) -> float:
+@functools.lru_cache(maxsize=32)
+def _itl_p99(chunk: int, setting: tuple) -> float:
     from kvlab.sim.itl import inter_token_latencies, percentile
 
-    return percentile(inter_token_latencies(run_chunk(chunk, setting)), 99)
+    return percentile(inter_token_latencies(run_chunk(chunk, dict(setting))), 99)
 
 
-def check_chunk_design(chunk) -> str:
+def itl_p99(chunk: int, setting: dict | None = None) -> float:
+    """The p99 inter-token latency (seconds) of :func:`run_chunk` (memoised per setting)."""
+    d = CHUNK_SWEEP if setting is None else setting
+    return _itl_p99(chunk, tuple(sorted(d.items())))
+
+
+
+#: Exercise 4: a predicted p99 ITL passes within this fraction of the simulator's. A prediction
+#: scaled from the H100 sweep by the two GPUs' FLOP rates lands within a few percent.
+CHUNK_PREDICTION_TOLERANCE = 0.25
+
+
+def check_chunk_design(budget, predicted_p99_ms) -> str:
     """Exercise 4: the largest token budget in ``CHUNK_DESIGN['chunks']`` whose p99 inter-token
-    latency meets ``CHUNK_DESIGN['itl_p99_slo_s']`` on ``CHUNK_DESIGN``'s GPU and load."""
-    require_answer(chunk, "your token budget")
+    latency meets ``CHUNK_DESIGN['itl_p99_slo_s']`` on ``CHUNK_DESIGN``'s GPU and load.
+
+    ``predicted_p99_ms``: ``{budget: ms}``, your predicted p99 ITL at the chosen budget and at
+    the next larger one (if any), each of which must be within
+    :data:`CHUNK_PREDICTION_TOLERANCE` of what the simulator measures (a prediction outside it
+    is refused without a direction, so the budget cannot be found by trying the options)."""
+    require_answer(budget, "your token budget")
+    require_answer(predicted_p99_ms, "your predicted p99 ITL in ms, {budget: ms}")
     d = CHUNK_DESIGN
-    if chunk not in d["chunks"]:
-        raise AssertionError(f"choose one of {d['chunks']}, got {chunk!r}")
+    chunks = d["chunks"]
+    if isinstance(budget, bool) or budget not in chunks:
+        raise AssertionError(f"choose one of {chunks}, got {budget!r}")
+    larger = [c for c in chunks if c > budget]
+    needed = [budget, *larger[:1]]
+    if not isinstance(predicted_p99_ms, dict):
+        raise AssertionError(f"give your predictions as a dict {{budget: ms}} for {needed}")
+    for c in needed:
+        ms = predicted_p99_ms.get(c)
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not ms > 0:
+            raise AssertionError(f"give a predicted p99 ITL in ms (a positive number) for each "
+                                 f"of {needed}; missing or not a number: {c}")
+        simulated = itl_p99(c, d) * 1e3
+        if abs(ms - simulated) > CHUNK_PREDICTION_TOLERANCE * simulated:
+            raise AssertionError(
+                f"your predicted p99 at a budget of {c} tokens is not within "
+                f"{CHUNK_PREDICTION_TOLERANCE:.0%} of what the simulator measures; revise the "
+                "model your prediction rests on (or measure it with itl_p99 and find where "
+                "the model went wrong).")
     slo_ms = d["itl_p99_slo_s"] * 1e3
-    if itl_p99(chunk, d) > d["itl_p99_slo_s"]:
-        raise AssertionError(f"with a budget of {chunk} tokens the p99 inter-token latency "
+    if itl_p99(budget, d) > d["itl_p99_slo_s"]:
+        raise AssertionError(f"with a budget of {budget} tokens the p99 inter-token latency "
                              f"exceeds {slo_ms:.0f} ms: too large.")
-    larger = [c for c in d["chunks"] if c > chunk]
     if larger and itl_p99(larger[0], d) <= d["itl_p99_slo_s"]:
-        raise AssertionError(f"a budget of {chunk} meets the target, but a larger one does too "
-                             "(and larger budgets give lower TTFT and fewer steps): too small.")
-    return (f"Correct: {chunk} tokens is the largest budget whose p99 ITL stays within "
+        raise AssertionError(f"a budget of {budget} meets the target, but a larger one does "
+                             "too (and larger budgets give lower TTFT and fewer steps): too "
+                             "small.")
+    return (f"Correct: {budget} tokens is the largest budget whose p99 ITL stays within "
             f"{slo_ms:.0f} ms on the {d['gpu']}. A step that carries a full prefill chunk is "
             "compute-bound, so its time scales with the chunk and inversely with the GPU's "
             "FLOP rate: the budget that met a target on one GPU is the wrong one on another.")
