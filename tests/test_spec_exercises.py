@@ -110,13 +110,24 @@ def test_deployment_check_has_no_direction_and_grades_on_the_cost_model():
     assert 0 not in passing and len(passing) < len(speed) - 2
     for k in d["k_choices"]:
         if k in passing:
-            assert "Good" in ch09.check_deployment_k(k)
+            assert "Good" in ch09.check_deployment_k(k, speed[k])
+            # the right k with a speedup it does not give fails, without the direction
+            for off in (0.9, 1.1):
+                text = _fails(ch09.check_deployment_k, k, off * speed[k],
+                              match="not the speedup")
+                assert "high" not in text and "low" not in text
         else:
-            text = _fails(ch09.check_deployment_k, k)
+            text = _fails(ch09.check_deployment_k, k, speed[k])
             assert "larger" not in text and "smaller" not in text and "x" not in text.split(
                 "k=")[-1].split()[0][1:]
-    _fails(ch09.check_deployment_k, 9, match="choose an int")
-    _fails(ch09.check_deployment_k, True, match="choose an int")
+    # trying every k without computing its speedup fails on the speedup, not on the k
+    best_k = max(speed, key=speed.get)
+    _fails(ch09.check_deployment_k, best_k, 1.0, match="not the speedup")
+    _fails(ch09.check_deployment_k, 9, 1.0, match="choose an int")
+    _fails(ch09.check_deployment_k, True, 1.0, match="choose an int")
+    _fails(ch09.check_deployment_k, best_k, "fast", match="is a number")
+    with pytest.raises(NotYetAnswered):
+        ch09.check_deployment_k(best_k, ...)
 
 
 def test_acceptance_figure_draws_plain_data():

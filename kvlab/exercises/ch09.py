@@ -195,17 +195,29 @@ def check_fixed_step(fn) -> str:
     return "Fixed: exact on all three pairs, and it keeps drafts at the rule's rate."
 
 
-def check_deployment_k(k) -> str:
+def check_deployment_k(k, speedup=None) -> str:
     """Exercise 5: the ``k`` (0 = no speculation) for :data:`DESIGN`'s deployment whose
     roofline throughput is within ``DESIGN["tolerance"]`` of the best choice in
-    ``DESIGN["k_choices"]`` (a proposer of ``k`` draft forwards per step)."""
+    ``DESIGN["k_choices"]`` (a proposer of ``k`` draft forwards per step), and ``speedup``, the
+    speedup over plain decoding the cost model gives that ``k`` (1.0 for ``k = 0``), within
+    1 %. Both must be right: the speedup is what makes the choice a measured one."""
     require_answer(k, "your k (an int; 0 turns speculation off)")
+    require_answer(speedup, "the speedup your k gives (a number)")
     if isinstance(k, bool) or not isinstance(k, int) or k not in DESIGN["k_choices"]:
         raise AssertionError(f"choose an int k in {DESIGN['k_choices'][0]}.."
                              f"{DESIGN['k_choices'][-1]}")
+    try:
+        claimed = float(speedup)
+    except (TypeError, ValueError):
+        raise AssertionError(f"the speedup is a number, got {speedup!r}") from None
+    if not claimed > 0:
+        raise AssertionError(f"a speedup is a positive number, got {speedup!r}")
     b, c, a = DESIGN["batch"], DESIGN["context"], DESIGN["alpha"]
-    best = max(_speedup(b, n, a, c) for n in DESIGN["k_choices"])
     got = _speedup(b, k, a, c)
+    if abs(claimed - got) > 0.01 * got:
+        raise AssertionError(f"{claimed:.3g} is not the speedup of k={k} at this deployment "
+                             "(off by more than 1 %)")
+    best = max(_speedup(b, n, a, c) for n in DESIGN["k_choices"])
     if got < (1 - DESIGN["tolerance"]) * best:
         raise AssertionError(f"k={k} is not within {DESIGN['tolerance']:.0%} of the best "
                              "throughput for this deployment")
