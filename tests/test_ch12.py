@@ -65,6 +65,12 @@ def test_check_bug_invariants_grades_by_running_the_bugs():
         check_bug_invariants(wrong)
     for v in truth.values():                  # the message never gives the answer away
         assert f": {v}" not in str(info.value) and f"{v}," not in str(info.value)
+    # one bug wrong reads like all wrong: nothing names which bugs to try again
+    one_wrong = {**truth, "A": (truth["A"] % 9) + 1}
+    with pytest.raises(AssertionError) as one:
+        check_bug_invariants(one_wrong)
+    assert str(one.value) == str(info.value)
+    assert not any(f"'{k}'" in str(one.value) for k in BUGS)
     with pytest.raises(AssertionError, match="missing"):
         check_bug_invariants({"A": 1})
     with pytest.raises(AssertionError, match="from 1 to 9"):

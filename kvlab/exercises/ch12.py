@@ -81,11 +81,11 @@ def check_bug_invariants(answer) -> str:
     bad = sorted(k for k, v in answer.items() if not isinstance(v, int) or not 1 <= v <= 9)
     if bad:
         raise AssertionError(f"bugs {bad}: an invariant is a number from 1 to 9")
-    wrong = sorted(k for k in BUGS if run_lab(BUGS[k], "none").caught != answer[k])
-    if wrong:
-        raise AssertionError(f"bugs {wrong} are caught by another invariant than the one you "
-                             "named: ask what state the bug leaves wrong, and which check "
-                             "looks at that state first")
+    # graded as a whole: naming the wrong bugs would let each be found by trying 1..9
+    if any(run_lab(BUGS[k], "none").caught != answer[k] for k in BUGS):
+        raise AssertionError("not every bug is caught by the invariant you named: for each, "
+                             "ask what state the bug leaves wrong, and which check looks at "
+                             "that state first")
     return "Correct: every bug is caught, each by the invariant you named."
 
 
@@ -172,7 +172,7 @@ def run_budget(checker: Callable[[SchedulerOutput, SchedulerConfig], None],
 
 def check_budget_checker(checker) -> str:
     """``checker(output, config)``: raise ``AssertionError`` when the step ``output`` breaks the
-    batch budget of ``config`` (the invariant of exercise 2); return None otherwise. Graded by
+    batch budget of ``config`` (the invariant of exercise 3); return None otherwise. Graded by
     running it on the correct engine (it must never fire) and on mutated schedulers (it must
     fire on each)."""
     require_answer(checker, "a function checker(output, config)")
