@@ -145,11 +145,11 @@ def check_tp_design(tp, kv_dtype) -> str:
     if not plan.fits:
         raise AssertionError(f"At TP={tp} the weights and reserve do not even fit on one GPU.")
     if plan.max_requests < d["min_requests"]:
-        raise AssertionError(f"TP={tp} with a {kv_dtype} cache holds fewer than "
+        raise AssertionError(f"TP={tp} with {kv_dtype} KV holds fewer than "
                              f"{d['min_requests']} requests of {d['context_len']:,} tokens.")
     if sealed("ch01.tp_design.min_tp").direction(tp) == "too high":
         raise AssertionError(f"TP={tp} works, but it is not the fewest GPUs.")
-    return (f"Correct: TP={tp} with a {kv_dtype} cache holds {plan.max_requests} requests "
+    return (f"Correct: TP={tp} with {kv_dtype} KV holds {plan.max_requests} requests "
             f"of {d['context_len']:,} tokens; no smaller group can. (Measure the accuracy of "
             "a quantised cache before you ship it.)")
 
