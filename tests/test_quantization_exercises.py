@@ -29,6 +29,8 @@ def test_error_bounds():
             assert method not in message
     with pytest.raises(NotYetAnswered):
         ch08.check_error_bounds(..., zp)
+    with pytest.raises(AssertionError, match="as a number"):
+        ch08.check_error_bounds("0.03", zp)
 
 
 def test_greedy_prediction_is_graded_on_the_engine(monkeypatch):
@@ -96,6 +98,16 @@ def test_format_design_is_open_ended_and_graded_on_the_ordinary_columns():
         ch08.check_format_design(3, 64)
     with pytest.raises(AssertionError, match="not a valid format"):
         ch08.check_format_design(2, 384)
+    # the fewest bits that pass: a ternary grid in groups of 16 (the solution says why that
+    # is no good format either: it still loses most of the ordinary columns)
+    assert "Meets the brief: 3 bits" in ch08.check_format_design(2, 16)
+    with pytest.raises(AssertionError, match="does not beat"):
+        ch08.check_format_design(2, 32)
+    for bad in ((4.5, 64), (4, 0), (4, -64), (True, 64)):    # clear errors, no truncation
+        with pytest.raises(AssertionError, match="positive whole number"):
+            ch08.check_format_design(*bad)
+    with pytest.raises(AssertionError, match="True or False"):
+        ch08.check_format_design(4, 128, "no")
 
 
 def test_report_fact():
@@ -103,7 +115,10 @@ def test_report_fact():
     for fact in ch08.REPORT_FACTS[:-1]:
         with pytest.raises(AssertionError, match=r"^no: ") as err:
             ch08.check_report_fact(fact)
-        assert "kernels_executed" not in str(err.value)
+        message = str(err.value)
+        assert "kernels_executed" not in message
+        # why the chosen field fails, not a paraphrase of the right one
+        assert "ran" not in message.split() and "what did" not in message
     with pytest.raises(AssertionError, match="answer one of"):
         ch08.check_report_fact("speed")
 
