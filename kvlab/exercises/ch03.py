@@ -1,6 +1,6 @@
 """Chapter 3 exercises: debug a copy-on-write, count the blocks parallel sampling needs,
-predict the copies of a fork written in another order, and size parallel sampling on a real
-KV manager.
+predict the copies of a fork written in another order, and design the admission rule for
+parallel sampling, graded on a real KV manager.
 
 A check with one right answer compares against its sealed truth (``_common.sealed``; the
 instructor edition computes it with :mod:`kvlab.core`: the reference ``BlockAllocator`` or a
@@ -25,7 +25,7 @@ SAMPLING = {"prompt_tokens": 730, "output_tokens": (90, 70, 6, 22, 90), "block_s
 #: The fork of :func:`check_write_order` (exercise 3): the parent writes first.
 WRITE_ORDER = {"n": 3, "prompt_tokens": 10, "block_size": 4, "order": ("p", "s1", "s2")}
 
-#: The pool and request of :func:`check_max_samples` (exercise 4).
+#: The pool and request that :func:`check_sample_rule` (exercise 4) tries first.
 SAMPLES_DESIGN = {"num_blocks": 64, "block_size": 16, "prompt_tokens": 300,
                   "output_tokens": 100}
 
@@ -145,6 +145,9 @@ def check_sampling_blocks(with_sharing, without_sharing) -> str:
     forked sharing and without sharing (direction only when wrong)."""
     require_answer(with_sharing, "blocks with sharing")
     require_answer(without_sharing, "blocks without sharing")
+    for what, got in (("with sharing", with_sharing), ("without sharing", without_sharing)):
+        if isinstance(got, bool) or not isinstance(got, int):
+            raise AssertionError(f"give the blocks {what} as a whole number, got {got!r}")
     wrong = "; ".join(f"{what}: {got} is {way}"
                       for what, key, got in (("with sharing", "with", with_sharing),
                                              ("without", "without", without_sharing))
@@ -280,7 +283,9 @@ def samples_fit(n: int, num_blocks: int, block_size: int, prompt_tokens: int,
 
 
 def check_max_samples(n) -> str:
-    """Exercise 4: the largest ``n`` whose samples all fit :data:`SAMPLES_DESIGN`'s pool."""
+    """The largest ``n`` whose samples all fit :data:`SAMPLES_DESIGN`'s pool (kept for teachers'
+    own exercises: a single number with a direction can be bisected; the chapter's exercise 4
+    asks for the rule instead, :func:`check_sample_rule`)."""
     require_answer(n, "n")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise AssertionError(f"n must be a positive whole number, got {n!r}")
@@ -294,3 +299,52 @@ def check_max_samples(n) -> str:
     private = d["num_blocks"] // -(-(d["prompt_tokens"] + d["output_tokens"]) // d["block_size"])
     return (f"Correct: {n} samples fit and {n + 1} do not. Without sharing only {private} "
             "would: the prompt's full blocks are held once.")
+
+
+def sample_rule_cases(count: int = 24, seed: int = 4) -> list[dict]:
+    """The pools and requests :func:`check_sample_rule` tries, :data:`SAMPLES_DESIGN` first:
+    prompts that end in a partial block and prompts that fill their last block, pools from
+    too small for one sample to room for a dozen."""
+    rng = random.Random(seed)
+    cases = [dict(SAMPLES_DESIGN)]
+    while len(cases) < count:
+        block_size = rng.choice((4, 8, 16))
+        prompt = rng.randint(1, 12) * block_size + (0 if rng.random() < 0.3
+                                                     else rng.randint(1, block_size - 1))
+        output = rng.randint(1, 6 * block_size)
+        one = -(-(prompt + output) // block_size)
+        num_blocks = rng.randint(max(1, one - 2), one + 12 * (one - prompt // block_size))
+        cases.append({"num_blocks": num_blocks, "block_size": block_size,
+                      "prompt_tokens": prompt, "output_tokens": output})
+    return cases
+
+
+def check_sample_rule(rule) -> str:
+    """Exercise 4: ``rule(num_blocks, block_size, prompt_tokens, output_tokens)`` returns the
+    largest ``n`` whose forked samples all run to the end on a pool of ``num_blocks`` blocks
+    (0 when one sample does not fit). Graded on real ``KVCacheManager`` runs
+    (:func:`samples_fit`) over :func:`sample_rule_cases`; a failure names the case and the
+    direction, never the right ``n``."""
+    require_answer(rule, "your rule")
+    if not callable(rule):
+        raise AssertionError("pass a function rule(num_blocks, block_size, prompt_tokens, "
+                             "output_tokens) -> int")
+    for case in sample_rule_cases():
+        n = rule(**case)
+        where = (f"a pool of {case['num_blocks']} blocks of {case['block_size']} tokens, a "
+                 f"{case['prompt_tokens']}-token prompt, {case['output_tokens']} tokens per "
+                 "sample")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise AssertionError(f"for {where} your rule returned {n!r}: it must return a "
+                                 "whole number, 0 or more")
+        if n > 0 and not samples_fit(n, **case):
+            raise AssertionError(f"for {where} your rule admits n = {n}, which runs out of "
+                                 "blocks before every sample is done: too many.")
+        if samples_fit(n + 1, **case):
+            raise AssertionError(f"for {where} your rule says n = {n}, but n = {n + 1} also "
+                                 "runs to the end: too cautious.")
+    d = SAMPLES_DESIGN
+    private = d["num_blocks"] // -(-(d["prompt_tokens"] + d["output_tokens"]) // d["block_size"])
+    return (f"Correct on {len(sample_rule_cases())} pools and requests. On the chapter's pool "
+            f"your rule admits {rule(**d)} samples; without sharing only {private} would fit, "
+            "because the prompt's full blocks are held once.")

@@ -95,6 +95,9 @@ def check_saved_prefill(tokens_without, tokens_with) -> str:
     """Prefill tokens for :data:`FEW_SHOT`: requests sharing a few-shot prefix, one at a time."""
     require_answer(tokens_without, "tokens without the cache")
     require_answer(tokens_with, "tokens with the cache")
+    for what, got in (("without the cache", tokens_without), ("with it", tokens_with)):
+        if isinstance(got, bool) or not isinstance(got, int):
+            raise AssertionError(f"give the prefill tokens {what} as a whole number, got {got!r}")
     truth = saved_prefill(**FEW_SHOT)
     if (tokens_without, tokens_with) != truth:
         wrong = "; ".join(f"{what}: {got} is {'too high' if got > want else 'too low'}"
@@ -104,13 +107,13 @@ def check_saved_prefill(tokens_without, tokens_with) -> str:
     return f"Correct: {truth[0]} vs {truth[1]} tokens ({truth[0] / truth[1]:.1f}x less prefill)."
 
 
-#: Exercise 4: requests waiting at once, a small cache, you choose the order they run in.
+#: Exercise 3: requests waiting at once, a small cache, you choose the order they run in.
 ORDERING = {"groups": 3, "per_group": 4, "prefix_tokens": 128, "question_tokens": 32,
             "num_blocks": 24, "block_size": 16}
 
 
 def ordering_requests() -> dict[str, list[int]]:
-    """The waiting requests of exercise 4, by id, in arrival order (groups interleaved):
+    """The waiting requests of exercise 3, by id, in arrival order (groups interleaved):
     request ``g{k}q{i}`` is group ``k``'s shared prefix followed by its own question."""
     d = ORDERING
     requests = {}
@@ -140,7 +143,7 @@ def prefill_for_order(order) -> int:
 def longest_prefix_first_order() -> list[str]:
     """Longest-prefix-match, greedily: always run the waiting request with the longest cached
     prefix next (ties in arrival order); SGLang's ``--schedule-policy lpm`` (the default up to
-    v0.4.3, opt-in since v0.4.5 at the latest) sorts its waiting queue this way."""
+    v0.4.3, opt-in since v0.4.4) sorts its waiting queue this way."""
     requests = ordering_requests()
     kv = KVCacheManager(ORDERING["num_blocks"], ORDERING["block_size"])
     waiting, order = list(requests), []
@@ -155,10 +158,12 @@ def longest_prefix_first_order() -> list[str]:
 
 
 def check_request_order(order) -> str:
-    """Exercise 4: an order of all the waiting requests that computes no more prefill than
+    """Exercise 3: an order of all the waiting requests that computes no more prefill than
     longest-prefix-first scheduling does on the same small cache."""
     require_answer(order, "your order")
     requests = ordering_requests()
+    if isinstance(order, str) or not isinstance(order, Sequence):
+        raise AssertionError(f"give the order as a list of request ids, got {order!r}")
     order = list(order)
     if sorted(order) != sorted(requests):
         missing = sorted(set(requests) - set(order))

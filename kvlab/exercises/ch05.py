@@ -28,17 +28,27 @@ CONFIG = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=8, prefill_chunk
                          admission="watermark")
 
 
-def crash_scenario(crash_at: int = 37):
-    """A scripted run crashed before event ``crash_at``: returns ``(events, kv)``, the durable
-    log and the surviving KV manager (a fresh copy on every call)."""
-    kv = KVCacheManager(8, 4)
-    log = EventLog(crash_at=crash_at)
-    sched = ProductionScheduler(kv, CONFIG, log=log)
+def scripted_run(log: EventLog | None = None,
+                 kv: KVCacheManager | None = None) -> ProductionScheduler:
+    """Exercise 4's scripted run, driven to the end on ``kv`` (default: a fresh pool of 8
+    blocks of 4 tokens): three 7-token requests of 6 output tokens arrive at step 1, a 3-token
+    request of 3 output tokens at step 3, and the client of ``q1`` aborts it just before step
+    4. Returns the scheduler; pass an :class:`EventLog` to keep its events."""
+    sched = ProductionScheduler(kv if kv is not None else KVCacheManager(8, 4), CONFIG, log=log)
     arrivals = {1: [RuntimeRequest(f"q{i}", tuple(range(10 * i + 1, 10 * i + 8)), max_tokens=6)
                     for i in range(3)],
                 3: [RuntimeRequest("q3", (99, 98, 97), max_tokens=3)]}
+    drive(sched, arrivals=arrivals, aborts={4: ["q1"]})
+    return sched
+
+
+def crash_scenario(crash_at: int = 37):
+    """:func:`scripted_run` crashed before event ``crash_at``: returns ``(events, kv)``, the
+    durable log and the surviving KV manager (a fresh copy on every call)."""
+    kv = KVCacheManager(8, 4)
+    log = EventLog(crash_at=crash_at)
     try:
-        drive(sched, arrivals=arrivals, aborts={4: ["q1"]})
+        scripted_run(log, kv)
     except SimulatedCrash:
         pass
     else:
@@ -101,6 +111,8 @@ def check_abort_prediction(path, finish_reason, preemptions) -> str:
     require_answer(path, "the list of statuses")
     require_answer(finish_reason, "the finish reason")
     require_answer(preemptions, "the number of preemptions")
+    if isinstance(path, str) or not isinstance(path, (list, tuple)):
+        raise AssertionError(f"give the path as a list of statuses, got {path!r}")
     rid = ABORT["request"]
     sched, log = run_with_abort(rid, ABORT["step"])
     truth = _status_path(rid, log)
@@ -250,17 +262,43 @@ def check_planner_bug(crash_at, request_id) -> str:
             "transition and the release).")
 
 
-# -- exercise 4: a crash test that takes two branches at once -----------------------------------
+# -- a crash test that takes two branches at once -------------------------------------------------
 
 def check_crash_design(crash_at) -> str:
-    """Exercise 4: a crash point of the tight run at which recovery (the manager survives)
+    """A crash point of the chapter's tight run at which recovery (the manager survives)
     both finishes a request whose last token already met its stop rule and resumes a running
-    one, and the run then completes with the uninterrupted outputs."""
+    one (kept for teachers: the chapter prints the events around its only answer, so its
+    exercise 4 asks :func:`check_crash_test` on :func:`scripted_run` instead)."""
     require_answer(crash_at, "the crash point")
     _require_crash_point(crash_at)
     events, kv = _crash_tight(crash_at)
     recovered, report = recover(events, kv,
                                 lambda kv, lg: ProductionScheduler(kv, TIGHT_CONFIG, log=lg))
+    drive(recovered, check=True)
+    if not report.finished:
+        raise AssertionError(f"crashing before event {crash_at}, recovery finishes no request "
+                             "whose last token had already met its stop rule.")
+    if not report.resumed:
+        raise AssertionError(f"crashing before event {crash_at}, recovery finishes a request, "
+                             "but resumes none.")
+    return (f"Correct: recovery {report.summary()}. The crash fell after one request's last "
+            "'progress' record and before its FINISHED transition, while another still had "
+            "tokens to generate.")
+
+
+def check_crash_test(crash_at) -> str:
+    """Exercise 4: a crash point of :func:`scripted_run` at which recovery (the manager
+    survives) both finishes a request whose last token already met its stop rule and resumes
+    another, and the run then completes on the recovered scheduler."""
+    require_answer(crash_at, "the crash point")
+    full = EventLog()
+    scripted_run(full)
+    n = len(full.events)
+    if isinstance(crash_at, bool) or not isinstance(crash_at, int) or not 0 <= crash_at < n:
+        raise AssertionError(f"crash_at must be an event index from 0 to {n - 1}")
+    events, kv = crash_scenario(crash_at)
+    recovered, report = recover(events, kv,
+                                lambda kv, lg: ProductionScheduler(kv, CONFIG, log=lg))
     drive(recovered, check=True)
     if not report.finished:
         raise AssertionError(f"crashing before event {crash_at}, recovery finishes no request "

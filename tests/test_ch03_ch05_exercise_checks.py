@@ -1,0 +1,98 @@
+"""The exercise checks chapters 3 to 5 grade with since the issue-22 audit: chapter 3's admission
+rule for forked samples, chapter 5's crash test on the scripted run, and the clear errors the
+numeric and order checks of chapters 3 and 4 give for answers of the wrong type."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlab.core.event_log import EventLog
+from kvlab.exercises import ch03, ch04, ch05
+from kvlab.exercises._common import NotYetAnswered
+
+
+def _rule(num_blocks, block_size, prompt_tokens, output_tokens):
+    shared = prompt_tokens // block_size
+    own = -(-(prompt_tokens + output_tokens) // block_size) - shared
+    return max(0, (num_blocks - shared) // own)
+
+
+def test_sample_rule_cases_match_the_engine():
+    cases = ch03.sample_rule_cases()
+    assert cases[0] == ch03.SAMPLES_DESIGN and len(cases) == 24
+    assert any(c["prompt_tokens"] % c["block_size"] == 0 for c in cases)   # no copy at all
+    assert any(c["prompt_tokens"] % c["block_size"] for c in cases)        # copy-on-write
+    for case in cases:                     # the closed form is the engine's truth on every case
+        n = _rule(**case)
+        assert (n == 0 or ch03.samples_fit(n, **case)) and not ch03.samples_fit(n + 1, **case)
+    assert {_rule(**c) for c in cases} >= {0, 1}   # some pools hold none or a single sample
+
+
+def test_check_sample_rule_messages():
+    assert "Correct on 24" in ch03.check_sample_rule(_rule)
+
+    def whole_prompt_shared(num_blocks, block_size, prompt_tokens, output_tokens):
+        shared = -(-prompt_tokens // block_size)            # counts the partial block once
+        own = max(1, -(-(prompt_tokens + output_tokens) // block_size) - shared)
+        return max(0, (num_blocks - shared) // own)
+
+    def no_sharing(num_blocks, block_size, prompt_tokens, output_tokens):
+        return num_blocks // -(-(prompt_tokens + output_tokens) // block_size)
+
+    with pytest.raises(AssertionError, match="too many") as err:
+        ch03.check_sample_rule(whole_prompt_shared)
+    assert "n = 7" in str(err.value) and "n = 6" not in str(err.value)
+    with pytest.raises(AssertionError, match="too cautious") as err:
+        ch03.check_sample_rule(no_sharing)
+    assert "n = 2" in str(err.value)
+    # a constant right on the chapter's pool fails on another pool, naming only that pool
+    with pytest.raises(AssertionError, match="for a pool of") as err:
+        ch03.check_sample_rule(lambda **case: 6)
+    assert "300-token prompt" not in str(err.value)
+    with pytest.raises(AssertionError, match="whole number"):
+        ch03.check_sample_rule(lambda **case: 6.0)
+    with pytest.raises(AssertionError, match="pass a function"):
+        ch03.check_sample_rule(6)
+    with pytest.raises(NotYetAnswered):
+        ch03.check_sample_rule(...)
+
+
+def test_numeric_and_order_checks_refuse_wrong_types():
+    with pytest.raises(AssertionError, match="whole number"):
+        ch03.check_sampling_blocks(67, "247")
+    with pytest.raises(AssertionError, match="whole number"):
+        ch04.check_saved_prefill(12_800.0, 1_552)
+    with pytest.raises(AssertionError, match="list of request ids"):
+        ch04.check_request_order("g0q0")
+    with pytest.raises(AssertionError, match="list of request ids"):
+        ch04.check_request_order(12)
+    with pytest.raises(AssertionError, match="list of statuses"):
+        ch05.check_abort_prediction("waiting", "abort", 0)
+
+
+def test_scripted_run_crash_test():
+    full = EventLog()
+    ch05.scripted_run(full)
+    n = len(full.events)
+    good = []
+    for k in range(n):
+        try:
+            ch05.check_crash_test(k)
+        except AssertionError as err:
+            assert str(err).startswith(f"crashing before event {k}, recovery finishes")
+        else:
+            good.append(k)
+    # after q3's last record (q0, q2 still decoding), and after q0's (q2 still decoding)
+    assert good == [36, 40, 41]
+    last = {e.request_id: e.index for e in full.events if e.kind == "progress"}
+    assert last["q3"] == 35 and last["q0"] == 39
+    with pytest.raises(AssertionError, match="resumes none"):
+        ch05.check_crash_test(46)            # q2 is the only request left
+    with pytest.raises(AssertionError, match="finishes no request"):
+        ch05.check_crash_test(0)
+    for bad in (n, -1, "36", True):
+        with pytest.raises(AssertionError, match="event index"):
+            ch05.check_crash_test(bad)
+    # crash_scenario keeps its default crash point and its one orphan
+    events, kv = ch05.crash_scenario()
+    assert len(events) == 37 and kv.has("q3")
