@@ -49,11 +49,12 @@ book: venv
 # sources open as notebooks; Lab does not rewrite the stored widget state, so a chapter opens
 # unmodified and saves unchanged) and MyST rendered by jupyterlab-myst. The committed notebooks
 # are trusted first, so their widgets and kernel-free twins render; kernels export the twins
-# (KVLAB_KERNEL_FREE=1), so a chapter run and saved in Lab keeps what the site shows.
+# (KVLAB_KERNEL_FREE=1), so a chapter run and saved in Lab keeps what the site shows. The server
+# reads .jupyter/jupyter_server_config.py (a chapter opens unmodified under any Python version).
 LAB_SETTINGS := $(CURDIR)/.jupyter/lab/settings
 lab: venv
 	$(VENV)/bin/jupyter trust notebooks/*.ipynb
-	KVLAB_KERNEL_FREE=1 $(VENV)/bin/jupyter lab notebooks/ \
+	KVLAB_KERNEL_FREE=1 JUPYTER_CONFIG_PATH=$(CURDIR)/.jupyter $(VENV)/bin/jupyter lab notebooks/ \
 		--LabApp.app_settings_dir=$(LAB_SETTINGS) $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 # A C++ compiler for the engine's CPU attention kernel (kvlab/kernels/cpu.py; Debian's g++

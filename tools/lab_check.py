@@ -26,6 +26,10 @@ student meets it.
    state over the stored one. For the ``.md``: the ``language_info`` in its header, which the
    kernel writes into the notebook as it starts, and ``notebooks/jupytext.toml``, which keeps it
    there; the check copies it beside its copies, as Jupytext finds it beside the chapters.)
+   The same holds under another Python: a copy of the ``.md`` whose header names a Python
+   version other than the server's opens unmodified and saves byte for byte (the contents
+   manager in ``.jupyter/jupyter_server_config.py`` shows Lab the running version and writes
+   the stored one back).
 5. **Solutions collapsed**: every solution cell (tag ``hide-cell``) shows as a collapsed bar,
    and the bar says "Solution" (its first line) instead of the start of the answer.
 6. **Run All, then save, keeps the site's widgets**: Run All in Lab finishes without an error,
@@ -75,6 +79,27 @@ def check_settings() -> Path:
     overrides.setdefault("@jupyterlab/notebook-extension:tracker", {})["windowingMode"] = "none"
     (folder / "overrides.json").write_text(json.dumps(overrides, indent=2))
     return folder
+
+
+def lab_env() -> dict[str, str]:
+    """The environment ``make lab`` gives the server: kernels export the kernel-free twins, and
+    the book's server settings (``.jupyter/jupyter_server_config.py``) are read."""
+    return {**os.environ, "KVLAB_KERNEL_FREE": "1",
+            "JUPYTER_CONFIG_PATH": os.pathsep.join(
+                filter(None, [str(ROOT / ".jupyter"), os.environ.get("JUPYTER_CONFIG_PATH")]))}
+
+
+def other_python(source: str) -> str:
+    """``source`` (a chapter's MyST text) with its header's Python version replaced by one
+    that is not this interpreter's, as a reader with another Python has it."""
+    import platform
+
+    other = "3.10.0" if platform.python_version() != "3.10.0" else "3.12.0"
+    text, count = re.subn(r"(?m)^(language_info:\n(?:  .*\n)*?  version: ).*$",
+                          lambda m: m.group(1) + other, source, count=1)
+    if not count:
+        raise ValueError("the chapter's header stores no language_info version")
+    return text
 
 
 def lab_command(port: int, settings: Path = SETTINGS) -> list[str]:
@@ -223,7 +248,7 @@ def check(chapter: str = "notebooks/04-prefix-reuse.md", timeout: float = 180,
     port = free_port()
     server = subprocess.Popen(lab_command(port, check_settings()), cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "KVLAB_KERNEL_FREE": "1"})   # as `make lab`
+                              env=lab_env())   # as `make lab`
     base = f"http://127.0.0.1:{port}"
     failures: list[str] = []
     try:
@@ -243,6 +268,17 @@ def check(chapter: str = "notebooks/04-prefix-reuse.md", timeout: float = 180,
                      sorted(set(EVAL_ROLE.findall(source)))]
             views = {"md": _open(driver, base, str(md_copy.relative_to(ROOT)), timeout, names)}
             failures += _md_saves_unchanged(driver, views["md"], md_copy, ROOT / chapter)
+            # the same chapter as a reader whose Python is not the one that executed the book
+            other = WORK / "other-python"
+            other.mkdir(exist_ok=True)
+            shutil.copy2(ROOT / "notebooks" / "jupytext.toml", other)
+            (other / "another-python.md.txt").write_text(other_python((ROOT / chapter).read_text()))
+            shutil.copy2(other / "another-python.md.txt", other / md_copy.name)
+            view = _open(driver, base, str((other / md_copy.name).relative_to(ROOT)), timeout,
+                         names)
+            failures += [f"md under another Python: {f.split(': ', 1)[1]}" for f in
+                         _md_saves_unchanged(driver, view, other / md_copy.name,
+                                             other / "another-python.md.txt")]
             views["ipynb"] = _open(driver, base, str(copy.relative_to(ROOT)), timeout, names)
             for name, v in views.items():
                 print(f"lab-check: {chapter} ({name}): {v['code']} code cells, "
