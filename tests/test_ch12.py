@@ -171,3 +171,5 @@ def test_chapter_restates_invariant_7_while_its_statement_overpromises():
     chapter = (Path(__file__).parents[1] / "notebooks" / "12-invariants-faults.md").read_text()
     note = "Statement 7 promises more than its checker checks" in chapter
     assert note == ("RNG" in statement)
+    # the statement now says what is checked: blocks within slack, and the engine's grammar probe
+    assert "RNG" not in statement and "grammar probe" in statement

@@ -319,9 +319,11 @@ def _domain(scope: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- 7
-@invariant(7, "speculative rollback", "after a speculative rejection, KV, RNG and grammar state "
-           "have rolled back to the accepted prefix: a running request holds no more blocks "
-           "than its computed tokens need (plus its step's slack)")
+@invariant(7, "speculative rollback", "after a speculative rejection, KV and grammar state "
+           "have rolled back to the accepted prefix (random draws are keyed by position, so "
+           "none roll back): a running request holds no more blocks than its computed tokens "
+           "need (plus its step's slack), and, where the engine adds its grammar probe, each "
+           "grammar has accepted exactly its request's output tokens")
 def _rollback(view: EngineView, monitor: InvariantMonitor) -> None:
     kv = view.kv
     for r in view.requests():
