@@ -182,3 +182,49 @@ def _max_samples() -> Truth:
     while ch03.samples_fit(n + 1, **ch03.SAMPLES_DESIGN):
         n += 1
     return _number(n)
+
+
+# --- chapter 5: the request state machine ------------------------------------------------------
+
+def _abort_run():
+    """Chapter 5's tight run with :data:`ABORT`'s request aborted before its step:
+    (request id, scheduler, event log)."""
+    from kvlab.core.event_log import EventLog
+    from kvlab.exercises import ch05
+    from kvlab.sim.tokens import drive
+
+    rid, log = ch05.ABORT["request"], EventLog()
+    sched = ch05.tight_scheduler(log=log)
+    drive(sched, arrivals=ch05.tight_arrivals(), aborts={ch05.ABORT["step"]: [rid]},
+          check=True)
+    return rid, sched, log
+
+
+@truth("ch05.abort.path")
+def _abort_path() -> Truth:
+    rid, _, log = _abort_run()
+    path = ["waiting"] + [e.data[1] for e in log.events
+                          if e.request_id == rid and e.kind == "transition"]
+    return Truth(path)
+
+
+@truth("ch05.abort.reason")
+def _abort_reason() -> Truth:
+    rid, sched, _ = _abort_run()
+    return Truth(sched.get_request(rid).finish_reason.value)
+
+
+@truth("ch05.abort.preemptions")
+def _abort_preemptions() -> Truth:
+    _, sched, _ = _abort_run()
+    return _number(sum(r.num_preemptions for r in sched.requests()))
+
+
+@truth("ch05.no_preemption_blocks")
+def _no_preemption_blocks() -> Truth:
+    from kvlab.exercises import ch05
+
+    blocks = 4
+    while ch05.preemptions_with(blocks) > 0:
+        blocks += 1
+    return _number(blocks)

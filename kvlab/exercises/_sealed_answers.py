@@ -81,4 +81,28 @@ SEALED = {
         None,
         None,
     ),
+    'ch05.abort.path': (
+        'ebaa12ece7452fe5fa93463251c4a2c2',
+        '56a1deb3675dc8db64032856e4536eefbbc08ddb741d26d5089520a2d25a9ade',
+        None,
+        None,
+    ),
+    'ch05.abort.preemptions': (
+        'd652a7c3e365ccc4a19abc65fd5a05ff',
+        '1ae0264a8b1bb672df737163e259841fc9aa6a1c1ae083b4783045a20539ac9d',
+        '2ILKtdemdAA=',
+        None,
+    ),
+    'ch05.abort.reason': (
+        '8849b02f43d0e309bba990109679c9e2',
+        'ede07ebf0e2f9c8239ac6bb5e53baf9a6d85cd5e7a2555dd9bfa35fba4f0c6f4',
+        None,
+        None,
+    ),
+    'ch05.no_preemption_blocks': (
+        '2e4f96863041e2277bb4cc74f0cd9544',
+        '455176f08e4619804363e2880c98c8a4592ecb2967173446355fc30f991287ec',
+        'J0ok50oP9Ko=',
+        None,
+    ),
 }

@@ -1,9 +1,11 @@
 """Chapter 5 exercises: predict what an abort changes, derive the pool that avoids preemption,
 debug a recovery planner, and design a crash test.
 
-Each check computes the truth with :mod:`kvlab.core.request` / :mod:`kvlab.recovery`
-on a real scheduler and raises ``AssertionError`` saying what is wrong (which entry diverges,
-too high or too low, that a named request is not the one), never the answer.
+A check with one right answer compares against its sealed truth (``_common.sealed``; the
+instructor edition computes it on a real scheduler); the debug and design checks evaluate the
+reader's choice with :mod:`kvlab.core.request` / :mod:`kvlab.recovery`. Each raises
+``AssertionError`` saying what is wrong (too high or too low, that a named request is not the
+one), never the answer.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from kvlab.recovery import RecoveryPlan, plan_recovery, recover, replay
 from kvlab.recovery.replay import met_stop
 from kvlab.sim.tokens import drive
 
-from ._common import require_answer
+from ._common import require_answer, sealed
 
 S = RequestStatus
 
@@ -78,22 +80,6 @@ def tight_scheduler(num_blocks: int | None = None, log: EventLog | None = None):
 ABORT = {"request": "q1", "step": 3}
 
 
-def _status_path(rid: str, log: EventLog) -> list[str]:
-    path = ["waiting"]
-    for e in log.events:
-        if e.request_id == rid and e.kind == "transition":
-            path.append(e.data[1])
-    return path
-
-
-def run_with_abort(request: str, step: int):
-    """The tight run with ``request`` aborted just before ``step``: (scheduler, log)."""
-    log = EventLog()
-    sched = tight_scheduler(log=log)
-    drive(sched, arrivals=tight_arrivals(), aborts={step: [request]}, check=True)
-    return sched, log
-
-
 #: Why each finish reason is wrong when it is not the request's (said of the chosen reason
 #: only; the right one's entry is never shown).
 _REASON_FAILS = {
@@ -113,34 +99,30 @@ def check_abort_prediction(path, finish_reason, preemptions) -> str:
     require_answer(preemptions, "the number of preemptions")
     if isinstance(path, str) or not isinstance(path, (list, tuple)):
         raise AssertionError(f"give the path as a list of statuses, got {path!r}")
-    rid = ABORT["request"]
-    sched, log = run_with_abort(rid, ABORT["step"])
-    truth = _status_path(rid, log)
     path = [str(p).strip().lower() for p in path]
     known = {s.value for s in RequestStatus}
     unknown = [p for p in path if p not in known]
     if unknown:
         raise AssertionError(f"{unknown[0]!r} is not a request status; the statuses are "
                              f"{sorted(known)}.")
-    if path != truth:
+    if not sealed("ch05.abort.path").is_answer(path):
         # no index and no 'right so far': either would let the path be found entry by entry
         raise AssertionError("that is not the path the scheduler took.")
-    reason = sched.get_request(rid).finish_reason
     reasons = [f.value for f in FinishReason]
     got_reason = str(finish_reason).strip().lower()
     if got_reason not in reasons:
         raise AssertionError(f"{finish_reason!r} is not a finish reason; the reasons are "
                              f"{reasons}.")
-    if got_reason != reason.value:
+    if not sealed("ch05.abort.reason").is_answer(got_reason):
         raise AssertionError(f"{got_reason!r} is not why this request ended: "
                              f"{_REASON_FAILS[got_reason]}")
-    count = sum(r.num_preemptions for r in sched.requests())
     if isinstance(preemptions, bool) or not isinstance(preemptions, int):
         raise AssertionError("give the number of preemptions as an integer")
-    if preemptions != count:
+    way = sealed("ch05.abort.preemptions").direction(preemptions)
+    if way:
         raise AssertionError(f"{preemptions} preemptions is "
-                             f"{'too many' if preemptions > count else 'too few'}.")
-    return (f"Correct: {' -> '.join(truth)}, finish reason {reason.value!r}, {count} "
+                             f"{'too many' if way == 'too high' else 'too few'}.")
+    return (f"Correct: {' -> '.join(path)}, finish reason {got_reason!r}, {preemptions} "
             "preemption(s). The abort ends a running request and releases its table; with "
             "one request fewer, the other two fit in the pool to the end.")
 
@@ -158,9 +140,10 @@ def check_no_preemption_blocks(num_blocks) -> str:
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 4:
         raise AssertionError("give a whole number of blocks, at least 4 (one request's prompt "
                              "needs some)")
-    if preemptions_with(num_blocks) > 0:
+    way = sealed("ch05.no_preemption_blocks").direction(num_blocks)
+    if way == "too low":
         raise AssertionError(f"with {num_blocks} blocks the run still preempts: too low.")
-    if preemptions_with(num_blocks - 1) == 0:
+    if way:
         raise AssertionError(f"{num_blocks} blocks avoid preemption, but so does one fewer: "
                              "too high.")
     return (f"Correct: {num_blocks} blocks. Every request ends holding the KV of its prompt "
