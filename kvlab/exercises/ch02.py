@@ -67,7 +67,8 @@ def check_blocks_to_add_counterexample(case) -> str:
     if got == want:
         raise AssertionError(f"both take {want} block{'s' * (want != 1)} here: the bug does "
                              "not show on this input.")
-    return (f"Correct: the shortcut takes {got} where {want} suffice"
+    return (f"Correct: the shortcut takes {got} where {want} "
+            f"{'suffices' if want == 1 else 'suffice'}"
             ". Say what that costs a server that runs many "
             "requests at once.")
 
