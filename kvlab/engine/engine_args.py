@@ -68,8 +68,10 @@ class EngineArgs:
     every prefix-cache scope). ``device``: ``"cpu"`` (default) or ``"cuda[:N]"``; ``dtype``:
     float32, float16 or bfloat16. ``quantization`` (``"int8"``, ``"int4"`` or a
     ``QuantConfig``), ``quantization_group_size``, ``kv_cache_dtype`` (``"auto"``, ``"int8"``,
-    ``"fp8_e4m3"``): :mod:`kvlab.engine.quantization`. The spec's invariants after every
-    step are an observer attached from outside: :func:`kvlab.invariants.check_every_step`.
+    ``"fp8_e4m3"``): :mod:`kvlab.engine.quantization`. ``enforce_eager`` (vLLM's name): no
+    CUDA graphs; by default an engine on CUDA captures its decode forward
+    (:mod:`kvlab.engine.cuda_graphs`). The spec's invariants after every step are an observer
+    attached from outside: :func:`kvlab.invariants.check_every_step`.
     """
 
     model: str | Path | LoadedCheckpoint
@@ -92,6 +94,7 @@ class EngineArgs:
     quantization: str | None = None
     quantization_group_size: int = 64
     kv_cache_dtype: str = "auto"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         check_engine_args(self)
@@ -105,7 +108,7 @@ def check_engine_args(args: EngineArgs) -> None:
 
     model, block_size, seed = args.model, args.block_size, args.seed
     max_num_seqs, max_num_batched_tokens = args.max_num_seqs, args.max_num_batched_tokens
-    enable_prefix_caching, scheduler = args.enable_prefix_caching, args.scheduler
+    scheduler = args.scheduler
     security_domain = args.security_domain
 
     if not isinstance(model, (str, Path, LoadedCheckpoint)):
@@ -118,9 +121,9 @@ def check_engine_args(args: EngineArgs) -> None:
         check_positive_int(name, getattr(args, name), optional=True)
     if not is_int(seed) or not 0 <= seed < SEED_MOD:
         raise ValueError(f"LLMEngine: seed must be an int in [0, 2**64), got {seed!r}")
-    if not isinstance(enable_prefix_caching, bool):
-        raise ValueError(f"LLMEngine: enable_prefix_caching must be a bool, "
-                         f"got {enable_prefix_caching!r}")
+    for name in ("enable_prefix_caching", "enforce_eager"):
+        if not isinstance(getattr(args, name), bool):
+            raise ValueError(f"LLMEngine: {name} must be a bool, got {getattr(args, name)!r}")
     if isinstance(scheduler, str) and scheduler not in ("baseline", "production"):
         raise ValueError(f"unknown scheduler {scheduler!r}; expected 'baseline', "
                          "'production' or a factory (kv, SchedulerConfig) -> Scheduler")

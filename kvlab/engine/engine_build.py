@@ -58,6 +58,32 @@ def parse_kv_transfer(kv_transfer_config: dict | None, enable_prefix_caching: bo
     return parsed
 
 
+def use_decode_graphs(a: EngineArgs, device: torch.device, quant: EngineQuantization,
+                      speculator: Speculator | None) -> bool:
+    """Whether the engine captures its decode forward in CUDA graphs
+    (:mod:`~kvlab.engine.cuda_graphs`): on CUDA unless ``enforce_eager``; not with speculative
+    decoding (its executor verifies several tokens a row) nor quantized weights or KV (their
+    layers run code of their own)."""
+    return (device.type == "cuda" and not a.enforce_eager and speculator is None
+            and quant.weights is None and not quant.kv.quantized)
+
+
+def capture_decode_graphs(executor: ModelRunner, cache: Any, max_num_seqs: int,
+                          max_model_len: int, scratch_block: int) -> None:
+    """Set ``executor.graphs`` to the decode forward captured at every size of the ladder up to
+    ``max_num_seqs``; a capture that fails leaves the engine eager, with a warning."""
+    import warnings
+
+    from .cuda_graphs import DecodeGraphs, capture_sizes
+    try:
+        executor.graphs = DecodeGraphs(
+            executor.model, cache.layers, executor.kernel, sizes=capture_sizes(max_num_seqs),
+            block_size=cache.block_size, max_model_len=max_model_len,
+            scratch_block=scratch_block)
+    except Exception as error:  # a GPU run must still produce results: eager, and say why
+        warnings.warn(f"CUDA-graph capture failed, decoding eagerly: {error!r}", stacklevel=3)
+
+
 def load_engine_checkpoint(model: str | Path | LoadedCheckpoint, quant: EngineQuantization,
                            device: torch.device, dtype: torch.dtype) -> LoadedCheckpoint:
     """Load ``model`` (or take a LoadedCheckpoint in place, moved to ``device``/``dtype``) and
@@ -156,7 +182,12 @@ def build_parts(a: EngineArgs, load_tokenizer: Callable[[Path], Tokenizer | None
     drafts = (speculator.draft.model,) if speculator and speculator.draft else ()
     for model in (ckpt.model, *drafts):   # CPU: oneDNN, weights packed once (cpu_linear)
         pack_linears(model)
-    cache = quant.make_kv_cache(cfg, size.num_blocks, a.block_size, dtype, dev)
+        if dev.type == "cuda":            # CUDA: fused Triton norms, RoPE and SiLU-and-mul
+            from .fused_ops import bind_fused_ops
+            bind_fused_ops(model)
+    graphs = use_decode_graphs(a, dev, quant, speculator)
+    # with graphs, one block past the manager's: the padded rows' scratch block
+    cache = quant.make_kv_cache(cfg, size.num_blocks + graphs, a.block_size, dtype, dev)
     kv = KVCacheManager(size.num_blocks, a.block_size,
                         enable_prefix_caching=a.enable_prefix_caching)
     # A step's batch never holds more requests than tokens (each entry takes >= 1), so the
@@ -174,6 +205,9 @@ def build_parts(a: EngineArgs, load_tokenizer: Callable[[Path], Tokenizer | None
                                  engine_model_fields(ckpt.weights_hash, cfg, dtype))
         scheduler = kv_transfer.wrap(scheduler)
     executor = Speculator.make_executor(speculator, ckpt.model, cache, max_model_len)
+    if graphs:
+        capture_decode_graphs(executor, cache, scheduler_config.max_num_seqs, max_model_len,
+                              scratch_block=size.num_blocks)
     return EngineParts(quant, ckpt, tokenizer, dev, dtype, speculator, max_model_len,
                        size.num_blocks, cache, kv, scheduler_config, scheduler, kv_transfer,
                        executor, tuple(dict.fromkeys(cfg.eos_token_ids + ckpt.generation_eos)))

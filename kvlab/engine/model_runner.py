@@ -48,15 +48,14 @@ class ModelRunner:
         if len(cache.layers) != cfg.num_layers or cache.data.shape[-2:] != (
                 cfg.num_kv_heads, cfg.head_dim):
             raise ValueError("ModelRunner: KV cache shape does not match the model")
-        self.model = model
-        self.cache = cache
-        self.device = model.device
-        self.block_size = cache.block_size
+        self.model, self.cache = model, cache
+        self.device, self.block_size = model.device, cache.block_size
         # the paged rows' attention op, chosen (and compiled) once, not per step
         self.kernel = row_kernel(self.device, getattr(cache, "compute_dtype", cache.data.dtype))
         self.input_batch = InputBatch(self.block_size, self.device)
         self.samplers: dict[str, SamplerState] = {}
         self.scorer = None   # a PromptScorer once a request asks for prompt logprobs
+        self.graphs = None   # CUDA-graph decode (engine/cuda_graphs.py), set at engine build
 
     def add_request(self, request: RuntimeRequest, sampler: SamplerState) -> None:
         """Take over ``request``'s sampler state (sent once, when the engine adds it)."""
@@ -92,7 +91,9 @@ class ModelRunner:
             rows = torch.tensor([meta.last_row[i] for i in sampling], dtype=torch.long,
                                 device=self.device)
             scored = self.scorer is not None and self.scorer.plan(chunks)
-            h = self.model(meta, self.cache.layers, rows=None if scored else rows)
+            graphed = self.graphs and not scored and self.graphs.fits(meta)
+            h = (self.graphs if graphed else self.model)(meta, self.cache.layers,
+                                                         rows=None if scored else rows)
             logits = self.model.logits(self.scorer.score(meta, h, rows) if scored else h)
         self._sync()
         t2 = time.perf_counter()
@@ -124,8 +125,7 @@ class InputBatch:
 
     def __init__(self, block_size: int, device: torch.device | str = "cpu",
                  max_rows: int = 64, max_blocks: int = 64):
-        self.block_size = block_size
-        self.device = torch.device(device)
+        self.block_size, self.device = block_size, torch.device(device)
         self.tables = torch.zeros(max_rows, max_blocks, dtype=torch.long)
         self._row_of: dict[str, int] = {}
         self._len: dict[str, int] = {}            # table length of each row's request
