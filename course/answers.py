@@ -11,7 +11,8 @@ each of those values with kvlab itself, under the assumptions the check's module
 Each entry is a function decorated with ``@truth("chNN.name")`` returning a :class:`Truth`:
 ``answer`` is what the check compares exactly (hashed), ``number`` the value it compares for
 "too high" / "too low" (encoded), ``reveal`` facts a success message shows once the answer is
-right (encrypted under the answer).
+right (encrypted under the answer), ``notes`` a choice question's verdict on each option (why
+it fails, or the success message; each encrypted under its option).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Truth:
     answer: object
     number: float | None = None
     reveal: dict = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)
 
 
 TRUTHS: dict[str, Callable[[], Truth]] = {}
@@ -157,10 +159,21 @@ def _double_release() -> Truth:
     try:
         second = pool.release(table, "a")
     except ValueError:
-        return Truth("a")
-    if second == [] and pool.state_tuple() == before:
-        return Truth("c")
-    return Truth("d" if table[0] in pool.free_blocks() else "b")
+        second = None
+    if second != [] or pool.state_tuple() != before:
+        # the verdicts below are written for (c): a pool that behaves otherwise needs new ones
+        raise AssertionError("BlockPool.release is no longer idempotent per owner: rewrite "
+                             "chapter 3's double-release exercise and its verdicts")
+    return Truth("c", notes=_DOUBLE_RELEASE_NOTES)
+
+
+_DOUBLE_RELEASE_NOTES = {
+    "a": "(a) fails: the second call returns normally; it raises nothing.",
+    "b": "(b) fails: b's reference is untouched after the second call; refcount is unchanged.",
+    "c": "Correct: releasing is idempotent per owner. A plain counter cannot tell a second "
+         "release from another owner's, which is how double frees corrupt shared blocks.",
+    "d": "(d) fails: the block is still held after the second call; nothing is freed.",
+}
 
 
 @truth("ch03.write_order.copies")

@@ -38,7 +38,7 @@ def test_drift_is_named_by_key():
     entry = re.search(rf"    '{re.escape(key)}': \(\n(.*?)\n    \),\n", text, re.S)
     stale = seal(key, 1, number=1.0)
     forged = text.replace(entry.group(1), f"        {stale.salt!r},\n        "
-                          f"{stale.digest!r},\n        {stale.number!r},\n        None,")
+                          f"{stale.digest!r},\n        {stale.number!r},\n        None,\n        None,")
     assert seal_answers.drifted(text, forged) == [key]
 
 
@@ -54,6 +54,10 @@ def test_every_seal_opens_with_its_truth_and_no_neighbour(truths):
             assert s.direction(t.number - 1) == "too low", key
         if t.reveal:
             assert s.revealed(t.answer) == t.reveal, key
+        for option, text in t.notes.items():
+            assert s.note(option) == text, (key, option)
+        if t.notes:       # a choice question has a verdict for the right option too
+            assert t.answer in t.notes, key
 
 
 def test_no_answer_is_written_in_the_student_facing_modules(truths):
@@ -67,6 +71,8 @@ def test_no_answer_is_written_in_the_student_facing_modules(truths):
                     key, shown)
         if isinstance(t.answer, str) and len(t.answer) > 3:
             assert repr(t.answer) not in text, key
+        for note in t.notes.values():      # no option's verdict is written out either
+            assert note[:40] not in text, (key, note)
 
 
 def test_canonical_form_and_the_reveal_lock():
@@ -83,6 +89,10 @@ def test_canonical_form_and_the_reveal_lock():
         s.revealed(["x", 4])
     assert s.direction(3.4, tolerance=0.2) is None and s.direction(3.0) == "too low"
     assert Sealed("k", s.salt, s.digest).reveal is None
+    choice = seal("test.choice", "b", notes={"a": "(a) fails: no.", "b": "Correct: (b)."})
+    assert choice.note("a") == "(a) fails: no." and choice.note("b") == "Correct: (b)."
+    assert choice.note("c") is None and choice.note(object()) is None
+    assert "no." not in repr(choice) and "(b)" not in repr(choice)
 
 
 def test_a_missing_seal_names_the_command():

@@ -11,7 +11,9 @@ A check never computes the answer it grades. The truth of each exercise is compu
 instructor edition (``course/answers.py``, sealed by ``tools/seal_answers.py``) and shipped
 here only sealed (:func:`sealed`, data in ``_sealed_answers.py``): a discrete answer as a salted,
 deliberately slow hash, a number as an encoded value (so a check can still say "too high" or
-"too low"), and what a success message reveals encrypted under the right answer. Neither
+"too low"), what a success message reveals encrypted under the right answer, and for a choice
+question each option's verdict encrypted under that option (so the module holds no list of
+"why the wrong ones fail" whose missing entry would name the right one). Neither
 ``check_…??`` nor a read of this package shows an answer. It is a seal against casual reading,
 not cryptography: a determined student can decode a number or brute-force a small answer space
 (the hash's 20,000 PBKDF2 rounds make that slow, not impossible), which is why grading that
@@ -131,13 +133,15 @@ def _xor(data: bytes, seed: bytes) -> bytes:
 class Sealed:
     """One exercise's sealed truth (see the module docstring); made by :func:`seal`, read by
     :func:`sealed`. ``digest`` seals the exact answer, ``number`` (optional) its value for
-    direction feedback, ``reveal`` (optional) facts a success message may show."""
+    direction feedback, ``reveal`` (optional) facts a success message may show, ``notes``
+    (optional) one verdict per option of a choice question, each opened by its option."""
 
     key: str
     salt: str
     digest: str
     number: str | None = None
     reveal: str | None = None
+    notes: dict | None = None
 
     def is_answer(self, value) -> bool:
         """Whether ``value`` is the sealed answer (in :func:`canonical` form)."""
@@ -169,9 +173,23 @@ class Sealed:
         plain = _xor(base64.b64decode(self.reveal), _derive(self.salt, answer, b"reveal:"))
         return json.loads(plain.decode())
 
+    def note(self, option) -> str | None:
+        """The sealed verdict on ``option`` (why it fails, or the success message for the right
+        one), or None when no verdict was sealed for it."""
+        if not self.notes:
+            return None
+        try:
+            sealed_note = self.notes.get(_derive(self.salt, option, b"note-id:").hex()[:24])
+        except TypeError:
+            return None
+        if sealed_note is None:
+            return None
+        key = _derive(self.salt, option, b"note:")
+        return _xor(base64.b64decode(sealed_note), key).decode()
+
 
 def seal(key: str, answer, *, number: float | None = None, reveal: dict | None = None,
-         salt: str | None = None) -> Sealed:
+         notes: dict | None = None, salt: str | None = None) -> Sealed:
     """Seal ``answer`` under ``key`` (instructor side: ``tools/seal_answers.py``). The salt
     is derived from the key unless given, so sealing the same truth twice gives the same text
     and a drifted truth shows as a changed line."""
@@ -185,7 +203,14 @@ def seal(key: str, answer, *, number: float | None = None, reveal: dict | None =
     if reveal:
         plain = json.dumps(reveal, sort_keys=True).encode()
         enc_reveal = base64.b64encode(_xor(plain, _derive(salt, answer, b"reveal:"))).decode()
-    return Sealed(key, salt, digest, enc_number, enc_reveal)
+    enc_notes = None
+    if notes:
+        enc_notes = {}
+        for option, text in sorted(notes.items()):
+            cipher = _xor(text.encode(), _derive(salt, option, b"note:"))
+            enc_notes[_derive(salt, option, b"note-id:").hex()[:24]] = base64.b64encode(
+                cipher).decode()
+    return Sealed(key, salt, digest, enc_number, enc_reveal, enc_notes)
 
 
 def sealed(key: str) -> Sealed:

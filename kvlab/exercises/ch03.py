@@ -158,30 +158,22 @@ def check_sampling_blocks(with_sharing, without_sharing) -> str:
             f"({100 * (1 - with_sharing / without_sharing):.0f}% less KV memory).")
 
 
-#: Why each wrong option of :func:`check_double_release` fails (the right one has no entry).
-_DOUBLE_RELEASE_WRONG = {
-    "a": "(a) fails: the second call returns normally; it raises nothing.",
-    "b": "(b) fails: b's reference is untouched after the second call; refcount is unchanged.",
-    "d": "(d) fails: the block is still held after the second call; nothing is freed.",
-}
-
-
 def check_double_release(answer) -> str:
     """What a second ``BlockPool.release(table, owner)`` by the same owner does (kept for
     teachers' own exercises; the chapter prints the answer in its demo).
 
     Answer with a letter: (a) raises ValueError, (b) decrements the refcounts again,
     (c) is a no-op and returns ``[]``, (d) frees the blocks. A wrong letter is told why it
-    fails, from the pool's observed behaviour.
+    fails, from the pool's observed behaviour (each option's verdict is sealed under it).
     """
     require_answer(answer, "your letter")
     letter = str(answer).strip().lower()
     if letter not in ("a", "b", "c", "d"):
         raise AssertionError(f"answer with one of the letters a, b, c, d, got {answer!r}")
-    if not sealed("ch03.double_release").is_answer(letter):
-        raise AssertionError(_DOUBLE_RELEASE_WRONG[letter])
-    return ("Correct: releasing is idempotent per owner. A plain counter cannot tell a second "
-            "release from another owner's, which is how double frees corrupt shared blocks.")
+    truth = sealed("ch03.double_release")
+    if not truth.is_answer(letter):
+        raise AssertionError(truth.note(letter))
+    return truth.note(letter)
 
 
 def write_order_outcome(n: int, prompt_tokens: int, block_size: int,
