@@ -13,6 +13,7 @@ from kvlab.exercises.ch12 import (
     bug_source,
     check_budget_checker,
     check_bug_invariants,
+    check_expected_crashes,
     run_budget,
 )
 from kvlab.sim.fault_lab import LAB_FAULTS, MUTATIONS, Mutation, run_lab
@@ -173,3 +174,26 @@ def test_chapter_restates_invariant_7_while_its_statement_overpromises():
     assert note == ("RNG" in statement)
     # the statement now says what is checked: blocks within slack, and the engine's grammar probe
     assert "RNG" not in statement and "grammar probe" in statement
+
+
+def test_expected_crashes_is_the_mean_of_seeded_schedules_and_gives_only_a_direction():
+    from kvlab.exercises.ch12 import DERIVE
+    from kvlab.faults.step_faults import StepFaultSchedule
+
+    seeds = 2000
+    crashes = sum(sum(f.kind == "crash" for f in StepFaultSchedule.from_seed(
+        s, DERIVE["steps"], rate=DERIVE["rate"]).faults) for s in range(seeds)) / seeds
+    assert check_expected_crashes(crashes).startswith("Right")   # the sampled mean passes
+    for factor, word in ((0.8, "low"), (1.25, "high")):
+        with pytest.raises(AssertionError, match=f"too {word}") as err:
+            check_expected_crashes(factor * crashes)
+        assert f"{crashes:.0f}" not in str(err.value)
+    # forgetting that a damaged-log fault brings its crash is wrong
+    with pytest.raises(AssertionError, match="too low"):
+        check_expected_crashes(DERIVE["steps"] * DERIVE["rate"] / 10)
+    with pytest.raises(AssertionError, match="a number"):
+        check_expected_crashes("many")
+    with pytest.raises(AssertionError, match=">= 0"):
+        check_expected_crashes(-1)
+    with pytest.raises(NotYetAnswered):
+        check_expected_crashes(...)

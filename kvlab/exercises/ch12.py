@@ -108,6 +108,40 @@ def check_fault_moves_catch(invariant) -> str:
             "another invariant caught it: the reason to check all nine on every step.")
 
 
+# ------------------------------------------------------------------ 4. derive: how often it crashes
+#: Exercise 4: a schedule ``StepFaultSchedule.from_seed(seed, DERIVE["steps"],
+#: rate=DERIVE["rate"])`` over every kind of ``STEP_FAULTS`` (the soak's steps and rate).
+DERIVE = {"steps": 200, "rate": 0.15}
+
+
+def _expected_crashes(steps: int, rate: float) -> float:
+    """Expected ``crash`` records of a seeded schedule: a step draws a fault with probability
+    ``rate``, its kind uniform over ``STEP_FAULTS``; a kind at the ``recover`` point comes with
+    the crash it needs (``StepFaultSchedule.from_seed``)."""
+    from kvlab.faults.step_faults import STEP_FAULTS
+
+    crashing = sum(point in ("update", "recover") for point in STEP_FAULTS.values())
+    return steps * rate * crashing / len(STEP_FAULTS)
+
+
+def check_expected_crashes(answer) -> str:
+    """Exercise 4: the expected number of ``crash`` records in a schedule drawn by
+    ``StepFaultSchedule.from_seed`` with :data:`DERIVE`'s steps and rate (over seeds), within
+    2 %. A wrong answer is told only its direction."""
+    require_answer(answer, "the expected number of crash records")
+    try:
+        got = float(answer)
+    except (TypeError, ValueError):
+        raise AssertionError(f"give a number, got {answer!r}") from None
+    if not got >= 0:
+        raise AssertionError(f"an expected count is a number >= 0, got {answer!r}")
+    want = _expected_crashes(DERIVE["steps"], DERIVE["rate"])
+    if abs(got - want) > 0.02 * want:
+        raise AssertionError(f"{got:g} is too {'high' if got > want else 'low'}")
+    return ("Right. Now compare it with the soak's recoveries per run (each seed ran twice), "
+            "and say why a crash record need not become a recovery.")
+
+
 # ------------------------------------------------------------------ 3. a new invariant
 BUDGET = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk=8,
                          num_lookahead_tokens=3)
