@@ -227,7 +227,8 @@ def plan_capacity(
     weights held by this rank (``weight_bytes`` if given, else ``params · bytes(weight_dtype)``,
     divided by ``tp``: every weight matrix, embeddings included, is split across ranks; the
     small replicated norms are ignored) and ``reserve_bytes`` for activations, workspace and
-    CUDA graphs (vLLM measures this with a profiling forward pass; here it is an input).
+    CUDA graphs (vLLM measures the activations with a profiling forward pass, and does not
+    count its CUDA graphs there; here the whole reserve is an input).
     What remains is cut into whole blocks of ``block_size`` tokens.
 
     Per-rank KV per token is ``2 · layers · kv_heads_per_rank · head_dim · element_bytes``
