@@ -241,3 +241,44 @@ def _no_preemption_blocks() -> Truth:
     while ch05.preemptions_with(blocks) > 0:
         blocks += 1
     return _number(blocks)
+
+
+# --- chapter 7: the engine, end to end ----------------------------------------------------------
+
+@truth("ch07.kv_bytes_per_token")
+def _ch07_kv_bytes_per_token() -> Truth:
+    from kvlab.engine.checkpoint import resolve_model_path
+    from kvlab.engine.config import ModelConfig
+
+    return _number(ModelConfig.from_dir(resolve_model_path("kvlab-tiny")).kv_bytes_per_token(4))
+
+
+@truth("ch07.logprob_temperature")
+def _logprob_temperature() -> Truth:
+    """(b): kvlab's logprobs are the raw log_softmax, whatever temperature and filters."""
+    import torch
+
+    from kvlab.engine.sampler import SamplerState, SamplingParams, sample
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    raw = torch.log_softmax(logits, dim=-1)[0]
+    params = SamplingParams(temperature=2.0, top_p=0.1, logprobs=3)
+    top = sample(logits.clone(), [SamplerState.create(params, seed=0)]).top_logprobs[0]
+    if any(abs(v - float(raw[t])) > 1e-6 for t, v in top.items()):
+        raise AssertionError("kvlab's logprobs are no longer the raw log_softmax: rewrite "
+                             "chapter 7's logprob exercise and its verdicts")
+    return Truth("b", notes={
+        "a": "Not (a): a filtered distribution gives every token outside the top-k/top-p set "
+             "-inf, yet the top-3 logprobs kvlab returns are finite whatever top_p is; run one "
+             "prompt with top_p=0.1 and logprobs=3 and look.",
+        "b": "Correct: (b), the raw model log-probabilities, before temperature and filters; "
+             "they do not depend on temperature, top-k or top-p. vLLM v1's Sampler "
+             "(vllm/v1/sample/sampler.py) does the same by default since it gained "
+             "logprobs_mode='raw_logprobs'; its first version (commit 00ec9781) returned them "
+             "after temperature and top-k/top-p.",
+        "c": "Not (c): then the same token at the same position would get a different value at "
+             "temperature 0.5 than at 2.0; run one seeded prompt at both and compare.",
+        "d": "Not (d): greedy decoding picks the argmax and defines no probabilities of its own "
+             "(its 'distribution' is one-hot: logprobs 0 and -inf), which is not what comes "
+             "back.",
+    })

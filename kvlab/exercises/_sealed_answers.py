@@ -128,4 +128,23 @@ SEALED = {
         None,
         None,
     ),
+    'ch07.kv_bytes_per_token': (
+        'c169549d3cdfe345d2055bc6e9bb5039',
+        '263924fcbc7f3211938502a7171edeb60e74f7cd5bb3d4ce3521cb323828eebb',
+        'sD5VAoM64d0=',
+        None,
+        None,
+    ),
+    'ch07.logprob_temperature': (
+        '7567f031eb9ee9612b0ff04b33259fd1',
+        '13037620f6c4a809665baea2cc00c197d5138afda9cc3a5b5468f077627428f1',
+        None,
+        None,
+        {
+            'dff57e481df1d018acd115bd': 'NvaWwszY9SjXuzff3SVwHZcHCn7J8PjnuZdht41rHPBGwL/G0fWHLUVAtvQQo6KA+d8ZJb3LMBG92jeGG9VFfbj+spPCZsVuWgR61nGmJ6wHhtkXVYldxgJmnWHQOX2iixuHOXaphV7Ri2vJrIgonCc2Qh7xdhklUYnwTtY+dttKo1Hn1G0kjDvpms8kKlPGXcxsfnf2w/F7rHThDbEpTz3AHF0imJmM6yoQKraPfciRgrOJa6XBpQ859OXRXa9S8KoF9f9z+W6CUqWW62Q=',
+            'ea80a52a57ae883017364fe3': 'NusJGuuCo0Gam8l+dcEQyPf1919WL0M3hY5rUhag0DIkADQp/WJHrQUf3qmeG0lylq5dYBg+NfQ5QuTZwsFkrapDj6ceXUEwNdNAOoaa/7vwe9Q42CzjvHdify8Rq0Bc9tMgM8t+FMaJcve3MSEGCHx4QoQVQMg762I2cuqYiPDWuqRrtI8VxO7fisEDEq6wJ2aUbMrqnr56dPI3B4fUqyYJTgureZPA8cVOZ90ofFRG8kmwj5fFiFqOBuB0/e4KmfU9KfgOvIQ9V+MUmlawGFcUiNuJbE6XRKgtq/BMZO7jsQMoIWFXUicuu75yDsdwgfGsYgvFGLcb3cDpdWXFN0Y4RFzizH2cKqy7vbCwSol+S0hp8xRsn5KkgD7JUnA5AmgfPIcP8nCn38ZDuBoVaxDUdOHlCOLgTWtOoHQtXdwHBclkh+YuyijQsw==',
+            '9d0a8d90aa90e0e861d26514': 'NoAWbFYAws3zVB0PJ5nN07lElHiEcCmNXYDkrcZ/BJbQN8IW4hWkiW/XMRnXTCwT2B12pjnVzY61M047SoTCcMFbWkHk2XCpIJyB91POaCv1gTbG7LVgCgAG+YPfdrqWXDxql9QDQ6huF5sjVh3k8hfx2UGSzjp+5wuTxB5f24+sES4wzMmgfvO4jMH+nb2ZHr+m1K3MFX4=',
+            '3e0e7ee874df771c1e7344d1': 'wutI9SrWbRAweLkfPn/4pEtoNvZmT3GZ3k8vN7ORjF6mTebY90ZrEGP8B9JutvyIkCwJY/W7cT01PoAS0+oQY06VNLkBQIr3zIhtS8/rC4cm7JlhGURf8iAeZ0NLvrczR2i6nd0E81R8gs3imC/A5Lxhc62VQ+3M9Mkjr7lS1GSk5s2Tn9K4zOp6iNqBbaGtIwVRhZbbUL3XyHD2xsjZTRWaXa06',
+        },
+    ),
 }

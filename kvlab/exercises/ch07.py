@@ -1,17 +1,19 @@
 """Chapter 7 exercises: debug an attention step that writes KV too late, the top-p set, raw
 logprobs, and a configuration that preempts yet generates the same tokens.
 
-Each check computes the truth with :mod:`kvlab.engine` (the executor's own attention and
-metadata, the engine's sampler, real engine runs) and raises ``AssertionError`` saying what is
-wrong, never the expected answer. (``check_slot_mapping`` and ``check_kv_bytes_per_token`` are
-kept for teachers who want them; the chapter's exercises no longer repeat chapters 1 and 2.)
+A check with one right answer compares against its sealed truth (``_common.sealed``; the
+instructor edition computes it); the other checks run the reader's code or choice on
+:mod:`kvlab.engine` (the executor's own attention and metadata, the engine's sampler, real
+engine runs). Each raises ``AssertionError`` saying what is wrong, never the expected answer.
+(``check_slot_mapping`` and ``check_kv_bytes_per_token`` are kept for teachers who want them;
+the chapter's exercises no longer repeat chapters 1 and 2.)
 """
 
 from __future__ import annotations
 
 import random
 
-from ._common import require_answer
+from ._common import require_answer, sealed
 
 
 def check_slot_mapping(fn) -> str:
@@ -75,19 +77,25 @@ def check_top_p(fn) -> str:
 
 
 def check_kv_bytes_per_token(answer, model: str = "kvlab-tiny") -> str:
-    """Bytes of K and V one token occupies in ``model``'s cache, all layers, float32."""
+    """Bytes of K and V one token occupies in ``model``'s cache, all layers, float32
+    (``kvlab-tiny``'s answer is sealed; another model, a teacher's own, is computed)."""
     require_answer(answer, "KV bytes per token")
-    from kvlab.engine.checkpoint import resolve_model_path
-    from kvlab.engine.config import ModelConfig
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)):
+        raise AssertionError(f"KV bytes per token: expected a number, got {answer!r}")
+    if model == "kvlab-tiny":
+        way = sealed("ch07.kv_bytes_per_token").direction(answer)
+    else:
+        from kvlab.engine.checkpoint import resolve_model_path
+        from kvlab.engine.config import ModelConfig
 
-    cfg = ModelConfig.from_dir(resolve_model_path(model))
-    want = cfg.kv_bytes_per_token(4)
-    if answer != want:
+        want = ModelConfig.from_dir(resolve_model_path(model)).kv_bytes_per_token(4)
+        way = None if answer == want else "too high" if answer > want else "too low"
+    if way:
         raise AssertionError(
-            f"{answer!r} is {'too high' if answer > want else 'too low'}. Use spec rule 1 with "
+            f"{answer!r} is {way}. Use spec rule 1 with "
             "B = T = 1: 2 (K and V) x layers x KV heads x head_dim x 4 bytes. Query heads do "
             "not count: only KV heads are cached.")
-    return f"Correct: {want} bytes per token, {want * 16} bytes per 16-token block."
+    return f"Correct: {answer} bytes per token, {answer * 16} bytes per 16-token block."
 
 
 def check_logprob_temperature(letter) -> str:
@@ -100,24 +108,12 @@ def check_logprob_temperature(letter) -> str:
     """
     require_answer(letter, "your letter")
     choice = str(letter).strip().lower()
-    why_not = {
-        "a": "a filtered distribution gives every token outside the top-k/top-p set -inf, "
-             "yet the top-3 logprobs kvlab returns are finite whatever top_p is; run one prompt "
-             "with top_p=0.1 and logprobs=3 and look",
-        "c": "then the same token at the same position would get a different value at "
-             "temperature 0.5 than at 2.0; run one seeded prompt at both and compare",
-        "d": "greedy decoding picks the argmax and defines no probabilities of its own (its "
-             "'distribution' is one-hot: logprobs 0 and -inf), which is not what comes back",
-    }
     if choice not in ("a", "b", "c", "d"):
         raise AssertionError(f"answer with one letter, a to d (got {letter!r})")
-    if choice != "b":
-        raise AssertionError(f"Not ({choice}): {why_not[choice]}.")
-    return ("Correct: (b), the raw model log-probabilities, before temperature and filters; "
-            "they do not depend on temperature, top-k or top-p. vLLM v1's Sampler "
-            "(vllm/v1/sample/sampler.py) does the same by default since it gained "
-            "logprobs_mode='raw_logprobs'; its first version (commit 00ec9781) returned them "
-            "after temperature and top-k/top-p.")
+    truth = sealed("ch07.logprob_temperature")     # each option's verdict is sealed under it
+    if not truth.is_answer(choice):
+        raise AssertionError(truth.note(choice))
+    return truth.note(choice)
 
 
 # -- exercise 1: the attention step that writes its KV too late ---------------------------------
