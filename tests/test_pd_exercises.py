@@ -90,9 +90,18 @@ def test_install_order_accepts_every_safe_order():
     alt = ["record begin", "allocate", "write payload", "record allocated", "record written",
            "commit to cache", "record committed"]
     assert "Correct" in check_install_order(alt)
+    # records out of the protocol's order: kvlab's own recovery refuses such a journal as
+    # corrupt (a simulation of the rule alone accepted this order)
     late = ["record begin", "allocate", "write payload", "record written", "commit to cache",
             "record allocated", "record committed"]
-    assert "Correct" in check_install_order(late)
+    with pytest.raises(AssertionError, match="refuses as corrupt"):
+        check_install_order(late)
+    # every accepted order leaves nothing held and a journal recovery reads, at every crash
+    from kvlab.exercises.ch10 import _run_install
+    for crash in range(len(alt) + 1):
+        st = _run_install(alt, crash)
+        assert not st["refused"] and not st["leaked"]
+        assert st["installed"] == (st["committed"] and st["written"])
 
 
 def test_colleague_check_installs_exactly_one_damaged_entry():

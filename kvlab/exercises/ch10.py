@@ -1,8 +1,8 @@
 """Chapter 10 exercises: transfer arithmetic, classifying damaged entries, a crash-safe install.
 
-Each check computes the truth with kvlab's own code (:mod:`kvlab.capacity`,
-:mod:`kvlab.disagg`) and raises ``AssertionError`` saying what is wrong (too high / too low,
-that some kind is wrong, which crash breaks which rule) without printing the answer.
+Each check computes the truth with kvlab's own code (:mod:`kvlab.capacity`, :mod:`kvlab.disagg`,
+the install journal's recovery) and raises ``AssertionError`` saying what is wrong (too high /
+too low, that some kind is wrong, which crash breaks which rule) without printing the answer.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import hashlib
 
 from kvlab.capacity.catalog import get_model
 from kvlab.capacity.transfer_cost import LINKS, kv_transfer_bytes, transfer_seconds
+from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.disagg.entry import (
     ENTRY_FORMAT,
     REJECT_KINDS,
@@ -22,6 +23,7 @@ from kvlab.disagg.entry import (
     make_header,
     seal,
 )
+from kvlab.disagg.install_journal import InstallJournal, recover_installs
 from kvlab.disagg.transfer_faults import Fault, FaultSchedule, TransferFaultInjector
 
 from ._common import require_answer
@@ -109,19 +111,45 @@ _RECORDED_STEP = {"allocated": "allocate", "written": "write payload",
                   "committed": "commit to cache"}
 
 
-def _simulate(order: list[str], crash: int) -> dict:
+_OP, _RID, _SCOPE = "p-1@entry", "p-1", (("model", "weights-v7"),)
+_INSTALL_PROMPT = tuple(range(200, 213))       # 13 tokens: 3 full blocks of 4 are installed
+_INSTALL_TOKENS = 12
+
+
+def _run_install(order: list[str], crash: int) -> dict:
+    """Run the first ``crash`` steps of ``order`` on kvlab's own :class:`KVCacheManager` and
+    :class:`InstallJournal`, crash, and recover with :func:`recover_installs` (the consumer's
+    recovery). The payload bytes are not modelled: whether they were written is a flag."""
+    kv, journal = KVCacheManager(16, 4), InstallJournal()
     done = order[:crash]
-    journal = [s.split(" ", 1)[1] for s in done if s.startswith("record")]
-    state = {"held": "allocate" in done, "written": "write payload" in done,
-             "committed": "commit to cache" in done, "journal": journal}
-    # kvlab's recovery: frees a table of an operation the journal names; says "installed" if
-    # the journal has 'committed', or has 'written' and the manager shows the commit
-    state["found"] = bool(journal)
-    state["installed"] = "committed" in journal or ("written" in journal and state["committed"])
+    got = 0
+    for step in done:
+        if step == "record begin":
+            journal.append("begin", _OP, (_RID, _INSTALL_TOKENS))
+        elif step == "allocate":
+            got = kv.admit(_OP, _SCOPE, _INSTALL_PROMPT, _INSTALL_TOKENS)
+        elif step == "record allocated":
+            table = tuple(kv.block_table(_OP)) if kv.has(_OP) else ()
+            journal.append("allocated", _OP, (table, got))
+        elif step == "record written":
+            journal.append("written", _OP)
+        elif step == "commit to cache":
+            kv.commit(_OP, _INSTALL_PROMPT[:_INSTALL_TOKENS])
+        elif step == "record committed":
+            journal.append("committed", _OP)
+    state = {"written": "write payload" in done, "committed": "commit to cache" in done,
+             "refused": False, "leaked": False, "installed": False}
     # a record claims its step is done: 'allocated', 'written', 'committed' before the step
     # happened is a journal that lies to recovery
-    state["false_claims"] = [rec for rec in journal if rec in _RECORDED_STEP
-                             and _RECORDED_STEP[rec] not in done]
+    state["false_claims"] = [r.kind for r in journal.records if r.kind in _RECORDED_STEP
+                             and _RECORDED_STEP[r.kind] not in done]
+    try:
+        report = recover_installs(journal, kv)
+    except ValueError:
+        state["refused"] = True
+        return state
+    state["leaked"] = kv.has(_OP)
+    state["installed"] = _OP in report and report[_OP].installed
     return state
 
 
@@ -130,8 +158,9 @@ def check_install_order(order) -> str:
     that a crash before *any* step leaves (1) no leaked table, (2) no half-written block visible
     in the prefix cache, and (3) a truthful journal (no record of a step that has not
     happened) from which recovery answers "installed?" correctly.
-    Several orders are right; the exercise asks for one that is not kvlab's own (the chapter
-    describes that one). The check simulates a crash before every step."""
+    The exercise asks for an order that is not kvlab's own (the chapter describes that one).
+    The check crashes the install before every step, on kvlab's own KV manager and install
+    journal, and recovers with ``recover_installs``."""
     require_answer(order, "a list of the seven steps")
     order = list(order)
     if sorted(order) != sorted(INSTALL_STEPS):
@@ -143,9 +172,12 @@ def check_install_order(order) -> str:
     if pos["write payload"] < pos["allocate"] or pos["commit to cache"] < pos["allocate"]:
         raise AssertionError("there are no blocks to write or commit before 'allocate'")
     for crash in range(len(order) + 1):
-        st = _simulate(order, crash)
+        st = _run_install(order, crash)
         after = f"a crash after {order[crash - 1]!r}" if crash else "a crash at once"
-        if st["held"] and not st["found"]:
+        if st["refused"]:
+            raise AssertionError(f"{after} leaves a journal that kvlab's recovery refuses as "
+                                 "corrupt: its records must come in the protocol's order")
+        if st["leaked"]:
             raise AssertionError(f"{after} leaks the table: the journal names no operation")
         if st["false_claims"]:
             raise AssertionError(f"{after} leaves a journal that records "
