@@ -342,3 +342,50 @@ def test_rejected_request_with_n_samples_finishes(model_dir, prompts):
     assert all(o.finished for o in outs)
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_invariants()
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones(model_dir, prompts):
+    """``output_kind=DELTA`` (vLLM's RequestOutputKind.DELTA, what the server streams with):
+    each step's output holds only the tokens and logprobs after the previous output's, so
+    concatenated they equal the CUMULATIVE run's (same seeds), and an abort's output holds
+    only what no output carried yet. CUMULATIVE outputs are unchanged (each holds all)."""
+    from kvlab.engine.sampler import RequestOutputKind
+
+    delta = RequestOutputKind.DELTA
+    kw = dict(max_tokens=12, temperature=0.9, seed=5, n=2, logprobs=2, ignore_eos=True)
+
+    def run(kind: RequestOutputKind, abort_after: int | None = None):
+        eng = LLMEngine(EngineArgs(model_dir, block_size=4, num_blocks=128))
+        for i, p in enumerate(prompts[:3]):
+            eng.add_request(f"r{i}", p, SamplingParams(**kw, output_kind=kind))
+        got: dict[str, list] = {}
+        steps = 0
+        while eng.has_unfinished_requests():
+            outs = eng.step()
+            steps += 1
+            if steps == abort_after:
+                outs.append(eng.abort_request("r1"))
+            for out in outs:
+                got.setdefault(out.request_id, []).append(out)
+        return got
+
+    cumulative, deltas = run(RequestOutputKind.CUMULATIVE), run(delta)
+    for rid, outs in cumulative.items():
+        final = outs[-1]
+        for k, c in enumerate(final.outputs):
+            per_step = [o.outputs[k] for o in deltas[rid]]
+            assert [t for d in per_step for t in d.token_ids] == c.token_ids
+            assert [e for d in per_step for e in d.logprobs] == c.logprobs
+            assert [len(d.token_ids) for d in per_step] == [1] * len(c.token_ids)
+            assert per_step[-1].finish_reason == c.finish_reason == "length"
+            assert per_step[-1].cumulative_logprob == pytest.approx(c.cumulative_logprob)
+        # cumulative outputs still hold every token so far
+        assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, len(outs) + 1))
+    aborted = run(delta, abort_after=4)["r1"]
+    assert aborted[-1].finished and aborted[-1].outputs[0].finish_reason == "abort"
+    tokens = [t for o in aborted[:-1] for t in o.outputs[0].token_ids]
+    assert tokens == cumulative["r1"][-1].outputs[0].token_ids[:len(tokens)]
+    assert len(tokens) == 4 and aborted[-1].outputs[0].token_ids == []  # nothing owed
+    with pytest.raises(ValueError, match=r"SamplingParams\.output_kind"):
+        SamplingParams(output_kind="delta")
+

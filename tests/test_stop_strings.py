@@ -111,3 +111,15 @@ def test_stop_is_stored_as_a_tuple():
     assert SamplingParams(stop="ab").stop == ("ab",)
     assert SamplingParams(stop=["a", "b", "a"]).stop == ("a", "b")
     assert SamplingParams(stop=None).stop == () and SamplingParams().stop == ()
+
+
+def test_stop_strings_are_refused_with_delta_outputs(llm):
+    """A DELTA output's text is its new tokens' alone, so the engine cannot cut it at a stop
+    string: such a request is refused, naming both needs (the server matches stop strings on
+    its own incremental text instead)."""
+    from kvlab.engine.sampler import RequestOutputKind
+
+    with pytest.raises(ValueError, match="needs a tokenizer and CUMULATIVE outputs"):
+        llm.engine.validate_request(PROMPT, SamplingParams(
+            stop="x", output_kind=RequestOutputKind.DELTA))
+    llm.engine.validate_request(PROMPT, SamplingParams(stop="x"))     # CUMULATIVE: accepted

@@ -65,15 +65,13 @@ class LLM:
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
             engine.validate_request(p, sp)
-        ids: list[str] = []
-        done: dict[str, RequestOutput] = {}
+        ids, done = [], {}     # request ids in prompt order; their final outputs
         bar = tqdm(total=len(prompts), desc="Processed prompts", unit="req",
                    disable=None if use_tqdm else True)
         try:
             for p, sp in zip(prompts, params, strict=True):
-                rid = self._next_id()
+                ids.append(rid := self._next_id())   # aborted if anything below raises
                 engine.add_request(rid, p, sp)
-                ids.append(rid)
             mine = set(ids)
             while len(done) < len(ids):
                 foreign = []

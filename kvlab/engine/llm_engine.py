@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from kvlab.core.engine_core import EngineCore
@@ -166,7 +167,8 @@ class LLMEngine:
         if not p.ignore_eos:
             stops.update(self.eos_token_ids[1:])  # extra eos ids act as stop tokens
         masked = stops if p.ignore_eos else stops | set(self.eos_token_ids[:1])  # min_tokens
-        sampler = SamplerState.create(p, (seed + sample.index) % SEED_MOD, self.device,
+        sampler = SamplerState.create(p if not sample.index else replace(p, prompt_logprobs=None),
+                                      (seed + sample.index) % SEED_MOD, self.device,
                                       state.prompt_token_ids, sorted(masked))
         if p.structured_outputs is not None:
             stops.update(self.structured_outputs.stop_token_ids_for(p))  # ends at EOS
@@ -179,22 +181,20 @@ class LLMEngine:
     def validate_request(self, prompt: Prompt, params: SamplingParams | None = None,
                          request_id: str | None = None
                          ) -> tuple[str | None, tuple[int, ...], SamplingParams]:
-        """Every check :meth:`add_request` makes, queueing nothing: ``(text or None, token ids,
-        params)``, or ValueError / TypeError naming the problem."""
+        """:meth:`add_request`'s checks (a duplicate id it checks under the lock), queueing
+        nothing: ``(text or None, token ids, params)``, or ValueError / TypeError naming it."""
         if request_id is not None:
             if not isinstance(request_id, str) or not request_id:
                 raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
             if _SAMPLE_SEP in request_id:
                 raise ValueError(f"request_id {request_id!r} may not contain {_SAMPLE_SEP!r} "
                                  "(reserved for the samples of n > 1 requests)")
-            if request_id in self.outputs.requests:
-                raise ValueError(f"duplicate request_id {request_id!r}: already in the engine")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.check_vocab(self.config.vocab_size)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer; this model has none")
+        if params.stop and (self.tokenizer is None or params.output_kind.value):
+            raise ValueError("SamplingParams.stop needs a tokenizer and CUMULATIVE outputs")
         if params.penalized and self.args.speculative_config is not None:
             raise ValueError("SamplingParams penalties and min_tokens are not supported with "
                              "speculative decoding")
@@ -217,8 +217,8 @@ class LLMEngine:
         """Queue a request (its ``n`` samples); ``security_domain`` overrides the engine's
         tenant. Bad input raises (see :meth:`validate_request`) and leaves the engine as it was."""
         text, ids, params = self.validate_request(prompt, params, request_id)
-        if security_domain is not None and (not isinstance(security_domain, str)
-                                            or not security_domain):
+        if security_domain is not None and not (isinstance(security_domain, str)
+                                                and security_domain):
             raise ValueError(f"security_domain must be a non-empty str, got {security_domain!r}")
         scope = self.cache_scope(security_domain)
         with self.core.lock:

@@ -21,8 +21,8 @@ __all__ = ["CompletionOutput", "EngineStats", "OutputProcessor", "RequestMetrics
 
 @dataclass
 class CompletionOutput:
-    """One sample: its tokens, finish reason, per-token ``logprobs`` dicts (None unless asked)
-    and the sum of their raw log-probabilities; ``text`` is decoded on first access."""
+    """One sample: token ids, finish reason, per-token ``logprobs`` dicts (None unless asked)
+    and decoded ``text`` (DELTA outputs: the new tokens' only), all tokens' raw logprob sum."""
 
     index: int
     token_ids: list[int]
@@ -144,6 +144,7 @@ class SampleState:
     cumulative_logprob: float = 0.0
     token_ids: list[int] = field(default_factory=list)
     ended: RuntimeRequest | None = None     # the scheduler's request once it was reported
+    sent: int = 0                           # tokens in earlier outputs (DELTA)
 
 
 @dataclass
@@ -219,10 +220,9 @@ class OutputProcessor:
             if entry is None or entry[0].admitted:
                 continue  # other samples and re-admissions after preemption are not counted
             state = entry[0]
-            state.admitted = True
             # an admission's first chunk starts after the prefix the cache served
             cached, prompt = starts[rid], len(state.prompt_token_ids)
-            state.num_cached_tokens = cached
+            state.admitted, state.num_cached_tokens = True, cached
             stats.prompt_tokens += prompt
             stats.cached_prompt_tokens += min(cached, prompt)
         for rid, entries in (getattr(model.info, "prompt_logprobs", None) or {}).items():
@@ -250,8 +250,7 @@ class OutputProcessor:
             if entry is not None:
                 entry[1].ended = req
                 touched[entry[0].request_id] = entry[0]
-        outputs = list(self.undelivered.values())
-        self.undelivered = {}
+        outputs, self.undelivered = list(self.undelivered.values()), {}
         for state in touched.values():
             if only_finished and not state.done:
                 continue
@@ -273,8 +272,7 @@ class OutputProcessor:
         completions = []
         all_done = True
         for sample in state.samples:
-            req = sample.ended
-            reason = None
+            req, reason = sample.ended, None
             if req is not None:
                 reason = req.finish_reason.value if req.finish_reason is not None else None
                 if req.status is RequestStatus.CANCELLED:
@@ -291,9 +289,11 @@ class OutputProcessor:
             if force_finished and reason is None:
                 reason = FinishReason.ABORT.value
             all_done &= reason is not None
+            done, sample.sent = sample.sent if state.params.output_kind.value else 0, \
+                len(sample.token_ids)   # DELTA (1): only the tokens after the last output's
             completions.append(CompletionOutput(
-                index=sample.index, token_ids=list(sample.token_ids), finish_reason=reason,
-                logprobs=None if sample.logprobs is None else list(sample.logprobs),
+                index=sample.index, token_ids=sample.token_ids[done:], finish_reason=reason,
+                logprobs=None if sample.logprobs is None else sample.logprobs[done:],
                 cumulative_logprob=sample.cumulative_logprob, stop_reason=stop,
                 _decode=self.decode, _text=text))
         return RequestOutput(state.request_id, state.prompt, list(state.prompt_token_ids),

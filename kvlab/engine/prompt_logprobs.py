@@ -10,7 +10,8 @@ forward keeps all hidden rows only in steps that carry such a chunk). vLLM skips
 prefix cache for these requests (``skip_reading_prefix_cache`` in v0.32's ``sampling_params.py``,
 read by ``kv_cache_manager.py``); kvlab keeps the hit and scores the positions the hit skipped in
 one extra forward over a scratch KV cache, which gives the same values. Only sample 0 of an
-``n > 1`` request is scored (the prompt is the same for every sample). Not with speculative
+``n > 1`` request is scored (the prompt is the same for every sample): the engine gives the
+other samples' runner requests ``prompt_logprobs=None``. Not with speculative
 decoding (its executor runs its own forward): such requests get no prompt logprobs.
 """
 
@@ -61,10 +62,8 @@ class PromptScorer:
         self._plan: list[tuple[int, ScheduledChunk]] = []
 
     def _wants(self, rid: str) -> bool:
-        s = self.runner.samplers.get(rid)
-        # sample i > 0 of request r runs as r#i (LLMEngine's ids): only sample 0 is scored
-        return s is not None and s.params.prompt_logprobs is not None and "#" not in rid \
-            and rid not in self.complete
+        s = self.runner.samplers.get(rid)   # LLMEngine asks for sample 0's entries alone
+        return s is not None and s.params.prompt_logprobs is not None and rid not in self.complete
 
     def plan(self, chunks: tuple[ScheduledChunk, ...]) -> bool:
         """Whether this step carries a chunk whose request still needs prompt entries."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
@@ -18,8 +19,8 @@ import torch
 from .detokenizer import check_stop
 from .structured_outputs.params import StructuredOutputsParams, check_structured_outputs
 
-__all__ = ["MAX_SEED", "MIN_TEMPERATURE", "SampleResult", "SamplerState", "SamplingParams",
-           "filter_logits", "is_real", "penalize", "sample"]
+__all__ = ["MAX_SEED", "MIN_TEMPERATURE", "RequestOutputKind", "SampleResult", "SamplerState",
+           "SamplingParams", "filter_logits", "is_real", "penalize", "sample"]
 
 MIN_TEMPERATURE = 1e-5   # below it, greedy (vLLM's rule): a tinier divisor overflows float32
 MAX_SEED = 2**64 - 1      # torch generators take a 64-bit unsigned seed
@@ -45,6 +46,10 @@ def is_real(value: object) -> bool:
         return False
 
 
+class RequestOutputKind(Enum):   # vLLM's: each output has all tokens so far, or the new ones
+    CUMULATIVE, DELTA = 0, 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token, and when to stop (vLLM's names and meanings).
@@ -62,9 +67,9 @@ class SamplingParams:
     occurrence; ``repetition_penalty`` > 0 divides positive (multiplies negative) logits of
     tokens in the prompt or the output; ``min_tokens``: EOS and the stop ids are masked until
     that many tokens were generated; ``stop``: strings the text ends before (the match is
-    excluded, ``stop_reason`` is the string). A bad value raises ``ValueError`` naming
-    ``SamplingParams.<field>``; any accepted value samples without error.
-    """
+    excluded, ``stop_reason`` is the string); ``output_kind=DELTA``: each output only the new
+    tokens. A bad value raises ``ValueError`` naming ``SamplingParams.<field>``; any accepted
+    value samples without error."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -82,6 +87,7 @@ class SamplingParams:
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     stop: str | Sequence[str] = ()
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         t, p, s, stops = self.temperature, self.top_p, self.seed, self.stop_token_ids
@@ -100,6 +106,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stops)
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
         _check(_count(self.n, 1), "n", "an int >= 1", self.n)
+        _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+               "a RequestOutputKind", self.output_kind)
         for name in ("logprobs", "prompt_logprobs"):
             _check(getattr(self, name) is None or _count(getattr(self, name), 0), name,
                    "None or an int >= 0", getattr(self, name))

@@ -7,9 +7,10 @@ thread-safe :meth:`LLMEngine.add_request`) and read the request's :class:`Stream
 from the stream's ``asyncio.Queue``, which the engine thread fills through
 ``loop.call_soon_threadsafe``. Nothing else crosses threads.
 
-**Deltas, not snapshots.** The engine's outputs are cumulative (every token so far); the engine
-thread turns each into the tokens that are new since the last one, so a stream's queue holds
-each token once and a slow reader costs memory linear in what it owes, not quadratic.
+**Deltas, not snapshots.** Requests run with ``SamplingParams.output_kind=DELTA`` (vLLM's
+``RequestOutputKind.DELTA``, which its OpenAI server uses for streams too): each step's output
+carries only the tokens (and logprobs) that are new, so neither the engine nor a stream's queue
+copies what was already sent, and a slow reader costs memory linear in what it owes.
 **Bounded.** A stream whose reader falls more than ``max_backlog_tokens`` tokens behind is
 aborted (its KV freed) and ended with ``error="client_too_slow"``.
 
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 
 from kvlab.engine.llm_engine import LLMEngine, Prompt
 from kvlab.engine.outputs import RequestOutput
-from kvlab.engine.sampler import SamplingParams
+from kvlab.engine.sampler import RequestOutputKind, SamplingParams
 
 from .server_metrics import ServerMetrics
 
@@ -84,7 +85,6 @@ class RequestStream:
     engine: AsyncEngine
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    sent: dict[int, int] = field(default_factory=dict)   # sample -> tokens delivered
     backlog: int = 0            # tokens queued and not yet read (engine thread adds, loop takes)
     finished: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -167,19 +167,16 @@ class AsyncEngine:
                 self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
-        """Turn a cumulative output into a delta for its stream (engine thread)."""
-        self.metrics.observe_output(out)
+        """Queue a step's output, a delta (``RequestOutputKind.DELTA``), on its stream (engine
+        thread)."""
         stream = self._streams.get(out.request_id)
-        if stream is None:
-            return          # aborted meanwhile
-        choices = []
-        for c in out.outputs:
-            done = stream.sent.get(c.index, 0)
-            new = c.token_ids[done:]
-            if new or c.finish_reason is not None:
-                stream.sent[c.index] = done + len(new)
-                lps = None if c.logprobs is None else c.logprobs[done:done + len(new)]
-                choices.append(ChoiceDelta(c.index, new, c.finish_reason, lps))
+        if stream is None:          # aborted: :meth:`abort` observed its final output
+            if not out.finished:    # a delta made by the step just before the abort
+                self.metrics.observe_output(out)
+            return
+        self.metrics.observe_output(out)
+        choices = [ChoiceDelta(c.index, c.token_ids, c.finish_reason, c.logprobs)
+                   for c in out.outputs if c.token_ids or c.finish_reason is not None]
         delta = StreamDelta(choices, out.finished, len(out.prompt_token_ids),
                             out.num_cached_tokens)
         if out.prompt_logprobs is not None and not stream.prompt_sent:
@@ -211,6 +208,8 @@ class AsyncEngine:
         """Register a stream and add the request (thread-safe: call it in a worker thread so
         the event loop never waits on the engine). Raises what :meth:`LLMEngine.add_request`
         raises, with nothing queued."""
+        if params.output_kind is not RequestOutputKind.DELTA:
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         stream = RequestStream(request_id, self, loop)
         self._streams[request_id] = stream
         try:

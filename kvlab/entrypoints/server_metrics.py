@@ -40,13 +40,14 @@ class ServerMetrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.http_errors: dict[str, int] = {}
-        self._seen: dict[str, tuple[int, float]] = {}   # request id -> (tokens, last token time)
+        # request id -> (tokens so far, last token's time, sample 0's tokens so far)
+        self._seen: dict[str, tuple[int, float, int]] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ observations
     def observe_arrival(self, request_id: str) -> None:
         with self._lock:
-            self._seen[request_id] = (0, 0.0)
+            self._seen[request_id] = (0, 0.0, 0)
 
     def observe_step(self, trace: Any) -> None:
         if trace is not None:
@@ -59,28 +60,33 @@ class ServerMetrics:
             self.http_errors[key] = self.http_errors.get(key, 0) + 1
 
     def observe_output(self, out: RequestOutput) -> None:
-        """Fold one output (cumulative) of a request in; the final one closes the request."""
+        """Fold one output of a request in (a delta: ``SamplingParams.output_kind=DELTA``); the
+        final one closes the request. A delta that arrives after its request was closed (a step
+        made it just before an abort) still counts its tokens."""
         m = out.metrics
         now = m.finished_time if out.finished and m.finished_time is not None \
             else time.monotonic()
-        tokens = sum(len(c.token_ids) for c in out.outputs)
+        new = sum(len(c.token_ids) for c in out.outputs)
         with self._lock:
             seen = self._seen.get(out.request_id)
             if seen is None:
-                return                      # already closed (an abort after the end)
-            before, last = seen
+                self.generation_tokens += new
+                return
+            before, last, first = seen
+            tokens = before + new
+            first += len(out.outputs[0].token_ids)
             if tokens > before:
                 if before == 0 and m.first_token_time is not None:
                     self.ttft.observe(max(m.first_token_time - m.arrival_time, 0.0))
                     last = m.first_token_time
-                    before = 1 if tokens else 0
+                    before = 1
                     self.generation_tokens += 1
                 for _ in range(tokens - before):
                     self.itl.observe(max(now - last, 0.0))
                     last = now
                 self.generation_tokens += tokens - before
                 before = tokens
-            self._seen[out.request_id] = (before, last)
+            self._seen[out.request_id] = (before, last, first)
             if not out.finished:
                 return
             del self._seen[out.request_id]
@@ -90,9 +96,8 @@ class ServerMetrics:
                 self.prompt_tokens += len(out.prompt_token_ids)
                 end = m.finished_time if m.finished_time is not None else now
                 self.e2e.observe(max(end - m.arrival_time, 0.0))
-                n = len(out.outputs[0].token_ids)
-                if n >= 2 and m.first_token_time is not None:
-                    self.tpot.observe(max(end - m.first_token_time, 0.0) / (n - 1))
+                if first >= 2 and m.first_token_time is not None:
+                    self.tpot.observe(max(end - m.first_token_time, 0.0) / (first - 1))
 
     # ------------------------------------------------------------------ exposition
     def gauges(self) -> dict[str, float]:
