@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` answers
 with server-sent events, ending ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``,
-``GET /health`` and ``GET /metrics`` (Prometheus text, vLLM's metric names). Built on Starlette
+``GET /health``, ``GET /metrics`` (Prometheus text, vLLM's metric names), and vLLM's ``POST
+/tokenize``, ``POST /detokenize`` and (opt-in) ``GET /tokenizer_info``
+(:mod:`~kvlab.entrypoints.tokenization`). Built on Starlette
 and uvicorn; the engine steps in one background thread
 (:class:`~kvlab.entrypoints.async_engine.AsyncEngine`).
 
@@ -44,6 +46,7 @@ from .async_engine import MAX_BACKLOG_TOKENS, AsyncEngine, RequestStream
 from .openai_protocol import APIError, ParsedRequest, error_body, parse_request
 from .openai_responses import TokenNames, choice, logprobs_body
 from .request_run import Event, RequestRun, prepare
+from .tokenization import detokenize, tokenize, tokenizer_info
 
 __all__ = ["MAX_BODY_BYTES", "ServerThread", "build_app", "main"]
 
@@ -76,9 +79,10 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-def build_app(aeng: AsyncEngine, served_model: str, *,
-              max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
-    """The Starlette application; its lifespan starts and stops ``aeng``'s engine thread."""
+def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX_BODY_BYTES,
+              tokenizer_info_endpoint: bool = False) -> Starlette:
+    """The Starlette application; its lifespan starts and stops ``aeng``'s engine thread.
+    ``tokenizer_info_endpoint``: serve ``GET /tokenizer_info`` (off by default, as in vLLM)."""
     engine = aeng.engine
     metrics = aeng.metrics
     tokenizer = engine.tokenizer
@@ -210,6 +214,21 @@ def build_app(aeng: AsyncEngine, served_model: str, *,
                                       f"`{served_model}`", param="model", code="model_not_found"))
         return JSONResponse(model_card())
 
+    async def tokenizer_route(request: Request) -> Response:
+        """``/tokenize`` and ``/detokenize``: body read with the size limit, worked off-loop."""
+        work = tokenize if request.url.path == "/tokenize" else detokenize
+        try:
+            raw = await _read_body(request, max_body_bytes)
+            return JSONResponse(await asyncio.to_thread(work, raw, engine, served_model))
+        except APIError as err:
+            return fail(err)
+
+    async def tokenizer_info_route(request: Request) -> Response:
+        try:
+            return JSONResponse(await asyncio.to_thread(tokenizer_info, engine))
+        except APIError as err:
+            return fail(err)
+
     async def health(request: Request) -> Response:
         if not aeng.running:
             return JSONResponse(error_body("engine thread is not running", "server_error"),
@@ -240,7 +259,12 @@ def build_app(aeng: AsyncEngine, served_model: str, *,
         yield
         aeng.shutdown()
 
+    routes = [Route("/tokenizer_info", tokenizer_info_route, methods=["GET"])] \
+        if tokenizer_info_endpoint else []
     return Starlette(routes=[
+        *routes,
+        Route("/tokenize", tokenizer_route, methods=["POST"]),
+        Route("/detokenize", tokenizer_route, methods=["POST"]),
         Route("/v1/completions", v1_completions, methods=["POST"]),
         Route("/v1/chat/completions", v1_chat, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
@@ -307,6 +331,8 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
                     help="larger request bodies are refused with HTTP 413")
     ap.add_argument("--max-stream-backlog", type=int, default=MAX_BACKLOG_TOKENS,
                     help="abort a stream whose client owes this many unread tokens")
+    ap.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                    help="serve GET /tokenizer_info (vLLM's flag; lm-eval's remote tokenizer)")
 
 
 def make_engine(args: argparse.Namespace):
@@ -359,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or str(args.model)
     aeng = AsyncEngine(engine, model_name=name, max_backlog_tokens=args.max_stream_backlog)
     print(f"kvlab serve: {name} on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(build_app(aeng, name, max_body_bytes=args.max_request_bytes), host=args.host,
-                port=args.port, log_level=args.log_level)
+    app = build_app(aeng, name, max_body_bytes=args.max_request_bytes,
+                    tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
