@@ -282,3 +282,55 @@ def _logprob_temperature() -> Truth:
              "(its 'distribution' is one-hot: logprobs 0 and -inf), which is not what comes "
              "back.",
     })
+
+
+# --- chapter 9: exact speculative decoding -----------------------------------------------------
+
+def _ch09_speedup(batch: int, k: int, alpha: float, context: int) -> float:
+    from kvlab.exercises import ch09
+    from kvlab.sim.costmodel import speculative_step_cost
+
+    if k == 0:
+        return 1.0
+    target, draft = ch09.deployment_cost_models()
+    return speculative_step_cost(target, draft, batch=batch, k=k, alpha=alpha,
+                                 context=context, draft_forwards=k).speedup
+
+
+@truth("ch09.context_effect")
+def _context_effect() -> Truth:
+    from kvlab.exercises import ch09
+
+    b, k, a = ch09.PREDICT["batch"], ch09.PREDICT["k"], ch09.PREDICT["alpha"]
+    short, long = (_ch09_speedup(b, k, a, c) for c in ch09.PREDICT["contexts"])
+    answer = ("unchanged" if abs(long / short - 1) <= 0.01
+              else "rises" if long > short else "falls")
+    notes = {
+        "rises": "no: a longer context makes every forward read more KV bytes; compare what "
+                 "that adds to a plain decode step and to a speculative step",
+        "falls": "no: check which forwards of a step read the context, and how often",
+        "unchanged": "no: the speedup moves by more than 1 % between the two contexts; the "
+                     "KV bytes a forward reads grow with the context",
+    }
+    notes[answer] = ("Right. Now run the cost model at both contexts and find which forward's "
+                     "time grew the most.")
+    return Truth(answer, notes=notes)
+
+
+@truth("ch09.deployment_k")
+def _deployment_k() -> Truth:
+    """The best k, and a verdict for every k of the choices: within the tolerance of the best
+    throughput or not (the check reads the verdict of the reader's k)."""
+    from kvlab.exercises import ch09
+
+    d = ch09.DESIGN
+    speed = {k: _ch09_speedup(d["batch"], k, d["alpha"], d["context"])
+             for k in d["k_choices"]}
+    best = max(speed.values())
+    notes = {k: (f"Good: k={k} is within {d['tolerance']:.0%} of the best. Now say at which "
+                 "batch you would turn speculation off.")
+             if v >= (1 - d["tolerance"]) * best else
+             (f"k={k} is not within {d['tolerance']:.0%} of the best throughput for this "
+              "deployment")
+             for k, v in speed.items()}
+    return Truth(max(speed, key=speed.get), notes=notes)

@@ -147,4 +147,32 @@ SEALED = {
             '3e0e7ee874df771c1e7344d1': 'wutI9SrWbRAweLkfPn/4pEtoNvZmT3GZ3k8vN7ORjF6mTebY90ZrEGP8B9JutvyIkCwJY/W7cT01PoAS0+oQY06VNLkBQIr3zIhtS8/rC4cm7JlhGURf8iAeZ0NLvrczR2i6nd0E81R8gs3imC/A5Lxhc62VQ+3M9Mkjr7lS1GSk5s2Tn9K4zOp6iNqBbaGtIwVRhZbbUL3XyHD2xsjZTRWaXa06',
         },
     ),
+    'ch09.context_effect': (
+        'ce843799f8e6551df6c7fc0aa8a80b3d',
+        '0aaf82f015d000dc4b6aa08b673a6646f8edf1c23b06895aa55dd2acfc9d11d5',
+        None,
+        None,
+        {
+            'a21f3ab5c843cb19760bca5b': 'CBjwutGOWe4E3smt/s8sQPsHuosN+dcPau1mnQDCHYJYuv1FATP/kbuk8+PlTXIeYFNIL+ZbjPFi3HT8Gu2K4C1doEKhgqIh3ZqiiBFNQl3VGk3nbGO+S5S44g==',
+            '0c65a91c983bf08e0450cff4': 'gmU/uiyHf6T0PrrPZ9djXBy/32eejJGxRN45MsdvsLQl82XhxmFtvXAlqT19aGnQQaJur/Y6RGj5qw/PxVPZix0Sq+MHiai2UgrZxYFFDH65mPKID16spKfrA08mViExiw6iUg+bf70z1c/4oM14J5ESCVkhKv5irOlCMElzehwU7sno',
+            'a7277e3e2c8bf5100b5eb312': 'Yq8GKXPRKpNLr8PkWSgTjYDnD5o324WRRmbMMfLNJhf8ALSUcmPYnnFTgqwzl3T/smLw9Ek5eT/UWJFf/f/EgxtTLZ91x+AMGWvEoNRmn61PQkJZxk2h1vX89AHrPSv0RvNNK2EYMMLT5QeLGrfOoGqgDA==',
+        },
+    ),
+    'ch09.deployment_k': (
+        'edfdae1bd1ad3290071f4b0c13191f2a',
+        '3b196ded9c9d89f58681c7a4778262df842e41e625cae3e066fcc5dab129607a',
+        None,
+        None,
+        {
+            '4fca13303c83e3ad35e4b503': 'OiblbhrCiaHs8OFS515ySE5siRrjgwQYKfYGvK7VQSFXTYB/eLc628AUoOmQMmDgDQ0PgBYwkI+9MI0QCT7/',
+            'ffcd780c85c0efbb3e6cb074': '0yu6rnmRONvmCFdVKvzxa5LvlMW8kjD+OgKC0O/oUdyO1j7uwP7Cr0ds9DdtmbggdeaXv4dWm49S2ju+A0sn',
+            'bb932002d63adb7bf3989163': 'Wd+POeXcfK1IgjebCm1fLt0UKcMexCtA2Qa0keKnIBj6zTXswQ51GhPb4f0Z9cIQvP5kUEoRJ+IWhZFdz8Wr',
+            '8948512c9e34b61a74d4970c': 'S79IrdLIO+eG5t1dyaeTDQjYcnv/m5UK1K01VwLn1YcvlymEWTtToVpjsHz55FC4sovzQ6j9u1MugQqZTnogrBUWyzztkBLul4wDrN1JD5+OLQAjA6fJyCyO',
+            'f6bfbb517525e9e9e3b03821': 'z8WquzOUJKvM7p8Gl4W+mDRRqMHs6yF2zXf9MzVPyiuhBP8DHGpKI/IS+gIze0voU9IbRMxtvtxpU6OV+FgRwTKwl2PZw78UNr3WRgv+Nehns5Y/Tj7m79Dv',
+            '0804687cef3e60659713ac40': 'AzCjn4Y2wrPrzxFVHQhGOT3Z/ErDxwDuHFBSWX6h4+l/U/dyCQJldAsDkp5Fbj3V39LD5BBLeeaLj423PpK2',
+            'cfceb3624271aea844dee66c': 'icf8yE/xymmc7eoGD1jq08Ak0vtMYSc81tWiGYy01+xPdyk8aeqNPJOp4dzkQrVfm0t/q3zcqNcLodZ0Tx0y',
+            '47e2b4734fc04dd993cb80f2': '3EjvuMjxFA1z+01Nf6pyU5wpyjjDaHYizpOITybC/QGXsgEe03X8OYeWdmO3T6QqVtxw74xuh85qRizgK202',
+            '8c3ef7298b9e7f654674135e': 'E7F8KJ8Xbb8gZQYAQmKdpaxx02WnVIEfX0IKvWeURvIGz4VqS3AbArOwomjfVRMv6pP49xzo/I/phfhmLYBI',
+        },
+    ),
 }
