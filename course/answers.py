@@ -334,3 +334,26 @@ def _deployment_k() -> Truth:
               "deployment")
              for k, v in speed.items()}
     return Truth(max(speed, key=speed.get), notes=notes)
+
+
+# --- chapter 10: prefill/decode disaggregation --------------------------------------------------
+
+@truth("ch10.transfer_ms")
+def _transfer_ms() -> Truth:
+    from kvlab.capacity.catalog import get_model
+    from kvlab.capacity.transfer_cost import LINKS, kv_transfer_bytes, transfer_seconds
+    from kvlab.exercises import ch10
+
+    nbytes = kv_transfer_bytes(get_model(ch10.TRANSFER_MODEL), ch10.TRANSFER_TOKENS,
+                               ch10.TRANSFER_ELEMENT_BYTES) / ch10.TRANSFER_TP
+    ms = 1e3 * transfer_seconds(nbytes, LINKS[ch10.TRANSFER_LINK])
+    return Truth(round(ms, 6), number=ms)
+
+
+@truth("ch10.classification")
+def _classification() -> Truth:
+    from kvlab.disagg.entry import check_delivery
+    from kvlab.exercises import ch10
+
+    entries, expected = ch10.classify_entries()
+    return Truth([check_delivery(d, expected) for d in entries])

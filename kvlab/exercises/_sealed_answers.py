@@ -175,4 +175,18 @@ SEALED = {
             '8c3ef7298b9e7f654674135e': 'E7F8KJ8Xbb8gZQYAQmKdpaxx02WnVIEfX0IKvWeURvIGz4VqS3AbArOwomjfVRMv6pP49xzo/I/phfhmLYBI',
         },
     ),
+    'ch10.classification': (
+        '6941c5ef60d0c587cf16e5791eaa2d3a',
+        '7a6512ccc07af0b149c2eb8fd428a33a26f10e81abc2b9980a6202235c8c6904',
+        None,
+        None,
+        None,
+    ),
+    'ch10.transfer_ms': (
+        'f3a5a2bec97774b878188129fbaf2d84',
+        'e885eb740ceb35679fffedda7159bb3a997c41faa70d544cee24a5ea5dae0330',
+        'wo9M6YqtMHI=',
+        None,
+        None,
+    ),
 }

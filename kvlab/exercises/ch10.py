@@ -1,16 +1,16 @@
 """Chapter 10 exercises: transfer arithmetic, classifying damaged entries, a crash-safe install.
 
-Each check computes the truth with kvlab's own code (:mod:`kvlab.capacity`, :mod:`kvlab.disagg`,
-the install journal's recovery) and raises ``AssertionError`` saying what is wrong (too high /
-too low, that some kind is wrong, which crash breaks which rule) without printing the answer.
+A check with one right answer compares against its sealed truth (``_common.sealed``; the
+instructor edition computes it with :mod:`kvlab.capacity` and :mod:`kvlab.disagg`); the design
+and debug checks run the reader's order or case on kvlab's own code (the install journal's
+recovery). Each raises ``AssertionError`` saying what is wrong (too high / too low, that some
+kind is wrong, which crash breaks which rule) without printing the answer.
 """
 
 from __future__ import annotations
 
 import hashlib
 
-from kvlab.capacity.catalog import get_model
-from kvlab.capacity.transfer_cost import LINKS, kv_transfer_bytes, transfer_seconds
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.disagg.entry import (
     ENTRY_FORMAT,
@@ -26,7 +26,7 @@ from kvlab.disagg.entry import (
 from kvlab.disagg.install_journal import InstallJournal, recover_installs
 from kvlab.disagg.transfer_faults import Fault, FaultSchedule, TransferFaultInjector
 
-from ._common import require_answer
+from ._common import require_answer, sealed
 
 # ------------------------------------------------------------------ 1. arithmetic
 TRANSFER_MODEL, TRANSFER_TOKENS, TRANSFER_LINK = "Llama-3-70B", 4096, "InfiniBand NDR 400G"
@@ -45,12 +45,11 @@ def check_transfer_ms(answer) -> str:
     got = float(answer)
     if not got > 0 or got != got:
         raise AssertionError("give a positive number of milliseconds")
-    nbytes = kv_transfer_bytes(get_model(TRANSFER_MODEL), TRANSFER_TOKENS,
-                               TRANSFER_ELEMENT_BYTES) / TRANSFER_TP
-    want = 1e3 * transfer_seconds(nbytes, LINKS[TRANSFER_LINK])
-    if abs(got - want) > 0.02 * want:
-        raise AssertionError(f"{got:.3g} ms is too {'high' if got > want else 'low'}")
-    return f"Correct: {want:.2f} ms."
+    truth = sealed("ch10.transfer_ms")
+    way = truth.direction(got, tolerance=0.02 * truth.value())
+    if way:
+        raise AssertionError(f"{got:.3g} ms is {way}")
+    return f"Correct: {truth.value():.2f} ms."
 
 
 # ------------------------------------------------------------------ 2. classify entries
@@ -82,11 +81,9 @@ def check_classification(answer) -> str:
     """``answer``: for each entry of :func:`classify_entries`, in order, the kind the consumer
     records (one of ``kvlab.disagg.entry.REJECT_KINDS``, or None to install it)."""
     require_answer(answer, "a list of five kinds")
-    entries, expected = classify_entries()
-    want = [check_delivery(d, expected) for d in entries]
     got = list(answer)
-    if len(got) != len(want):
-        raise AssertionError(f"give one kind per entry ({len(want)}), got {len(got)}")
+    if len(got) != len(_FAULTS):
+        raise AssertionError(f"give one kind per entry ({len(_FAULTS)}), got {len(got)}")
     unknown = sorted({repr(g) for g in got if g is not None and g not in REJECT_KINDS})
     if unknown:
         raise AssertionError(f"{', '.join(unknown)}: not a kind the consumer records (see "
@@ -94,7 +91,8 @@ def check_classification(answer) -> str:
     if None in got:
         raise AssertionError("every one of these entries was damaged; the consumer installs "
                              "none of them")
-    if got != want:                      # no count: a count would grade entry by entry
+    if not sealed("ch10.classification").is_answer(got):   # no count: a count would grade
+        # entry by entry
         raise AssertionError("not every kind is right: for each entry, ask which check runs "
                              "first and whether that check can see what the fault changed")
     return "Correct: every damaged entry is refused, each for its own reason."
