@@ -1,0 +1,60 @@
+"""benchmarks/gpu_check.py runs end to end before it reaches a GPU: ``--smoke`` takes every
+section through the same code on CPU (a tiny model, Triton under its interpreter, the CUDA
+graphs' CPU stand-in) and writes the JSON; without a GPU and without ``--smoke`` it exits 2
+with a clear message. (GPU time is scarce: the device run must not die on a trivial error.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+
+
+def run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None
+                    or importlib.util.find_spec("transformers") is None,
+                    reason="the smoke run needs triton and transformers (the dev extra)")
+def test_smoke_run_covers_every_section(tmp_path):
+    proc = run("--smoke", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["complete"] and result["smoke"]
+    for key in ("fused_ops_vs_torch", "decode", "decode_eager", "hf_parity_cuda",
+                "triton_vs_torch"):
+        assert "error" not in result[key] and "skipped" not in result[key], (key, result[key])
+    graphs, eager = result["decode"], result["decode_eager"]
+    assert graphs["graph_sizes"] == [1, 2, 3] and eager["graph_sizes"] is None
+    for b in ("1", "3"):
+        assert graphs["batches"][b]["graph_replays_per_step"] == 1.0
+        assert eager["batches"][b]["graph_replays_per_step"] == 0.0
+        assert "profile_error" not in graphs["batches"][b]
+        assert graphs["batches"][b]["tokens_per_s"] > 0
+    assert result["hf_parity_cuda"]["graph_replays"] > 0
+    assert result["fused_ops_vs_torch"]["ok"] and result["hf_parity_cuda"]["ok"]
+    assert result["ok"] and set(result["targets"]) >= {"busy_ge_85pct", "step_le_4ms_at_64",
+                                                       "batch1_ge_5x"}
+    assert "wrote" in proc.stdout and "done in" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the check would run")
+def test_without_a_gpu_it_exits_2_and_says_why(tmp_path):
+    proc = run("--out", str(tmp_path), timeout=300)
+    assert proc.returncode == 2
+    assert "no CUDA device" in proc.stderr and "--smoke" in proc.stderr
+    assert not (tmp_path / "gpu_check.json").exists()
