@@ -197,8 +197,11 @@ def decode_run(path: Path, device: str, batches: list[int], steps: int, prompt: 
              "graph_replays_per_step": (counter.replayed - replays) / steps}
         try:
             prof = profile_steps(eng, profile_steps_n)
+            seen = device == "cuda" and prof["gpu_ops_per_step"] > 0
             prof["gpu_busy_share"] = (prof["gpu_busy_ms_per_step"] / r["median_step_ms"]
-                                      if device == "cuda" else None)
+                                      if seen else None)
+            if device == "cuda" and not seen:
+                prof["flag"] = "the profiler saw no GPU operations: busy share not measured"
             r.update(prof)
         except Exception as error:   # the timings stand without the profile
             r["profile_error"] = f"{type(error).__name__}: {error}"
@@ -270,6 +273,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not triton_kernels.available():
         print("gpu_check: triton is not installed (pip install -e '.[gpu]').", file=sys.stderr)
         sys.exit(2)
+    if device == "cuda":   # start CUPTI before any graph is captured, so it traces their kernels
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
+            torch.ones(1, device="cuda").add_(1)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     t0 = time.perf_counter()
