@@ -357,3 +357,42 @@ def _classification() -> Truth:
 
     entries, expected = ch10.classify_entries()
     return Truth([check_delivery(d, expected) for d in entries])
+
+
+# --- chapter 11: goodput and SLOs ---------------------------------------------------------------
+
+def _hand_report():
+    from kvlab.exercises import ch11
+    from kvlab.slo import evaluate_slo
+
+    return evaluate_slo(list(ch11.HAND_RECORDS), ch11.HAND_SLO, window_s=ch11.HAND_WINDOW_S)
+
+
+truth("ch11.goodput_by_hand.goodput")(lambda: _number(_hand_report().goodput))
+truth("ch11.goodput_by_hand.attainment")(lambda: _number(_hand_report().attainment))
+
+
+@truth("ch11.max_rate")
+def _max_rate() -> Truth:
+    """:func:`rate_at_attainment` over ``RATE_GRID``, simulating from the lowest rate up to the
+    first that misses 90% (the rates above it cannot change the answer)."""
+    from kvlab.exercises import ch11
+    from kvlab.sim.serving import rate_at_attainment
+    from kvlab.slo import evaluate_slo
+
+    rates, att = [], []
+    for rate in ch11.RATE_GRID:
+        rates.append(rate)
+        att.append(evaluate_slo(ch11.after_warmup(ch11._run(rate)), ch11.RATE_SLO).attainment)
+        if att[-1] < 0.9:
+            break
+    return _number(rate_at_attainment(rates, att, 0.9))
+
+
+@truth("ch11.chunk_for_tpot")
+def _chunk_for_tpot() -> Truth:
+    from kvlab.exercises import ch11
+
+    fits = [c for c in ch11.CHUNK_CHOICES
+            if ch11._chunk_row(c)["tpot_p99_s"] <= ch11.TPOT_BUDGET_S]
+    return Truth(min(fits, key=lambda c: ch11._chunk_row(c)["ttft_p99_s"]))

@@ -40,16 +40,19 @@ def load_answers():
     return module
 
 
-def render(only: list[str] | None = None) -> str:
-    """The text of ``_sealed_answers.py`` for every truth (or the keys in ``only``)."""
+def compute() -> dict:
+    """Every truth of the instructor edition, computed: ``{key: Truth}``."""
+    return {key: fn() for key, fn in sorted(load_answers().TRUTHS.items())}
+
+
+def render(truths: dict | None = None) -> str:
+    """The text of ``_sealed_answers.py`` for ``truths`` (default: :func:`compute`)."""
     from kvlab.exercises._common import seal
 
-    truths = load_answers().TRUTHS
+    truths = compute() if truths is None else truths
     lines = [HEADER]
     for key in sorted(truths):
-        if only and key not in only:
-            continue
-        t = truths[key]()
+        t = truths[key]
         s = seal(key, t.answer, number=t.number, reveal=t.reveal or None,
                  notes=t.notes or None)
         fields = [s.salt, s.digest, s.number, s.reveal]

@@ -189,4 +189,32 @@ SEALED = {
         None,
         None,
     ),
+    'ch11.chunk_for_tpot': (
+        'e38dfdb0d6b6c5b276b6ee435b07fc70',
+        'c8f8cf42b5883fced5d3c075a99fa548420671076f0c53520298c9794bae7a0f',
+        None,
+        None,
+        None,
+    ),
+    'ch11.goodput_by_hand.attainment': (
+        '83fd51b60e5fa0903ce2c3ca6e56c1c3',
+        '174e3de8e811514ccb39d8035a8cab4ca7c9788aa4fd167331dca59e627ebb6a',
+        '2dhYVe8yiFA=',
+        None,
+        None,
+    ),
+    'ch11.goodput_by_hand.goodput': (
+        'd710d005c91ecbb03c414ad1c31f1efa',
+        'a752ec43848a2265d55528e018bfbf96a9b3d97aa9de69246e13edc493556c6f',
+        'HJbEMVBNx18=',
+        None,
+        None,
+    ),
+    'ch11.max_rate': (
+        'f8827320f5dcc5cbdfd15f373188270c',
+        'feaa1a71218f8cc4eb42b4c9d2635dcfdbf1f5d4abe9f414c1fff99eee4fac9a',
+        'wmhSrhdgyiE=',
+        None,
+        None,
+    ),
 }

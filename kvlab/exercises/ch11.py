@@ -1,10 +1,11 @@
 """Chapter 11 exercises: goodput by hand, the capacity under an SLO, a chunk size for a TPOT budget.
 
 The chapter's simulated set-up lives here too (:data:`COST`, :func:`chat_workload`, the
-scheduler configurations), so the notebook and the checks use the same one. Checks compute the
-truth with the simulator (memoised) and say only what is wrong (too high, too low) without
-printing it. The two measurement exercises take the reader's measurement with the answer and
-refuse one the simulator does not reproduce, so an answer cannot be found by bisecting
+scheduler configurations), so the notebook and the checks use the same one. Checks compare
+against sealed truths (``_common.sealed``; the instructor edition computes them with the
+simulator) and say only what is wrong (too high, too low) without printing them. The two
+measurement exercises take the reader's measurement with the answer and refuse one the
+simulator does not reproduce, so an answer cannot be found by bisecting
 against the check without running anything.
 
 Every capacity measurement excludes a warm-up (:func:`after_warmup`): the first tenth of a run's
@@ -20,11 +21,11 @@ from collections.abc import Sequence
 
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.costmodel import RooflineCostModel
-from kvlab.sim.serving import chunk_sweep, rate_at_attainment, run_colocated
+from kvlab.sim.serving import chunk_sweep, run_colocated
 from kvlab.sim.workload import RequestSpec, lognormal, make_workload
 from kvlab.slo import SLO, LatencyRecord, evaluate_slo
 
-from ._common import require_answer
+from ._common import require_answer, sealed
 
 #: Llama-3-8B on one H100, at 60% of peak FLOP/s and 80% of peak bandwidth (the pure roofline
 #: is a bound no kernel reaches).
@@ -90,16 +91,19 @@ def check_goodput_by_hand(goodput, attainment) -> str:
     :data:`HAND_RECORDS` under :data:`HAND_SLO`."""
     require_answer(goodput, "goodput in requests per second")
     require_answer(attainment, "attainment as a fraction")
-    rep = evaluate_slo(list(HAND_RECORDS), HAND_SLO, window_s=HAND_WINDOW_S)
-    if not math.isclose(float(attainment), rep.attainment, abs_tol=1e-9):
+    for value, what in ((goodput, "goodput"), (attainment, "attainment")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise AssertionError(f"{what}: expected a number, got {value!r}")
+    if sealed("ch11.goodput_by_hand.attainment").direction(attainment, tolerance=1e-9):
         raise AssertionError(
             "attainment is wrong: count the requests that finished, passed the quality check "
             "and met every bound (a one-token answer has no TPOT), over ALL requests, the "
             "rejected and timed-out ones included")
-    if not math.isclose(float(goodput), rep.goodput, abs_tol=1e-9):
+    if sealed("ch11.goodput_by_hand.goodput").direction(goodput, tolerance=1e-9):
         raise AssertionError("goodput is wrong: it is the same count divided by the window "
                              "length, not by the number of requests")
-    return f"Correct: {rep.met} of {rep.measured} requests met the SLO."
+    measured = len(HAND_RECORDS)
+    return f"Correct: {round(attainment * measured)} of {measured} requests met the SLO."
 
 
 # ------------------------------------------------------------------- 2. capacity under an SLO
@@ -114,24 +118,6 @@ RATE_TOLERANCE = 0.10
 
 def _run(rate: float) -> list[LatencyRecord]:
     return run_colocated(chat_workload(RATE_REQUESTS, rate), COST, COLOCATED)
-
-
-@functools.lru_cache(maxsize=64)
-def _attainment(rate: float) -> float:
-    return evaluate_slo(after_warmup(_run(rate)), RATE_SLO).attainment
-
-
-@functools.lru_cache(maxsize=1)
-def _capacity() -> float:
-    """:func:`rate_at_attainment` over :data:`RATE_GRID`, simulating the grid from the lowest
-    rate only up to the first that misses 90%: the rates above it cannot change the answer."""
-    rates, att = [], []
-    for rate in RATE_GRID:
-        rates.append(rate)
-        att.append(_attainment(rate))
-        if att[-1] < 0.9:
-            break
-    return rate_at_attainment(rates, att, 0.9)
 
 
 def _fingerprint(records) -> list[tuple]:
@@ -167,12 +153,13 @@ def check_max_rate(rate, records) -> str:
         raise AssertionError(f"those are not the records of run_colocated(chat_workload("
                              f"{RATE_REQUESTS}, {rate:g}), COST, COLOCATED): run it at the rate "
                              "you answer, and pass what it returns")
-    truth = _capacity()
-    if abs(rate - truth) <= RATE_TOLERANCE * truth:
+    capacity = sealed("ch11.max_rate")
+    way = capacity.direction(rate, tolerance=RATE_TOLERANCE * capacity.value())
+    if way is None:
         att = evaluate_slo(after_warmup(records), RATE_SLO).attainment
         return (f"Correct: within {RATE_TOLERANCE:.0%} of the simulated capacity; your run "
                 f"there met the SLO for {att:.0%} of its requests after the warm-up.")
-    if rate > truth:
+    if way == "too high":
         raise AssertionError("too high: past the capacity (look at where attainment crosses "
                              "90% between the rates you ran)")
     raise AssertionError("too low: the instance can take more before dropping under 90%")
@@ -212,9 +199,7 @@ def check_chunk_for_tpot(chunk, tpot_p99_ms) -> str:
     if row["tpot_p99_s"] > TPOT_BUDGET_S:
         raise AssertionError(f"this budget's TPOT p99 is over the {TPOT_BUDGET_S * 1e3:g} ms "
                              "objective")
-    fits = [c for c in CHUNK_CHOICES if _chunk_row(c)["tpot_p99_s"] <= TPOT_BUDGET_S]
-    best = min(fits, key=lambda c: _chunk_row(c)["ttft_p99_s"])
-    if chunk != best:
+    if not sealed("ch11.chunk_for_tpot").is_answer(chunk):
         raise AssertionError("meets the objective, but another budget that meets it has a "
                              "lower TTFT p99: you leave first-token latency on the table")
     return (f"Correct: TPOT p99 {measured:.1f} ms, TTFT p99 "
