@@ -396,3 +396,35 @@ def _chunk_for_tpot() -> Truth:
     fits = [c for c in ch11.CHUNK_CHOICES
             if ch11._chunk_row(c)["tpot_p99_s"] <= ch11.TPOT_BUDGET_S]
     return Truth(min(fits, key=lambda c: ch11._chunk_row(c)["ttft_p99_s"]))
+
+
+# --- chapter 12: invariants under fault injection -----------------------------------------------
+
+@truth("ch12.bug_invariants")
+def _bug_invariants() -> Truth:
+    from kvlab.exercises import ch12
+    from kvlab.sim.fault_lab import run_lab
+
+    return Truth({k: run_lab(m, "none").caught for k, m in sorted(ch12.BUGS.items())})
+
+
+@truth("ch12.fault_moves_catch")
+def _fault_moves_catch() -> Truth:
+    from kvlab.exercises import ch12
+    from kvlab.sim.fault_lab import run_lab
+
+    trace = run_lab(ch12.FAULT_MOVES["implementation"], ch12.FAULT_MOVES["fault"])
+    return Truth(trace.caught, reveal={"violation": str(trace.violation)})
+
+
+@truth("ch12.expected_crashes")
+def _expected_crashes() -> Truth:
+    """Expected ``crash`` records of a seeded schedule: a step draws a fault with probability
+    ``rate``, its kind uniform over ``STEP_FAULTS``; a kind at the ``update`` or ``recover``
+    point comes with the crash it needs (``StepFaultSchedule.from_seed``)."""
+    from kvlab.exercises import ch12
+    from kvlab.faults.step_faults import STEP_FAULTS
+
+    crashing = sum(point in ("update", "recover") for point in STEP_FAULTS.values())
+    value = ch12.DERIVE["steps"] * ch12.DERIVE["rate"] * crashing / len(STEP_FAULTS)
+    return Truth(round(value, 9), number=value)

@@ -217,4 +217,25 @@ SEALED = {
         None,
         None,
     ),
+    'ch12.bug_invariants': (
+        '0a62fc6dffec2af005438ddd51b4047c',
+        '49d387a2d929811b767d6a10c6902f4c4e705b45c6e027cf88ffe4c93cb94768',
+        None,
+        None,
+        None,
+    ),
+    'ch12.expected_crashes': (
+        '2766fb4579d91e9bc8013a26b3ada746',
+        '4ca41addd8bf0c8aede7ecc3723275a059fa20c3371c53dd362e8a6670966a70',
+        'Ux5SWiLp5Io=',
+        None,
+        None,
+    ),
+    'ch12.fault_moves_catch': (
+        '74e7ff45940e7919253808677a52dac2',
+        '450dceeaab8ea637639bfbcaebe18103c916093c708c7e244711118c2a3e516e',
+        None,
+        'Ni7+xzyWWrw5bwhHjHfbFz4ZyjYUUOBYAFz8o4xZub5mwHwO42Ou8k3G5r/OYeTrcGDqVt1KRXEn5xnSWuIKUv9eN0tzaTSAFEpMEUjI9Hx2caYxl4AFXL4Ky/YfoSbxV32PUYBd0A==',
+        None,
+    ),
 }

@@ -1,9 +1,10 @@
 """Chapter 12 exercises: which invariant a bug breaks, which one catches a mutant once a fault
 strikes, and a checker for a new invariant.
 
-Each check computes the truth by running the engine (:mod:`kvlab.sim.fault_lab`) and raises
-``AssertionError`` saying what is wrong (which bug, which implementation, at which step)
-without printing the answer.
+A check with one right answer compares against its sealed truth (``_common.sealed``; the
+instructor edition computes it by running the fault lab, :mod:`kvlab.sim.fault_lab`); the
+checker exercise runs the reader's checker on the engine. Each raises ``AssertionError`` saying
+what is wrong (which implementation, at which step) without printing the answer.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.chaos import ChaosExecutor
-from kvlab.sim.fault_lab import Mutation, run_lab
+from kvlab.sim.fault_lab import Mutation
 
-from ._common import require_answer
+from ._common import require_answer, sealed
 
 
 # ------------------------------------------------------------------ 1. which invariant
@@ -82,7 +83,7 @@ def check_bug_invariants(answer) -> str:
     if bad:
         raise AssertionError(f"bugs {bad}: an invariant is a number from 1 to 9")
     # graded as a whole: naming the wrong bugs would let each be found by trying 1..9
-    if any(run_lab(BUGS[k], "none").caught != answer[k] for k in BUGS):
+    if not sealed("ch12.bug_invariants").is_answer({k: answer[k] for k in sorted(BUGS)}):
         raise AssertionError("not every bug is caught by the invariant you named: for each, "
                              "ask what state the bug leaves wrong, and which check looks at "
                              "that state first")
@@ -101,27 +102,18 @@ def check_fault_moves_catch(invariant) -> str:
     require_answer(invariant, "an invariant number from 1 to 9")
     if isinstance(invariant, bool) or not isinstance(invariant, int) or not 1 <= invariant <= 9:
         raise AssertionError(f"an invariant is a number from 1 to 9, got {invariant!r}")
-    trace = run_lab(FAULT_MOVES["implementation"], FAULT_MOVES["fault"])
-    if trace.caught != invariant:
+    truth = sealed("ch12.fault_moves_catch")
+    if not truth.is_answer(invariant):
         raise AssertionError(f"invariant {invariant} is not the first to report this run.")
-    return (f"Correct: {trace.violation}. The fault changed how the bug showed itself, and "
-            "another invariant caught it: the reason to check all nine on every step.")
+    return (f"Correct: {truth.revealed(invariant)['violation']}. The fault changed how the "
+            "bug showed itself, and another invariant caught it: the reason to check all nine "
+            "on every step.")
 
 
 # ------------------------------------------------------------------ 4. derive: how often it crashes
 #: Exercise 4: a schedule ``StepFaultSchedule.from_seed(seed, DERIVE["steps"],
 #: rate=DERIVE["rate"])`` over every kind of ``STEP_FAULTS`` (the soak's steps and rate).
 DERIVE = {"steps": 200, "rate": 0.15}
-
-
-def _expected_crashes(steps: int, rate: float) -> float:
-    """Expected ``crash`` records of a seeded schedule: a step draws a fault with probability
-    ``rate``, its kind uniform over ``STEP_FAULTS``; a kind at the ``recover`` point comes with
-    the crash it needs (``StepFaultSchedule.from_seed``)."""
-    from kvlab.faults.step_faults import STEP_FAULTS
-
-    crashing = sum(point in ("update", "recover") for point in STEP_FAULTS.values())
-    return steps * rate * crashing / len(STEP_FAULTS)
 
 
 def check_expected_crashes(answer) -> str:
@@ -135,9 +127,10 @@ def check_expected_crashes(answer) -> str:
         raise AssertionError(f"give a number, got {answer!r}") from None
     if not got >= 0:
         raise AssertionError(f"an expected count is a number >= 0, got {answer!r}")
-    want = _expected_crashes(DERIVE["steps"], DERIVE["rate"])
-    if abs(got - want) > 0.02 * want:
-        raise AssertionError(f"{got:g} is too {'high' if got > want else 'low'}")
+    truth = sealed("ch12.expected_crashes")
+    way = truth.direction(got, tolerance=0.02 * truth.value())
+    if way:
+        raise AssertionError(f"{got:g} is {way}")
     return ("Right. Now compare it with the soak's recoveries per run (each seed ran twice), "
             "and say why a crash record need not become a recovery.")
 
