@@ -428,3 +428,87 @@ def _expected_crashes() -> Truth:
     crashing = sum(point in ("update", "recover") for point in STEP_FAULTS.values())
     value = ch12.DERIVE["steps"] * ch12.DERIVE["rate"] * crashing / len(STEP_FAULTS)
     return Truth(round(value, 9), number=value)
+
+
+# --- chapter 2: page tables ---------------------------------------------------------------------
+
+def _ch02():
+    from kvlab.exercises import ch02
+
+    return ch02
+
+
+def _tail_waste(lengths, block_size: int) -> int:
+    """Slots allocated but never written when each length gets whole blocks."""
+    return sum(-(-n // block_size) * block_size - n for n in lengths)
+
+
+truth("ch02.tail_waste.16")(lambda: _number(_tail_waste(_ch02().TAIL_LENGTHS, 16)))
+truth("ch02.tail_waste.256")(lambda: _number(_tail_waste(_ch02().TAIL_LENGTHS, 256)))
+
+
+def _ch02_slots() -> list[int]:
+    from kvlab.core.paging import slot_mapping
+
+    return slot_mapping(**_ch02().BATCH).tolist()
+
+
+truth("ch02.slot_mapping")(lambda: Truth(_ch02_slots()))
+for _i in range(sum(len(p) for p in _ch02().BATCH["positions"])):   # one seal per token
+    truth(f"ch02.slot_mapping.{_i}")(lambda i=_i: _number(_ch02_slots()[i]))
+
+
+def _paged_run(requests: int, seed: int, arena_tokens: int, block_size: int,
+               prompt_mean: float = 161.0, output_mean: float = 338.0):
+    """The paged simulation of a ShareGPT-like workload (the chapter's by default)."""
+    from kvlab.fragmentation import sharegpt_like_workload, simulate
+
+    workload = sharegpt_like_workload(requests, seed=seed, prompt_mean=prompt_mean,
+                                      output_mean=output_mean)
+    return simulate(workload, "paged", arena_tokens, block_size=block_size)
+
+
+@truth("ch02.smaller_arena")
+def _smaller_arena() -> Truth:
+    """The option whose claims (mean batch, share of token states: "half" or "same") the run
+    shows when the arena halves; each wrong option is told one claim that fails (one only:
+    naming every part that fails would point to the right option by elimination)."""
+    ch02 = _ch02()
+    d = ch02.ARENA_PREDICT
+    big = _paged_run(d["requests"], d["seed"], d["arena_tokens"], d["block_size"])
+    small = _paged_run(d["requests"], d["seed"], d["smaller_arena"], d["block_size"])
+
+    def how(ratio: float) -> str:
+        return "half" if 0.35 <= ratio <= 0.65 else "same" if ratio >= 0.9 else "other"
+
+    seen = (how(small.mean_running / big.mean_running),
+            how(small.token_states / big.token_states))
+    notes, answer = {}, None
+    for letter, claim in ch02.ARENA_OPTIONS.items():
+        if claim == seen:
+            answer = letter
+            notes[letter] = (
+                f"Correct: the mean batch goes from {big.mean_running:.1f} to "
+                f"{small.mean_running:.1f}, the token states from {big.token_states:.1%} to "
+                f"{small.token_states:.1%}. Paging's waste is a few slots per running "
+                "request, so it shrinks with the batch: the share is a property of the block "
+                "size, not of the arena.")
+            continue
+        what, said = next((w, c) for w, c, s in zip(("the mean batch",
+                                                     "the share of token states"),
+                                                    claim, seen, strict=True) if c != s)
+        change = "fall to about half" if said == "half" else "stay about the same"
+        notes[letter] = (f"({letter}) fails; one reason: in the run {what} does not {change} "
+                         "when the arena halves.")
+    if answer is None:
+        raise AssertionError("no option matches the run: rewrite chapter 2's exercise 4")
+    return Truth(answer, notes=notes)
+
+
+@truth("ch02.block_size_design")
+def _block_size_design() -> Truth:
+    d = _ch02().BLOCK_DESIGN
+    good = [q for q in d["block_sizes"]
+            if _paged_run(d["requests"], d["seed"], d["arena_tokens"], q, d["prompt_mean"],
+                          d["output_mean"]).token_states >= d["min_token_states"]]
+    return _number(max(good))

@@ -1,21 +1,20 @@
 """Chapter 2 exercises: debug a block-count shortcut, count block-tail waste, map a batch,
 predict what a smaller arena changes, design a block size.
 
-Each check computes the truth with :mod:`kvlab.core.paging` (or the fragmentation simulation)
-and raises ``AssertionError`` saying what is wrong without printing the expected answer.
+A check with one right answer compares against its sealed truth (``_common.sealed``; the
+instructor edition computes it with :mod:`kvlab.core.paging` or the fragmentation simulation);
+the debug checks run the reader's case against the reference. Each raises ``AssertionError``
+saying what is wrong without printing the expected answer.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import operator
 
-from kvlab.core.paging import slot_mapping
-from kvlab.fragmentation import sharegpt_like_workload, simulate
 from kvlab.reference import physical_slot
 
-from ._common import require_answer
+from ._common import require_answer, sealed
 
 #: Request lengths (tokens) of :func:`check_tail_waste`.
 TAIL_LENGTHS = (1, 15, 16, 17, 100, 1000, 2047)
@@ -113,11 +112,6 @@ def check_physical_slot(fn) -> str:  # kept for teachers' own exercises
     return f"Correct on all {len(cases)} cases, the invalid ones included."
 
 
-def tail_waste(lengths, block_size: int) -> int:
-    """Slots allocated but never written when each length gets whole blocks."""
-    return sum(-(-n // block_size) * block_size - n for n in lengths)
-
-
 def check_tail_waste(answer16, answer256) -> str:
     """Exercise 2: unwritten slots in the last blocks of :data:`TAIL_LENGTHS` at block size 16
     and 256."""
@@ -125,15 +119,13 @@ def check_tail_waste(answer16, answer256) -> str:
         require_answer(value, what)
         if isinstance(value, bool) or not isinstance(value, int):
             raise AssertionError(f"{what}: expected a whole number of slots, got {value!r}")
-    truth = (tail_waste(TAIL_LENGTHS, 16), tail_waste(TAIL_LENGTHS, 256))
-    wrong = [f"block size {q}: {got} is {'too high' if got > want else 'too low'}"
-             for q, got, want in ((16, answer16, truth[0]), (256, answer256, truth[1]))
-             if got != want]
+    wrong = [f"block size {q}: {got} is {way}" for q, got in ((16, answer16), (256, answer256))
+             if (way := sealed(f"ch02.tail_waste.{q}").direction(got))]
     if wrong:
         raise AssertionError("; ".join(wrong) + ".")
     total = sum(TAIL_LENGTHS)
-    return (f"Correct: {truth[0]} vs {truth[1]} wasted slots ({100 * truth[0] / total:.1f}% "
-            f"vs {100 * truth[1] / total:.1f}% of {total} tokens). Small blocks waste less; "
+    return (f"Correct: {answer16} vs {answer256} wasted slots ({100 * answer16 / total:.1f}% "
+            f"vs {100 * answer256 / total:.1f}% of {total} tokens). Small blocks waste less; "
             "very small blocks cost more table entries and less efficient kernels.")
 
 
@@ -145,16 +137,16 @@ def check_slot_mapping(answer) -> str:
         got = [operator.index(x) for x in answer]
     except TypeError:
         raise AssertionError(f"give a list of whole numbers (slots), got {answer!r}") from None
-    truth = slot_mapping(**BATCH).tolist()
-    if len(got) != len(truth):
-        raise AssertionError(f"the step schedules {len(truth)} tokens; your mapping has "
-                             f"{len(got)} entries (one slot per scheduled token).")
     tokens = [(r, p) for r, ps in enumerate(BATCH["positions"]) for p in ps]
-    wrong = [f"request {r} position {p}" for (r, p), g, t in zip(tokens, got, truth,
-                                                                 strict=True) if g != t]
+    if len(got) != len(tokens):
+        raise AssertionError(f"the step schedules {len(tokens)} tokens; your mapping has "
+                             f"{len(got)} entries (one slot per scheduled token).")
+    wrong = [f"request {r} position {p}" for i, ((r, p), g) in enumerate(zip(tokens, got,
+                                                                             strict=True))
+             if sealed(f"ch02.slot_mapping.{i}").direction(g)]
     if wrong:
         raise AssertionError("wrong slot for " + ", ".join(wrong) + ".")
-    return f"Correct: {truth}."
+    return f"Correct: {got}."
 
 
 def check_fast_slot_counterexample(case) -> str:  # kept for teachers' own exercises
@@ -179,24 +171,10 @@ def check_fast_slot_counterexample(case) -> str:  # kept for teachers' own exerc
             "engine would write that token's K/V into a slot it does not own.")
 
 
-@functools.lru_cache(maxsize=16)
-def _paged_run(requests: int, seed: int, arena_tokens: int, block_size: int,
-               prompt_mean: float = 161.0, output_mean: float = 338.0):
-    """The paged simulation of a ShareGPT-like workload (the chapter's by default; cached: the
-    checks reuse runs)."""
-    workload = sharegpt_like_workload(requests, seed=seed, prompt_mean=prompt_mean,
-                                      output_mean=output_mean)
-    return simulate(workload, "paged", arena_tokens, block_size=block_size)
-
-
 #: Exercise 4's options, each a claim about (mean batch, share of token states) when the arena
 #: halves: "half" or "same" for each.
 ARENA_OPTIONS = {"a": ("half", "half"), "b": ("half", "same"), "c": ("same", "half"),
                  "d": ("same", "same")}
-
-
-def _how(ratio: float) -> str:
-    return "half" if 0.35 <= ratio <= 0.65 else "same" if ratio >= 0.9 else "other"
 
 
 def check_smaller_arena(answer) -> str:
@@ -206,26 +184,12 @@ def check_smaller_arena(answer) -> str:
     letter = str(answer).strip().lower()
     if letter not in ARENA_OPTIONS:
         raise AssertionError(f"answer with one of {sorted(ARENA_OPTIONS)}, got {answer!r}")
-    d = ARENA_PREDICT
-    big = _paged_run(d["requests"], d["seed"], d["arena_tokens"], d["block_size"])
-    small = _paged_run(d["requests"], d["seed"], d["smaller_arena"], d["block_size"])
-    seen = (_how(small.mean_running / big.mean_running),
-            _how(small.token_states / big.token_states))
-    claim = ARENA_OPTIONS[letter]
-    if claim != seen:
-        # one reason only, about one part of the option: naming every part that fails (and so,
-        # by omission, the parts that hold) would point to the right option by elimination
-        what, said = next((w, c) for w, c, s in zip(("the mean batch",
-                                                     "the share of token states"),
-                                                    claim, seen, strict=True) if c != s)
-        change = "fall to about half" if said == "half" else "stay about the same"
-        raise AssertionError(f"({letter}) fails; one reason: in the run {what} does not "
-                             f"{change} when the arena halves.")
-    return (f"Correct: the mean batch goes from {big.mean_running:.1f} to "
-            f"{small.mean_running:.1f}, the token states from {big.token_states:.1%} to "
-            f"{small.token_states:.1%}. Paging's waste is a few slots per running request, so "
-            "it shrinks with the batch: the share is a property of the block size, not of the "
-            "arena.")
+    # each option's verdict is sealed under it: a wrong one gets one reason only, about one
+    # part of the option (naming every part that fails would point to the right option)
+    truth = sealed("ch02.smaller_arena")
+    if not truth.is_answer(letter):
+        raise AssertionError(truth.note(letter))
+    return truth.note(letter)
 
 
 def check_block_size_design(block_size) -> str:
@@ -235,20 +199,14 @@ def check_block_size_design(block_size) -> str:
     d = BLOCK_DESIGN
     if block_size not in d["block_sizes"]:
         raise AssertionError(f"choose one of {d['block_sizes']}, got {block_size!r}")
-
-    def good(q: int) -> bool:
-        run = _paged_run(d["requests"], d["seed"], d["arena_tokens"], q, d["prompt_mean"],
-                         d["output_mean"])
-        return run.token_states >= d["min_token_states"]
-
-    if not good(block_size):
+    # the share falls as the block grows (the tests check it over every size), so the largest
+    # size that meets the target splits the sizes into too small and too large
+    way = sealed("ch02.block_size_design").direction(block_size)
+    if way == "too high":
         raise AssertionError(f"at block size {block_size} less than "
                              f"{d['min_token_states']:.0%} of the arena holds token states: "
                              "too large.")
-    # the share falls as the block grows (the tests check it over every size), so the next
-    # size up decides whether a larger one also meets the target
-    larger = [q for q in d["block_sizes"] if q > block_size][:1]
-    if larger and good(larger[0]):
+    if way:
         raise AssertionError(f"block size {block_size} meets the target, but a larger one "
                              "does too: too small.")
     return (f"Correct: {block_size} is the largest block size that keeps "
