@@ -299,3 +299,107 @@ def test_a_build_killed_midway_and_stale_lock_files_never_block_the_next(tmp_pat
     assert again.stdout.split() == ["True", "None"], again.stderr[-3000:]
     assert (final[0] / "build.ninja").stat().st_mtime_ns == ninja    # loaded, not rebuilt
     assert not live.exists() and fresh.exists()         # the lock is free now: removed
+
+
+def _chunk_case(seed, heads, kv_heads, dim, bs, specs, dtype=torch.float32):
+    """Caches holding every chunk's context (prefix and its own K/V) under scattered tables,
+    queries, and each chunk's dense float64 reference (the last rows of a causal pass)."""
+    gen = torch.Generator().manual_seed(seed)
+    widths = [-(-(start + n) // bs) for start, n in specs]
+    perm = torch.randperm(sum(widths) + 2, generator=gen).tolist()
+    kc = torch.randn(len(perm), bs, kv_heads, dim, generator=gen).to(dtype)
+    vc = torch.randn(len(perm), bs, kv_heads, dim, generator=gen).to(dtype)
+    tables, at = [], 0
+    for w in widths:
+        tables.append(perm[at:at + w] + [0] * (max(widths) - w))
+        at += w
+    q = torch.randn(sum(n for _, n in specs), heads, dim, generator=gen).to(dtype)
+    qs = [0]
+    refs = []
+    for (start, n), table in zip(specs, tables, strict=True):
+        slots = [table[p // bs] * bs + p % bs for p in range(start + n)]
+        qq = torch.zeros(start + n, heads, dim, dtype=torch.float64)
+        qq[start:] = q[qs[-1]:qs[-1] + n].double()
+        k = kc.view(-1, kv_heads, dim)[slots].double()
+        v = vc.view(-1, kv_heads, dim)[slots].double()
+        refs.append(dense_causal_attention(qq, k, v, dim ** -0.5)[start:])
+        qs.append(qs[-1] + n)
+    return q, kc, vc, torch.tensor(tables), qs, [s for s, _ in specs], torch.cat(refs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 32), (4, 2, 64), (8, 4, 64), (4, 4, 128),
+                                                (14, 2, 48), (80, 1, 8), (130, 2, 12)])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_chunk_op_equals_dense_attention(heads, kv_heads, dim, block_size):
+    # fresh prompts, chunks behind a prefix (aligned or not to the key tiles), one-token
+    # chunks; query heads per KV head from 1 to 80 (more than one tile of rows holds)
+    specs = [(0, 37), (20, 70), (100, 1), (3, 130), (0, 1), (64, 33)]
+    q, kc, vc, tables, qs, starts, ref = _chunk_case(dim + block_size, heads, kv_heads, dim,
+                                                     block_size, specs)
+    got = cpu_kernels.chunk_attention(q, kc, vc, tables, qs, starts, dim ** -0.5)
+    torch.testing.assert_close(got.double(), ref, atol=3e-6, rtol=1e-5)
+
+
+@needs_kernel
+def test_chunk_op_bfloat16_strided_queries_and_two_threads():
+    specs = [(0, 50), (31, 90)]
+    q, kc, vc, tables, qs, starts, ref = _chunk_case(2, 8, 2, 64, 16, specs, torch.bfloat16)
+    wide = torch.cat((q, torch.zeros_like(q[:, :2])), 1)[:, :8]   # rows 10 heads apart
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got = cpu_kernels.chunk_attention(wide, kc, vc, tables, qs, starts, 0.125)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_chunk_op_refuses_bad_inputs():
+    q, kc, vc, tables, qs, starts, _ = _chunk_case(4, 4, 2, 32, 8, [(5, 9), (0, 4)])
+    bad = [
+        (dict(tables=tables[:, :1]), "does not cover"),              # the first chunk's table
+        (dict(tables=tables.clone().fill_(kc.shape[0])), "block ids"),
+        (dict(tables=tables.clone().fill_(-1)), "block ids"),
+        (dict(tables=tables.int()), "int64 tables"),
+        (dict(query_start=[0, 9, 9, 13]), "offsets"),
+        (dict(start_pos=[5, 20]), "does not cover"),                 # chunk 1 to position 23
+        (dict(query_start=[0, 9, 12]), "offsets"),                   # does not end at N
+        (dict(start_pos=[-1, 0]), "does not cover"),
+        (dict(q=q[:, :, :30]), "multiple of 4"),
+        (dict(q=q.double()), "one dtype"),
+    ]
+    args = dict(q=q, k_cache=kc, v_cache=vc, tables=tables, query_start=qs, start_pos=starts,
+                scale=0.1)
+    for change, match in bad:
+        with pytest.raises(ValueError, match=match):
+            cpu_kernels.chunk_attention(**{**args, **change})
+
+
+@needs_kernel
+def test_engine_takes_every_dense_chunk_through_the_op():
+    # the op that came with the row kernel runs the dense chunks; without it (no kernel) the
+    # torch path runs them, and both equal the reference
+    op = cpu_kernels.decode_op("cpu", torch.float32)
+    specs = [(0, 40), (24, 30), (9, 1)]
+    q, kc, vc, tables, *_, ref = _chunk_case(8, 6, 2, 32, 16, specs)
+    chunks = [ChunkSpec(list(range(n)), s, t[:-(-(s + n) // 16)].tolist())
+              for (s, n), t in zip(specs, tables, strict=True)]
+    slots = build_metadata(chunks, 16).slot_mapping
+    k, v = kc.view(-1, 2, 32)[slots], vc.view(-1, 2, 32)[slots]   # the chunks' own K/V
+    calls, real = [], cpu_kernels.CHUNK_OPS[op]
+    fake = {op: lambda *a: calls.append(a[7]) or real(*a)}
+    for kernel in (op, None):
+        meta = build_metadata(chunks, 16, kernel=kernel)
+        before = dict(cpu_kernels.CHUNK_OPS)
+        cpu_kernels.CHUNK_OPS.update(fake)
+        try:
+            got = paged_attention(q, k, v, kc, vc, meta, 32 ** -0.5)
+        finally:
+            cpu_kernels.CHUNK_OPS.clear()
+            cpu_kernels.CHUNK_OPS.update(before)
+        torch.testing.assert_close(got.double(), ref, atol=3e-6, rtol=1e-5)
+    assert calls == [(0, 1)]        # once, with both multi-token chunks; the decode row paged

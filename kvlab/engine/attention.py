@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from itertools import accumulate, chain
 
 import torch
-import torch.nn.functional as F
 
 from kvlab.kernels import triton
+from kvlab.kernels.cpu import CHUNK_OPS
+
+from .torch_attention import attend_chunks, attend_rows
 
 __all__ = ["PAGED_MAX_TOKENS", "AttentionMetadata", "RowKernel", "attend_rows", "flat_metadata",
            "paged_attention", "write_kv"]
@@ -105,30 +107,15 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, v)
 
 
-def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                tables: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """The torch path of a :data:`RowKernel`: row ``r`` of ``q [R, H, D]`` attends the first
-    ``lens[r]`` positions of ``tables[r]``, gathered into one padded ``[R, KV, W*bs, D]``."""
-    rows, heads, dim = q.shape
-    _, bs, kv_heads, _ = k_cache.shape
-    span = tables.shape[1] * bs
-    k = k_cache.index_select(0, tables.reshape(-1)).view(rows, span, kv_heads, dim)
-    v = v_cache.index_select(0, tables.reshape(-1)).view(rows, span, kv_heads, dim)
-    mask = torch.arange(span, device=q.device)[None, :] < lens[:, None]
-    out = F.scaled_dot_product_attention(
-        q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None],
-        scale=scale, enable_gqa=heads != kv_heads)
-    return out[:, :, 0]
-
-
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
                     ) -> torch.Tensor:
     """Attention of the flat batch; ``q: [N, H, D]``, new ``k, v: [N, KV, D]`` -> ``[N, H, D]``.
     :func:`write_kv` must have run first. Two branches: the paged rows (``meta.kernel`` or
-    :func:`attend_rows`), then one SDPA per dense chunk."""
-    num, heads, dim = q.shape
-    _, bs, kv_heads, _ = k_cache.shape
+    :func:`attend_rows`), then the dense chunks: one call of the compiled chunk op that came
+    with ``meta.kernel`` (:data:`kvlab.kernels.cpu.CHUNK_OPS`), else one SDPA each
+    (:func:`~kvlab.engine.torch_attention.attend_chunks`)."""
+    num, _, dim = q.shape
     out = torch.empty_like(q)
     every = meta.paged_rows.numel() == num
     if meta.paged_rows.numel():
@@ -144,20 +131,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             out = o
         else:
             out.index_copy_(0, meta.paged_rows, o)
-    for s in meta.dense:
-        lo, hi, start = meta.query_start[s], meta.query_start[s + 1], meta.start_pos[s]
-        qc = q[lo:hi].transpose(0, 1)[None]                  # [1, H, q, D]
-        if start == 0:  # a fresh prompt: its own new K/V, causal
-            kc, vc, mask = k[lo:hi], v[lo:hi], None
-        else:           # behind a cached prefix: the context through the table
-            end = start + hi - lo
-            blocks = meta.block_tables[s, :-(-end // bs)]
-            kc = k_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:end]
-            vc = v_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:end]
-            mask = (torch.arange(end, device=q.device)[None, :]
-                    <= torch.arange(start, end, device=q.device)[:, None])
-        o = F.scaled_dot_product_attention(
-            qc, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], attn_mask=mask,
-            is_causal=mask is None, scale=scale, enable_gqa=heads != kv_heads)
-        out[lo:hi] = o[0].transpose(0, 1)
+    chunk_op = CHUNK_OPS.get(meta.kernel) if meta.dense and dim % 4 == 0 else None
+    if chunk_op is not None:   # every dense chunk in one call, read through the tables
+        chunk_op(out, q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.start_pos,
+                 meta.dense, float(scale))
+    elif meta.dense:
+        attend_chunks(out, q, k, v, k_cache, v_cache, meta, scale)
     return out

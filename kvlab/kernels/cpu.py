@@ -1,4 +1,5 @@
-"""The compiled CPU kernel for paged decode attention (``csrc/paged_attention_cpu.cpp``).
+"""The compiled CPU kernels for paged attention (``csrc/paged_attention_cpu.cpp``): decode rows,
+and whole chunks (fresh prompts, chunks behind a cached prefix) in one causal pass.
 
 It walks each row's block table straight through the cache with a float32 softmax instead of
 gathering the blocks first, as the torch path does (``benchmarks/bench_decode_attention.py``
@@ -27,6 +28,7 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.util
+import itertools
 import os
 import shutil
 import sys
@@ -40,7 +42,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "available", "build_error", "build_name", "decode_attention", "decode_op"]
+__all__ = ["CHUNK_OPS", "DTYPES", "available", "build_error", "build_name", "chunk_attention",
+           "decode_attention", "decode_op"]
 
 #: what the kernel computes in (it accumulates in float32, so float64 stays on the torch path)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,6 +54,10 @@ _FLAGS = {  # the vector extensions of torch's CPU capability levels
     "AVX2": ["-mavx2", "-mfma"],
 }
 _lock = threading.Lock()
+#: the compiled chunk op (:func:`chunk_attention`'s, unchecked) keyed by the row op
+#: :func:`decode_op` handed out from the same build: the engine's attention finds it with one
+#: lookup, no call into this module
+CHUNK_OPS: dict[Callable[..., None], Callable[..., None]] = {}
 _module: Any = None
 _error: str | None = None
 
@@ -145,7 +152,8 @@ def _build() -> Any:
     tmp = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-", dir=root))
     owner = _claim(tmp)
     try:
-        module = load_inline(name, cpp_sources=_SOURCE.read_text(), functions=["decode_attention"],
+        module = load_inline(name, cpp_sources=_SOURCE.read_text(),
+                             functions=["decode_attention", "chunk_attention"],
                              extra_cflags=_cflags(capability), build_directory=str(tmp))
         # the loaded .so stays mapped whatever happens to tmp; OSError: another process
         # renamed its build into place first
@@ -183,6 +191,7 @@ def decode_op(device: torch.device | str, dtype: torch.dtype) -> Callable[..., N
     :func:`decode_attention` (contiguous tensors, ``out`` written in place) and checks nothing."""
     if torch.device(device).type != "cpu" or dtype not in DTYPES or not available():
         return None
+    CHUNK_OPS[_module.decode_attention] = _module.chunk_attention
     return _module.decode_attention
 
 
@@ -228,4 +237,53 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("decode_attention: out must be a contiguous tensor like q")
     _module.decode_attention(out, q.contiguous(), k_cache, v_cache, tables.contiguous(),
                              lens.contiguous(), float(scale))
+    return out
+
+
+def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    tables: torch.Tensor, query_start: list[int], start_pos: list[int],
+                    scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of chunks whose K/V are already in the paged caches: chunk ``s`` owns
+    rows ``query_start[s] .. query_start[s+1]-1`` of ``q: [N, H, D]`` at positions
+    ``start_pos[s] ...`` and reads table ``tables[s]``; returns ``out: [N, H, D]``.
+
+    ValueError for shapes, dtypes or devices that do not fit (``D`` a multiple of 4), offsets
+    that do not tile ``N``, or a table that
+    does not cover its chunk or holds a block id outside the cache (the kernel reads raw
+    memory). RuntimeError if the kernel is unavailable.
+    """
+    if not available():
+        raise RuntimeError(f"the CPU attention kernel is not available: {_error or 'disabled'}")
+    rows, heads, dim = q.shape
+    num_blocks, block_size, kv_heads, kdim = k_cache.shape
+    if (v_cache.shape != k_cache.shape or kdim != dim or dim % 4 or heads % kv_heads
+            or q.dtype not in DTYPES
+            or q.dtype != k_cache.dtype or v_cache.dtype != q.dtype
+            or any(t.device.type != "cpu" for t in (q, k_cache, v_cache, tables))):
+        raise ValueError("chunk_attention: q [N, H, D] and caches [N, bs, KV, D] of one dtype "
+                         "of DTYPES on the CPU, D a multiple of 4, KV dividing H")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("chunk_attention: the KV caches must be contiguous")
+    chunks = len(start_pos)
+    if (tables.dtype != torch.long or tables.dim() != 2 or tables.shape[0] != chunks
+            or len(query_start) != chunks + 1 or query_start[0] != 0
+            or query_start[-1] != rows
+            or any(b <= a for a, b in itertools.pairwise(query_start))):
+        raise ValueError("chunk_attention: int64 tables [B, W], B + 1 increasing offsets "
+                         "from 0 to N and B start positions")
+    for s, start in enumerate(start_pos):
+        end = start + query_start[s + 1] - query_start[s]
+        used = tables[s, :-(-end // block_size)]
+        if start < 0 or -(-end // block_size) > tables.shape[1]:
+            raise ValueError(f"chunk_attention: table {s} does not cover positions 0..{end - 1}")
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+            raise ValueError(f"chunk_attention: block ids must lie in 0..{num_blocks - 1}")
+    if q.stride(2) != 1 or q.stride(1) != dim:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(rows, heads, dim, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError("chunk_attention: out must be a contiguous tensor like q")
+    _module.chunk_attention(out, q, k_cache, v_cache, tables.contiguous(), list(query_start),
+                            list(start_pos), list(range(chunks)), float(scale))
     return out

@@ -20,6 +20,8 @@
 #include <algorithm>
 #include <type_traits>
 #include <cmath>
+#include <array>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -125,6 +127,201 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
         case 64: row(std::integral_constant<int64_t, 64>{}); break;
         case 128: row(std::integral_constant<int64_t, 128>{}); break;
         default: row(std::integral_constant<int64_t, 0>{});
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chunk attention: every token of a multi-token chunk (a fresh prompt, or a chunk behind a
+// cached prefix) attends causally through its block table, one pass for the whole chunk
+// (flash attention's online softmax; the role of vLLM's cpu_attention_with_kv_cache prefill).
+//
+// The layout puts query rows in the vector lanes: a tile holds ROWS rows (TQ consecutive
+// positions x the G query heads of one KV head, position-major), stored transposed as
+// qt[d][row]. Scores are st[j][row] = sum_d K_j[d] * qt[d][row] (K read as scalars straight
+// from the paged cache: no gather), the softmax statistics m, l are per lane, and the output
+// accumulates transposed as ot[d][row] += V_j[d] * p[j][row]. So every inner loop is an FMA of
+// a broadcast cache value with a vector of rows, and a tile reads each key once for all of
+// its rows. Masked scores are -1e30, not -inf (-ffast-math); key 0 is visible to every row, so
+// the running maximum is finite after the first key tile.
+namespace chunk {
+
+#if defined(__AVX512F__)
+constexpr int VL = 16;
+#else
+constexpr int VL = 8;
+#endif
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+constexpr int RV = 4;            // row vectors per tile
+constexpr int ROWS = RV * VL;    // rows per tile
+constexpr int TK = 32;           // keys per key tile
+constexpr int JB = 4;            // keys per score micro-block
+constexpr int DB = 4;            // output dims per PV micro-block
+constexpr float MASKED = -1e30f;
+
+inline vf splat(float x) { return vf{} + x; }
+
+struct Buffers {   // one thread's scratch, reused across tiles
+  std::vector<vf> qt, ot, st;
+  std::vector<float> m, l, pos;
+  Buffers(int64_t dim) : qt(dim * RV), ot(dim * RV), st(TK * RV), m(ROWS), l(ROWS), pos(ROWS) {}
+};
+
+template <typename T>
+void tile(const T* q, int64_t q_row, T* out, int64_t out_row, const T* k_cache,
+          const T* v_cache, const int64_t* table, int64_t block_size, int64_t kv_heads,
+          int64_t g, int64_t head0, int64_t group, int64_t dim, int64_t first,
+          int64_t positions, int64_t start, float scale, Buffers& b) {
+  // rows r = i * group + e: token first + i, query head head0 + e (KV head g), position
+  // start + first + i
+  const int64_t rows = positions * group;
+  float* qt = reinterpret_cast<float*>(b.qt.data());
+  float* ot = reinterpret_cast<float*>(b.ot.data());
+  float* st = reinterpret_cast<float*>(b.st.data());
+  std::fill(qt, qt + dim * ROWS, 0.f);
+  std::fill(ot, ot + dim * ROWS, 0.f);
+  for (int64_t r = 0; r < ROWS; ++r) {
+    const int64_t i = r < rows ? r / group : positions - 1;
+    b.pos[r] = static_cast<float>(start + first + i);
+    b.m[r] = MASKED;
+    b.l[r] = 0.f;
+    if (r >= rows) continue;
+    const T* qr = q + (first + i) * q_row + (head0 + r % group) * dim;
+    for (int64_t d = 0; d < dim; ++d) qt[d * ROWS + r] = static_cast<float>(qr[d]) * scale;
+  }
+  const int64_t lowest = start + first, highest = start + first + positions - 1;
+  const int64_t token_stride = kv_heads * dim;
+  const T* kp[TK];
+  const T* vp[TK];
+  for (int64_t t0 = 0; t0 <= highest; t0 += TK) {
+    const int64_t nk = std::min<int64_t>(TK, highest + 1 - t0);
+    for (int64_t j = 0, n = t0 / block_size, o = t0 % block_size; j < nk; ++j) {
+      const int64_t at = (table[n] * block_size + o) * token_stride + g * dim;
+      kp[j] = k_cache + at;
+      vp[j] = v_cache + at;
+      if (++o == block_size) o = 0, ++n;
+    }
+    // scores
+    for (int64_t j0 = 0; j0 < nk; j0 += JB) {
+      vf acc[JB][RV] = {};
+      const T* kj[JB];
+      for (int jj = 0; jj < JB; ++jj) kj[jj] = kp[std::min<int64_t>(j0 + jj, nk - 1)];
+      for (int64_t d = 0; d < dim; ++d) {
+        const vf* qd = b.qt.data() + d * RV;
+        for (int jj = 0; jj < JB; ++jj) {
+          const vf kv = splat(static_cast<float>(kj[jj][d]));
+          for (int v = 0; v < RV; ++v) acc[jj][v] += kv * qd[v];
+        }
+      }
+      for (int jj = 0; jj < JB && j0 + jj < nk; ++jj)
+        for (int v = 0; v < RV; ++v) b.st[(j0 + jj) * RV + v] = acc[jj][v];
+    }
+    if (t0 + nk - 1 > lowest) {   // the diagonal: hide keys after each row's position
+      for (int64_t j = 0; j < nk; ++j) {
+        const float t = static_cast<float>(t0 + j);
+        float* s = st + j * ROWS;
+#pragma omp simd
+        for (int r = 0; r < ROWS; ++r) s[r] = t > b.pos[r] ? MASKED : s[r];
+      }
+    }
+    // online softmax over this key tile, per row (lane)
+    alignas(64) float corr[ROWS], sum[ROWS], mt[ROWS];
+    std::copy(b.m.begin(), b.m.end(), mt);
+    for (int64_t j = 0; j < nk; ++j) {
+#pragma omp simd
+      for (int r = 0; r < ROWS; ++r) mt[r] = std::max(mt[r], st[j * ROWS + r]);
+    }
+#pragma omp simd
+    for (int r = 0; r < ROWS; ++r) {
+      corr[r] = std::exp(b.m[r] - mt[r]);
+      b.m[r] = mt[r];
+      sum[r] = 0.f;
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      float* s = st + j * ROWS;
+#pragma omp simd
+      for (int r = 0; r < ROWS; ++r) {
+        s[r] = std::exp(s[r] - b.m[r]);
+        sum[r] += s[r];
+      }
+    }
+#pragma omp simd
+    for (int r = 0; r < ROWS; ++r) b.l[r] = b.l[r] * corr[r] + sum[r];
+    // ot = ot * corr + V^T p
+    vf c[RV];
+    for (int v = 0; v < RV; ++v) std::memcpy(&c[v], corr + v * VL, sizeof(vf));
+    for (int64_t d0 = 0; d0 < dim; d0 += DB) {
+      vf acc[DB][RV];
+      for (int dd = 0; dd < DB; ++dd)
+        for (int v = 0; v < RV; ++v) acc[dd][v] = b.ot[(d0 + dd) * RV + v] * c[v];
+      for (int64_t j = 0; j < nk; ++j) {
+        const vf* p = b.st.data() + j * RV;
+        const T* vj = vp[j] + d0;
+        for (int dd = 0; dd < DB; ++dd) {
+          const vf vv = splat(static_cast<float>(vj[dd]));
+          for (int v = 0; v < RV; ++v) acc[dd][v] += vv * p[v];
+        }
+      }
+      for (int dd = 0; dd < DB; ++dd)
+        for (int v = 0; v < RV; ++v) b.ot[(d0 + dd) * RV + v] = acc[dd][v];
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / b.l[r];
+    T* o = out + (first + r / group) * out_row + (head0 + r % group) * dim;
+    for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(ot[d * ROWS + r] * inv);
+  }
+}
+
+}  // namespace chunk
+
+// out, q: [N, heads, dim], each row's heads contiguous (any row stride); k_cache, v_cache:
+// [num_blocks, block_size, kv_heads, dim] contiguous, of q's dtype; tables: [B, W] int64 (any
+// row stride).
+// Chunk s (each s in `chunks`) owns rows query_start[s] .. query_start[s+1]-1 at positions
+// start_pos[s] ... and its K/V are already in the cache; dim % 4 == 0. Layouts and dtypes are
+// checked here; indices (tables, offsets) by the caller (kvlab.kernels.cpu.chunk_attention).
+void chunk_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                     torch::Tensor v_cache, torch::Tensor tables,
+                     std::vector<int64_t> query_start, std::vector<int64_t> start_pos,
+                     std::vector<int64_t> chunks, double scale) {
+  const int64_t heads = q.size(1), dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == dim && out.stride(2) == 1
+              && out.stride(1) == dim && dim % chunk::DB == 0 && heads % kv_heads == 0
+              && k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type()
+              == q.scalar_type() && out.scalar_type() == q.scalar_type()
+              && k_cache.is_contiguous() && v_cache.is_contiguous()
+              && tables.scalar_type() == at::kLong && tables.stride(1) == 1,
+              "chunk_attention: layouts or dtypes that do not fit");
+  // a tile: `sub` query heads of one KV head (all of its group, or ROWS of them) x `per_tile`
+  // positions; work items (chunk, first query head, first position), spread over threads
+  const int64_t group = heads / kv_heads, sub = std::min<int64_t>(group, chunk::ROWS);
+  const int64_t per_tile = chunk::ROWS / sub, width = tables.stride(0);
+  const int64_t* table = tables.data_ptr<int64_t>();
+  std::vector<std::array<int64_t, 3>> items;
+  for (int64_t s : chunks)
+    for (int64_t h = 0; h < heads; h += h % group + sub < group ? sub : group - h % group)
+      for (int64_t i = 0; i < query_start[s + 1] - query_start[s]; i += per_tile)
+        items.push_back({s, h, i});
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "chunk_attention",
+                                  [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+      chunk::Buffers buffers(dim);
+      for (int64_t w = begin; w < end; ++w) {
+        const auto [s, h, i] = items[w];
+        const int64_t lo = query_start[s];
+        const int64_t n = std::min(per_tile, query_start[s + 1] - lo - i);
+        const int64_t heads_here = std::min(sub, group - h % group);
+        chunk::tile<scalar_t>(qp + lo * q.stride(0), q.stride(0), op + lo * out.stride(0),
+                              out.stride(0), kp, vp, table + s * width, block_size, kv_heads,
+                              h / group, h, heads_here, dim, i, n, start_pos[s],
+                              static_cast<float>(scale), buffers);
       }
     });
   });
