@@ -512,3 +512,113 @@ def _block_size_design() -> Truth:
             if _paged_run(d["requests"], d["seed"], d["arena_tokens"], q, d["prompt_mean"],
                           d["output_mean"]).token_states >= d["min_token_states"]]
     return _number(max(good))
+
+
+# --- chapter 4: prefix reuse --------------------------------------------------------------------
+
+def conversation_hit(prompt_tokens: int, output_tokens: int, new_tokens: int,
+                     block_size: int) -> int:
+    """Run turn one on a real scheduler, then look up turn two (history + new tokens)."""
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.core.production_scheduler import ProductionScheduler
+    from kvlab.core.request import RuntimeRequest
+    from kvlab.core.scheduler_config import SchedulerConfig
+    from kvlab.sim.tokens import drive
+
+    total = prompt_tokens + output_tokens + new_tokens
+    kv = KVCacheManager(4 * (-(-total // block_size)) + 4, block_size)
+    budget = max(prompt_tokens, 1)
+    sched = ProductionScheduler(kv, SchedulerConfig(max_num_seqs=1, prefill_chunk=budget,
+                                                    max_num_batched_tokens=budget))
+    prompt = tuple(range(1, prompt_tokens + 1))
+    drive(sched, arrivals={1: [RuntimeRequest("turn1", prompt, max_tokens=output_tokens)]})
+    history = list(prompt) + list(sched.get_request("turn1").output_token_ids)
+    return kv.lookup((), history + [50_000 + i for i in range(new_tokens)])
+
+
+def saved_prefill(shared_tokens: int, question_tokens: int, requests: int,
+                  block_size: int) -> tuple[int, int]:
+    """Prefill tokens computed without and with the prefix cache (sequential requests)."""
+    from kvlab.core.kv_cache_manager import KVCacheManager
+
+    off = requests * (shared_tokens + question_tokens)
+    kv = KVCacheManager(4 * (-(-(shared_tokens + question_tokens) // block_size)) + 4,
+                        block_size)
+    shared = list(range(shared_tokens))
+    on = 0
+    for i in range(requests):
+        prompt = shared + [100_000 + i * question_tokens + j for j in range(question_tokens)]
+        cached = kv.admit(f"r{i}", ("s",), prompt, len(prompt))
+        kv.commit(f"r{i}", prompt)
+        kv.free(f"r{i}")
+        on += len(prompt) - cached
+    return off, on
+
+
+def longest_prefix_first_order() -> list[str]:
+    """Longest-prefix-match, greedily: always run the waiting request with the longest cached
+    prefix next (ties in arrival order); SGLang's ``--schedule-policy lpm`` (the default up to
+    v0.4.3, opt-in since v0.4.4) sorts its waiting queue this way."""
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.exercises import ch04
+
+    requests = ch04.ordering_requests()
+    kv = KVCacheManager(ch04.ORDERING["num_blocks"], ch04.ORDERING["block_size"])
+    waiting, order = list(requests), []
+    while waiting:
+        rid = max(waiting, key=lambda r: (kv.lookup(("s",), requests[r]), -waiting.index(r)))
+        waiting.remove(rid)
+        kv.admit(rid, ("s",), requests[rid], len(requests[rid]))
+        kv.commit(rid, requests[rid])
+        kv.free(rid)
+        order.append(rid)
+    return order
+
+
+@truth("ch04.conversation_hit.tokens")
+def _conversation_tokens() -> Truth:
+    from kvlab.exercises import ch04
+
+    return _number(conversation_hit(**ch04.CONVERSATION))
+
+
+@truth("ch04.conversation_hit.reason")
+def _conversation_reason() -> Truth:
+    """(c): the last sampled token is never fed through the model, so it has no KV yet."""
+    from kvlab.exercises import ch04
+
+    c = ch04.CONVERSATION
+    # the reason holds while one more output token is exactly what completes the next block
+    with_kv = c["prompt_tokens"] + c["output_tokens"] - 1
+    if conversation_hit(**c) != with_kv // c["block_size"] * c["block_size"]:
+        raise AssertionError("the cache no longer holds the turn's tokens that have KV: "
+                             "rewrite chapter 4's exercise 1 and its verdicts")
+    first_turn = c["prompt_tokens"] + c["output_tokens"]
+    return Truth("c", notes={
+        "a": "the cap is one token short of the *new* prompt, which is longer than the cached "
+             "conversation: it removes nothing from this match",
+        "b": "a finished request's table is freed, but its full blocks stay in the cache until "
+             "something evicts them, and this pool is far from full",
+        "c": f"of the {first_turn} tokens of turn one. The last sampled token is returned to "
+             "the client but never fed through the model, so its KV does not exist until the "
+             "next turn computes it; the block it would complete stays partial and never "
+             "enters the cache.",
+        "d": "generated tokens are committed to the cache as their blocks fill, exactly like "
+             "prompt tokens; if they were not, the hit would be shorter still",
+    })
+
+
+truth("ch04.saved_prefill.without")(
+    lambda: _number(saved_prefill(**_ch04().FEW_SHOT)[0]))
+truth("ch04.saved_prefill.with")(lambda: _number(saved_prefill(**_ch04().FEW_SHOT)[1]))
+
+
+def _ch04():
+    from kvlab.exercises import ch04
+
+    return ch04
+
+
+@truth("ch04.request_order.target")
+def _request_order_target() -> Truth:
+    return _number(_ch04().prefill_for_order(longest_prefix_first_order()))

@@ -214,15 +214,27 @@ def test_radix_figure_highlights_the_hit_path():
     plt.close(fig)
 
 
+def _course_answers():
+    """The instructor edition (course/answers.py), where the exercises' truths are computed."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import seal_answers
+
+    return seal_answers.load_answers()
+
+
 def test_chapter4_exercise_checks():
     from kvlab.exercises.ch04 import (
         CONVERSATION,
         FEW_SHOT,
         check_conversation_hit,
         check_saved_prefill,
-        conversation_hit,
-        saved_prefill,
     )
+
+    answers = _course_answers()
+    conversation_hit, saved_prefill = answers.conversation_hit, answers.saved_prefill
 
     # 40 + 24 tokens, the last sampled one without KV: 63 with KV, three full blocks
     assert conversation_hit(**CONVERSATION) == 48
@@ -243,8 +255,9 @@ def test_chapter4_checks_do_not_print_the_answer():
         FEW_SHOT,
         check_conversation_hit,
         check_saved_prefill,
-        saved_prefill,
     )
+
+    saved_prefill = _course_answers().saved_prefill
 
     for wrong, direction in ((64, "too high"), (32, "too low")):
         with pytest.raises(AssertionError, match=direction) as err:
@@ -301,10 +314,11 @@ def test_chapter4_request_order_check():
     from kvlab.exercises.ch04 import (
         ORDERING,
         check_request_order,
-        longest_prefix_first_order,
         ordering_requests,
         prefill_for_order,
     )
+
+    longest_prefix_first_order = _course_answers().longest_prefix_first_order
 
     requests = ordering_requests()
     arrival = list(requests)

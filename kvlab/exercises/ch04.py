@@ -1,8 +1,10 @@
 """Chapter 4 exercises: a conversation's second turn, saved prefill, a cache-aware request
 order, and a block-hash prefix index to debug.
 
-Each check computes the truth with :mod:`kvlab.core` and raises ``AssertionError`` saying what
-is wrong (too high, too low, why the chosen option fails), never the expected answer.
+A check with one right answer compares against its sealed truth (``_common.sealed``; the
+instructor edition computes it with :mod:`kvlab.core`); the design and debug checks run the
+reader's order or class on a real ``KVCacheManager``. Each raises ``AssertionError`` saying
+what is wrong (too high, too low, why the chosen option fails), never the expected answer.
 """
 
 from __future__ import annotations
@@ -12,40 +14,10 @@ from collections.abc import Sequence
 
 from kvlab.core.kv_cache_manager import KVCacheManager
 
-from ._common import require_answer
+from ._common import require_answer, sealed
 
 #: Exercise 1: a conversation's first turn, then its second turn sent as one prompt.
 CONVERSATION = {"prompt_tokens": 40, "output_tokens": 24, "new_tokens": 10, "block_size": 16}
-
-#: Why a wrong letter of exercise 1 fails (the right one is never described here).
-_TURN_REASONS = {
-    "a": "the cap is one token short of the *new* prompt, which is longer than the cached "
-         "conversation: it removes nothing from this match",
-    "b": "a finished request's table is freed, but its full blocks stay in the cache until "
-         "something evicts them, and this pool is far from full",
-    "d": "generated tokens are committed to the cache as their blocks fill, exactly like "
-         "prompt tokens; if they were not, the hit would be shorter still",
-}
-
-
-def conversation_hit(prompt_tokens: int, output_tokens: int, new_tokens: int,
-                     block_size: int) -> int:
-    """Run turn one on a real scheduler, then look up turn two (history + new tokens)."""
-    from kvlab.core.production_scheduler import ProductionScheduler
-    from kvlab.core.request import RuntimeRequest
-    from kvlab.core.scheduler_config import SchedulerConfig
-    from kvlab.sim.tokens import drive
-
-    total = prompt_tokens + output_tokens + new_tokens
-    kv = KVCacheManager(4 * (-(-total // block_size)) + 4, block_size)
-    budget = max(prompt_tokens, 1)
-    sched = ProductionScheduler(kv, SchedulerConfig(max_num_seqs=1, prefill_chunk=budget,
-                                                    max_num_batched_tokens=budget))
-    prompt = tuple(range(1, prompt_tokens + 1))
-    drive(sched, arrivals={1: [RuntimeRequest("turn1", prompt, max_tokens=output_tokens)]})
-    history = list(prompt) + list(sched.get_request("turn1").output_token_ids)
-    return kv.lookup((), history + [50_000 + i for i in range(new_tokens)])
-
 
 def check_conversation_hit(cached_tokens, reason) -> str:
     """Exercise 1: how many tokens of turn two (:data:`CONVERSATION`) ``lookup`` reports, and
@@ -54,41 +26,21 @@ def check_conversation_hit(cached_tokens, reason) -> str:
     require_answer(reason, "your letter")
     if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int):
         raise AssertionError("give the number of cached tokens as an integer")
-    truth = conversation_hit(**CONVERSATION)
-    if cached_tokens != truth:
-        raise AssertionError(
-            f"{cached_tokens} is {'too high' if cached_tokens > truth else 'too low'}.")
+    way = sealed("ch04.conversation_hit.tokens").direction(cached_tokens)
+    if way:
+        raise AssertionError(f"{cached_tokens} is {way}.")
     letter = str(reason).strip().lower()
-    if letter in _TURN_REASONS:
-        raise AssertionError(f"the number is right, but ({letter}) is not why: "
-                             f"{_TURN_REASONS[letter]}.")
-    if letter != "c":
+    if letter not in ("a", "b", "c", "d"):
         raise AssertionError(f"{reason!r} is not one of the letters a-d")
-    first_turn = CONVERSATION["prompt_tokens"] + CONVERSATION["output_tokens"]
-    return (f"Correct: {truth} of the {first_turn} tokens of turn one. The last sampled token "
-            "is returned to the client but never fed through the model, so its KV does not "
-            "exist until the next turn computes it; the block it would complete stays partial "
-            "and never enters the cache.")
+    truth = sealed("ch04.conversation_hit.reason")   # each letter's verdict is sealed under it
+    if not truth.is_answer(letter):
+        raise AssertionError(f"the number is right, but ({letter}) is not why: "
+                             f"{truth.note(letter)}.")
+    return f"Correct: {cached_tokens} {truth.note(letter)}"
 
 
 #: The workload of :func:`check_saved_prefill`.
 FEW_SHOT = {"shared_tokens": 600, "question_tokens": 40, "requests": 20, "block_size": 16}
-
-
-def saved_prefill(shared_tokens: int, question_tokens: int, requests: int,
-                  block_size: int) -> tuple[int, int]:
-    """Prefill tokens computed without and with the prefix cache (sequential requests)."""
-    off = requests * (shared_tokens + question_tokens)
-    kv = KVCacheManager(4 * (-(-(shared_tokens + question_tokens) // block_size)) + 4, block_size)
-    shared = list(range(shared_tokens))
-    on = 0
-    for i in range(requests):
-        prompt = shared + [100_000 + i * question_tokens + j for j in range(question_tokens)]
-        cached = kv.admit(f"r{i}", ("s",), prompt, len(prompt))
-        kv.commit(f"r{i}", prompt)
-        kv.free(f"r{i}")
-        on += len(prompt) - cached
-    return off, on
 
 
 def check_saved_prefill(tokens_without, tokens_with) -> str:
@@ -98,13 +50,13 @@ def check_saved_prefill(tokens_without, tokens_with) -> str:
     for what, got in (("without the cache", tokens_without), ("with it", tokens_with)):
         if isinstance(got, bool) or not isinstance(got, int):
             raise AssertionError(f"give the prefill tokens {what} as a whole number, got {got!r}")
-    truth = saved_prefill(**FEW_SHOT)
-    if (tokens_without, tokens_with) != truth:
-        wrong = "; ".join(f"{what}: {got} is {'too high' if got > want else 'too low'}"
-                          for what, got, want in (("without", tokens_without, truth[0]),
-                                                  ("with", tokens_with, truth[1])) if got != want)
+    wrong = "; ".join(f"{what}: {got} is {way}"
+                      for what, got in (("without", tokens_without), ("with", tokens_with))
+                      if (way := sealed(f"ch04.saved_prefill.{what}").direction(got)))
+    if wrong:
         raise AssertionError(f"{wrong}.")
-    return f"Correct: {truth[0]} vs {truth[1]} tokens ({truth[0] / truth[1]:.1f}x less prefill)."
+    return (f"Correct: {tokens_without} vs {tokens_with} tokens "
+            f"({tokens_without / tokens_with:.1f}x less prefill).")
 
 
 #: Exercise 3: requests waiting at once, a small cache, you choose the order they run in.
@@ -140,23 +92,6 @@ def prefill_for_order(order) -> int:
     return computed
 
 
-def longest_prefix_first_order() -> list[str]:
-    """Longest-prefix-match, greedily: always run the waiting request with the longest cached
-    prefix next (ties in arrival order); SGLang's ``--schedule-policy lpm`` (the default up to
-    v0.4.3, opt-in since v0.4.4) sorts its waiting queue this way."""
-    requests = ordering_requests()
-    kv = KVCacheManager(ORDERING["num_blocks"], ORDERING["block_size"])
-    waiting, order = list(requests), []
-    while waiting:
-        rid = max(waiting, key=lambda r: (kv.lookup(("s",), requests[r]), -waiting.index(r)))
-        waiting.remove(rid)
-        kv.admit(rid, ("s",), requests[rid], len(requests[rid]))
-        kv.commit(rid, requests[rid])
-        kv.free(rid)
-        order.append(rid)
-    return order
-
-
 def check_request_order(order) -> str:
     """Exercise 3: an order of all the waiting requests that computes no more prefill than
     longest-prefix-first scheduling does on the same small cache."""
@@ -171,9 +106,8 @@ def check_request_order(order) -> str:
                              + (f"; missing {missing}" if missing else "; some run twice or "
                                 "are unknown"))
     yours = prefill_for_order(order)
-    target = prefill_for_order(longest_prefix_first_order())
     arrival = prefill_for_order(list(requests))
-    if yours > target:
+    if sealed("ch04.request_order.target").direction(yours) == "too high":
         better = " It does no better than arrival order." if yours >= arrival else ""
         raise AssertionError(f"your order computes {yours:,} prefill tokens: too many; a "
                              f"cache-aware order computes fewer.{better}")
