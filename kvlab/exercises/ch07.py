@@ -1,12 +1,15 @@
-"""Chapter 7 exercises: debug an attention step that writes KV too late, the top-p set, raw
-logprobs, and a configuration that preempts yet generates the same tokens.
+"""Chapter 7 exercises: debug a colleague's attention step, derive decode attention's arithmetic
+intensity, predict how a step's chunks split into paged rows and dense chunks, and design a
+configuration that preempts yet generates the same tokens.
 
 A check with one right answer compares against its sealed truth (``_common.sealed``; the
 instructor edition computes it); the other checks run the reader's code or choice on
 :mod:`kvlab.engine` (the executor's own attention and metadata, the engine's sampler, real
 engine runs). Each raises ``AssertionError`` saying what is wrong, never the expected answer.
-(``check_slot_mapping`` and ``check_kv_bytes_per_token`` are kept for teachers who want them;
-the chapter's exercises no longer repeat chapters 1 and 2.)
+(``check_slot_mapping``, ``check_kv_bytes_per_token``, ``check_top_p`` and
+``check_logprob_temperature`` are kept for teachers who want them; the chapter no longer asks
+them: the first two repeat chapters 1 and 2, the top-p set is off the engine's path, and which
+distribution logprobs describe is a convention, not something a reader can derive.)
 """
 
 from __future__ import annotations
@@ -116,10 +119,10 @@ def check_logprob_temperature(letter) -> str:
     return truth.note(choice)
 
 
-# -- exercise 1: the attention step that writes its KV too late ---------------------------------
+# -- exercise 1: a colleague's attention step -------------------------------------------------
 
 def suspect_attention_step(q, k, v, k_cache, v_cache, meta, scale):
-    """Exercise 1's layer step: attention first, then the KV write (the order is the bug)."""
+    """Exercise 1: a layer's attention step, as a colleague rewrote it."""
     from kvlab.engine.attention import paged_attention, write_kv
 
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
@@ -129,7 +132,7 @@ def suspect_attention_step(q, k, v, k_cache, v_cache, meta, scale):
 
 def _attention_outputs(step, start_pos: int, num_tokens: int):
     """Run ``step`` on one chunk of a fresh random 2-head GQA layer whose cache holds the
-    chunk's prefix (and stale garbage in the chunk's own slots)."""
+    chunk's prefix (written by "earlier steps") and random values everywhere else."""
     import torch
 
     from kvlab.engine.attention import write_kv
@@ -154,17 +157,18 @@ def _attention_outputs(step, start_pos: int, num_tokens: int):
 
 
 def correct_attention_step(q, k, v, k_cache, v_cache, meta, scale):
-    """The engine's order: write the new K/V, then attend."""
+    """The layer's attention step as kvlab's model runs it (``engine/model.py``)."""
     from kvlab.engine.attention import paged_attention, write_kv
 
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
 
 
-def check_late_write_chunk(start_pos, num_tokens) -> str:
+def check_suspect_chunk(start_pos, num_tokens) -> str:
     """Exercise 1: a chunk (``start_pos``, ``num_tokens``) on which
     :func:`suspect_attention_step` computes a different attention output from the engine's
-    write-then-attend order."""
+    layer step. Both run the torch path of :func:`~kvlab.engine.attention.paged_attention`
+    (no compiled op), on a fresh random layer whose cache holds the chunk's prefix."""
     import torch
 
     require_answer(start_pos, "start_pos")
@@ -177,13 +181,117 @@ def check_late_write_chunk(start_pos, num_tokens) -> str:
     want = _attention_outputs(correct_attention_step, start_pos, num_tokens)
     got = _attention_outputs(suspect_attention_step, start_pos, num_tokens)
     if torch.allclose(want, got):
-        raise AssertionError(f"on a chunk of {num_tokens} token(s) at position {start_pos} both "
-                             "orders give the same output: this chunk never reads its own new "
-                             "K/V from the cache.")
-    return ("Correct: this chunk reads its own new keys and values through the cache, so "
-            "attending before writing them reads stale slots. A full prefill (start 0, several "
-            "tokens) attends to its fresh K/V directly and hides the bug: that is why tests "
-            "that only prefill pass.")
+        raise AssertionError(f"on a chunk of {num_tokens} token(s) at position {start_pos} the "
+                             "colleague's step and the engine's give the same output.")
+    return ("Correct: this chunk's attention reads its own new keys and values through the "
+            "cache, so attending before writing them reads whatever the slots held before. A "
+            "chunk whose attention takes the fresh K/V it was handed directly does not care "
+            "about the order: that is why their prefill tests passed.")
+
+
+# -- exercise 2: decode attention's arithmetic intensity -----------------------------------
+
+def _attention_intensity(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                         dtype_bytes: int, context_len: int) -> float:
+    """The engine's own accounting: the attention FLOPs :meth:`ModelConfig.flops_per_token`
+    adds for ``context_len`` cached positions, over the bytes of K and V those positions hold
+    (:meth:`ModelConfig.kv_bytes_per_token`)."""
+    from kvlab.engine.config import ModelConfig
+
+    cfg = ModelConfig("LlamaForCausalLM", "llama", vocab_size=1024, hidden_size=num_heads * 8,
+                      intermediate_size=64, num_layers=num_layers, num_heads=num_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim)
+    flops = cfg.flops_per_token(context_len) - cfg.flops_per_token(0)
+    return flops / (context_len * cfg.kv_bytes_per_token(dtype_bytes))
+
+
+def check_attention_intensity(fn) -> str:
+    """Exercise 2: ``fn(num_layers, num_heads, num_kv_heads, head_dim, dtype_bytes,
+    context_len) -> float``, the FLOPs one decoding token's attention does per byte of K and V
+    it reads from ``context_len`` cached positions. Compared on random model shapes with the
+    engine's own FLOP and KV-byte accounting (``kvlab.engine.config.ModelConfig``)."""
+    require_answer(fn, "your intensity function")
+    if not callable(fn):
+        raise AssertionError("pass a function (num_layers, num_heads, num_kv_heads, head_dim, "
+                             "dtype_bytes, context_len) -> FLOP per byte")
+    rng = random.Random(13)
+    for trial in range(60):
+        kv_heads = rng.choice([1, 2, 4, 8, 16])
+        shape = dict(num_layers=rng.randint(1, 80), num_heads=kv_heads * rng.choice([1, 2, 4, 8]),
+                     num_kv_heads=kv_heads, head_dim=rng.choice([32, 64, 80, 128, 256]),
+                     dtype_bytes=rng.choice([1, 2, 4]), context_len=rng.randint(1, 8192))
+        want = _attention_intensity(**shape)
+        try:
+            got = fn(*shape.values())
+        except Exception as err:  # the reader's code: say where it failed
+            raise AssertionError(f"trial {trial}: your function raised "
+                                 f"{type(err).__name__}: {err} on {shape}") from None
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            raise AssertionError(f"trial {trial}: expected a number, got {got!r}")
+        if abs(got - want) > 1e-9 * want:
+            raise AssertionError(f"trial {trial}: on {shape} your intensity is "
+                                 f"{'too high' if got > want else 'too low'}.")
+    return ("Correct: your intensity matches the engine's accounting on 60 random shapes. "
+            "Layers, head size and context cancel; what is left is the query heads per KV head "
+            "over the bytes per element, so a step's batch size cannot raise it: each request "
+            "reads its own context.")
+
+
+# -- exercise 3: paged rows and dense chunks ------------------------------------------------
+
+#: Exercise 3's step, in the flat batch's order: chunk name -> (start_pos, num_tokens).
+ROWS_STEP = {"A": (40, 1), "B": (20, 12), "C": (0, 10), "D": (32, 24), "E": (0, 1)}
+
+
+def _rows_step_metadata():
+    """:data:`ROWS_STEP`'s metadata as a runner with a paged-row op builds it (block size 4,
+    each chunk's table its own blocks)."""
+    from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata
+
+    specs, next_block = [], 0
+    for start, n in ROWS_STEP.values():
+        blocks = -(-(start + n) // 4)
+        specs.append(ChunkSpec([0] * n, start, list(range(next_block, next_block + blocks))))
+        next_block += blocks
+
+    def op(*args) -> None:   # any op: the runner's choice of one is what the layout reads
+        raise NotImplementedError
+
+    return build_metadata(specs, 4, kernel=op)
+
+
+def check_paged_rows(num_paged_rows, dense_chunks) -> str:
+    """Exercise 3: for :data:`ROWS_STEP` on an engine whose runner has a paged-row op (the CPU
+    engine with its compiled kernel), how many token rows are paged rows, and which chunks
+    (letters) are dense? Compared with what ``flat_metadata`` builds."""
+    require_answer(num_paged_rows, "the number of paged rows")
+    require_answer(dense_chunks, "the dense chunks")
+    if isinstance(num_paged_rows, bool) or not isinstance(num_paged_rows, int):
+        raise AssertionError(f"the number of paged rows must be a whole number, got "
+                             f"{num_paged_rows!r}")
+    if isinstance(dense_chunks, str):
+        dense_chunks = [c for c in dense_chunks if not c.isspace() and c != ","]
+    try:
+        chosen = {str(c).strip().upper() for c in dense_chunks}
+    except TypeError:
+        raise AssertionError("give the dense chunks as letters, e.g. {'A', 'B'} or 'AB' "
+                             "(an empty set if none)") from None
+    if not chosen <= set(ROWS_STEP):
+        raise AssertionError(f"the chunks are {', '.join(ROWS_STEP)}; got {sorted(chosen)}")
+    meta = _rows_step_metadata()
+    names = list(ROWS_STEP)
+    rows_ok = num_paged_rows == meta.paged_rows.numel()
+    dense_ok = chosen == {names[s] for s in meta.dense}
+    if not (rows_ok and dense_ok):
+        wrong = ("both the number of paged rows and the set of dense chunks are" if not
+                 (rows_ok or dense_ok) else "the number of paged rows is" if not rows_ok
+                 else "the set of dense chunks is")
+        raise AssertionError(f"{wrong} not what the runner builds for this step.")
+    return (f"Correct: {num_paged_rows} paged rows and dense chunks {sorted(chosen)}. A row "
+            "re-reads its whole context, so only one-token chunks and short chunks behind KV "
+            "already cached go row by row; a fresh prompt has nothing cached to read. Without "
+            "an op (the torch path) only the one-token chunks would be rows: its gather would "
+            "copy a chunk's context once per row.")
 
 
 # -- exercise 4: preempt, and still generate the same tokens ----------------------------------
