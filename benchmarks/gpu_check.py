@@ -165,6 +165,7 @@ def decode_run(path: Path, device: str, batches: list[int], steps: int, prompt: 
     out = {"device": name, "peak_bw_GBps": peak, "weight_bytes": weight_bytes,
            "params": cfg.num_params, "enforce_eager": enforce_eager, "fused_ops": fused,
            "graph_sizes": list(graphs.sizes) if graphs is not None else None,
+           "graph_capture_error": None if enforce_eager else counter.capture_error,
            "build_s": time.perf_counter() - t0, "batches": {}}
     if peak is None:
         out["flag"] = f"unknown peak bandwidth for {name!r}: utilisation not computed"

@@ -3,7 +3,8 @@ static-buffer code driven through the engine with the CPU stand-in for a graph
 (``EagerCapture``: each "replay" reruns the captured callable on the same buffers).
 
 The engine turns graphs on for CUDA only; here ``engine_build.use_decode_graphs`` is forced
-True, so the build takes the CUDA path otherwise unchanged (the scratch block past the KV
+True (unless ``enforce_eager``, which the eager references set), so the build takes the CUDA
+path otherwise unchanged (the scratch block past the KV
 manager's, the capture of every ladder size, the runner's hook)."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ ENGINE = dict(max_model_len=96, max_num_seqs=8, block_size=4)
 
 
 def graphed_llm(monkeypatch, **kwargs) -> LLM:
-    monkeypatch.setattr(engine_build, "use_decode_graphs", lambda *args: True)
+    monkeypatch.setattr(engine_build, "use_decode_graphs", lambda a, *rest: not a.enforce_eager)
     return LLM("kvlab-tiny", **{**ENGINE, **kwargs})
 
 
@@ -74,7 +75,7 @@ def test_graphs_are_captured_per_size_with_a_scratch_block(monkeypatch):
 
 
 def test_padded_decode_matches_eager_token_for_token(monkeypatch):
-    eager = generate(LLM("kvlab-tiny", **ENGINE))
+    eager = generate(LLM("kvlab-tiny", enforce_eager=True, **ENGINE))
     before = counter.replayed
     graphed = generate(graphed_llm(monkeypatch))
     # 5 requests -> batch 5 padded to 8, then 4, 3, 2, 1 as they finish: every decode replays
@@ -147,7 +148,7 @@ def test_prefill_mixed_and_oversized_steps_run_eagerly(monkeypatch):
     monkeypatch.setattr(cuda_graphs, "MAX_CAPTURE_SIZE", 2)       # ladder (1, 2)
     llm = graphed_llm(monkeypatch)
     assert llm.engine.executor.graphs.sizes == (1, 2)
-    eager = generate(LLM("kvlab-tiny", **ENGINE))
+    eager = generate(LLM("kvlab-tiny", enforce_eager=True, **ENGINE))
     eng = llm.engine
     for i, (p, m) in enumerate(zip(PROMPTS, (9, 14, 6, 11, 3), strict=True)):
         eng.add_request(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0,
@@ -179,3 +180,33 @@ def test_decode_graphs_refuse_a_bad_ladder(monkeypatch):
         with pytest.raises(ValueError, match="ascending positive"):
             cuda_graphs.DecodeGraphs(eng.model, eng.cache.layers, None, sizes=sizes,
                                      block_size=4, max_model_len=96, scratch_block=0)
+
+
+def test_a_failed_capture_leaves_the_engine_eager_and_says_why(monkeypatch):
+    def broken(fn, pool=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs, "EagerCapture", broken)
+    with pytest.warns(UserWarning, match="capture failed, decoding eagerly"):
+        llm = graphed_llm(monkeypatch)
+    assert llm.engine.executor.graphs is None
+    assert "stream is capturing" in counter.capture_error
+    eager = LLM("kvlab-tiny", enforce_eager=True, **ENGINE)
+    assert generate(llm)[0].token_ids == generate(eager)[0].token_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_cuda_graphs_match_eager_on_a_gpu():
+    """On a GPU: the captured graphs (fused ops bound) give the eager engine's greedy tokens."""
+    kw = dict(ENGINE, device="cuda", dtype=torch.float32)
+    eager = generate(LLM("kvlab-tiny", enforce_eager=True, **kw))
+    before = counter.replayed
+    llm = LLM("kvlab-tiny", **kw)
+    assert isinstance(next(iter(llm.engine.executor.graphs.graphs.values())),
+                      cuda_graphs.CudaGraphCapture)
+    graphed = generate(llm)
+    assert counter.replayed - before >= 13
+    for a, b in zip(eager, graphed, strict=True):
+        assert a.token_ids == b.token_ids
+        assert all(abs(la[t] - lb[t]) < 1e-3
+                   for la, lb in zip(a.logprobs, b.logprobs, strict=True) for t in la)

@@ -71,12 +71,14 @@ def padded_size(sizes: Sequence[int], n: int) -> int | None:
 
 @dataclass
 class GraphCounter:
-    """Process-wide counts (as vLLM's ``compilation_counter``): graphs captured, steps replayed
-    and decode steps that fell back to eager because the batch was above the ladder."""
+    """Process-wide counts (as vLLM's ``compilation_counter``): graphs captured, steps replayed,
+    decode steps that fell back to eager because the batch was above the ladder, and the last
+    capture that failed (the engine then decodes eagerly)."""
 
     captured: int = 0
     replayed: int = 0
     too_large: int = 0
+    capture_error: str | None = None
 
 
 counter = GraphCounter()

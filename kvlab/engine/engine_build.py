@@ -74,13 +74,14 @@ def capture_decode_graphs(executor: ModelRunner, cache: Any, max_num_seqs: int,
     ``max_num_seqs``; a capture that fails leaves the engine eager, with a warning."""
     import warnings
 
-    from .cuda_graphs import DecodeGraphs, capture_sizes
+    from .cuda_graphs import DecodeGraphs, capture_sizes, counter
     try:
         executor.graphs = DecodeGraphs(
             executor.model, cache.layers, executor.kernel, sizes=capture_sizes(max_num_seqs),
             block_size=cache.block_size, max_model_len=max_model_len,
             scratch_block=scratch_block)
     except Exception as error:  # a GPU run must still produce results: eager, and say why
+        counter.capture_error = repr(error)
         warnings.warn(f"CUDA-graph capture failed, decoding eagerly: {error!r}", stacklevel=3)
 
 
