@@ -12,6 +12,7 @@ Run on a GPU machine: ``python benchmarks/profile_gpu_decode.py``.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import sys
@@ -101,6 +102,9 @@ def profile_engine(path: Path, batches: tuple[int, ...], *, enforce_eager: bool,
         out[str(b)] = r
         while eng.has_unfinished_requests():
             eng.step()
+    del llm, eng
+    gc.collect()
+    torch.cuda.empty_cache()
     return out
 
 
@@ -109,6 +113,8 @@ def main() -> dict:
 
     from kvlab.engine.hf_parity import save_random_hf_model
 
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
+        torch.ones(1, device="cuda").add_(1)   # CUPTI on before any graph is captured
     path = save_random_hf_model(Path(tempfile.mkdtemp()) / "llama-0.5b", "llama", seed=0,
                                 **MODEL_0_5B)
     out = {"device": torch.cuda.get_device_name(),
