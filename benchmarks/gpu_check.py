@@ -98,7 +98,8 @@ def check_fused(device: str) -> dict:
            "engine": compare_engine(device)}
     # bfloat16: one rounding each way on a GPU (round to nearest even); two in the interpreter
     bf16_tol = 2 ** -6 if device == "cuda" else 2 ** -5
-    out["ok"] = (all(r["rel_vs_torch"] < 1e-6 for r in out["ops_float32"].values())
+    # float32: a few ulps (the GPU's fast exp and rsqrt, FMA contraction, the sums' order)
+    out["ok"] = (all(r["rel_vs_torch"] < 4e-6 for r in out["ops_float32"].values())
                  and all(r["rel_vs_float32"] < bf16_tol for r in out["ops_bfloat16"].values())
                  and out["engine"]["tokens_identical"]
                  and out["engine"]["max_logprob_diff"] < 1e-4)
