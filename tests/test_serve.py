@@ -354,18 +354,24 @@ def test_plan_is_open_loop_and_seeded() -> None:
 
 
 def test_non_streaming_client_gone_aborts_and_frees_kv(server, monkeypatch) -> None:
+    """Independent of the machine's speed: no step ends before the client gave up (a read
+    timeout, which starts once the whole request was sent, so the server has it)."""
     executor = server.engine.core.executor
-    real = executor.execute
+    real, gate = executor.execute, threading.Event()
 
-    def slow(output):              # 20 ms a step: 240 tokens take ~5 s
-        time.sleep(0.02)
+    def held(output):
+        gate.wait(600)
         return real(output)
 
-    monkeypatch.setattr(executor, "execute", slow)
+    monkeypatch.setattr(executor, "execute", held)
     before = httpx.get(server.url + "/metrics").text
     body = {"model": MODEL, "prompt": "The river", "max_tokens": 240, "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body,
+                       timeout=httpx.Timeout(600, read=0.5))
+    finally:
+        gate.set()
     wait_until(lambda: idle(server.engine))
     server.engine.check_invariants()
     after = httpx.get(server.url + "/metrics").text
