@@ -622,3 +622,68 @@ def _ch04():
 @truth("ch04.request_order.target")
 def _request_order_target() -> Truth:
     return _number(_ch04().prefill_for_order(longest_prefix_first_order()))
+
+
+# --- chapter 6: continuous batching -------------------------------------------------------------
+
+def _ch06():
+    from kvlab.exercises import ch06
+
+    return ch06
+
+
+def _batch_truth() -> list:
+    from kvlab.reference import Request, build_batch
+
+    ch06 = _ch06()
+    reqs = [Request(rid, left, phase=phase) for rid, left, phase in ch06.BATCH_REQUESTS]
+    return [(rid, n) for rid, _, n in build_batch(reqs, **ch06.BATCH_BUDGETS)]
+
+
+truth("ch06.batch")(lambda: Truth(_batch_truth()))
+truth("ch06.batch.tokens")(lambda: _number(sum(n for _, n in _batch_truth())))
+
+
+def doc_ttft_behind_decodes(chats: int, left: int, doc: int, budget: int, prefill_chunk: int,
+                            max_num_seqs: int, arrive: int) -> int:
+    """The document's TTFT in steps (first-token step minus arrival step) under
+    ``BaselineScheduler``, measured on the real scheduler stepped by ``EngineCore``."""
+    from kvlab.core.baseline_scheduler import BaselineScheduler
+    from kvlab.core.engine_core import EngineCore
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.core.request import RuntimeRequest
+    from kvlab.core.scheduler_config import SchedulerConfig
+    from kvlab.sim.executor import CostModelExecutor
+
+    if chats > max_num_seqs - 1 or chats >= budget:
+        raise ValueError("the chats must leave a sequence slot and budget for the document")
+    sched = BaselineScheduler(KVCacheManager(num_blocks=4 * (doc + chats * (arrive + left)),
+                                             block_size=16),
+                              SchedulerConfig(max_num_seqs=max_num_seqs,
+                                              max_num_batched_tokens=budget,
+                                              prefill_chunk=prefill_chunk))
+    # one-token prompts: each chat has its first token after step 1, then decodes one per step,
+    # so before step ``arrive`` it has ``left`` tokens still to generate
+    for i in range(chats):
+        sched.add_request(RuntimeRequest(f"c{i}", (i + 1,), max_tokens=arrive - 1 + left))
+    core = EngineCore(sched, CostModelExecutor(sched.get_request, lambda request: 5),
+                      forget_ended=False)
+    for step in range(1, 100_000):
+        if step == arrive:
+            core.add_request(RuntimeRequest("doc", tuple(range(1, doc + 1)), max_tokens=1))
+        core.step()
+        if step >= arrive:
+            request = sched.get_request("doc")
+            if request.first_token_step is not None:
+                return request.first_token_step - request.arrival_step
+    raise AssertionError("the document never got its first token")  # pragma: no cover
+
+
+truth("ch06.doc_ttft")(lambda: _number(doc_ttft_behind_decodes(**_ch06().DOC_BEHIND_DECODES)))
+
+
+@truth("ch06.chunk_design")
+def _chunk_design() -> Truth:
+    ch06 = _ch06()
+    d = ch06.CHUNK_DESIGN
+    return _number(max(c for c in d["chunks"] if ch06.itl_p99(c, d) <= d["itl_p99_slo_s"]))

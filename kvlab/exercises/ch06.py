@@ -2,7 +2,9 @@
 first token behind finishing decodes, a token budget that meets an inter-token-latency target on
 another GPU (Sarathi-Serve's trade), and a dashboard's latency numbers to debug.
 
-Each check computes the truth with :mod:`kvlab.core` (and the simulator) and raises
+A check with one right answer compares against its sealed truth (``_common.sealed``; the
+instructor edition computes it with :mod:`kvlab.core` and the simulator); the policy, prediction
+and debug checks run the reader's code or numbers on the simulator. Each raises
 ``AssertionError`` saying what is wrong (which rule a batch breaks, too high or too low, a
 prediction the simulator does not reproduce), never the answer.
 """
@@ -17,10 +19,10 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler, default_order_key
 from kvlab.core.request import RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.reference import Phase, Request, build_batch
+from kvlab.reference import Phase
 from kvlab.sim.tokens import drive
 
-from ._common import require_answer
+from ._common import require_answer, sealed
 
 #: The requests of :func:`check_batch`, in the order ``build_batch`` sees them.
 BATCH_REQUESTS = (
@@ -37,18 +39,16 @@ def check_batch(answer) -> str:
     A wrong batch is told which of ``build_batch``'s rules it breaks (a budget, a decode's one
     token, a request's prompt, the order), never which entry is wrong or what it should be."""
     require_answer(answer, "a list of (request_id, tokens) pairs")
-    reqs = [Request(rid, left, phase=phase) for rid, left, phase in BATCH_REQUESTS]
-    want = [(rid, n) for rid, _, n in build_batch(reqs, **BATCH_BUDGETS)]
     try:
         got = [(str(rid), n) for rid, n in answer]
     except (TypeError, ValueError):
         raise AssertionError("give a list of (request_id, tokens) pairs") from None
-    if got == want:
-        return f"Correct: {want}."
-    raise AssertionError(_batch_rule_broken(got, want))
+    if sealed("ch06.batch").is_answer(got):
+        return f"Correct: {got}."
+    raise AssertionError(_batch_rule_broken(got))
 
 
-def _batch_rule_broken(got: list[tuple[str, object]], want: list[tuple[str, int]]) -> str:
+def _batch_rule_broken(got: list[tuple[str, object]]) -> str:
     """Why ``got`` is not ``build_batch``'s batch, as the first rule of the policy it breaks."""
     left = {rid: n for rid, n, _ in BATCH_REQUESTS}
     decode = {rid for rid, _, phase in BATCH_REQUESTS if phase == Phase.DECODE}
@@ -86,7 +86,7 @@ def _batch_rule_broken(got: list[tuple[str, object]], want: list[tuple[str, int]
     if mine and prefills[:len(mine)] != mine:
         return ("a prefill is passed over for one listed after it; build_batch does not skip "
                 "a prefill it can still give tokens to.")
-    if total < sum(n for _, n in want):
+    if sealed("ch06.batch.tokens").direction(total) == "too low":
         return ("your batch obeys the budgets but leaves tokens unscheduled that build_batch "
                 "gives out.")
     return "your batch obeys the budgets, but build_batch splits the tokens differently."
@@ -153,46 +153,15 @@ DOC_BEHIND_DECODES = {"chats": 40, "left": 10, "doc": 1000, "budget": 64, "prefi
                       "max_num_seqs": 64, "arrive": 3}
 
 
-def doc_ttft_behind_decodes(chats: int, left: int, doc: int, budget: int, prefill_chunk: int,
-                            max_num_seqs: int, arrive: int) -> int:
-    """The document's TTFT in steps (first-token step minus arrival step) under
-    ``BaselineScheduler``, measured on the real scheduler stepped by ``EngineCore``."""
-    from kvlab.core.engine_core import EngineCore
-    from kvlab.sim.executor import CostModelExecutor
-
-    if chats > max_num_seqs - 1 or chats >= budget:
-        raise ValueError("the chats must leave a sequence slot and budget for the document")
-    sched = BaselineScheduler(KVCacheManager(num_blocks=4 * (doc + chats * (arrive + left)),
-                                             block_size=16),
-                              SchedulerConfig(max_num_seqs=max_num_seqs,
-                                              max_num_batched_tokens=budget,
-                                              prefill_chunk=prefill_chunk))
-    # one-token prompts: each chat has its first token after step 1, then decodes one per step,
-    # so before step ``arrive`` it has ``left`` tokens still to generate
-    for i in range(chats):
-        sched.add_request(RuntimeRequest(f"c{i}", (i + 1,), max_tokens=arrive - 1 + left))
-    core = EngineCore(sched, CostModelExecutor(sched.get_request, lambda request: 5),
-                      forget_ended=False)
-    for step in range(1, 100_000):
-        if step == arrive:
-            core.add_request(RuntimeRequest("doc", tuple(range(1, doc + 1)), max_tokens=1))
-        core.step()
-        if step >= arrive:
-            request = sched.get_request("doc")
-            if request.first_token_step is not None:
-                return request.first_token_step - request.arrival_step
-    raise AssertionError("the document never got its first token")  # pragma: no cover
-
-
 def check_doc_ttft(steps) -> str:
     """Exercise 3: the document's TTFT, in steps, for :data:`DOC_BEHIND_DECODES`."""
     require_answer(steps, "a whole number of steps")
     if isinstance(steps, bool) or not isinstance(steps, int):
         raise AssertionError("give the number of steps as an integer")
-    want = doc_ttft_behind_decodes(**DOC_BEHIND_DECODES)
-    if steps != want:
-        raise AssertionError(f"{steps} steps is {'too many' if steps > want else 'too few'}.")
-    return (f"Correct: {want} steps. While the chats decode, the document gets what their "
+    way = sealed("ch06.doc_ttft").direction(steps)
+    if way:
+        raise AssertionError(f"{steps} steps is {'too many' if way == 'too high' else 'too few'}.")
+    return (f"Correct: {steps} steps. While the chats decode, the document gets what their "
             "tokens leave of the budget; once they finish, the prefill chunk, not the budget, "
             "caps it.")
 
@@ -277,10 +246,11 @@ def check_chunk_design(budget, predicted_p99_ms) -> str:
                 "model your prediction rests on (or measure it with itl_p99 and find where "
                 "the model went wrong).")
     slo_ms = d["itl_p99_slo_s"] * 1e3
-    if itl_p99(budget, d) > d["itl_p99_slo_s"]:
+    way = sealed("ch06.chunk_design").direction(budget)   # the largest budget that meets it
+    if way == "too high":
         raise AssertionError(f"with a budget of {budget} tokens the p99 inter-token latency "
                              f"exceeds {slo_ms:.0f} ms: too large.")
-    if larger and itl_p99(larger[0], d) <= d["itl_p99_slo_s"]:
+    if way:
         raise AssertionError(f"a budget of {budget} meets the target, but a larger one does "
                              "too (and larger budgets give lower TTFT and fewer steps): too "
                              "small.")
