@@ -196,3 +196,30 @@ def test_every_chapter_builds_an_assignment_without_grading_its_demo_cells():
         if source.stem.startswith(("10-", "11-")):
             assert 4 in by_hand, f"{source.stem} #4 is open-ended: graded by hand"
     assert demos >= 1 and manual >= 2
+
+
+def test_rubrics_and_the_course_plan_follow_the_hand_graded_exercises():
+    # the chapters' auditors renumber exercises: every hand-graded exercise of the course must
+    # have its rubric (and the course plan must name it), and a rubric must not grade by hand
+    # an exercise that is now autograded without saying so
+    import re
+
+    from student import chapter_sources
+
+    from course import instructor_notebook
+
+    by_hand = set()
+    for source in chapter_sources():
+        _, exercises = instructor_notebook(source)
+        by_hand |= {(source.stem, e.number) for e in exercises if e.check is None}
+    assert by_hand, "the course has open-ended exercises"
+    rubrics = (ROOT / "course" / "rubrics.md").read_text()
+    headings = {(stem, int(n)): rest for stem, n, rest in
+                re.findall(r"^## (\d\d-[\w-]+) #(\d+)(.*)$", rubrics, re.M)}
+    assert by_hand <= set(headings), f"no rubric for {sorted(by_hand - set(headings))}"
+    stale = {k for k, rest in headings.items() if k not in by_hand and "autograded" not in rest}
+    assert not stale, f"rubrics for exercises that are not graded by hand: {sorted(stale)}"
+    plan = (ROOT / "notebooks" / "course-plan.md").read_text()
+    named = re.search(r"open-ended ones \(([^)]*)\)", plan).group(1)
+    listed = {(int(ch), int(n)) for ch, n in re.findall(r"chapter (\d+) #(\d+)", named)}
+    assert listed == {(int(stem[:2]), n) for stem, n in by_hand}, named
