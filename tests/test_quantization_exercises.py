@@ -88,26 +88,42 @@ def test_format_design_is_open_ended_and_graded_on_the_ordinary_columns():
     w, bulk, outl = ch08.outlier_weights(), ch08.bulk_columns(), ch08.outlier_columns()
     assert len(outl) == 8 and len(bulk) == 504 and not set(outl) & set(bulk)
     assert float(w[:, outl].abs().mean()) > 10 * float(w[:, bulk].abs().mean())
-    assert "Meets the brief" in ch08.check_format_design(3, 32)
-    assert "Meets the brief" in ch08.check_format_design(4, 128, symmetric=False)
+    # no group format alone meets the brief within the budget (a ternary grid no longer
+    # "beats" int4: every one of them loses too much of the ordinary columns)
+    for bits in range(2, 9):
+        for group in (8, 16, 32, 64, 128, 256, 512):
+            for symmetric in (True, False):
+                if ch08.design_bits(bits, group, symmetric, 0) > ch08.DESIGN_BITS_BUDGET:
+                    continue
+                with pytest.raises(AssertionError, match="above the target"):
+                    ch08.check_format_design(bits, group, symmetric)
+    # the outlier columns kept apart in fp16 (found by their norms) make 3 bits enough
+    cols = sorted(int(c) for c in w.norm(dim=0).topk(8).indices)
+    assert cols == outl
+    for bits, group in ((3, 64), (3, 256), (4, 512)):
+        message = ch08.check_format_design(bits, group, True, cols)
+        assert "Meets the brief" in message and "outlier columns 0.000" in message
+    with pytest.raises(AssertionError, match="above the target"):
+        ch08.check_format_design(3, 512, True, cols)              # 0.31: groups too large
+    with pytest.raises(AssertionError, match="above the target"):
+        ch08.check_format_design(2, 16, False, cols)              # two bits are too few
+    with pytest.raises(AssertionError, match="above the target"):    # not the outliers
+        ch08.check_format_design(3, 64, True, [c for c in range(16) if c not in outl][:8])
     with pytest.raises(AssertionError, match="exceeds the budget"):
-        ch08.check_format_design(4, 64, symmetric=False)       # 4.375 bits
-    with pytest.raises(AssertionError, match="does not beat"):
-        ch08.check_format_design(4, 128)
-    with pytest.raises(AssertionError, match="does not beat"):
-        ch08.check_format_design(3, 64)
+        ch08.check_format_design(4, 128, True, cols)              # 4.375 bits
+    assert ch08.design_bits(3, 64, True, 8) == 3.25 + 0.25
     with pytest.raises(AssertionError, match="not a valid format"):
         ch08.check_format_design(2, 384)
-    # the fewest bits that pass: a ternary grid in groups of 16 (the solution says why that
-    # is no good format either: it still loses most of the ordinary columns)
-    assert "Meets the brief: 3 bits" in ch08.check_format_design(2, 16)
-    with pytest.raises(AssertionError, match="does not beat"):
-        ch08.check_format_design(2, 32)
     for bad in ((4.5, 64), (4, 0), (4, -64), (True, 64)):    # clear errors, no truncation
         with pytest.raises(AssertionError, match="positive whole number"):
             ch08.check_format_design(*bad)
     with pytest.raises(AssertionError, match="True or False"):
         ch08.check_format_design(4, 128, "no")
+    for bad_cols in ([1, 1], [512], [-1]):
+        with pytest.raises(AssertionError, match="distinct column indices"):
+            ch08.check_format_design(3, 64, True, bad_cols)
+    with pytest.raises(AssertionError, match="column indices"):
+        ch08.check_format_design(3, 64, True, [None])
 
 
 def test_report_fact():

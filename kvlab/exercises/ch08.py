@@ -27,8 +27,11 @@ GREEDY_PROMPTS, GREEDY_TOKENS = 64, 64
 #: at least about half the time, one 25 points off almost always.
 GREEDY_TOLERANCE = 12.0
 
-#: Exercise 4: the bits budget of the open-ended design.
+#: Exercise 4: the bits budget of the open-ended design, and the relative error its ordinary
+#: columns must reach (int4 g=64 symmetric leaves about 0.73; no group format within the
+#: budget gets below about 0.48 on this matrix).
 DESIGN_BITS_BUDGET = 4.3
+DESIGN_BULK_TARGET = 0.30
 
 #: Exercise 5: the five facts of the report.
 REPORT_FACTS = ("checkpoint_bits", "runtime_weight_format", "activation_dtype",
@@ -191,12 +194,43 @@ def check_fixed_roundtrip(fn) -> str:
     return "Fixed: within half a grid step everywhere, and representable in the codes."
 
 
-def check_format_design(bits, group_size, symmetric=True) -> str:
-    """Exercise 4, open-ended: a format (``bits``, ``group_size``, ``symmetric``) for
-    :func:`outlier_weights` within :data:`DESIGN_BITS_BUDGET` effective bits (fp16 scales,
-    uint8 zero points) whose relative error on the *ordinary* columns
-    (:func:`bulk_columns`) beats int4 symmetric with group 64. The outlier columns' error is
-    reported beside it."""
+def format_error(w, bits: int, group_size: int, symmetric: bool = True, fp16_columns=(),
+                 columns=None) -> float:
+    """Like :func:`relative_error`, for a format that may store some input columns apart in
+    fp16 (``fp16_columns``): those are taken out of the groups (zero in the grouped payload,
+    so they set no scale) and read back from their fp16 copy."""
+    import torch
+
+    from kvlab.engine.quantization import QuantConfig, dequantize, quantize
+
+    kept = list(fp16_columns)
+    grouped = w.clone()
+    grouped[:, kept] = 0
+    cfg = QuantConfig(bits=bits, group_size=group_size, symmetric=symmetric)
+    back = dequantize(quantize(grouped, cfg))
+    back[:, kept] = w[:, kept].to(torch.float16).float()
+    err = w - back
+    if columns is not None:
+        err, w = err[:, list(columns)], w[:, list(columns)]
+    return float(err.norm() / w.norm())
+
+
+def design_bits(bits: int, group_size: int, symmetric: bool, num_fp16_columns: int,
+                in_features: int = 512) -> float:
+    """Effective bits of an exercise-4 format: the grouped payload with its fp16 scales (and
+    uint8 zero points) over every column, plus 16 bits per weight of the columns kept in fp16
+    (their indices, a few bytes per matrix, aside)."""
+    zero = 0 if symmetric else 8
+    return effective_bits(bits, group_size, 16, zero) + 16 * num_fp16_columns / in_features
+
+
+def check_format_design(bits, group_size, symmetric=True, fp16_columns=()) -> str:
+    """Exercise 4, open-ended: a format for :func:`outlier_weights` within
+    :data:`DESIGN_BITS_BUDGET` effective bits (:func:`design_bits`) that keeps the relative
+    error of the *ordinary* columns (:func:`bulk_columns`) at or below
+    :data:`DESIGN_BULK_TARGET`. A format is ``bits``, ``group_size``, ``symmetric`` and
+    optionally ``fp16_columns``, input columns stored apart in fp16 (:func:`format_error`).
+    The outlier columns' error is reported beside it."""
     require_answer(bits, "bits")
     require_answer(group_size, "group_size")
     for name, value in (("bits", bits), ("group_size", group_size)):
@@ -204,23 +238,30 @@ def check_format_design(bits, group_size, symmetric=True) -> str:
             raise AssertionError(f"{name} must be a positive whole number, got {value!r}")
     if not isinstance(symmetric, bool):
         raise AssertionError(f"symmetric must be True or False, got {symmetric!r}")
-    zero = 0 if symmetric else 8
-    eff = effective_bits(bits, group_size, 16, zero)
+    w = outlier_weights()
+    try:
+        kept = [int(c) for c in fp16_columns]
+    except (TypeError, ValueError):
+        raise AssertionError("fp16_columns: give input column indices (ints)") from None
+    if len(set(kept)) != len(kept) or any(not 0 <= c < w.shape[1] for c in kept):
+        raise AssertionError(f"fp16_columns: distinct column indices in 0..{w.shape[1] - 1}")
+    eff = design_bits(bits, group_size, symmetric, len(kept), w.shape[1])
     if eff > DESIGN_BITS_BUDGET:
         raise AssertionError(f"{eff:.4g} effective bits exceeds the budget of "
                              f"{DESIGN_BITS_BUDGET}")
-    w, bulk, outl = outlier_weights(), bulk_columns(), outlier_columns()
+    bulk, outl = bulk_columns(), outlier_columns()
     try:
-        err = relative_error(w, bits, group_size, bool(symmetric), bulk)
+        err = format_error(w, bits, group_size, symmetric, kept, bulk)
     except ValueError as e:
         raise AssertionError(f"not a valid format for a 64 x 512 matrix: {e}") from None
-    base = relative_error(w, 4, 64, True, bulk)
-    out_err = relative_error(w, bits, group_size, bool(symmetric), outl)
-    if err >= base:
-        raise AssertionError(f"error on the ordinary columns {err:.4f} does not beat int4 g=64 "
-                             f"symmetric ({base:.4f}); outlier columns {out_err:.4f}")
-    return (f"Meets the brief: {eff:.4g} bits, ordinary columns {err:.4f} vs {base:.4f} for "
-            f"int4 g=64; outlier columns {out_err:.4f}.")
+    out_err = format_error(w, bits, group_size, symmetric, kept, outl)
+    if err > DESIGN_BULK_TARGET:
+        raise AssertionError(f"the ordinary columns keep a relative error of {err:.3f}, above "
+                             f"the target of {DESIGN_BULK_TARGET}; outlier columns "
+                             f"{out_err:.3f} ({eff:.4g} bits)")
+    return (f"Meets the brief: {eff:.4g} bits, ordinary columns {err:.3f} (int4 g=64 "
+            f"symmetric: {relative_error(w, 4, 64, True, bulk):.3f}); outlier columns "
+            f"{out_err:.3f}.")
 
 
 def check_report_fact(answer) -> str:
