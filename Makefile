@@ -9,7 +9,7 @@ NB_SOURCES := $(sort $(wildcard notebooks/[0-9][0-9]-*.md))
 NB_TIMEOUT ?= 300
 
 .PHONY: venv test lint unit nbval book lab notebooks notebook bench clean site-check lab-check \
-	browser student toolchain course book-student
+	browser student toolchain course book-student seal
 
 venv: $(VENV)/.installed
 
@@ -95,7 +95,13 @@ student: venv
 # markers, autograded test cells with points, hand-graded cells; course/answer-key.md. Then, in
 # course/: nbgrader generate_assignment 04-prefix-reuse (see course/README.md).
 course: venv
+	$(PY) tools/seal_answers.py --check
 	$(PY) tools/course.py --out course
+
+# The exercises' sealed answers (kvlab/exercises/_sealed_answers.py), recomputed with the
+# instructor edition (course/answers.py); run after a change to kvlab or to an exercise.
+seal: venv
+	$(PY) tools/seal_answers.py --write
 
 # The site without solutions (for a term with open exercise sets): the book's sources with every
 # solution cell removed (tools/student.py --site), built as `make book` builds the book.
