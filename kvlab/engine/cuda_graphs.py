@@ -72,8 +72,8 @@ def padded_size(sizes: Sequence[int], n: int) -> int | None:
 @dataclass
 class GraphCounter:
     """Process-wide counts (as vLLM's ``compilation_counter``): graphs captured, steps replayed,
-    decode steps that fell back to eager because the batch was above the ladder, and the last
-    capture that failed (the engine then decodes eagerly)."""
+    decode steps that fell back to eager because the batch was above the ladder, and why the
+    last engine's capture failed (None when it succeeded; the engine then decodes eagerly)."""
 
     captured: int = 0
     replayed: int = 0

@@ -75,6 +75,7 @@ def capture_decode_graphs(executor: ModelRunner, cache: Any, max_num_seqs: int,
     import warnings
 
     from .cuda_graphs import DecodeGraphs, capture_sizes, counter
+    counter.capture_error = None
     try:
         executor.graphs = DecodeGraphs(
             executor.model, cache.layers, executor.kernel, sizes=capture_sizes(max_num_seqs),
