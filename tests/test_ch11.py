@@ -13,10 +13,21 @@ from kvlab.slo import SLO, evaluate_slo
 
 def test_goodput_by_hand() -> None:
     assert "3 of 8" in ch11.check_goodput_by_hand(3 / 4, 3 / 8)
-    with pytest.raises(AssertionError, match="attainment"):
-        ch11.check_goodput_by_hand(3 / 4, 3 / 6)       # failures left out of the denominator
-    with pytest.raises(AssertionError, match="window"):
-        ch11.check_goodput_by_hand(3 / 8, 3 / 8)
+    wrong = [((3 / 4, 3 / 6), "attainment"),     # failures left out of the denominator
+             ((4 / 4, 4 / 8), "attainment"),     # the failed quality check counted in
+             ((2 / 4, 2 / 8), "attainment"),     # the one-token answer counted out
+             ((3 / 4, 3), "attainment"),         # a count, not a fraction
+             ((3 / 8, 3 / 8), "goodput"),        # divided by the requests, not the window
+             ((3 / 3.5, 3 / 8), "goodput")]      # divided by the last arrival
+    for (goodput, attainment), what in wrong:
+        with pytest.raises(AssertionError, match=what) as err:
+            ch11.check_goodput_by_hand(goodput, attainment)
+        text = str(err.value)
+        # no direction to bisect on, no truth, no formula
+        assert "too " not in text
+        echoed = {f"{goodput:g}", f"{attainment:g}"}       # the reader's own values
+        assert all(t in echoed or t not in text for t in ("0.375", "0.75"))
+        assert "divide" not in text and "window" not in text
     with pytest.raises(NotYetAnswered):
         ch11.check_goodput_by_hand(..., 0.5)
 

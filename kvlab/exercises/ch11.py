@@ -3,7 +3,8 @@
 The chapter's simulated set-up lives here too (:data:`COST`, :func:`chat_workload`, the
 scheduler configurations), so the notebook and the checks use the same one. Checks compare
 against sealed truths (``_common.sealed``; the instructor edition computes them with the
-simulator) and say only what is wrong (too high, too low) without printing them. The two
+simulator) and say only what is wrong (too high or too low; for the by-hand answers of
+exercise 1, only that they are wrong) without printing them. The two
 measurement exercises take the reader's measurement with the answer and refuse one the
 simulator does not reproduce, so an answer cannot be found by bisecting
 against the check without running anything.
@@ -88,20 +89,26 @@ HAND_RECORDS = (
 
 def check_goodput_by_hand(goodput, attainment) -> str:
     """``goodput`` (requests/s over :data:`HAND_WINDOW_S`) and ``attainment`` (a fraction) of
-    :data:`HAND_RECORDS` under :data:`HAND_SLO`."""
+    :data:`HAND_RECORDS` under :data:`HAND_SLO`.
+
+    Attainment is graded first, then the goodput rate. A wrong value is told only that it is
+    wrong, not its direction: attainment takes one of nine values (k of 8), so a direction
+    would find it in three guesses. The messages do not state how to compute either."""
     require_answer(goodput, "goodput in requests per second")
     require_answer(attainment, "attainment as a fraction")
     for value, what in ((goodput, "goodput"), (attainment, "attainment")):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise AssertionError(f"{what}: expected a number, got {value!r}")
+    if not 0 <= attainment <= 1:
+        raise AssertionError(f"attainment {attainment:g} is not a fraction of the requests: "
+                             "give it between 0 and 1")
     if sealed("ch11.goodput_by_hand.attainment").direction(attainment, tolerance=1e-9):
         raise AssertionError(
-            "attainment is wrong: count the requests that finished, passed the quality check "
-            "and met every bound (a one-token answer has no TPOT), over ALL requests, the "
-            "rejected and timed-out ones included")
+            f"attainment {attainment:g} is not right: take HAND_RECORDS one request at a time "
+            "against the chapter's definitions of meeting the SLO and of attainment")
     if sealed("ch11.goodput_by_hand.goodput").direction(goodput, tolerance=1e-9):
-        raise AssertionError("goodput is wrong: it is the same count divided by the window "
-                             "length, not by the number of requests")
+        raise AssertionError(f"attainment is right; goodput {goodput:g} req/s is not: re-read "
+                             "what a run's goodput rate is a rate over")
     measured = len(HAND_RECORDS)
     return f"Correct: {round(attainment * measured)} of {measured} requests met the SLO."
 
@@ -135,8 +142,9 @@ def check_max_rate(rate, records) -> str:
 
     What it can tell: the check re-runs the simulator at ``rate`` and refuses records that are
     not that run's, so no answer passes without a run at the rate answered. It accepts a rate
-    within :data:`RATE_TOLERANCE` (10%) of the capacity, which it measures on the 1 req/s
-    :data:`RATE_GRID`; a wrong rate is told its direction only. It cannot tell whether you
+    within :data:`RATE_TOLERANCE` (10%) of the capacity, sealed here (the instructor edition
+    measures it with the same simulator on the 1 req/s :data:`RATE_GRID`); a wrong rate is
+    told its direction only. It cannot tell whether you
     predicted before you measured."""
     require_answer(rate, "a request rate in requests per second")
     require_answer(records, "the records of your run at that rate")
