@@ -13,10 +13,11 @@ goes on.
    ``decode_eager_fused`` and ``decode_eager`` (``enforce_eager=True``, torch ops: the path
    before graphs). Per batch: median step time, tokens/s, HBM bandwidth utilisation = (weight
    bytes + KV bytes read per step) / step time / peak (the peak looked up from the device name:
-   H200, H100 SXM/PCIe, A100 40/80 GB; another GPU gets ``peak_bw_GBps: null`` and a flag), and
-   from ``torch.profiler`` over a few more steps: kernel-launch calls per step (a replayed
-   graph is one), GPU operations per step, GPU busy time and its share of the unprofiled step,
-   the graph replays.
+   H200, H100 SXM/PCIe, A100 40/80 GB; another GPU gets ``peak_bw_GBps: null`` and a flag),
+   graph replays per step; and, for ``decode`` and ``decode_eager``, from ``torch.profiler``
+   over a few steps of a second run made last (``profile``: a profiler failure cannot cost the
+   timings): kernel-launch calls per step (a replayed graph is one), GPU operations per step,
+   GPU busy time and its share of the timed median step.
 3. **HF parity on CUDA with graphs on**: kvlab generating greedily (float32, TF32 off, Triton
    decode, decode steps replayed from graphs) re-scored by transformers; every position.
 4. **Triton attention vs torch**: every case of :mod:`kvlab.engine.triton_parity`.
@@ -145,7 +146,8 @@ def check_hf_parity(device: str, smoke: bool) -> dict:
 
 def decode_run(path: Path, device: str, batches: list[int], steps: int, prompt: int, *,
                enforce_eager: bool, fused: bool, profile_steps_n: int) -> dict:
-    """Decode at each batch size in one engine: timing, bandwidth, profile."""
+    """Decode at each batch size in one engine: timing, bandwidth, graph replays; the profile
+    too when ``profile_steps_n`` > 0."""
     from kvlab.engine.cuda_graphs import counter
     from kvlab.engine.llm import LLM
     from kvlab.engine.sampler import SamplingParams
@@ -198,13 +200,8 @@ def decode_run(path: Path, device: str, batches: list[int], steps: int, prompt: 
              "bw_utilisation": (bytes_per_step / step_s / 1e9 / peak) if peak else None,
              "graph_replays_per_step": (counter.replayed - replays) / steps}
         try:
-            prof = profile_steps(eng, profile_steps_n)
-            seen = device == "cuda" and prof["gpu_ops_per_step"] > 0
-            prof["gpu_busy_share"] = (prof["gpu_busy_ms_per_step"] / r["median_step_ms"]
-                                      if seen else None)
-            if device == "cuda" and not seen:
-                prof["flag"] = "the profiler saw no GPU operations: busy share not measured"
-            r.update(prof)
+            if profile_steps_n:
+                r.update(busy_share(profile_steps(eng, profile_steps_n), r, device))
         except Exception as error:   # the timings stand without the profile
             r["profile_error"] = f"{type(error).__name__}: {error}"
         out["batches"][str(b)] = r
@@ -218,6 +215,41 @@ def decode_run(path: Path, device: str, batches: list[int], steps: int, prompt: 
             eng.step()
     del llm, eng, graphs
     free_memory()
+    return out
+
+
+def busy_share(prof: dict, timed: dict, device: str) -> dict:
+    """``prof`` (:func:`profile_steps`) with the GPU-busy share of the ``timed`` median step."""
+    seen = device == "cuda" and prof["gpu_ops_per_step"] > 0
+    prof["gpu_busy_share"] = (prof["gpu_busy_ms_per_step"] / timed["median_step_ms"]
+                              if seen else None)
+    if device == "cuda" and not seen:
+        prof["flag"] = "the profiler saw no GPU operations: busy share not measured"
+    return prof
+
+
+def profile_decode(result: dict, path: Path, device: str, batches: list[int], prompt: int,
+                   profile_steps_n: int) -> dict:
+    """The profile of the default and the eager engine, run after every timing (a profiler
+    failure cannot cost the step times): each batch's figures are merged into its row of
+    ``result["decode"]`` / ``result["decode_eager"]``, the busy share against that row's
+    median step."""
+    out = {}
+    for name, eager, fused in DECODE_CONFIGS[:2]:
+        timed = result.get(name, {}).get("batches")
+        if not timed:
+            continue
+        run = decode_run(path, device, batches, 2, prompt, enforce_eager=eager, fused=fused,
+                         profile_steps_n=profile_steps_n)
+        out[name] = {}
+        for b, r in run["batches"].items():
+            keys = [k for k in r if k.endswith("_per_step") or k in ("step_ms_profiled",
+                                                                     "flag", "profile_error")]
+            prof = {k: r[k] for k in keys if k != "graph_replays_per_step"}
+            if "profile_error" not in prof and b in timed:
+                prof = busy_share(prof, timed[b], device)
+                timed[b].update(prof)
+            out[name][b] = prof
     return out
 
 
@@ -301,9 +333,11 @@ def main(argv: list[str] | None = None) -> dict:
     for name, eager, fused in DECODE_CONFIGS[:2] if args.smoke else DECODE_CONFIGS:
         sections[name] = (lambda eager=eager, fused=fused: decode_run(
             model(), device, batches, steps, prompt, enforce_eager=eager, fused=fused,
-            profile_steps_n=2 if args.smoke else args.profile_steps))
+            profile_steps_n=0))
     sections["hf_parity_cuda"] = lambda: check_hf_parity(device, args.smoke)
     sections["triton_vs_torch"] = lambda: check_triton(device, 2 if args.smoke else None)
+    sections["profile"] = lambda: profile_decode(
+        result, model(), device, batches, prompt, 2 if args.smoke else args.profile_steps)
     for key, run in sections.items():
         elapsed = time.perf_counter() - t0
         if elapsed > args.budget_s:

@@ -36,14 +36,17 @@ def test_smoke_run_covers_every_section(tmp_path):
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["complete"] and result["smoke"]
     for key in ("fused_ops_vs_torch", "decode", "decode_eager", "hf_parity_cuda",
-                "triton_vs_torch"):
+                "triton_vs_torch", "profile"):
         assert "error" not in result[key] and "skipped" not in result[key], (key, result[key])
     graphs, eager = result["decode"], result["decode_eager"]
     assert graphs["graph_sizes"] == [1, 2, 3] and eager["graph_sizes"] is None
     for b in ("1", "3"):
         assert graphs["batches"][b]["graph_replays_per_step"] == 1.0
         assert eager["batches"][b]["graph_replays_per_step"] == 0.0
-        assert "profile_error" not in graphs["batches"][b]
+        for engine in (graphs, eager):   # the profile, run last, merged into the timed rows
+            assert "profile_error" not in engine["batches"][b]
+            assert engine["batches"][b]["step_ms_profiled"] > 0
+            assert "kernel_launches_per_step" in engine["batches"][b]
         assert graphs["batches"][b]["tokens_per_s"] > 0
     assert result["hf_parity_cuda"]["graph_replays"] > 0
     assert result["fused_ops_vs_torch"]["ok"] and result["hf_parity_cuda"]["ok"]
