@@ -687,3 +687,59 @@ def _chunk_design() -> Truth:
     ch06 = _ch06()
     d = ch06.CHUNK_DESIGN
     return _number(max(c for c in d["chunks"] if ch06.itl_p99(c, d) <= d["itl_p99_slo_s"]))
+
+
+def _rows_step_metadata():
+    """Chapter 7's ``ROWS_STEP`` as a runner with a paged-row op lays it out (block size 4,
+    each chunk's table its own blocks)."""
+    from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata
+    from kvlab.exercises import ch07
+
+    specs, next_block = [], 0
+    for start, n in ch07.ROWS_STEP.values():
+        blocks = -(-(start + n) // 4)
+        specs.append(ChunkSpec([0] * n, start, list(range(next_block, next_block + blocks))))
+        next_block += blocks
+
+    def op(*args) -> None:   # any op: the runner's choice of one is what the layout reads
+        raise NotImplementedError
+
+    return build_metadata(specs, 4, kernel=op)
+
+
+@truth("ch07.paged_rows.rows")
+def _paged_rows() -> Truth:
+    return _number(_rows_step_metadata().paged_rows.numel())
+
+
+@truth("ch07.paged_rows.dense")
+def _dense_chunks() -> Truth:
+    from kvlab.exercises import ch07
+
+    names = list(ch07.ROWS_STEP)
+    return Truth(sorted(names[s] for s in _rows_step_metadata().dense))
+
+
+def attention_intensity(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                        dtype_bytes: int, context_len: int) -> float:
+    """The engine's own accounting: the attention FLOPs :meth:`ModelConfig.flops_per_token`
+    adds for ``context_len`` cached positions, over the bytes of K and V those positions hold
+    (:meth:`ModelConfig.kv_bytes_per_token`)."""
+    from kvlab.engine.config import ModelConfig
+
+    cfg = ModelConfig("LlamaForCausalLM", "llama", vocab_size=1024, hidden_size=num_heads * 8,
+                      intermediate_size=64, num_layers=num_layers, num_heads=num_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim)
+    flops = cfg.flops_per_token(context_len) - cfg.flops_per_token(0)
+    return flops / (context_len * cfg.kv_bytes_per_token(dtype_bytes))
+
+
+def _register_intensity_trials() -> None:
+    from kvlab.exercises import ch07
+
+    for i, shape in enumerate(ch07.intensity_trials()):
+        truth(f"ch07.attention_intensity.{i}")(
+            lambda shape=shape: _number(attention_intensity(**shape)))
+
+
+_register_intensity_trials()

@@ -191,18 +191,17 @@ def check_suspect_chunk(start_pos, num_tokens) -> str:
 
 # -- exercise 2: decode attention's arithmetic intensity -----------------------------------
 
-def _attention_intensity(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                         dtype_bytes: int, context_len: int) -> float:
-    """The engine's own accounting: the attention FLOPs :meth:`ModelConfig.flops_per_token`
-    adds for ``context_len`` cached positions, over the bytes of K and V those positions hold
-    (:meth:`ModelConfig.kv_bytes_per_token`)."""
-    from kvlab.engine.config import ModelConfig
-
-    cfg = ModelConfig("LlamaForCausalLM", "llama", vocab_size=1024, hidden_size=num_heads * 8,
-                      intermediate_size=64, num_layers=num_layers, num_heads=num_heads,
-                      num_kv_heads=num_kv_heads, head_dim=head_dim)
-    flops = cfg.flops_per_token(context_len) - cfg.flops_per_token(0)
-    return flops / (context_len * cfg.kv_bytes_per_token(dtype_bytes))
+def intensity_trials() -> list[dict]:
+    """The 60 random model shapes :func:`check_attention_intensity` tries (seeded)."""
+    rng = random.Random(13)
+    trials = []
+    for _ in range(60):
+        kv_heads = rng.choice([1, 2, 4, 8, 16])
+        trials.append(dict(num_layers=rng.randint(1, 80),
+                           num_heads=kv_heads * rng.choice([1, 2, 4, 8]),
+                           num_kv_heads=kv_heads, head_dim=rng.choice([32, 64, 80, 128, 256]),
+                           dtype_bytes=rng.choice([1, 2, 4]), context_len=rng.randint(1, 8192)))
+    return trials
 
 
 def check_attention_intensity(fn) -> str:
@@ -214,13 +213,8 @@ def check_attention_intensity(fn) -> str:
     if not callable(fn):
         raise AssertionError("pass a function (num_layers, num_heads, num_kv_heads, head_dim, "
                              "dtype_bytes, context_len) -> FLOP per byte")
-    rng = random.Random(13)
-    for trial in range(60):
-        kv_heads = rng.choice([1, 2, 4, 8, 16])
-        shape = dict(num_layers=rng.randint(1, 80), num_heads=kv_heads * rng.choice([1, 2, 4, 8]),
-                     num_kv_heads=kv_heads, head_dim=rng.choice([32, 64, 80, 128, 256]),
-                     dtype_bytes=rng.choice([1, 2, 4]), context_len=rng.randint(1, 8192))
-        want = _attention_intensity(**shape)
+    for trial, shape in enumerate(intensity_trials()):
+        truth = sealed(f"ch07.attention_intensity.{trial}")   # the engine's accounting
         try:
             got = fn(*shape.values())
         except Exception as err:  # the reader's code: say where it failed
@@ -228,9 +222,9 @@ def check_attention_intensity(fn) -> str:
                                  f"{type(err).__name__}: {err} on {shape}") from None
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             raise AssertionError(f"trial {trial}: expected a number, got {got!r}")
-        if abs(got - want) > 1e-9 * want:
-            raise AssertionError(f"trial {trial}: on {shape} your intensity is "
-                                 f"{'too high' if got > want else 'too low'}.")
+        way = truth.direction(got, tolerance=1e-9 * truth.value())
+        if way:
+            raise AssertionError(f"trial {trial}: on {shape} your intensity is {way}.")
     return ("Correct: your intensity matches the engine's accounting on 60 random shapes. "
             "Layers, head size and context cancel; what is left is the query heads per KV head "
             "over the bytes per element, so a step's batch size cannot raise it: each request "
@@ -241,23 +235,6 @@ def check_attention_intensity(fn) -> str:
 
 #: Exercise 3's step, in the flat batch's order: chunk name -> (start_pos, num_tokens).
 ROWS_STEP = {"A": (40, 1), "B": (20, 12), "C": (0, 10), "D": (32, 24), "E": (0, 1)}
-
-
-def _rows_step_metadata():
-    """:data:`ROWS_STEP`'s metadata as a runner with a paged-row op builds it (block size 4,
-    each chunk's table its own blocks)."""
-    from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata
-
-    specs, next_block = [], 0
-    for start, n in ROWS_STEP.values():
-        blocks = -(-(start + n) // 4)
-        specs.append(ChunkSpec([0] * n, start, list(range(next_block, next_block + blocks))))
-        next_block += blocks
-
-    def op(*args) -> None:   # any op: the runner's choice of one is what the layout reads
-        raise NotImplementedError
-
-    return build_metadata(specs, 4, kernel=op)
 
 
 def check_paged_rows(num_paged_rows, dense_chunks) -> str:
@@ -278,10 +255,8 @@ def check_paged_rows(num_paged_rows, dense_chunks) -> str:
                              "(an empty set if none)") from None
     if not chosen <= set(ROWS_STEP):
         raise AssertionError(f"the chunks are {', '.join(ROWS_STEP)}; got {sorted(chosen)}")
-    meta = _rows_step_metadata()
-    names = list(ROWS_STEP)
-    rows_ok = num_paged_rows == meta.paged_rows.numel()
-    dense_ok = chosen == {names[s] for s in meta.dense}
+    rows_ok = sealed("ch07.paged_rows.rows").direction(num_paged_rows) is None
+    dense_ok = sealed("ch07.paged_rows.dense").is_answer(sorted(chosen))
     if not (rows_ok and dense_ok):
         wrong = ("both the number of paged rows and the set of dense chunks are" if not
                  (rows_ok or dense_ok) else "the number of paged rows is" if not rows_ok
