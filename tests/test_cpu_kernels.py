@@ -403,3 +403,29 @@ def test_engine_takes_every_dense_chunk_through_the_op():
             cpu_kernels.CHUNK_OPS.update(before)
         torch.testing.assert_close(got.double(), ref, atol=3e-6, rtol=1e-5)
     assert calls == [(0, 1)]        # once, with both multi-token chunks; the decode row paged
+
+
+@needs_kernel
+def test_fused_layer_ops_equal_the_torch_ops():
+    # the compiled RMSNorm / RoPE / SiLU-and-mul against model.py's torch definitions, on the
+    # strided views a layer hands them (rows of a wider buffer); RoPE rotates in place
+    from kvlab.engine.model import TorchOps
+
+    assert cpu_kernels.available()
+    fused = cpu_kernels.FUSED_OPS[torch.float32]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 300, generator=gen)[:, :192]
+    w = torch.randn(192, generator=gen)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), TorchOps.rms_norm(x, w, 1e-6))
+    qkv = torch.randn(37, 10 * 32, generator=gen)
+    qk = qkv[:, :8 * 32].view(37, 8, 32)
+    cos, sin = torch.randn(37, 16, generator=gen), torch.randn(37, 16, generator=gen)
+    want = TorchOps.rope_(qk.clone(), cos, sin)
+    assert fused.rope_(qk, cos, sin).data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(qkv[:, :8 * 32].view(37, 8, 32), want)
+    gu = (3 * torch.randn(37, 1100, generator=gen))[:, :2 * 512]
+    torch.testing.assert_close(fused.silu_and_mul(gu), TorchOps.silu_and_mul(gu))
+    with pytest.raises(RuntimeError, match="float32"):
+        fused.rms_norm(x.double(), w.double(), 1e-6)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        fused.rope_(qk, cos[:3], sin)

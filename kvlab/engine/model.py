@@ -10,10 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvlab.kernels.cpu import FUSED_OPS
+
 from .attention import AttentionMetadata, paged_attention, write_kv
 from .config import ModelConfig
 
-__all__ = ["LlamaModel", "apply_rope", "rms_norm"]
+__all__ = ["LlamaModel", "TorchOps", "apply_rope", "rms_norm", "silu_and_mul"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,6 +33,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of ``gate_up = [gate | up]: [N, 2I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)   # in place: one buffer fewer
+
+
+class TorchOps:
+    """A layer's small ops in torch, the definition; the compiled CPU build
+    (:data:`kvlab.kernels.cpu.FUSED_OPS`) does each in one pass, ``rope_`` in place."""
+
+    rms_norm, rope_, silu_and_mul = map(staticmethod, (rms_norm, apply_rope, silu_and_mul))
 
 
 class DecoderLayer(nn.Module):
@@ -52,13 +67,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         cfg = self.cfg
         n = x.shape[0]
-        hs = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        ops = FUSED_OPS.get(x.dtype, TorchOps) if x.device.type == "cpu" else TorchOps
+        hs = ops.rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         qkv = self.qkv(hs)
         # rotate Q and K heads together: one RoPE call for both
         qk = qkv[:, :self.q_size + self.kv_size].view(n, cfg.num_heads + cfg.num_kv_heads,
                                                       cfg.head_dim)
-        qk = apply_rope(qk, cos, sin)
-        q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=1)
+        q, k = ops.rope_(qk, cos, sin).split((cfg.num_heads, cfg.num_kv_heads), dim=1)
         v = qkv[:, self.q_size + self.kv_size:].reshape(n, cfg.num_kv_heads, cfg.head_dim)
         if isinstance(k_cache, torch.Tensor):
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
@@ -66,9 +81,8 @@ class DecoderLayer(nn.Module):
         else:  # a quantized KV layer (kvlab.engine.quantization.kv_cache) stores and reads
             attn = k_cache.write_and_attend(q, k, v, meta, cfg.head_dim ** -0.5)
         x = self.o(attn.reshape(n, self.q_size)).add_(x)
-        hs = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
-        gate, up = self.gate_up(hs).chunk(2, dim=-1)
-        return self.down(F.silu(gate).mul_(up)).add_(x)   # in place: fewer buffers
+        hs = ops.rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        return self.down(ops.silu_and_mul(self.gate_up(hs))).add_(x)
 
 
 class LlamaModel(nn.Module):

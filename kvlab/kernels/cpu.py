@@ -1,25 +1,27 @@
-"""The compiled CPU kernels for paged attention (``csrc/paged_attention_cpu.cpp``): decode rows,
-and whole chunks (fresh prompts, chunks behind a cached prefix) in one causal pass.
+"""The compiled CPU kernels (``csrc/paged_attention_cpu.cpp``): paged attention of decode rows
+and of whole chunks (fresh prompts, chunks behind a cached prefix) in one causal pass, and a
+decoder layer's small float32 ops (RMSNorm, RoPE in place, SiLU-and-mul) in one pass each.
 
-It walks each row's block table straight through the cache with a float32 softmax instead of
-gathering the blocks first, as the torch path does (``benchmarks/bench_decode_attention.py``
-measures both). :func:`decode_op` hands a runner the compiled op once, at construction
-(through :func:`kvlab.kernels.row_kernel`); the engine calls it every step with no Python in
-between.
-:func:`decode_attention` is the checked entry point (tests, benchmarks): the kernel reads raw
-memory, so it validates every index first.
+The decode op walks each row's block table straight through the cache with a float32 softmax
+instead of gathering the blocks first, as the torch path does
+(``benchmarks/bench_decode_attention.py`` measures both). :func:`decode_op` hands a runner the
+compiled op once, at construction (through :func:`kvlab.kernels.row_kernel`); the engine calls
+it every step with no Python in between, and finds the chunk op in :data:`CHUNK_OPS` and the
+layer ops in :data:`FUSED_OPS` by one lookup. :func:`decode_attention` and
+:func:`chunk_attention` are the checked entry points (tests, benchmarks): the kernels read raw
+memory, so they validate every index first.
 
 Built on first use with :func:`torch.utils.cpp_extension.load_inline` (a C++ compiler and
 ``ninja``; about 20 s once) for the CPU's vector width, cached under ``$TORCH_EXTENSIONS_DIR``
-(default ``~/.cache/torch_extensions``) in ``kvlab/<name>_<key>``: the key hashes the source, the
-flags, the compiler, Python, torch's version and include paths and ``sys.prefix``, so two
-virtual environments keep one build each. A build runs in a private temporary directory renamed
-into place only once it succeeded: a process killed mid-build leaves a stray temporary directory
-(removed by the next process: the builder holds an ``flock`` on its ``owner`` file, which the
-kernel releases when the builder dies), never a half-built cache or a ``lock`` file that
-would make the next process wait forever. Where the build fails, or with
-``KVLAB_CPU_ATTENTION=0``, there is no op and the engine keeps the torch path, which computes
-the same attention (``tests/test_cpu_kernels.py``).
+(default ``~/.cache/torch_extensions``) in ``kvlab/<name>_<key>``: the key hashes the source, its
+bound functions, the flags, the compiler, Python, torch's version and include paths and
+``sys.prefix``, so two virtual environments keep one build each. A build runs in a private
+temporary directory renamed into place only once it succeeded: a process killed mid-build
+leaves a stray temporary directory (removed by the next process: the builder holds an
+``flock`` on its ``owner`` file, which the kernel releases when the builder dies), never a
+half-built cache or a ``lock`` file that would make the next process wait forever. Where the
+build fails, or with ``KVLAB_CPU_ATTENTION=0``, there are no ops and the engine keeps the torch
+paths, which compute the same thing (``tests/test_cpu_kernels.py``).
 """
 
 from __future__ import annotations
@@ -42,13 +44,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_OPS", "DTYPES", "available", "build_error", "build_name", "chunk_attention",
-           "decode_attention", "decode_op"]
+__all__ = ["CHUNK_OPS", "DTYPES", "FUSED_OPS", "available", "build_error", "build_name",
+           "chunk_attention", "decode_attention", "decode_op"]
 
 #: what the kernel computes in (it accumulates in float32, so float64 stays on the torch path)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
+_FUNCTIONS = ("decode_attention", "chunk_attention", "rms_norm", "rope_", "silu_and_mul")
 _FLAGS = {  # the vector extensions of torch's CPU capability levels
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],
@@ -58,6 +61,10 @@ _lock = threading.Lock()
 #: :func:`decode_op` handed out from the same build: the engine's attention finds it with one
 #: lookup, no call into this module
 CHUNK_OPS: dict[Callable[..., None], Callable[..., None]] = {}
+#: dtype -> the compiled build, whose ``rms_norm(x, weight, eps)``, ``rope_(x, cos, sin)`` (in
+#: place) and ``silu_and_mul(gate_up)`` a decoder layer calls in place of its torch ops
+#: (``model.py``); filled when the build loads (float32 only), empty where it did not
+FUSED_OPS: dict[torch.dtype, Any] = {}
 _module: Any = None
 _error: str | None = None
 
@@ -83,7 +90,7 @@ def build_name(capability: str | None = None) -> str:
     from torch.utils.cpp_extension import include_paths
 
     capability = capability or torch.backends.cpu.get_cpu_capability()
-    parts = [_SOURCE.read_text(), " ".join(_cflags(capability)), torch.__version__,
+    parts = [_SOURCE.read_text(), *_FUNCTIONS, " ".join(_cflags(capability)), torch.__version__,
              sys.version, sys.prefix, *include_paths(), os.environ.get("CXX", "c++")]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
     return f"kvlab_paged_attention_cpu_{capability.lower()}_{key}"
@@ -152,8 +159,7 @@ def _build() -> Any:
     tmp = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-", dir=root))
     owner = _claim(tmp)
     try:
-        module = load_inline(name, cpp_sources=_SOURCE.read_text(),
-                             functions=["decode_attention", "chunk_attention"],
+        module = load_inline(name, cpp_sources=_SOURCE.read_text(), functions=list(_FUNCTIONS),
                              extra_cflags=_cflags(capability), build_directory=str(tmp))
         # the loaded .so stays mapped whatever happens to tmp; OSError: another process
         # renamed its build into place first
@@ -177,6 +183,7 @@ def available() -> bool:
         if _module is None and _error is None:
             try:
                 _module = _build()
+                FUSED_OPS[torch.float32] = _module
             except Exception as error:  # no compiler, no ninja, a read-only cache, ...
                 _error = f"{type(error).__name__}: {error}"
                 warnings.warn(f"kvlab: the CPU attention kernel could not be built ({_error}); "

@@ -326,3 +326,85 @@ void chunk_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
     });
   });
 }
+
+// ---------------------------------------------------------------------------------------------
+// A decoder layer's small float32 ops, one pass over memory each (torch runs RMSNorm as five
+// elementwise kernels, RoPE as six and a concatenation, SiLU-and-mul as two); the role vLLM's
+// CPU build gives to inductor's fused kernels. Rows may have any stride; the last dim is dense.
+// Each computes torch's formula in float32 (model.py's rms_norm and apply_rope).
+
+// weight * (x * rsqrt(mean(x^2) + eps)) per row of x [N, h]; a new contiguous [N, h].
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat
+              && weight.is_contiguous() && weight.scalar_type() == at::kFloat
+              && weight.numel() == x.size(1), "rms_norm: float32 x [N, h], weight [h]");
+  const int64_t rows = x.size(0), h = x.size(1), stride = x.stride(0);
+  auto out = torch::empty({rows, h}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * stride;
+      float* o = op + r * h;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < h; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) o[i] = w[i] * (xr[i] * inv);
+    }
+  });
+  return out;
+}
+
+// Rotates x [N, heads, D] in place by cos, sin [N, D/2] (half-split layout); returns x.
+torch::Tensor rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == dim && dim % 2 == 0
+              && x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat
+              && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous()
+              && cos.numel() == rows * half && sin.numel() == rows * half,
+              "rope_: float32 x [N, H, D], cos and sin [N, D/2]");
+  const int64_t stride = x.stride(0);
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cp + r * half;
+      const float* s = sp + r * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* a = xp + r * stride + h * dim;
+        float* b = a + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = a[i], x2 = b[i];
+          a[i] = x1 * c[i] - x2 * s[i];
+          b[i] = x2 * c[i] + x1 * s[i];
+        }
+      }
+    }
+  });
+  return x;
+}
+
+// silu(g) * u of gu = [g | u]: [N, 2I] -> a new contiguous [N, I].
+torch::Tensor silu_and_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0
+              && gu.scalar_type() == at::kFloat, "silu_and_mul: float32 [N, 2I]");
+  const int64_t rows = gu.size(0), inner = gu.size(1) / 2, stride = gu.stride(0);
+  auto out = torch::empty({rows, inner}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gp + r * stride;
+      const float* u = g + inner;
+      float* o = op + r * inner;
+#pragma omp simd
+      for (int64_t i = 0; i < inner; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
