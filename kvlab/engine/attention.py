@@ -37,7 +37,8 @@ class AttentionMetadata:
     the model's device. Chunk ``s`` owns rows ``query_start[s] .. query_start[s+1]-1``, starts
     at position ``start_pos[s]`` and reads table ``block_tables[s]`` (padded with block 0).
     *Paged* rows (single-token chunks; with a kernel, short chunks behind a prefix too) attend
-    through ``paged_tables``/``paged_lens``; the ``dense`` chunks run one causal SDPA each."""
+    through ``paged_tables``/``paged_lens``; the ``dense`` chunks are attended whole (the
+    compiled chunk op, all in one call, or one causal SDPA each on the torch path)."""
 
     input_ids: torch.Tensor       # [N] long
     positions: torch.Tensor       # [N] long
@@ -48,7 +49,7 @@ class AttentionMetadata:
     paged_rows: torch.Tensor      # [R] long
     paged_tables: torch.Tensor    # [R, W'] long, the table of each paged row's chunk
     paged_lens: torch.Tensor      # [R] long, positions + 1
-    dense: tuple[int, ...]        # the chunks attended by SDPA
+    dense: tuple[int, ...]        # the chunks attended whole (chunk op or SDPA)
     kernel: RowKernel | None = None   # the op for the paged rows (None: torch, attend_rows)
 
     @property
