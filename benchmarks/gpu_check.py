@@ -218,6 +218,11 @@ def decode_run(path: Path, device: str, batches: list[int], steps: int, prompt: 
     return out
 
 
+#: what :func:`profile_decode` merges into a timed row
+PROFILE_KEYS = ("kernel_launches_per_step", "graph_launches_per_step", "gpu_ops_per_step",
+                "gpu_busy_ms_per_step", "step_ms_profiled", "flag", "profile_error")
+
+
 def busy_share(prof: dict, timed: dict, device: str) -> dict:
     """``prof`` (:func:`profile_steps`) with the GPU-busy share of the ``timed`` median step."""
     seen = device == "cuda" and prof["gpu_ops_per_step"] > 0
@@ -243,9 +248,7 @@ def profile_decode(result: dict, path: Path, device: str, batches: list[int], pr
                          profile_steps_n=profile_steps_n)
         out[name] = {}
         for b, r in run["batches"].items():
-            keys = [k for k in r if k.endswith("_per_step") or k in ("step_ms_profiled",
-                                                                     "flag", "profile_error")]
-            prof = {k: r[k] for k in keys if k != "graph_replays_per_step"}
+            prof = {k: r[k] for k in PROFILE_KEYS if k in r}
             if "profile_error" not in prof and b in timed:
                 prof = busy_share(prof, timed[b], device)
                 timed[b].update(prof)

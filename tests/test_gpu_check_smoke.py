@@ -43,10 +43,13 @@ def test_smoke_run_covers_every_section(tmp_path):
     for b in ("1", "3"):
         assert graphs["batches"][b]["graph_replays_per_step"] == 1.0
         assert eager["batches"][b]["graph_replays_per_step"] == 0.0
-        for engine in (graphs, eager):   # the profile, run last, merged into the timed rows
+        for key, engine in (("decode", graphs), ("decode_eager", eager)):   # profiled last
             assert "profile_error" not in engine["batches"][b]
             assert engine["batches"][b]["step_ms_profiled"] > 0
             assert "kernel_launches_per_step" in engine["batches"][b]
+            assert set(result["profile"][key][b]) >= {"gpu_busy_ms_per_step",
+                                                      "kernel_launches_per_step"}
+            assert "bytes_per_step" not in result["profile"][key][b]   # the timing's own
         assert graphs["batches"][b]["tokens_per_s"] > 0
     assert result["hf_parity_cuda"]["graph_replays"] > 0
     assert result["fused_ops_vs_torch"]["ok"] and result["hf_parity_cuda"]["ok"]
