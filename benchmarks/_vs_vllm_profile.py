@@ -2,12 +2,16 @@
 
 The engine's own counters split each step into schedule, metadata, forward and sampling (the
 rest of ``step()`` is output processing); torch.profiler's operator self-times over the same run
-split the forward by op class: linear (matmuls), attention (SDPA, the paged-attention op, the
-KV writes and gathers), norm+rope+act (elementwise math) and other (embedding, copies, views).
+split the forward by op class: linear (matmuls), attention (SDPA, the compiled decode and chunk
+ops, the KV writes and gathers), norm+rope+act (elementwise math, the compiled layer ops) and
+other (embedding, copies, views). The compiled ops are plain extension functions the profiler
+does not see, so the profiled run calls them through ``record_function`` wrappers named
+``kvlab::<op>``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -17,11 +21,48 @@ OP_CLASSES = {
     "linear": ("addmm", "aten::mm", "aten::linear", "mkldnn", "_mkl_linear", "bmm"),
     "attention": ("scaled_dot_product", "attention", "index_copy", "index_select"),
     "norm+rope+act": ("aten::mul", "aten::add", "aten::sub", "rsqrt", "aten::mean",
-                      "aten::pow", "square", "silu", "aten::cat", "aten::neg"),
+                      "aten::pow", "square", "silu", "aten::cat", "aten::neg", "kvlab::rms_norm",
+                      "kvlab::rope_"),
 }
 
 
-def profile_phases(model_dir, workload, profiled, threads: int = 1) -> dict:
+def _named(name: str, fn):
+    """``fn`` inside a profiler range called ``name``."""
+    def call(*args):
+        with torch.profiler.record_function(name):
+            return fn(*args)
+    return call
+
+
+@contextlib.contextmanager
+def compiled_ops_visible(llm):
+    """Within the block, ``llm``'s compiled CPU ops run inside ``kvlab::<op>`` profiler ranges
+    (the runner's decode op, its chunk op and the layer ops); restored afterwards."""
+    from types import SimpleNamespace
+
+    from kvlab.kernels import cpu
+
+    runner = llm.engine.executor
+    kernel, chunks, fused = runner.kernel, dict(cpu.CHUNK_OPS), dict(cpu.FUSED_OPS)
+    try:
+        if kernel is not None:
+            runner.kernel = _named("kvlab::decode_attention", kernel)
+            if kernel in chunks:
+                cpu.CHUNK_OPS[runner.kernel] = _named("kvlab::chunk_attention", chunks[kernel])
+        for dtype, module in fused.items():
+            cpu.FUSED_OPS[dtype] = SimpleNamespace(**{
+                op: _named(f"kvlab::{op}", getattr(module, op))
+                for op in ("rms_norm", "rope_", "silu_and_mul")})
+        yield
+    finally:
+        runner.kernel = kernel
+        cpu.CHUNK_OPS.clear()
+        cpu.CHUNK_OPS.update(chunks)
+        cpu.FUSED_OPS.clear()
+        cpu.FUSED_OPS.update(fused)
+
+
+def profile_phases(model_dir, workload, profiled, threads: int = 1, label: str = "") -> dict:
     """Run ``workload`` (prompt ids, max_tokens) through ``LLM(model_dir)`` unprofiled (phases,
     CPU seconds), then ``profiled`` (the same shapes, fresh tokens: no prefix-cache hits from
     the first run) under torch.profiler (op classes); both as dicts."""
@@ -45,7 +86,7 @@ def profile_phases(model_dir, workload, profiled, threads: int = 1) -> dict:
               "forward": d["model_time_s"], "sampling": d["sample_time_s"],
               "output": d["step_time_s"] - d["schedule_time_s"] - d["prepare_time_s"]
               - d["model_time_s"] - d["sample_time_s"]}
-    with torch.profiler.profile() as prof:
+    with compiled_ops_visible(llm), torch.profiler.profile() as prof:
         llm.generate([p for p, _ in profiled], params, use_tqdm=False)
     classes = dict.fromkeys((*OP_CLASSES, "other"), 0.0)
     for ev in prof.key_averages():
@@ -56,7 +97,7 @@ def profile_phases(model_dir, workload, profiled, threads: int = 1) -> dict:
     total = sum(classes.values())
     shares = {k: v / total for k, v in classes.items()} if total else classes
     step = d["step_time_s"]
-    print("kvlab 25M mixed, time by phase: " + ", ".join(
+    print(f"kvlab {label}, time by phase: " + ", ".join(
         f"{k} {v / step:.1%}" for k, v in phases.items()))
     print("forward by op class (profiler self CPU time): " + ", ".join(
         f"{k} {v:.1%}" for k, v in shares.items()))

