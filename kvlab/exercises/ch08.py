@@ -1,19 +1,18 @@
 """Chapter 8 exercises: two error bounds, a prediction checked on the engine, a colleague's
 round trip, an open-ended format design, and the report fact behind a slowdown.
 
-Each check computes the truth with :mod:`kvlab` and raises ``AssertionError`` saying what is
-wrong (too high, too low, which budget breaks, why a chosen option fails) without printing the
-expected value, the right option or the method.
+A check with one right answer compares against its sealed truth (``_common.sealed``; the
+instructor edition computes it with :mod:`kvlab`, the greedy share by running both engines);
+the debug and design checks run the reader's code or format. Each raises ``AssertionError``
+saying what is wrong (too high, too low, which budget breaks, why a chosen option fails)
+without printing the expected value, the right option or the method.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-
 from kvlab.reference import effective_bits
 
-from ._common import require_answer
+from ._common import require_answer, sealed
 
 #: Exercise 1: one group of 4-bit weights spanning [ZP_MIN, ZP_MAX] (largest magnitude ZP_MAX).
 BOUND_BITS, ZP_MIN, ZP_MAX = 4, -0.12, 0.42
@@ -38,10 +37,6 @@ REPORT_FACTS = ("checkpoint_bits", "runtime_weight_format", "activation_dtype",
                 "accumulator_dtype", "kernels_executed")
 
 
-def _close(a: float, b: float, rel: float = 1e-3) -> bool:
-    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
-
-
 def check_error_bounds(symmetric_error, zero_point_error) -> str:
     """Exercise 1: the largest possible ``|x - deq(q(x))|`` in a group of :data:`BOUND_BITS`-bit
     weights spanning ``[ZP_MIN, ZP_MAX]``, quantized symmetrically and with a zero point
@@ -51,14 +46,13 @@ def check_error_bounds(symmetric_error, zero_point_error) -> str:
     for label, value in (("symmetric", symmetric_error), ("zero-point", zero_point_error)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise AssertionError(f"give the {label} error as a number, got {value!r}")
-    b = BOUND_BITS
-    sym = max(abs(ZP_MIN), abs(ZP_MAX)) / (2 ** (b - 1) - 1) / 2
-    zp = (ZP_MAX - ZP_MIN) / (2 ** b - 1) / 2
     problems = []
-    for label, got, want in (("symmetric", float(symmetric_error), sym),
-                             ("zero-point", float(zero_point_error), zp)):
-        if not _close(got, want):                  # the direction only, never the method
-            problems.append(f"{label}: too {'high' if got > want else 'low'}")
+    for label, key, got in (("symmetric", "symmetric", float(symmetric_error)),
+                            ("zero-point", "zero_point", float(zero_point_error))):
+        truth = sealed(f"ch08.error_bounds.{key}")
+        way = truth.direction(got, tolerance=1e-3 * abs(truth.value()) + 1e-12)
+        if way:                                    # the direction only, never the method
+            problems.append(f"{label}: {way}")
     if problems:
         raise AssertionError("; ".join(problems))
     return ("Correct: both are half a grid step; the zero point buys a finer grid when the "
@@ -106,18 +100,11 @@ def bulk_columns(seed: int = 0) -> list[int]:
     return [c for c in range(512) if c not in out]
 
 
-@functools.lru_cache(maxsize=1)
 def _greedy_identical() -> int:
     """How many of :data:`GREEDY_PROMPTS` greedy continuations of :data:`GREEDY_TOKENS` tokens
-    kvlab-tiny with int4 g64 weights produces token for token as fp32 does (both engines run)."""
-    from kvlab import LLM, SamplingParams
-    from kvlab.models.corpus import sample_prompts
-
-    prompts = sample_prompts(1, GREEDY_PROMPTS)
-    sp = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True)
-    runs = [[o.outputs[0].token_ids for o in LLM("kvlab-tiny", num_blocks=1024, **kw).generate(
-        prompts, sp, use_tqdm=False)] for kw in ({}, {"quantization": "int4"})]
-    return sum(a == b for a, b in zip(*runs, strict=True))
+    kvlab-tiny with int4 g64 weights produces token for token as fp32 does: the sealed count
+    (the instructor edition runs both engines to measure it)."""
+    return round(sealed("ch08.greedy_identical").value())
 
 
 def check_greedy_prediction(percent) -> str:
@@ -270,19 +257,7 @@ def check_report_fact(answer) -> str:
     require_answer(answer, "one of " + ", ".join(repr(f) for f in REPORT_FACTS))
     if answer not in REPORT_FACTS:
         raise AssertionError(f"answer one of {REPORT_FACTS}, got {answer!r}")
-    why = {
-        "checkpoint_bits": "no: the int4 model can be quantized at load from the very fp32 "
-                           "checkpoint the fp32 model reads, so this field can be the same for "
-                           "both; what is on disk does not set the cost of a step",
-        "runtime_weight_format": "no: it says the weights are held as int4 groups, which is "
-                                 "what the colleague chose; this chapter's timings show that "
-                                 "format running at the speed of a dense GEMM in another "
-                                 "configuration, so the format alone does not make a step slow",
-        "activation_dtype": "no: the activations are float32 in the colleague's model and in "
-                            "the fp32 one alike",
-        "accumulator_dtype": "no: both models accumulate in float32",
-    }
-    if answer in why:
-        raise AssertionError(why[answer])
-    return ("Right: the kernel that ran sets what a step costs, and no other field names it; "
-            "read it before you read tokens/s.")
+    truth = sealed("ch08.report_fact")     # each field's verdict is sealed under it
+    if not truth.is_answer(answer):
+        raise AssertionError(truth.note(answer))
+    return truth.note(answer)
