@@ -15,8 +15,10 @@ Loaded through ``book.yml`` (``sphinx.local_extensions``). On every HTML page it
   by :func:`kvlab.viz.kernel_free.render_figure`) where the page would otherwise use its file
   path, and a ``min-width`` at which its smallest text (also in the PNG) is still 9 CSS px: on
   a phone the figure then scrolls sideways instead of shrinking into unreadable text;
-* lets long inline code in table cells (file paths, dotted names) break after ``/``, ``.`` and
-  ``_``, so the "In real systems" tables fit the column instead of scrolling sideways.
+* lets long inline code (file paths, dotted names) break after ``/``, ``.`` and ``_``: the
+  "In real systems" tables fit the column instead of scrolling sideways, and on a phone a long
+  name in prose (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``) does not
+  widen the page past the screen.
 """
 
 from __future__ import annotations
@@ -76,19 +78,19 @@ def clean_scripts(scripts: list) -> list:
     return kept
 
 
-_TABLE = re.compile(r"<table\b.*?</table>", re.S)
 _PRE_SPAN = re.compile(r'(<span class="pre">)([^<]{13,})(</span>)')
 _BREAK_AFTER = re.compile(r"([/._])(?=[^/._])")
 
 
-def break_table_literals(body: str) -> str:
-    """``body`` with a ``<wbr>`` after each ``/``, ``.`` and ``_`` of the long inline-code words
-    inside its tables (only there: code blocks keep their lines)."""
+def break_long_literals(body: str) -> str:
+    """``body`` with a ``<wbr>`` after each ``/``, ``.`` and ``_`` of its long inline-code
+    words (in prose and tables; code blocks, which have no ``<span class="pre">``, keep their
+    lines)."""
 
     def literal(match: re.Match) -> str:
         return match[1] + _BREAK_AFTER.sub(r"\1<wbr>", match[2]) + match[3]
 
-    return _TABLE.sub(lambda table: _PRE_SPAN.sub(literal, table[0]), body)
+    return _PRE_SPAN.sub(literal, body)
 
 
 def png_text(path: str | Path) -> dict[str, str]:
@@ -129,7 +131,7 @@ def _page_context(app, pagename, templatename, context, doctree) -> None:
     if "script_files" in context:
         context["script_files"] = clean_scripts(context["script_files"])
     if "body" in context:
-        context["body"] = add_min_widths(break_table_literals(context["body"]), _MIN_WIDTH)
+        context["body"] = add_min_widths(break_long_literals(context["body"]), _MIN_WIDTH)
 
 
 def _doctree_resolved(app, doctree, docname) -> None:

@@ -138,6 +138,11 @@ def _site(tmp_path: Path) -> Path:
                        "</div>"),
         "duplicate.html": ("", f'<img src="{pixel}" alt="a"><img src="{pixel}" alt="b">'),
         "noicon.html": (None, "<p>no icon</p>"),
+        # a phone page (device-width viewport) widened by a name that cannot break
+        "wide.html": ('<meta name="viewport" content="width=device-width, initial-scale=1">',
+                      '<p>see <code style="white-space:nowrap">'
+                      + "EngineArgs._set_default_max_num_seqs_and_batched_tokens_args"
+                      + "</code></p>"),
     }
     for name, (extra, body) in pages.items():
         page = HEAD.format(extra=extra or "", body=body)
@@ -191,4 +196,7 @@ def test_site_check_detects_each_failure_and_passes_a_clean_page(tmp_path):
     assert kinds["duplicate.html"] == {"duplicate"}
     # without a declared icon Chromium asks for /favicon.ico, which 404s: three findings
     assert kinds["noicon.html"] == {"favicon", "request", "console"}
+    assert kinds["wide.html"] == {"clipped"}
+    assert [d for d in details["wide.html"] if "page scrolls sideways" in d
+            and "390px" in d and "on a 390 px screen" in d]
     assert widgets == 4                     # good, widget, stuck and figure pages' widgets

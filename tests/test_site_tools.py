@@ -264,19 +264,22 @@ def test_figure_output_png_carries_display_size_alt_and_text_size(tmp_path):
     plt.close(fig)
 
 
-def test_site_extension_breaks_table_literals_and_sets_figure_min_widths():
+def test_site_extension_breaks_long_literals_and_sets_figure_min_widths():
     import kvlab_site
 
     body = ('<p><code class="docutils literal notranslate"><span class="pre">'
-            'vllm/v1/core/kv_cache_manager.py</span></code></p>'
+            'EngineArgs._set_default_max_num_seqs</span></code></p>'
             '<table class="table"><tr><td><code class="docutils literal notranslate">'
             '<span class="pre">vllm/v1/core/kv_cache_manager.py</span></code> '
-            '<span class="pre">short_name</span></td></tr></table>')
-    out = kvlab_site.break_table_literals(body)
-    assert out.startswith('<p><code class="docutils literal notranslate"><span class="pre">'
-                          "vllm/v1/core/kv_cache_manager.py</span>")  # prose: untouched
+            '<span class="pre">short_name</span></td></tr></table>'
+            '<div class="highlight"><pre><span class="n">a_very_long_name.attribute</span>'
+            '</pre></div>')
+    out = kvlab_site.break_long_literals(body)
+    # in prose too: on a phone a long name must not widen the page past the screen
+    assert "EngineArgs._<wbr>set_<wbr>default_<wbr>max_<wbr>num_<wbr>seqs" in out
     assert "vllm/<wbr>v1/<wbr>core/<wbr>kv_<wbr>cache_<wbr>manager.<wbr>py" in out
     assert '<span class="pre">short_name</span>' in out              # short words kept
+    assert '<span class="n">a_very_long_name.attribute</span>' in out   # code blocks kept
     html = ('<img alt="x" src="../_images/abc.png" style="width: 800px" />'
             '<img alt="y" src="../_images/def.png" />')
     out = kvlab_site.add_min_widths(html, {"abc.png": 700, "def.png": 500, "x.png": 9})

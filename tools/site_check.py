@@ -207,9 +207,13 @@ Promise.race([ready, timeout]).catch(() => null).then(async () => { try {
       out.clipped.push('table wider than the column (' + Math.round(r.width) + ' > '
                        + box.clientWidth + ' px), cut off at a scrollbar: ' + what(el));
   });
-  if (document.documentElement.scrollWidth > innerWidth + 1)
+  // against the screen's width, not innerWidth: on a phone a page wider than the screen widens
+  // the layout viewport itself (innerWidth grows with it) and the reader pans the whole page,
+  // and the page-contents drawer, anchored to its right edge, opens partly off the screen
+  const screen = document.documentElement.clientWidth;
+  if (document.documentElement.scrollWidth > screen + 1)
     out.clipped.push('the page scrolls sideways: ' + document.documentElement.scrollWidth
-                     + ' px in a ' + innerWidth + ' px window');
+                     + ' px on a ' + screen + ' px screen');
   document.querySelectorAll(unwrapped).forEach(pre => {
     if (!shown(pre)) return;
     const lines = pre.textContent.replace(/\\n$/, '').split('\\n');
