@@ -27,9 +27,9 @@ sys.path.insert(0, str(REPO))
 
 from _results import write_results  # noqa: E402
 
-#: host API calls that launch work on the GPU: one per kernel, one per replayed graph
-LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
-                "cudaGraphLaunch")
+#: host API calls that launch work on the GPU (name prefixes): one per kernel, one per replayed
+#: graph
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch")
 
 
 def sync(device: torch.device | str) -> None:
@@ -53,8 +53,9 @@ def profile_steps(eng, steps: int, table_rows: int = 0) -> dict:
         sync(eng.device)
     wall = (time.perf_counter() - t0) / steps
     events = prof.key_averages()
-    launches = sum(e.count for e in events if e.key in LAUNCH_CALLS)
-    graph_launches = sum(e.count for e in events if e.key == "cudaGraphLaunch")
+    # by prefix: some CUDA versions report versioned names (``cudaGraphLaunch_v10000``)
+    launches = sum(e.count for e in events if e.key.startswith(LAUNCH_CALLS))
+    graph_launches = sum(e.count for e in events if e.key.startswith("cudaGraphLaunch"))
     device_ops = sum(e.count for e in events
                      if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
     busy_us = sum(getattr(e, "self_device_time_total", 0) for e in events) / steps
