@@ -70,7 +70,8 @@ def test_cost_model_validates():
     with pytest.raises(KeyError):
         RooflineCostModel.named("nope", "H100-80GB SXM")
     assert CM.cost([]).seconds == 0.0
-    assert CM.kv_blocks(16) == int((80e9 * 0.9 - 8_030_261_248 * 2) // (131072 * 16))
+    assert CM.kv_blocks(16) == int((round(79.11 * 2**30) * 0.9 - 8_030_261_248 * 2)
+                                   // (131072 * 16))
     with pytest.raises(ValueError):
         RooflineCostModel.named("Llama-3.1-405B", "H100-80GB SXM").kv_blocks(16)
     chunk = ScheduledChunk("a", (1, 2, 3), 5, (0,), True, True)

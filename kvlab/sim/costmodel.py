@@ -178,8 +178,10 @@ class RooflineCostModel:
 
     def kv_blocks(self, block_size: int, memory_fraction: float = 0.9) -> int:
         """KV blocks that fit in the memory of the instance's ``tp`` GPUs after the weights
-        (``memory_fraction`` of it usable), for sizing a simulated pool."""
-        free = self.tp * self.gpu.memory_bytes * memory_fraction - self.weight_bytes
+        (``memory_fraction`` of it usable), for sizing a simulated pool. The memory is what
+        CUDA reports where the catalogue records it (vLLM multiplies that total by
+        ``gpu_memory_utilization``), else the datasheet label read as decimal GB."""
+        free = self.tp * self.gpu.engine_memory_bytes * memory_fraction - self.weight_bytes
         if free <= 0:
             raise ValueError(f"{self.model.name} weights do not fit on {self.tp} x "
                              f"{self.gpu.name}")
