@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-stream-backlog", type=int, default=4096)
     ap.add_argument("--round-timeout", type=float, default=600.0)
+    ap.add_argument("--no-enable-prefix-caching", action="store_true",
+                    help="serve without the prefix cache (whose index grows with what it holds)")
     ap.add_argument("--no-write", action="store_true", help="print, do not write the JSON")
     args = ap.parse_args(argv)
     if args.streams < 8 or args.rounds < 1 or args.max_tokens < 8:
@@ -253,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvlab", "serve", "--model", MODEL, "--port", str(port),
          "--max-model-len", "1024", "--max-num-seqs", "256",
-         "--max-stream-backlog", str(args.max_stream_backlog)],
+         "--max-stream-backlog", str(args.max_stream_backlog),
+         *(["--no-enable-prefix-caching"] if args.no_enable_prefix_caching else [])],
         env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)
     try:
@@ -302,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                                        for r in rounds),
     }
     result = {"model": MODEL, "streams": args.streams, "max_tokens": args.max_tokens,
+              "prefix_caching": not args.no_enable_prefix_caching,
               "slow_reader_request": {"n": SLOW_N, "max_tokens": SLOW_TOKENS,
                                       "logprobs": SLOW_LOGPROBS},
               "max_stream_backlog": args.max_stream_backlog, "cpu_count": os.cpu_count(),
