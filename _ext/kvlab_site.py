@@ -163,4 +163,6 @@ def _doctree_resolved(app, doctree, docname) -> None:
 def setup(app) -> dict[str, Any]:
     app.connect("doctree-resolved", _doctree_resolved)
     app.connect("html-page-context", _page_context, priority=900)
-    return {"parallel_read_safe": True, "parallel_write_safe": True}
+    # env_version: bumped when what this extension writes into pages changes, so an incremental
+    # build re-reads every page instead of keeping pages written by the previous version
+    return {"parallel_read_safe": True, "parallel_write_safe": True, "env_version": 2}
