@@ -135,3 +135,15 @@ def test_goodput_figure_and_widget_draw() -> None:
     assert len(fig.axes) == 2
     widget = goodput_explorer(curves)
     assert widget.children
+
+
+def test_checks_name_an_answer_that_is_not_a_number() -> None:
+    import numpy as np
+
+    for check, args, what in ((ch11.check_max_rate, ("fast", []), "rate"),
+                              (ch11.check_chunk_for_tpot, (256, "9 ms"), "tpot_p99_ms"),
+                              (ch11.check_goodput_by_hand, (True, 0.5), "goodput")):
+        with pytest.raises(AssertionError, match=f"{what}: expected a number"):
+            check(*args)
+    # NumPy scalars are numbers: a reader's computed answer is accepted as one
+    assert ch11.check_goodput_by_hand(np.float64(0.75), np.float64(0.375)).startswith("Correct")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Sequence
 
 from kvlab.core.scheduler_config import SchedulerConfig
@@ -70,6 +71,13 @@ def after_warmup(records: Sequence[LatencyRecord],
     return [dataclasses.replace(r, arrival=r.arrival - t0) for r in kept]
 
 
+def _number(value, what: str) -> float:
+    """``value`` as a float; AssertionError naming ``what`` if it is not a real number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise AssertionError(f"{what}: expected a number, got {value!r}")
+    return float(value)
+
+
 # ------------------------------------------------------------------- 1. goodput by hand
 
 HAND_SLO = SLO(ttft=0.5, tpot=0.05)
@@ -96,9 +104,7 @@ def check_goodput_by_hand(goodput, attainment) -> str:
     would find it in three guesses. The messages do not state how to compute either."""
     require_answer(goodput, "goodput in requests per second")
     require_answer(attainment, "attainment as a fraction")
-    for value, what in ((goodput, "goodput"), (attainment, "attainment")):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise AssertionError(f"{what}: expected a number, got {value!r}")
+    goodput, attainment = _number(goodput, "goodput"), _number(attainment, "attainment")
     if not 0 <= attainment <= 1:
         raise AssertionError(f"attainment {attainment:g} is not a fraction of the requests: "
                              "give it between 0 and 1")
@@ -148,7 +154,7 @@ def check_max_rate(rate, records) -> str:
     predicted before you measured."""
     require_answer(rate, "a request rate in requests per second")
     require_answer(records, "the records of your run at that rate")
-    rate = float(rate)
+    rate = _number(rate, "rate")
     if not rate > 0 or math.isinf(rate):
         raise AssertionError("give a positive, finite rate")
     if isinstance(records, (int, float)):
@@ -198,9 +204,10 @@ def check_chunk_for_tpot(chunk, tpot_p99_ms) -> str:
     require_answer(tpot_p99_ms, "the TPOT p99 you measured with it, in milliseconds")
     if chunk not in CHUNK_CHOICES:
         raise AssertionError(f"choose one of {CHUNK_CHOICES}")
+    tpot_p99_ms = _number(tpot_p99_ms, "tpot_p99_ms")
     row = _chunk_row(chunk)
     measured = row["tpot_p99_s"] * 1e3
-    if not math.isclose(float(tpot_p99_ms), measured, rel_tol=0.01):
+    if not math.isclose(tpot_p99_ms, measured, rel_tol=0.01):
         raise AssertionError(f"that is not the TPOT p99 of chunk_sweep(chat_workload("
                              f"{CHUNK_REQUESTS}, {CHUNK_RATE:g}, seed=2), COST, [{chunk}]): "
                              "run it, and pass what that run gives, in ms")
