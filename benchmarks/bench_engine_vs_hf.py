@@ -162,8 +162,10 @@ def chunk_linear_flops(llm: LLM, chunks) -> float:
 def linear_floor_s(model, shapes: list[tuple[int, int]], repeats: int = 2) -> float:
     """Seconds the linear layers alone take over a run: for each step's ``(tokens, sampled
     rows)`` in ``shapes``, every projection of every layer on ``tokens`` rows and the lm_head on
-    ``sampled`` rows, with the model's own weights, nothing else (best of ``repeats``). kvlab's
-    wall time cannot go below it, so HF's time over it bounds the reachable speedup."""
+    ``sampled`` rows, with the model's own weights and the engine's own calls (the layers'
+    ``forward``, oneDNN with packed weights where :mod:`kvlab.kernels.cpu_linear` bound it;
+    the lm_head as ``LlamaModel.logits`` computes it), nothing else (best of ``repeats``).
+    kvlab's wall time cannot go below it, so HF's time over it bounds the reachable speedup."""
     import torch.nn.functional as F
 
     cfg = model.cfg
@@ -179,10 +181,10 @@ def linear_floor_s(model, shapes: list[tuple[int, int]], repeats: int = 2) -> fl
             t0 = time.perf_counter()
             for n, sampled in shapes:
                 for qkv, o, gate_up, down in layers:
-                    F.linear(x[:n], qkv.weight, qkv.bias)
-                    F.linear(xq[:n], o.weight, o.bias)
-                    F.linear(x[:n], gate_up.weight, gate_up.bias)
-                    F.linear(xi[:n], down.weight, down.bias)
+                    qkv(x[:n])
+                    o(xq[:n])
+                    gate_up(x[:n])
+                    down(xi[:n])
                 if sampled:
                     F.linear(x[:sampled], head)
             best = min(best, time.perf_counter() - t0)

@@ -13,10 +13,11 @@ compiled ops do not match this torch). vLLM runs in-process (``VLLM_ENABLE_V1_MU
 =0``), its OpenMP threads bound with ``VLLM_CPU_OMP_THREADS_BIND`` (``0`` for one thread,
 ``0-1`` for two), 2 GiB of KV, token-id prompts (``skip_tokenizer_init``) and its defaults
 otherwise; kvlab runs ``LLM(dir)`` at its defaults with ``torch.set_num_threads(n)``, pinned to
-the same cores. Each engine warms up (vLLM compiles there), then the two alternate, two timed
-runs each of every workload, each run with fresh tokens (no run hits the prefix cache an earlier one
-filled); each engine keeps its best run. The greedy tokens of every run must be
-identical across the engines (the script exits 1 after writing the JSON if not).
+the same cores. Each engine warms up (vLLM compiles there), then the two alternate, ``--repeats``
+timed runs each of every workload, each run with the same shapes and fresh tokens (no run hits
+the prefix cache an earlier one filled); each engine keeps its best run. The greedy tokens of
+every run must be identical across the engines (the script exits 1 after writing the JSON if
+not).
 
 Reported per thread count, size and workload: generated tokens per wall second and per process
 CPU-second, and kvlab ÷ vLLM on both. The headline ratio uses CPU time (the machine is shared:
@@ -113,12 +114,19 @@ def build_workloads(vocab: int, seed: int) -> dict[str, list[tuple[list[int], in
 
 
 def run_variants(vocab: int, seed: int, repeats: int) -> dict[str, list]:
-    """``warmup-<w>`` and ``<w>-<r>`` for each workload ``w`` and run ``r``: the same shapes
-    with fresh tokens (seeds ``seed``, ``seed+1``, ...), so no run hits the prefix cache that
-    an earlier run filled; within a run the shared system prompt still does."""
+    """``warmup-<w>`` and ``<w>-<r>`` for each workload ``w`` and run ``r``: every ``<w>-<r>``
+    has the shapes of seed ``seed`` (prompt lengths, outputs, which prompts share the system
+    prompt) with its token ids sent through a permutation of the vocabulary of its own
+    (seeded ``seed + 1 + r``), so no run hits the prefix cache an earlier run filled while
+    within a run the shared system prompt still does, and runs are comparable (each engine
+    keeps its fastest). The warm-up uses the shapes of seed ``seed + 1000``."""
     out = {f"warmup-{w}": v for w, v in build_workloads(vocab, seed + 1000).items()}
+    base = build_workloads(vocab, seed)
     for r in range(repeats):
-        out.update({f"{w}-{r}": v for w, v in build_workloads(vocab, seed + r).items()})
+        perm = list(range(vocab))
+        random.Random(seed + 1 + r).shuffle(perm)
+        out.update({f"{w}-{r}": [([perm[t] for t in p], n) for p, n in v]
+                    for w, v in base.items()})
     return out
 
 
