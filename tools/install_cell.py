@@ -28,7 +28,8 @@ import sys
 
 if importlib.util.find_spec("kvlab") is None:
     if importlib.util.find_spec("torch") is None:
-        %pip install --quiet {TORCH_PIN} --index-url https://download.pytorch.org/whl/cpu
+        %pip install --quiet {TORCH_PIN} \\
+            --index-url https://download.pytorch.org/whl/cpu
     !git clone --quiet --depth 1 {REPO_URL} kvlab-src
     %pip install --quiet --editable "kvlab-src[dev]"
     sys.path.insert(0, "kvlab-src")  # importable now, without restarting the kernel"""
