@@ -101,13 +101,19 @@ def _site(tmp_path: Path) -> Path:
         stuck = stuck.replace(f"data-kf-key={key}", 'data-kf-key="9"')
     wide = "word " * 120
     W = 'width="288"'                      # the 3-inch figures' display width
+
+    def captioned(img: str, caption: str = "Three points joined by lines.") -> str:
+        """A static figure as MyST-NB writes one from ``mystnb: figure: caption:``."""
+        return (f'<div class="cell_output"><figure>{img}<figcaption><p>{caption}</p>'
+                "</figcaption></figure></div>")
+
     pages = {
         "good.html": (MATHJAX, MENU + '<p><span class="math">\\(x^2 + 1\\)</span></p>'
                       '<div class="highlight"><pre>short line</pre></div>'   # code may scroll:
                       '<div class="highlight"><pre style="width:200px;overflow-x:auto">'
                       f"{wide}</pre></div>"
-                      f'<div class="cell_output"><img src="fig.png" {W} alt="three points">'
-                      "</div>" + _widget_html() + MENU_SCRIPT),
+                      + captioned(f'<img src="fig.png" {W} alt="three points">')
+                      + _widget_html() + MENU_SCRIPT),
         "console.html": ("", "<script>console.error('boom')</script>"),
         "image.html": ("", '<img src="missing.png" alt="x">'),
         "math.html": ("", '<span class="math">\\(y\\)</span>'),
@@ -125,12 +131,14 @@ def _site(tmp_path: Path) -> Path:
         "wrapped.html": ("", '<div class="highlight"><pre style="white-space:pre-wrap;'
                          f'width:200px">{wide}</pre></div>'),
         "figure.html": ("", _widget_html(fontsize=3)
-                        + f'<div class="cell_output"><img src="tiny.png" {W} alt="tiny"></div>'),
-        "undeclared.html": ("", f'<div class="cell_output"><img src="{pixel}" alt="a dot">'
-                            "</div>"),
-        "alt.html": ("", f'<div class="cell_output"><img src="fig.png" {W} '
-                     'alt="../_images/fig.png"></div>'
-                     f'<div class="cell_output"><img src="fig2.png" {W}></div>'),
+                        + captioned(f'<img src="tiny.png" {W} alt="tiny">')),
+        "undeclared.html": ("", captioned(f'<img src="{pixel}" alt="a dot">')),
+        "alt.html": ("", captioned(f'<img src="fig.png" {W} alt="../_images/fig.png">')
+                     + captioned(f'<img src="fig2.png" {W}>')),
+        # a static figure with no caption, and one whose figcaption is empty
+        "caption.html": ("", f'<div class="cell_output"><img src="fig.png" {W} '
+                         'alt="three points"></div>'
+                         + captioned(f'<img src="fig2.png" {W} alt="three points">', " ")),
         "twin.html": ("", '<div class="cell_output"><pre>[interactive widget: block tables. '
                       "Run this cell in Jupyter to use it.]</pre></div>"),
         "menu.html": ("", MENU),
@@ -186,6 +194,7 @@ def test_site_check_detects_each_failure_and_passes_a_clean_page(tmp_path):
     assert kinds["undeclared.html"] == {"figure"}
     assert any("declares no text size" in d for d in details["undeclared.html"])
     assert kinds["alt.html"] == {"alt"} and len(details["alt.html"]) == 2
+    assert kinds["caption.html"] == {"caption"} and len(details["caption.html"]) == 2
     assert kinds["twin.html"] == {"twin"}
     assert kinds["menu.html"] == {"menu"}
     for width in (1280, 390):

@@ -22,6 +22,9 @@ px by default: a laptop and a phone, light mode) with console and network loggin
   its PNG declares: ``data-min-text-px`` on kernel-free frames, the ``kvlab:min-text-px`` text
   chunk in output PNGs), or that declares none;
 * ``alt``: a figure without alt text (missing, empty, or a file path / data URI);
+* ``caption``: a static figure (an image in a cell output, not a kernel-free widget's frame)
+  that is not inside a ``<figure>`` with a non-empty ``<figcaption>`` (MyST-NB writes one from
+  the cell's ``mystnb: figure: caption:`` metadata);
 * ``menu``: the ☰ button that does not open the chapter list, or the page-contents button that
   does not open the page's contents (a real click; the panel's first link must then be visible
   and on top), or neither button nor panel to reach them;
@@ -171,7 +174,7 @@ Promise.race([ready, timeout]).catch(() => null).then(async () => { try {
   document.querySelectorAll('details:not([open])').forEach(d => { d.open = true; });
   await new Promise(resolve => requestAnimationFrame(() => setTimeout(resolve, 50)));
   const out = {math: [], mathErrors: 0, images: [], clipped: [], wrapped: [], figures: [],
-               alts: [], nbval: false, widgets: 0, text: '',
+               alts: [], captions: [], nbval: false, widgets: 0, text: '',
                icon: !!document.querySelector('link[rel~="icon"]'), shown: {}};
   document.querySelectorAll('.math, span.math, div.math').forEach(el => {
     if (!el.querySelector('mjx-container')) out.math.push(el.textContent.slice(0, 60));
@@ -238,6 +241,11 @@ Promise.race([ready, timeout]).catch(() => null).then(async () => { try {
                  || /\\.(png|svg|jpe?g|gif)$/i.test(alt);
     if (!alt || path)
       out.alts.push(name + (alt ? ': the alt text is a file name' : ': no alt text'));
+    if (img.closest('div.cell_output') && !img.closest('.kvlab-kf')) {  // a static figure
+      const caption = img.closest('figure')?.querySelector('figcaption');
+      if (!caption || !caption.textContent.trim())
+        out.captions.push(name + ': a static figure without a caption');
+    }
     if (!shown(img) || !img.naturalWidth) continue;
     let px = parseFloat(img.getAttribute('data-min-text-px'));
     if (isNaN(px)) px = await pngMinText(img.currentSrc || img.src);
@@ -401,6 +409,7 @@ def check_page(driver, base: str, page: str, width: int = 1280) -> list[Problem]
     problems += [Problem(page, "wrapped", line + at) for line in seen["wrapped"]]
     problems += [Problem(page, "figure", text + at) for text in seen["figures"]]
     problems += [Problem(page, "alt", text) for text in seen["alts"]]
+    problems += [Problem(page, "caption", text) for text in seen["captions"]]
     problems += [Problem(page, "twin", f"a widget without its kernel-free twin: "
                          f"{m.group(0)[:100]!r}") for m in NO_TWIN.finditer(seen["text"])]
     if seen["nbval"]:
