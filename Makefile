@@ -98,7 +98,7 @@ course: venv
 	$(PY) tools/seal_answers.py --check
 	$(PY) tools/course.py --out course
 
-# The exercises' sealed answers (kvlab/exercises/_sealed_answers.py), recomputed with the
+# The exercises' sealed answers (kvlab/exercises/sealed_answers.json), recomputed with the
 # instructor edition (course/answers.py); run after a change to kvlab or to an exercise.
 seal: venv
 	$(PY) tools/seal_answers.py --write

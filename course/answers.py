@@ -1,7 +1,7 @@
 """The truth of every sealed exercise check — instructor edition: do not hand this file out.
 
 The chapters' checks (``kvlab/exercises/chNN.py``) never compute the answer they grade: they
-compare against sealed values (``kvlab/exercises/_sealed_answers.py``). This module computes
+compare against sealed values (``kvlab/exercises/sealed_answers.json``). This module computes
 each of those values with kvlab itself, under the assumptions the check's module states (its
 ``*_CASE`` / ``*_ASSUMPTIONS`` constants), and ``tools/seal_answers.py`` seals them:
 

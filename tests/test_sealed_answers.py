@@ -5,6 +5,7 @@ student-facing modules."""
 from __future__ import annotations
 
 import importlib
+import json
 import re
 import sys
 from pathlib import Path
@@ -34,11 +35,12 @@ def test_the_committed_seals_are_what_kvlab_computes_now(truths):
 def test_drift_is_named_by_key(truths):
     text = seal_answers.render(truths)
     key = "ch01.kv_overtakes_weights"
-    entry = re.search(rf"    '{re.escape(key)}': \(\n(.*?)\n    \),\n", text, re.S)
+    table = json.loads(text)
     stale = seal(key, 1, number=1.0)
-    fields = (stale.salt, stale.digest, stale.number, None, None)
-    forged = text.replace(entry.group(1), "\n".join(f"        {f!r}," for f in fields))
+    forged = json.dumps({**table, key: [stale.salt, stale.digest, stale.number, None, None]})
     assert seal_answers.drifted(text, forged) == [key]
+    assert seal_answers.drifted(text, json.dumps({k: v for k, v in table.items()
+                                                  if k != key})) == [key]
 
 
 def test_every_seal_opens_with_its_truth_and_no_neighbour(truths):
@@ -63,7 +65,7 @@ def test_no_answer_is_written_in_the_student_facing_modules(truths):
     # a casual read (or check_...??) of the chapter's exercise module and of the sealed file
     # shows no truth (another chapter's module may hold the same number for its own reasons)
     exercises = ROOT / "kvlab" / "exercises"
-    sealed_text = (exercises / "_sealed_answers.py").read_text()
+    sealed_text = (exercises / "sealed_answers.json").read_text()
     for key, t in truths.items():
         text = (exercises / f"{key.split('.')[0]}.py").read_text() + sealed_text
         # a tuple of options an exercise offers ((128, 256, 512, ...)) holds the answer too,

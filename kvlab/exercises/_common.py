@@ -9,7 +9,7 @@ goes on past exercises nobody has tried yet.
 
 A check never computes the answer it grades. The truth of each exercise is computed by the
 instructor edition (``course/answers.py``, sealed by ``tools/seal_answers.py``) and shipped
-here only sealed (:func:`sealed`, data in ``_sealed_answers.py``): a discrete answer as a salted,
+here only sealed (:func:`sealed`, data in ``sealed_answers.json``): a discrete answer as a salted,
 deliberately slow hash, a number as an encoded value (so a check can still say "too high" or
 "too low"), what a success message reveals encrypted under the right answer, and for a choice
 question each option's verdict encrypted under that option (so the module holds no list of
@@ -23,11 +23,13 @@ matters runs through the course's hidden tests.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import math
 import struct
 from dataclasses import dataclass
+from importlib import resources
 
 
 class _OneLine(AssertionError):
@@ -216,10 +218,15 @@ def seal(key: str, answer, *, number: float | None = None, reveal: dict | None =
 def sealed(key: str) -> Sealed:
     """The sealed truth of exercise ``key`` (``"ch01.kv_bytes_per_token"``); ``KeyError``
     naming the key and the command that seals it when it is missing."""
-    from ._sealed_answers import SEALED
-
     try:
-        return Sealed(key, *SEALED[key])
+        return Sealed(key, *_sealed_table()[key])
     except KeyError:
         raise KeyError(f"no sealed answer for {key!r}: run `python tools/seal_answers.py "
                        "--write` (instructor edition)") from None
+
+
+@functools.cache
+def _sealed_table() -> dict[str, list]:
+    """``sealed_answers.json`` (package data written by ``tools/seal_answers.py``)."""
+    text = resources.files(__package__).joinpath("sealed_answers.json").read_text()
+    return json.loads(text)
