@@ -11,6 +11,12 @@
 # file already stored: a chapter opens unmodified and saves unchanged under any Python.
 # (tools/lab_check.py checks it with a copy whose header names another version.)
 
+# A chapter's .md source cannot store Lab's collapse state (notebooks/jupytext.toml keeps the
+# `jupyter` cell metadata out of it, so expanding a solution never changes the source), so this
+# manager also collapses the solution cells (tag hide-cell or solution) of a .md as it opens,
+# as tools/execute_notebook.py stores them collapsed in the .ipynb; the filter drops the state
+# again on save.
+
 import platform
 
 from jupytext import AsyncTextFileContentsManager
@@ -25,6 +31,9 @@ def _python_info(model):
     return info if isinstance(info, dict) and info.get("name") == "python" else None
 
 
+_SOLUTION_TAGS = {"hide-cell", "solution"}
+
+
 class KvlabContentsManager(AsyncTextFileContentsManager):
     """Jupytext's contents manager, with the stored Python version kept out of Lab's sight."""
 
@@ -33,6 +42,12 @@ class KvlabContentsManager(AsyncTextFileContentsManager):
         info = _python_info(model)
         if info is not None and "version" in info:
             info["version"] = platform.python_version()
+        if info is not None and path.endswith(".md"):
+            for cell in model["content"].get("cells", []):
+                if cell.get("cell_type") == "code" and _SOLUTION_TAGS & set(
+                        cell.get("metadata", {}).get("tags", [])):
+                    cell["metadata"].setdefault("jupyter", {}).update(
+                        source_hidden=True, outputs_hidden=True)
         return model
 
     async def save(self, model, path=""):

@@ -30,7 +30,8 @@ student meets it.
    version other than the server's opens unmodified and saves byte for byte (the contents
    manager in ``.jupyter/jupyter_server_config.py`` shows Lab the running version and writes
    the stored one back).
-5. **Solutions collapsed**: every solution cell (tag ``hide-cell``) shows as a collapsed bar,
+5. **Solutions collapsed**, in the ``.md`` and the ``.ipynb``: every solution cell (tag
+   ``hide-cell``) shows as a collapsed bar,
    and the bar says "Solution" (its first line) instead of the start of the answer.
 6. **Run All, then save, keeps the site's widgets**: Run All in Lab finishes without an error,
    and in the saved notebook every widget output still carries its kernel-free twin
@@ -307,11 +308,14 @@ def check(chapter: str = "notebooks/04-prefix-reuse.md", timeout: float = 180,
             failures += _values_shown("ipynb", ipv, stored)
             if ipv["dirty"]:
                 failures.append("ipynb: opened already marked modified")
-            labelled = [t for t in ipv["collapsed"] if t.lstrip().startswith("# Solution")]
-            if len(labelled) < solutions:
-                failures.append(f"ipynb: {solutions} solution cells, {len(ipv['collapsed'])} "
-                                f"collapsed, {len(labelled)} labelled 'Solution': "
-                                f"{ipv['collapsed'][:3]}")
+            for name in ("md", "ipynb"):
+                view = views[name]
+                labelled = [t for t in view["collapsed"]
+                            if t.lstrip().startswith("# Solution")]
+                if len(labelled) < solutions:
+                    failures.append(f"{name}: {solutions} solution cells, "
+                                    f"{len(view['collapsed'])} collapsed, {len(labelled)} "
+                                    f"labelled 'Solution': {view['collapsed'][:3]}")
             saved = driver.execute_async_script(_SAVE)
             time.sleep(2)
             if saved != "saved":
