@@ -64,3 +64,14 @@ def test_toc_lists_every_chapter_and_only_existing_files():
         else:  # a plain MyST page without code (the glossary, the bibliography)
             assert (ROOT / f"{entry}.md").exists(), f"toc.yml names {entry}, which does not exist"
     assert chapters <= set(listed), f"not in toc.yml: {sorted(chapters - set(listed))}"
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_md_source_round_trips_through_jupytext(source):
+    # what Lab's Jupytext contents manager writes when a reader saves the chapter unchanged
+    from jupytext.config import load_jupytext_configuration_file
+
+    config = load_jupytext_configuration_file(str(NOTEBOOKS / "jupytext.toml"))
+    text = source.read_text()
+    assert jupytext.writes(jupytext.read(source), fmt="md:myst", config=config) == text, (
+        f"{source.name} changes when saved unchanged from Lab: write it back with jupytext")
