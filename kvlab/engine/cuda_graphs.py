@@ -55,7 +55,8 @@ MAX_CAPTURE_SIZE = 512
 def capture_sizes(max_num_seqs: int, limit: int | None = None) -> tuple[int, ...]:
     """The ladder of batch sizes to capture: vLLM's default pattern ``1, 2, 4``, multiples of 8
     below 256, multiples of 16 from 256, cut at ``min(max_num_seqs, limit)`` (default
-    :data:`MAX_CAPTURE_SIZE`), that size itself included. ValueError for a size below 1."""
+    :data:`MAX_CAPTURE_SIZE`), that size itself included (vLLM cuts its default ladder at
+    ``min(2 * max_num_seqs, 512)``, ``vllm/config/vllm.py``). ValueError for a size below 1."""
     top = min(max_num_seqs, MAX_CAPTURE_SIZE if limit is None else limit)
     if top < 1:
         raise ValueError(f"capture_sizes: the largest size must be >= 1, got {top}")
