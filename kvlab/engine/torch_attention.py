@@ -39,19 +39,24 @@ def attend_chunks(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                   scale: float) -> None:
     """Write the attention of every dense chunk of ``meta`` into ``out [N, H, D]``: a fresh
     prompt is one causal SDPA over its new ``k, v [N, KV, D]``; a chunk behind a cached prefix
-    reads the prefix through its table (:func:`attend_behind_prefix`)."""
+    reads the prefix and its own K/V through its table (:func:`attend_behind_prefix`), as the
+    compiled chunk op does, so both paths see what the cache stores (a quantized cache's
+    rounded values included)."""
     _, bs, kv_heads, dim = k_cache.shape
     for s in meta.dense:
         lo, hi, start = meta.query_start[s], meta.query_start[s + 1], meta.start_pos[s]
-        qc, kc, vc = (t[lo:hi].transpose(0, 1)[None] for t in (q, k, v))   # [1, heads, n, D]
+        qc = q[lo:hi].transpose(0, 1)[None]                                 # [1, heads, n, D]
         if start == 0:
+            kc, vc = (t[lo:hi].transpose(0, 1)[None] for t in (k, v))
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale,
                                                enable_gqa=q.shape[1] != kv_heads)
         else:
-            blocks = meta.block_tables[s, :-(-start // bs)]
-            kp, vp = (c.index_select(0, blocks).view(-1, kv_heads, dim)[:start].transpose(0, 1)
+            end = start + hi - lo
+            blocks = meta.block_tables[s, :-(-end // bs)]
+            kt, vt = (c.index_select(0, blocks).view(-1, kv_heads, dim)[:end].transpose(0, 1)
                       for c in (k_cache, v_cache))
-            o = attend_behind_prefix(qc, kp[None], vp[None], kc, vc, scale)
+            o = attend_behind_prefix(qc, kt[None, :, :start], vt[None, :, :start],
+                                     kt[None, :, start:], vt[None, :, start:], scale)
         out[lo:hi] = o[0].transpose(0, 1)
 
 

@@ -108,8 +108,13 @@ class QuantizedPagedKVCache:
             1, dtype=torch.long, device=dev)
         remap = torch.zeros(self.num_blocks, dtype=torch.long, device=dev)
         remap[blocks] = torch.arange(blocks.numel(), device=dev)
+        # a fresh prompt attends its own unrounded K/V (as a fresh prompt does over a plain
+        # cache); the compiled chunk op reads every chunk back from the cache, so a step with
+        # one runs its attention on the torch path
+        fresh = any(meta.start_pos[s] == 0 for s in meta.dense)
         small = dataclasses.replace(meta, block_tables=remap[meta.block_tables],
-                                    paged_tables=remap[meta.paged_tables])
+                                    paged_tables=remap[meta.paged_tables],
+                                    kernel=None if fresh else meta.kernel)
         self._step = (meta, small, blocks)
         return small, blocks
 
