@@ -11,31 +11,21 @@ here; ``benchmarks/gpu_check.py`` checks them on a GPU with the tighter bound.""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpret import run_interpreted
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
     reason="triton is not installed (pip install -e '.[dev]' installs it; CI does)")
 
-REPO = Path(__file__).resolve().parent.parent
 OPS = ("rms_norm", "add_rms_norm.sum", "add_rms_norm", "silu_and_mul", "rope")
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "kvlab.engine.fused_parity"], env=env,
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("kvlab.engine.fused_parity")
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -12,13 +12,9 @@ two; float32 and bfloat16. Every construct the kernels use runs in the interpret
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from triton_interpret import run_interpreted
 
 from kvlab.engine.triton_parity import CASES
 
@@ -26,17 +22,11 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
     reason="triton is not installed (pip install -e '.[dev]' installs it; CI does)")
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "kvlab.engine.triton_parity"], env=env,
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("kvlab.engine.triton_parity")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
