@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate, chain
 
+import numpy as np
 import torch
 
 from kvlab.kernels import triton
@@ -56,7 +58,7 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.query_start[-1]
 
-    @property
+    @cached_property
     def last_row(self) -> tuple[int, ...]:
         """The row of each chunk's last token."""
         return tuple(r - 1 for r in self.query_start[1:])
@@ -73,28 +75,32 @@ def flat_metadata(token_ids: Sequence[Sequence[int]], start_pos: Sequence[int],
                   ) -> AttentionMetadata:
     """The metadata of chunks ``token_ids[s]`` at ``start_pos[s]`` with tables
     ``block_tables [B, >= W]`` (CPU, long) that cover them (checked by the callers)."""
-    lens = [len(t) for t in token_ids]
-    query_start = tuple(accumulate(lens, initial=0))
-    end = max(p + n for p, n in zip(start_pos, lens, strict=True))
+    # numpy, not torch: torch's CPU repeat_interleave runs a parallel region even for a few
+    # rows, which cost milliseconds per step with many threads on a GPU host
+    lens = np.array([len(t) for t in token_ids], dtype=np.int64)
+    starts = np.array(start_pos, dtype=np.int64)
+    query_start = tuple(accumulate(lens.tolist(), initial=0))
+    end = int((starts + lens).max())
     tables = block_tables[:, :-(-end // block_size)]
-    n_t = torch.tensor(lens)
-    seq = torch.repeat_interleave(torch.arange(len(lens)), n_t)              # row -> chunk
-    first = torch.tensor(query_start[:-1]).repeat_interleave(n_t)
-    positions = torch.arange(query_start[-1]) - first + torch.tensor(start_pos)[seq]
-    slots = tables[seq, positions // block_size] * block_size + positions % block_size
-    paged = [n == 1 or (kernel is not None and p > 0 and n <= PAGED_MAX_TOKENS)
-             for p, n in zip(start_pos, lens, strict=True)]
-    rows = torch.tensor(paged).repeat_interleave(n_t).nonzero()[:, 0]
+    seq = np.repeat(np.arange(len(lens)), lens)                              # row -> chunk
+    positions = np.arange(query_start[-1]) - np.array(query_start[:-1])[seq] + starts[seq]
+    slots = tables.numpy()[seq, positions // block_size] * block_size + positions % block_size
+    paged = (lens == 1) | ((kernel is not None) & (starts > 0) & (lens <= PAGED_MAX_TOKENS))
+    rows = np.flatnonzero(paged[seq])
     paged_lens = positions[rows] + 1
-    width = -(-int(paged_lens.max()) // block_size) if rows.numel() else 0
+    width = -(-int(paged_lens.max()) // block_size) if rows.size else 0
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device)
+
     return AttentionMetadata(
         input_ids=torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.long,
                                device=device),
-        positions=positions.to(device), slot_mapping=slots.to(device),
-        block_tables=tables.to(device), query_start=query_start, start_pos=tuple(start_pos),
-        paged_rows=rows.to(device), paged_tables=tables[:, :width][seq[rows]].to(device),
-        paged_lens=paged_lens.to(device),
-        dense=tuple(s for s, p in enumerate(paged) if not p), kernel=kernel)
+        positions=dev(positions), slot_mapping=dev(slots), block_tables=tables.to(device),
+        query_start=query_start, start_pos=tuple(start_pos), paged_rows=dev(rows),
+        paged_tables=tables[:, :width][torch.from_numpy(seq[rows])].to(device),
+        paged_lens=dev(paged_lens), dense=tuple(np.flatnonzero(~paged).tolist()),
+        kernel=kernel)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
