@@ -6,7 +6,8 @@ in one subprocess (``python -m kvlab.engine.triton_parity``) and this module onl
 JSON. Cases (see ``kvlab.engine.triton_parity.CASES``): multi-head, grouped-query with groups
 of 2, 3 and 4 and multi-query; block sizes 1, 4, 8, 16 and 32; ragged context lengths (one
 token, exactly one block, one past a block, several blocks); a head_dim that is not a power of
-two; float32 and bfloat16. Every construct the kernels use runs in the interpreter.
+two; float32 and bfloat16; one context split, the default, five and 32 (splits left empty
+by short rows). Every construct the kernels use runs in the interpreter.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def test_parity_harness_detects_a_wrong_kernel(monkeypatch):
     from kvlab.engine.attention import write_kv
     from kvlab.kernels import triton as triton_kernels
 
-    def fake_decode(q, kc, vc, table, positions, scale, out=None):
+    def fake_decode(q, kc, vc, table, positions, scale, out=None, splits=None):
         # attends to positions 0 .. p-1 only (drops the newest token): must be caught
         bs = kc.shape[1]
         rows = []
@@ -67,7 +68,7 @@ def test_parity_harness_detects_a_wrong_kernel(monkeypatch):
             w = torch.einsum("hd,thd->ht", q[i].float(), k.float()) * scale
             rows.append(torch.einsum("ht,thd->hd", w.softmax(-1), v.float()))
         result = torch.stack(rows).to(q.dtype)
-        if out is not None:   # row_attention passes its output buffer, as the kernel fills it
+        if out is not None:   # the harness passes its output buffer, as the kernel fills it
             out.copy_(result)
         return result
 

@@ -32,6 +32,7 @@ class Case:
     block_size: int
     lengths: tuple[int, ...]
     dtype: str = "float32"
+    splits: int | None = None   # the decode kernel's context splits (None: its own choice)
 
 
 CASES: dict[str, Case] = {
@@ -42,6 +43,9 @@ CASES: dict[str, Case] = {
     "gqa_bs8_dim24": Case(4, 2, 24, 8, (8, 9, 23)),                  # head_dim not a power of 2
     "gqa_bs16_bf16": Case(8, 2, 32, 16, (5, 31, 48), "bfloat16"),
     "mha_bs32_bf16": Case(2, 2, 64, 32, (1, 64, 65), "bfloat16"),
+    "gqa_bs16_one_split": Case(8, 2, 32, 16, (3, 33, 70), splits=1),   # writes out directly
+    "gqa_bs4_5_splits": Case(4, 2, 32, 4, (1, 2, 9, 61, 200), splits=5),  # some splits empty
+    "gqa_bs16_32_splits_bf16": Case(14, 2, 64, 16, (1, 300, 520), "bfloat16", splits=32),
 }
 
 
@@ -86,7 +90,8 @@ def compare(case: Case, device: str | torch.device = "cpu", seed: int = 0) -> di
     scale = dim ** -0.5
     tables_t, lens = meta.paged_tables, meta.paged_lens
     got = q.new_empty(q.shape)
-    triton_kernels.row_attention(got, q, k_cache, v_cache, tables_t, lens, scale)
+    triton_kernels.decode_attention(q, k_cache, v_cache, tables_t, lens - 1, scale, out=got,
+                                    splits=case.splits)
     want = attend_rows(q, kc_t, vc_t, tables_t, lens, scale).float()
     # float32 reference on the same (rounded) inputs: the kernel accumulates in float32
     ref = attend_rows(q.float(), kc_t.float(), vc_t.float(), tables_t, lens, scale)

@@ -6,10 +6,12 @@ Both read the metadata :func:`kvlab.engine.attention.flat_metadata` builds, unch
   :func:`~kvlab.engine.attention.write_kv` does with ``index_copy_``): one program per token.
 - :func:`decode_attention` attends rows of one query token each through their block tables
   (``meta.paged_tables``); each row's context length is its position + 1. One program per
-  (row, KV head) walks the row's blocks straight from the cache (no gather), scores the
-  ``G = H // KV`` query heads of that KV head against each block and keeps an online softmax
-  (running max, running sum, rescaled accumulator) in float32; the output is in the query
-  dtype.
+  (row, KV head, split) walks its share of the row's blocks straight from the cache (no
+  gather), a few blocks per iteration, scores the ``G = H // KV`` query heads of that KV head
+  against them and keeps an online softmax (running max, running sum, rescaled accumulator) in
+  float32. With one split it writes the output; with more (flash decoding: a batch too small
+  to fill the GPU splits each context) a second kernel merges the splits' partial results by
+  log-sum-exp. The output is in the query dtype.
 
 :func:`available` says whether Triton can run here; :mod:`kvlab.engine.attention` selects
 these kernels automatically for CUDA tensors and keeps its torch code everywhere else. The
@@ -56,16 +58,18 @@ def _kernels():
                  mask=m)
 
     @triton.jit
-    def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, table_ptr, pos_ptr, scale,
-                       stride_qn, stride_qh, stride_on, stride_oh, max_blocks,
+    def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr, table_ptr,
+                       pos_ptr, scale, stride_qn, stride_qh, stride_on, stride_oh, max_blocks,
                        KV: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-                       D: tl.constexpr, D_P2: tl.constexpr,
-                       BS: tl.constexpr, BS_P2: tl.constexpr):
+                       D: tl.constexpr, D_P2: tl.constexpr, BS: tl.constexpr,
+                       BS_P2: tl.constexpr, PAGES: tl.constexpr, SPLITS: tl.constexpr):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
         g = tl.arange(0, G_P2)
         d = tl.arange(0, D_P2)
-        t = tl.arange(0, BS_P2)
+        t = tl.arange(0, PAGES * BS_P2)       # PAGES pages per iteration
+        page, off = t // BS_P2, t % BS_P2
         gm = g < G
         dm = d < D
         heads = kvh * G + g
@@ -73,17 +77,21 @@ def _kernels():
                     mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32)
         ctx = tl.load(pos_ptr + row).to(tl.int32) + 1
         num_blocks = (ctx + BS - 1) // BS
+        per_split = (num_blocks + SPLITS - 1) // SPLITS
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, num_blocks)
         m_i = tl.full([G_P2], float("-inf"), tl.float32)
         l_i = tl.zeros([G_P2], tl.float32)
         acc = tl.zeros([G_P2, D_P2], tl.float32)
-        for j in range(0, num_blocks):
-            blk = tl.load(table_ptr + row * max_blocks + j).to(tl.int64)
-            valid = (t < BS) & (j * BS + t < ctx)
-            base = ((blk * BS + t) * KV + kvh) * D
+        for j in range(lo, hi, PAGES):
+            pj = j + page
+            blk = tl.load(table_ptr + row * max_blocks + pj, mask=pj < hi, other=0).to(tl.int64)
+            valid = (pj < hi) & (off < BS) & (pj * BS + off < ctx)
+            base = ((blk * BS + off) * KV + kvh) * D
             kvm = valid[:, None] & dm[None, :]
             k = tl.load(kc_ptr + base[:, None] + d[None, :], mask=kvm, other=0.0).to(tl.float32)
             v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=kvm, other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale   # [G_P2, BS_P2]
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale   # [G_P2, tokens]
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
@@ -91,11 +99,37 @@ def _kernels():
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m_i = m_new
-        o = acc / l_i[:, None]
-        tl.store(out_ptr + row * stride_on + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+        hm = gm[:, None] & dm[None, :]
+        if SPLITS == 1:
+            tl.store(out_ptr + row * stride_on + heads[:, None] * stride_oh + d[None, :],
+                     (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=hm)
+        else:   # this split's unnormalised partial, its max and sum: [rows, H, SPLITS, ...]
+            at = (row * KV * G + heads) * SPLITS + split
+            tl.store(po_ptr + at[:, None] * D + d[None, :], acc, mask=hm)
+            tl.store(pm_ptr + at, m_i, mask=gm)
+            tl.store(pl_ptr + at, l_i, mask=gm)
 
-    return triton, _store_kv_kernel, _decode_kernel
+    @triton.jit
+    def _merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, stride_on, stride_oh,
+                      H: tl.constexpr, SPLITS: tl.constexpr, S_P2: tl.constexpr,
+                      D: tl.constexpr, D_P2: tl.constexpr):
+        row = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.arange(0, S_P2)
+        d = tl.arange(0, D_P2)
+        sm = s < SPLITS
+        dm = d < D
+        at = (row * H + h) * SPLITS + s
+        m = tl.load(pm_ptr + at, mask=sm, other=float("-inf"))
+        w = tl.exp(m - tl.max(m, axis=0))     # an empty split (max -inf) weighs 0
+        l_sum = tl.sum(w * tl.load(pl_ptr + at, mask=sm, other=0.0), axis=0)
+        o = tl.load(po_ptr + at[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :],
+                    other=0.0)
+        o = tl.sum(w[:, None] * o, axis=0) / l_sum
+        tl.store(out_ptr + row * stride_on + h * stride_oh + d, o.to(out_ptr.dtype.element_ty),
+                 mask=dm)
+
+    return triton, _store_kv_kernel, _decode_kernel, _merge_kernel
 
 
 def _p2(n: int) -> int:
@@ -105,7 +139,7 @@ def _p2(n: int) -> int:
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Triton version of :func:`kvlab.engine.attention.write_kv` (same arguments, in place)."""
-    _, store, _ = _kernels()
+    _, store, _, _ = _kernels()
     n = k.shape[0]
     if n == 0:
         return
@@ -117,12 +151,34 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
                 ROW=row, ROW_P2=_p2(row))
 
 
+#: split a row's context over at most this many programs (flash decoding)
+MAX_SPLITS = 32
+
+
+@functools.cache
+def _processors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (16 stands in under the interpreter)."""
+    if device.type != "cuda":
+        return 16
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(rows: int, kv_heads: int, max_blocks: int, device: torch.device) -> int:
+    """How many programs share one (row, KV head)'s context: enough to give every
+    multiprocessor two programs, at most :data:`MAX_SPLITS` and at most one per block."""
+    want = -(-2 * _processors(device) // (rows * kv_heads))
+    return max(1, min(want, MAX_SPLITS, max_blocks))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_table: torch.Tensor, positions: torch.Tensor, scale: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, splits: int | None = None
+                     ) -> torch.Tensor:
     """Attention of ``q: [B, H, D]`` (one token per row, at ``positions[i]``) over the paged
-    cache through ``block_table: [B, max_blocks]``; returns ``[B, H, D]`` (``out`` if given)."""
-    _, _, decode = _kernels()
+    cache through ``block_table: [B, max_blocks]``; returns ``[B, H, D]`` (``out`` if given).
+    Each row's context is cut into ``splits`` parts (default :func:`num_splits`, fixed by the
+    shapes, so a captured graph replays it), attended in parallel and merged by log-sum-exp."""
+    _, _, decode, merge = _kernels()
     b, heads, dim = q.shape
     _, bs, kv_heads, _ = k_cache.shape
     if q.stride(-1) != 1:
@@ -131,10 +187,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out = torch.empty(b, heads, dim, dtype=q.dtype, device=q.device)
     group = heads // kv_heads
     table = block_table.contiguous()
-    decode[(b, kv_heads)](q, k_cache, v_cache, out, table, positions.contiguous(), scale,
-                          q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                          table.shape[1], KV=kv_heads, G=group, G_P2=_p2(group),
-                          D=dim, D_P2=_p2(dim), BS=bs, BS_P2=_p2(bs))
+    if splits is None:
+        splits = num_splits(b, kv_heads, table.shape[1], q.device)
+    po = pm = pl = out   # one split: the kernel writes ``out`` and no partials
+    if splits > 1:
+        po = torch.empty(b, heads, splits, dim, dtype=torch.float32, device=q.device)
+        pm, pl = torch.empty(2, b, heads, splits, dtype=torch.float32, device=q.device)
+    decode[(b, kv_heads, splits)](
+        q, k_cache, v_cache, out, po, pm, pl, table, positions.contiguous(), scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), table.shape[1],
+        KV=kv_heads, G=group, G_P2=_p2(group), D=dim, D_P2=_p2(dim), BS=bs, BS_P2=_p2(bs),
+        PAGES=max(1, 32 // _p2(bs)), SPLITS=splits)
+    if splits > 1:
+        merge[(b, heads)](po, pm, pl, out, out.stride(0), out.stride(1), H=heads,
+                          SPLITS=splits, S_P2=_p2(splits), D=dim, D_P2=_p2(dim))
     return out
 
 
