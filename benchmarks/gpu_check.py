@@ -220,7 +220,8 @@ def decode_run(path: Path, device: str, batches: list[int], steps: int, prompt: 
 
 #: what :func:`profile_decode` merges into a timed row
 PROFILE_KEYS = ("kernel_launches_per_step", "graph_launches_per_step", "gpu_ops_per_step",
-                "gpu_busy_ms_per_step", "step_ms_profiled", "flag", "profile_error")
+                "gpu_busy_ms_per_step", "step_ms_profiled", "gpu_top", "flag",
+                "profile_error")
 
 
 def busy_share(prof: dict, timed: dict, device: str) -> dict:

@@ -64,3 +64,21 @@ def test_without_a_gpu_it_exits_2_and_says_why(tmp_path):
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stderr and "--smoke" in proc.stderr
     assert not (tmp_path / "gpu_check.json").exists()
+
+
+def test_decode_profile_smoke_run_writes_phases_and_host_functions(tmp_path):
+    script = REPO / "benchmarks" / "profile_gpu_decode.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_decode_profile.json").read_text())
+    for rows in (result["batches"], result["eager"]["batches"]):
+        assert set(rows) == {"1", "3"}
+        for r in rows.values():
+            phases = r["host_ms_per_step_by_phase"]
+            assert set(phases) == {"schedule", "metadata", "forward", "sampling", "output",
+                                   "step"}
+            assert phases["forward"] > 0 and phases["step"] >= phases["forward"]
+            assert r["host_functions"] and all(f["own_ms_per_step"] >= 0
+                                               for f in r["host_functions"])
