@@ -1,4 +1,5 @@
-"""The fused Triton ops (kvlab.kernels.triton_fused: RMSNorm with residual add, SiLU-and-mul,
+"""A decoder layer's ops tables (kvlab.engine.fused_ops): the engine binds one per model, and
+the fused Triton ops (kvlab.kernels.triton_fused: RMSNorm with residual add, SiLU-and-mul,
 RoPE) equal the torch path on CPU under Triton's interpreter, and an engine with them bound
 generates kvlab-tiny's greedy tokens unchanged.
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from triton_interpret import run_interpreted
 
-pytestmark = pytest.mark.skipif(
+needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
     reason="triton is not installed (pip install -e '.[dev]' installs it; CI does)")
 
@@ -28,6 +29,7 @@ def results() -> dict:
     return run_interpreted("kvlab.engine.fused_parity")
 
 
+@needs_triton
 @pytest.mark.parametrize("op", OPS)
 def test_fused_kernels_match_torch_in_float32(results, op):
     r = results["ops_float32"][op]
@@ -36,6 +38,7 @@ def test_fused_kernels_match_torch_in_float32(results, op):
         assert r["vs_torch"] == 0.0, r
 
 
+@needs_triton
 @pytest.mark.parametrize("op", OPS)
 def test_fused_kernels_match_torch_in_bfloat16(results, op):
     r = results["ops_bfloat16"][op]
@@ -43,11 +46,13 @@ def test_fused_kernels_match_torch_in_bfloat16(results, op):
     assert r["rel_vs_torch"] < 2 * 2 ** -7 + 2 ** -8, r
 
 
+@needs_triton
 def test_rope_leaves_the_rest_of_the_qkv_row_alone(results):
     assert results["ops_float32"]["rope"]["untouched_tail_exact"]
     assert results["ops_bfloat16"]["rope"]["untouched_tail_exact"]
 
 
+@needs_triton
 def test_engine_with_fused_ops_generates_the_same_tokens(results):
     r = results["engine"]
     assert r["layers_bound"] == 4 and r["tokens"] > 0
@@ -95,3 +100,60 @@ def test_fused_ops_refuse_bad_shapes():
         triton_fused.add_rms_norm(x, torch.zeros(3, 8, dtype=torch.float64), torch.ones(8), 1e-5)
     with pytest.raises(ValueError, match="do not fit"):
         triton_fused.rope_(torch.zeros(2, 3, 8), torch.zeros(2, 3), torch.zeros(2, 3))
+
+
+def test_add_rms_norm_is_the_residual_add_then_the_norm():
+    # the definition every table keeps: the layer's former ``x = o(attn).add_(x)`` then
+    # ``rms_norm(x)``, bit for bit, the sum written into the first argument
+    from kvlab.engine.fused_ops import compiled_cpu_ops
+    from kvlab.engine.model import TorchOps, rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 48, generator=gen), torch.randn(48, generator=gen)
+    for ops in (TorchOps, compiled_cpu_ops(torch.float32)):
+        if ops is None:    # the compiled CPU build is missing here
+            continue
+        y = torch.randn(5, 48, generator=gen)
+        want_sum = y + x
+        normed, total = ops.add_rms_norm(y, x, w, 1e-5)
+        assert total is y and torch.equal(total, want_sum)
+        assert torch.equal(normed, ops.rms_norm(want_sum, w, 1e-5))
+    assert torch.equal(TorchOps.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
+
+
+def test_the_engine_binds_one_ops_table_per_model(monkeypatch):
+    """On the CPU in float32 the layers get the compiled build's ops (TorchOps with its three)
+    where it built, else torch's; bind_fused_ops puts the Triton table in (unless
+    KVLAB_FUSED_OPS=0) and unbind_fused_ops takes every layer back to TorchOps."""
+    from kvlab.engine.checkpoint import load_checkpoint
+    from kvlab.engine.fused_ops import (
+        TritonOps,
+        bind_fused_ops,
+        bind_layer_ops,
+        unbind_fused_ops,
+    )
+    from kvlab.engine.model import DecoderLayer, TorchOps
+    from kvlab.kernels import cpu as cpu_kernels
+    from kvlab.kernels import triton as triton_kernels
+
+    model = load_checkpoint("kvlab-tiny").model
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    assert all(layer.ops is TorchOps for layer in layers)   # unbound: torch's
+    ops = bind_layer_ops(model)
+    assert all(layer.ops is ops for layer in layers) and issubclass(ops, TorchOps)
+    if cpu_kernels.available():
+        built = cpu_kernels.FUSED_OPS[torch.float32]
+        assert (ops.rms_norm, ops.rope_, ops.silu_and_mul) == (
+            built.rms_norm, built.rope_, built.silu_and_mul)
+        assert ops.add_rms_norm.__func__ is TorchOps.add_rms_norm.__func__
+    else:
+        assert ops is TorchOps
+    assert bind_layer_ops(load_checkpoint("kvlab-tiny", dtype=torch.float64).model) is TorchOps
+    monkeypatch.setenv("KVLAB_FUSED_OPS", "0")
+    assert bind_fused_ops(model) == 0 and all(layer.ops is ops for layer in layers)
+    monkeypatch.delenv("KVLAB_FUSED_OPS")
+    if triton_kernels.available():
+        assert bind_fused_ops(model) == len(layers) == 4
+        assert all(layer.ops is TritonOps for layer in layers)
+    unbind_fused_ops(model)
+    assert all(layer.ops is TorchOps for layer in layers)

@@ -25,6 +25,7 @@ from kvlab.kernels.cpu_linear import pack_linears
 from .checkpoint import LoadedCheckpoint
 from .config import ModelConfig
 from .engine_args import EngineArgs, resolve_device, resolve_dtype, size_kv_cache
+from .fused_ops import bind_layer_ops
 from .model_runner import ModelRunner
 from .quantization.setup import EngineQuantization
 from .spec_decode.setup import Speculator
@@ -184,9 +185,7 @@ def build_parts(a: EngineArgs, load_tokenizer: Callable[[Path], Tokenizer | None
     drafts = (speculator.draft.model,) if speculator and speculator.draft else ()
     for model in (ckpt.model, *drafts):   # CPU: oneDNN, weights packed once (cpu_linear)
         pack_linears(model)
-        if dev.type == "cuda":            # CUDA: fused Triton norms, RoPE and SiLU-and-mul
-            from .fused_ops import bind_fused_ops
-            bind_fused_ops(model)
+        bind_layer_ops(model)             # compiled norms, RoPE, SiLU-and-mul (CUDA: Triton)
     graphs = use_decode_graphs(a, dev, quant, speculator)
     # with graphs, one block past the manager's: the padded rows' scratch block
     cache = quant.make_kv_cache(cfg, size.num_blocks + graphs, a.block_size, dtype, dev)

@@ -1,11 +1,12 @@
 """The fused Triton ops vs the torch path (used by tests under ``TRITON_INTERPRET=1`` on CPU,
 and by ``benchmarks/gpu_check.py`` on a GPU).
 
-:func:`compare_ops` runs each kernel of :mod:`kvlab.kernels.triton_fused` and the torch code of
-:mod:`kvlab.engine.model` on the same random inputs (odd sizes, strided rows, float32 and
-bfloat16) and reports the largest differences; :func:`compare_engine` generates greedily with
-kvlab-tiny twice, with :func:`~kvlab.engine.fused_ops.bind_fused_ops` and without, and reports
-whether the tokens agree and the largest log-probability difference. Run
+:func:`compare_ops` runs each kernel of :mod:`kvlab.kernels.triton_fused` and its definition in
+:mod:`kvlab.engine.model` (``TorchOps``) on the same random inputs (odd sizes, strided rows,
+float32 and bfloat16) and reports the largest differences; :func:`compare_engine` generates
+greedily with kvlab-tiny twice, with the torch ops and with the Triton ones bound
+(:func:`~kvlab.engine.fused_ops.bind_fused_ops`), and reports whether the tokens agree and the
+largest log-probability difference. Run
 ``TRITON_INTERPRET=1 python -m kvlab.engine.fused_parity`` to print both as JSON.
 """
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from kvlab.kernels import triton_fused as tf
 
-from .model import apply_rope, rms_norm
+from .model import TorchOps, apply_rope, rms_norm
 
 __all__ = ["compare_engine", "compare_ops"]
 
@@ -58,10 +59,10 @@ def compare_ops(device: str | torch.device = "cpu", dtype: torch.dtype = torch.f
         eps = 1e-5
         record("rms_norm", tf.rms_norm(x, w, eps), rms_norm(x, w, eps),
                rms_norm(x.float(), w.float(), eps))
-        want_sum = x + res
+        want_norm, want_sum = TorchOps.add_rms_norm(x.clone(), res, w, eps)
         got_norm, got_sum = tf.add_rms_norm(x.clone(), res, w, eps)
         record("add_rms_norm.sum", got_sum, want_sum, x.float() + res.float())
-        record("add_rms_norm", got_norm, rms_norm(want_sum, w, eps),
+        record("add_rms_norm", got_norm, want_norm,
                rms_norm(x.float() + res.float(), w.float(), eps))
         gu = rand(n, 2 * inter, scale=2.0)
         g, u = gu.chunk(2, dim=-1)
@@ -80,8 +81,9 @@ def compare_ops(device: str | torch.device = "cpu", dtype: torch.dtype = torch.f
 
 
 def compare_engine(device: str = "cpu", max_tokens: int = 12) -> dict:
-    """kvlab-tiny generating greedily (prefill and decode steps, batch of 3) with and without
-    the fused ops: whether every token agrees and the largest log-probability difference."""
+    """kvlab-tiny generating greedily (prefill and decode steps, batch of 3) with the torch ops
+    and with the Triton ones: whether every token agrees and the largest log-probability
+    difference."""
     from .fused_ops import bind_fused_ops, unbind_fused_ops
     from .llm import LLM
     from .sampler import SamplingParams

@@ -10,8 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlab.kernels.cpu import FUSED_OPS
-
 from .attention import AttentionMetadata, paged_attention, write_kv
 from .config import ModelConfig
 
@@ -42,20 +40,26 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class TorchOps:
-    """A layer's small ops in torch, the definition; the compiled CPU build
-    (:data:`kvlab.kernels.cpu.FUSED_OPS`) does each in one pass, ``rope_`` in place."""
+    """A layer's small ops in torch, the definitions (:mod:`kvlab.engine.fused_ops` binds others):
+    ``add_rms_norm(y, x, w, eps)`` is ``(rms_norm(y + x), y + x)``, the sum written into ``y``."""
 
     rms_norm, rope_, silu_and_mul = map(staticmethod, (rms_norm, apply_rope, silu_and_mul))
+
+    @classmethod
+    def add_rms_norm(cls, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = y.add_(x)
+        return cls.rms_norm(x, w, eps), x
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP with residuals; fused QKV and gate/up weights."""
+    ops: type[TorchOps] = TorchOps   # the small ops it calls (bound per model by the engine)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_size = cfg.num_heads * d
-        self.kv_size = cfg.num_kv_heads * d
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         self.input_norm = nn.Parameter(torch.ones(h))
         self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o = nn.Linear(self.q_size, h, bias=cfg.o_bias)
@@ -65,9 +69,7 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
-        cfg = self.cfg
-        n = x.shape[0]
-        ops = FUSED_OPS.get(x.dtype, TorchOps) if x.device.type == "cpu" else TorchOps
+        cfg, n, ops = self.cfg, x.shape[0], self.ops
         hs = ops.rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         qkv = self.qkv(hs)
         # rotate Q and K heads together: one RoPE call for both
@@ -80,8 +82,8 @@ class DecoderLayer(nn.Module):
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
         else:  # a quantized KV layer (kvlab.engine.quantization.kv_cache) stores and reads
             attn = k_cache.write_and_attend(q, k, v, meta, cfg.head_dim ** -0.5)
-        x = self.o(attn.reshape(n, self.q_size)).add_(x)
-        hs = ops.rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        hs, x = ops.add_rms_norm(self.o(attn.reshape(n, self.q_size)), x, self.post_norm,
+                                 cfg.rms_norm_eps)
         return self.down(ops.silu_and_mul(self.gate_up(hs))).add_(x)
 
 
@@ -150,5 +152,4 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits ``[M, V]`` (float32) of hidden states ``[M, hidden]``."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
-        return logits if logits.dtype == torch.float32 else logits.float()
+        return F.linear(hidden, weight).float()   # (a no-op in float32)

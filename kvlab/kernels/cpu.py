@@ -6,10 +6,10 @@ The decode op walks each row's block table straight through the cache with a flo
 instead of gathering the blocks first, as the torch path does
 (``benchmarks/bench_decode_attention.py`` measures both). :func:`decode_op` hands a runner the
 compiled op once, at construction (through :func:`kvlab.kernels.row_kernel`); the engine calls
-it every step with no Python in between, and finds the chunk op in :data:`CHUNK_OPS` and the
-layer ops in :data:`FUSED_OPS` by one lookup. :func:`decode_attention` and
-:func:`chunk_attention` are the checked entry points (tests, benchmarks): the kernels read raw
-memory, so they validate every index first.
+it every step with no Python in between, and finds the chunk op in :data:`CHUNK_OPS` by one
+lookup; the layer ops of :data:`FUSED_OPS` are bound into a model once.
+:func:`decode_attention` and :func:`chunk_attention` are the checked entry points (tests,
+benchmarks): the kernels read raw memory, so they validate every index first.
 
 Built on first use with :func:`torch.utils.cpp_extension.load_inline` (a C++ compiler and
 ``ninja``; about 20 s once) for the CPU's vector width, cached under ``$TORCH_EXTENSIONS_DIR``
@@ -62,8 +62,9 @@ _lock = threading.Lock()
 #: lookup, no call into this module
 CHUNK_OPS: dict[Callable[..., None], Callable[..., None]] = {}
 #: dtype -> the compiled build, whose ``rms_norm(x, weight, eps)``, ``rope_(x, cos, sin)`` (in
-#: place) and ``silu_and_mul(gate_up)`` a decoder layer calls in place of its torch ops
-#: (``model.py``); filled when the build loads (float32 only), empty where it did not
+#: place) and ``silu_and_mul(gate_up)`` a decoder layer calls in place of its torch ops (the
+#: engine build binds them, ``kvlab.engine.fused_ops.compiled_cpu_ops``); filled when the build
+#: loads (float32 only), empty where it did not
 FUSED_OPS: dict[torch.dtype, Any] = {}
 _module: Any = None
 _error: str | None = None

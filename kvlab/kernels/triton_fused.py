@@ -15,7 +15,8 @@ Each computes in float32 and rounds to the input dtype where the torch path
 u``) rounds, so in float32 they agree to a few ulps and in bfloat16 to one rounding (the sums'
 order differs). One program per token row. They run on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1``, set before Triton is imported): ``kvlab.engine.fused_parity`` checks
-them there and on a GPU. :func:`kvlab.engine.fused_ops.bind_fused_ops` puts them in a model.
+them there and on a GPU. As :class:`kvlab.engine.fused_ops.TritonOps` they are a decoder layer's
+ops table (``add_rms_norm``'s contract: ``TorchOps.add_rms_norm`` in ``kvlab.engine.model``).
 """
 
 from __future__ import annotations
