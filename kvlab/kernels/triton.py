@@ -8,7 +8,8 @@ Both read the metadata :func:`kvlab.engine.attention.flat_metadata` builds, unch
   (``meta.paged_tables``); each row's context length is its position + 1. One program per
   (row, KV head, split) walks its share of the row's blocks straight from the cache (no
   gather), a few blocks per iteration, scores the ``G = H // KV`` query heads of that KV head
-  against them and keeps an online softmax (running max, running sum, rescaled accumulator) in
+  against them as one matrix product (padded to 16 rows for the tensor cores) and keeps an
+  online softmax (running max, running sum, rescaled accumulator) in
   float32. With one split it writes the output; with more (flash decoding: a batch too small
   to fill the GPU splits each context) a second kernel merges the splits' partial results by
   log-sum-exp. The output is in the query dtype.
@@ -62,7 +63,8 @@ def _kernels():
                        pos_ptr, scale, stride_qn, stride_qh, stride_on, stride_oh, max_blocks,
                        KV: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                        D: tl.constexpr, D_P2: tl.constexpr, BS: tl.constexpr,
-                       BS_P2: tl.constexpr, PAGES: tl.constexpr, SPLITS: tl.constexpr):
+                       BS_P2: tl.constexpr, PAGES: tl.constexpr, SPLITS: tl.constexpr,
+                       F32: tl.constexpr):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -74,7 +76,9 @@ def _kernels():
         dm = d < D
         heads = kvh * G + g
         q = tl.load(q_ptr + row * stride_qn + heads[:, None] * stride_qh + d[None, :],
-                    mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+                    mask=gm[:, None] & dm[None, :], other=0.0)
+        if F32:
+            q = q.to(tl.float32)
         ctx = tl.load(pos_ptr + row).to(tl.int32) + 1
         num_blocks = (ctx + BS - 1) // BS
         per_split = (num_blocks + SPLITS - 1) // SPLITS
@@ -89,15 +93,21 @@ def _kernels():
             valid = (pj < hi) & (off < BS) & (pj * BS + off < ctx)
             base = ((blk * BS + off) * KV + kvh) * D
             kvm = valid[:, None] & dm[None, :]
-            k = tl.load(kc_ptr + base[:, None] + d[None, :], mask=kvm, other=0.0).to(tl.float32)
-            v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=kvm, other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale   # [G_P2, tokens]
-            s = tl.where(valid[None, :], s, float("-inf"))
+            k = tl.load(kc_ptr + base[:, None] + d[None, :], mask=kvm, other=0.0)
+            v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=kvm, other=0.0)
+            # the group's query heads against the tile's keys as one matrix product; in
+            # float32 at full precision (not TF32) where F32 (float32 data; the interpreter,
+            # whose bfloat16 products are wrong), else on the tensor cores in the data's dtype
+            if F32:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee" if F32 else None)
+            s = tl.where(valid[None, :], s * scale, float("-inf"))   # [G_P2, tokens]
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee" if F32 else None)
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
         hm = gm[:, None] & dm[None, :]
         if SPLITS == 1:
@@ -164,10 +174,11 @@ def _processors(device: torch.device) -> int:
 
 
 def num_splits(rows: int, kv_heads: int, max_blocks: int, device: torch.device) -> int:
-    """How many programs share one (row, KV head)'s context: enough to give every
-    multiprocessor two programs, at most :data:`MAX_SPLITS` and at most one per block."""
-    want = -(-2 * _processors(device) // (rows * kv_heads))
-    return max(1, min(want, MAX_SPLITS, max_blocks))
+    """How many programs share one (row, KV head)'s context: about enough to give every
+    multiprocessor two programs, at most :data:`MAX_SPLITS` and one per block, rounded down
+    to a power of two (each count is a compiled variant of the kernel)."""
+    want = min(-(-2 * _processors(device) // (rows * kv_heads)), MAX_SPLITS, max_blocks)
+    return 1 << (max(want, 1).bit_length() - 1)   # a power of two: few kernel variants
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -196,8 +207,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     decode[(b, kv_heads, splits)](
         q, k_cache, v_cache, out, po, pm, pl, table, positions.contiguous(), scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), table.shape[1],
-        KV=kv_heads, G=group, G_P2=_p2(group), D=dim, D_P2=_p2(dim), BS=bs, BS_P2=_p2(bs),
-        PAGES=max(1, 32 // _p2(bs)), SPLITS=splits)
+        KV=kv_heads, G=group, G_P2=max(16, _p2(group)), D=dim, D_P2=max(16, _p2(dim)), BS=bs,
+        BS_P2=_p2(bs), PAGES=max(1, 32 // _p2(bs)), SPLITS=splits,
+        F32=q.dtype == torch.float32 or interpreting())
     if splits > 1:
         merge[(b, heads)](po, pm, pl, out, out.stride(0), out.stride(1), H=heads,
                           SPLITS=splits, S_P2=_p2(splits), D=dim, D_P2=_p2(dim))
