@@ -37,29 +37,32 @@ def _named(name: str, fn):
 @contextlib.contextmanager
 def compiled_ops_visible(llm):
     """Within the block, ``llm``'s compiled CPU ops run inside ``kvlab::<op>`` profiler ranges
-    (the runner's decode op, its chunk op and the layer ops); restored afterwards."""
-    from types import SimpleNamespace
-
+    (the runner's decode op, its chunk op and the ops table bound into each decoder layer);
+    restored afterwards."""
+    from kvlab.engine.model import DecoderLayer, TorchOps
     from kvlab.kernels import cpu
 
     runner = llm.engine.executor
-    kernel, chunks, fused = runner.kernel, dict(cpu.CHUNK_OPS), dict(cpu.FUSED_OPS)
+    kernel, chunks = runner.kernel, dict(cpu.CHUNK_OPS)
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, DecoderLayer)]
+    bound = [layer.ops for layer in layers]
     try:
         if kernel is not None:
             runner.kernel = _named("kvlab::decode_attention", kernel)
             if kernel in chunks:
                 cpu.CHUNK_OPS[runner.kernel] = _named("kvlab::chunk_attention", chunks[kernel])
-        for dtype, module in fused.items():
-            cpu.FUSED_OPS[dtype] = SimpleNamespace(**{
-                op: _named(f"kvlab::{op}", getattr(module, op))
-                for op in ("rms_norm", "rope_", "silu_and_mul")})
+        for layer, ops in zip(layers, bound, strict=True):
+            if ops is not TorchOps:   # a compiled table: opaque to the profiler
+                layer.ops = type("Named" + ops.__name__, (ops,), {
+                    op: staticmethod(_named(f"kvlab::{op}", getattr(ops, op)))
+                    for op in ("rms_norm", "rope_", "silu_and_mul")})
         yield
     finally:
         runner.kernel = kernel
         cpu.CHUNK_OPS.clear()
         cpu.CHUNK_OPS.update(chunks)
-        cpu.FUSED_OPS.clear()
-        cpu.FUSED_OPS.update(fused)
+        for layer, ops in zip(layers, bound, strict=True):
+            layer.ops = ops
 
 
 def profile_phases(model_dir, workload, profiled, threads: int = 1, label: str = "") -> dict:
