@@ -78,3 +78,24 @@ def test_parity_harness_detects_a_wrong_kernel(monkeypatch):
     r = triton_parity.compare(CASES["gqa_bs16"])
     assert r["store_exact"]
     assert r["max_abs_diff_vs_torch_path"] > 1e-2
+
+
+def test_split_counts_fill_the_gpu_once_and_are_powers_of_two():
+    """Contexts split so that rows x KV heads x splits gives each multiprocessor about two
+    programs (16 stand in for a CPU), never more splits than blocks or MAX_SPLITS, always a
+    power of two (each count is a compiled kernel variant, so eager steps whose tables grow
+    do not compile a new one every block)."""
+    import torch
+
+    from kvlab.kernels.triton import MAX_SPLITS, num_splits
+
+    cpu = torch.device("cpu")
+    assert num_splits(1, 2, 256, cpu) == 16           # 2 programs -> 16 splits: 32 programs
+    assert num_splits(1, 1, 256, cpu) == MAX_SPLITS   # capped
+    assert num_splits(64, 2, 256, cpu) == 1           # the batch fills the GPU already
+    assert num_splits(3, 2, 5, cpu) == 4              # 6 wanted, 5 blocks: 4
+    assert num_splits(1, 2, 1, cpu) == 1              # one block: nothing to split
+    for rows in range(1, 70):
+        for blocks in (1, 2, 3, 7, 33, 300):
+            n = num_splits(rows, 2, blocks, cpu)
+            assert n & (n - 1) == 0 and 1 <= n <= min(blocks, MAX_SPLITS)
