@@ -63,13 +63,15 @@ def profile_steps(eng, steps: int, table_rows: int = 0) -> dict:
     # by prefix: some CUDA versions report versioned names (``cudaGraphLaunch_v10000``)
     launches = sum(e.count for e in events if e.key.startswith(LAUNCH_CALLS))
     graph_launches = sum(e.count for e in events if e.key.startswith("cudaGraphLaunch"))
-    device_ops = sum(e.count for e in events
-                     if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
-    busy_us = sum(getattr(e, "self_device_time_total", 0) for e in events) / steps
+    # GPU-side events only: a CPU operator (aten::mm) also carries the time of the kernels it
+    # launched, which are listed again on their own, so summing every event counts them twice
+    gpu = [e for e in events
+           if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    device_ops = sum(e.count for e in gpu)
+    busy_us = sum(getattr(e, "self_device_time_total", 0) for e in gpu) / steps
     if table_rows:
         print(events.table(sort_by="self_cpu_time_total", row_limit=table_rows))
-    gpu = sorted((e for e in events if getattr(e, "self_device_time_total", 0) > 0),
-                 key=lambda e: -e.self_device_time_total)
+    gpu.sort(key=lambda e: -e.self_device_time_total)
     return {"kernel_launches_per_step": launches / steps,
             "graph_launches_per_step": graph_launches / steps,
             "gpu_ops_per_step": device_ops / steps, "gpu_busy_ms_per_step": busy_us / 1e3,
