@@ -9,10 +9,10 @@ Both read the metadata :func:`kvlab.engine.attention.flat_metadata` builds, unch
   (row, KV head, split) walks its share of the row's blocks straight from the cache (no
   gather), a few blocks per iteration, scores the ``G = H // KV`` query heads of that KV head
   against them as one matrix product (padded to 16 rows for the tensor cores) and keeps an
-  online softmax (running max, running sum, rescaled accumulator) in
-  float32. With one split it writes the output; with more (flash decoding: a batch too small
-  to fill the GPU splits each context) a second kernel merges the splits' partial results by
-  log-sum-exp. The output is in the query dtype.
+  online softmax (running max, running sum, rescaled accumulator) in float32. With one split
+  it writes the output; with more (a batch too small to fill the GPU splits each context) a
+  second kernel merges the splits' partial results by log-sum-exp. The output is in the
+  query dtype.
 
 :func:`available` says whether Triton can run here; :mod:`kvlab.engine.attention` selects
 these kernels automatically for CUDA tensors and keeps its torch code everywhere else. The
@@ -161,7 +161,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
                 ROW=row, ROW_P2=_p2(row))
 
 
-#: split a row's context over at most this many programs (flash decoding)
+#: split a row's context over at most this many programs
 MAX_SPLITS = 32
 
 
