@@ -18,7 +18,8 @@ vLLM's KV cache is filled by its own ``cpu_attn_reshape_and_cache`` from the sam
 blocks of 128 tokens store K transposed, ``[head_dim, block]``, for its "vec" ISA), kvlab's by
 its slot mapping (blocks of 16, ``[block, kv_heads, head_dim]`` per token), both in sequence
 order; every pair of outputs must agree to 1e-4 (exit 1 otherwise). Each case runs 7 rounds of
-the two ops interleaved and reports medians in microseconds and vLLM ÷ kvlab time (> 1: kvlab
+the two ops interleaved (alternating which goes first) and reports the median round's mean
+microseconds per call and vLLM ÷ kvlab time (> 1: kvlab
 is faster). Writes ``benchmarks/results/vs_vllm_kernels.json``.
 
 Run: ``python benchmarks/bench_vs_vllm_kernels.py`` (about a minute after the first build).
@@ -27,6 +28,7 @@ Run: ``python benchmarks/bench_vs_vllm_kernels.py`` (about a minute after the fi
 from __future__ import annotations
 
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -54,7 +56,7 @@ LINEAR = (
 ROUNDS = 7
 
 
-def _median_us(fn, calls: int) -> float:
+def _mean_us(fn, calls: int) -> float:
     t = time.process_time()
     for _ in range(calls):
         fn()
@@ -63,13 +65,15 @@ def _median_us(fn, calls: int) -> float:
 
 def _interleaved(fns: dict, calls: int) -> dict[str, float]:
     times: dict[str, list[float]] = {k: [] for k in fns}
+    order = list(fns)
     for _ in range(ROUNDS):
-        for k, fn in fns.items():
-            times[k].append(_median_us(fn, calls))
+        for k in order:
+            times[k].append(_mean_us(fns[k], calls))
+        order.reverse()   # alternate which op runs first
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
-def attention_case(torch, ops, kv_cpu, heads, kv_heads, dim, reqs, ctx, q_len) -> dict:
+def attention_case(torch, ops, isa, kv_cpu, heads, kv_heads, dim, reqs, ctx, q_len) -> dict:
     """Both ops on one set of requests: ``reqs`` sequences of ``ctx`` cached tokens, the last
     ``q_len`` of each the query (``q_len == ctx``: a whole prompt, causal)."""
     gen = torch.Generator().manual_seed(heads * ctx + reqs)
@@ -103,14 +107,14 @@ def attention_case(torch, ops, kv_cpu, heads, kv_heads, dim, reqs, ctx, q_len) -
     key_cache, value_cache = cache.chunk(2, dim=2)
     vslots = (torch.arange(reqs)[:, None] * vper * vbs + torch.arange(ctx)).reshape(-1)
     ops.cpu_attn_reshape_and_cache(k.reshape(-1, kv_heads, dim), v.reshape(-1, kv_heads, dim),
-                                   key_cache, value_cache, vslots, "vec")
+                                   key_cache, value_cache, vslots, isa)
     qsl = torch.arange(reqs + 1, dtype=torch.int32) * q_len
     seq = torch.full((reqs,), ctx, dtype=torch.int32)
     vtables = torch.arange(reqs * vper, dtype=torch.int32).view(reqs, vper)
     meta = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=reqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, seq_lens=seq,
         dtype=torch.float32, query_start_loc=qsl, causal=True, sliding_window_size=-1,
-        isa="vec", enable_kv_split=False)
+        isa=isa, enable_kv_split=False)   # splits only move work between threads: one here
     theirs = torch.empty_like(q)
 
     def vllm_fn():
@@ -124,7 +128,7 @@ def attention_case(torch, ops, kv_cpu, heads, kv_heads, dim, reqs, ctx, q_len) -
     vllm_fn()
     diff = float((ours - theirs).abs().max())
     work = reqs * (ctx if q_len == 1 else ctx * (ctx + 1) / 2) * heads * dim * 4
-    calls = max(2, int(3e8 / work))
+    calls = max(5, int(3e8 / work))
     t = _interleaved({"kvlab": kvlab_fn, "vllm": vllm_fn}, calls)
     return {"kvlab_us": t["kvlab"], "vllm_us": t["vllm"], "vllm_over_kvlab": t["vllm"] / t["kvlab"],
             "max_abs_diff": diff}
@@ -161,7 +165,9 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
+    import vllm
     from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from kvlab.kernels import cpu as kv_cpu
     from kvlab.kernels.cpu_linear import pack_linear
@@ -171,13 +177,18 @@ def main() -> int:
 
     if not kv_cpu.available():
         raise SystemExit(f"kvlab's CPU ops did not build: {kv_cpu.build_error()}")
-    result: dict = {"threads": 1, "rounds": ROUNDS, "time": "median process CPU microseconds",
+    result: dict = {"threads": 1, "rounds": ROUNDS,
+                    "time": "median over rounds of the mean process CPU microseconds per call",
+                    "vllm": vllm.__version__, "torch": torch.__version__,
+                    "machine": platform.processor() or platform.machine(),
                     "attention": {}, "linear": {}}
     ok = True
     for label, *shape in ATTENTION:
-        r = attention_case(torch, ops, kv_cpu, *shape)
+        isa = _get_attn_isa(torch.float32, 128, shape[2])   # what vLLM's engine picks
+        r = attention_case(torch, ops, isa, kv_cpu, *shape)
         names = ("heads", "kv_heads", "head_dim", "requests", "context", "query_tokens")
-        result["attention"][label] = {"shape": dict(zip(names, shape, strict=True)), **r}
+        result["attention"][label] = {"shape": dict(zip(names, shape, strict=True)),
+                                      "vllm_isa": isa, **r}
         ok &= r["max_abs_diff"] < 1e-4
         print(f"{label:38s} kvlab {r['kvlab_us']:9.0f} us  vLLM {r['vllm_us']:9.0f} us  "
               f"vLLM/kvlab {r['vllm_over_kvlab']:.2f}  max|diff| {r['max_abs_diff']:.1e}",
