@@ -19,8 +19,8 @@ blocks of 128 tokens store K transposed, ``[head_dim, block]``, for its "vec" IS
 its slot mapping (blocks of 16, ``[block, kv_heads, head_dim]`` per token), both in sequence
 order; every pair of outputs must agree to 1e-4 (exit 1 otherwise). Each case runs 7 rounds of
 the two ops interleaved (alternating which goes first) and reports the median round's mean
-microseconds per call and vLLM ÷ kvlab time (> 1: kvlab
-is faster). Writes ``benchmarks/results/vs_vllm_kernels.json``.
+microseconds per call and vLLM ÷ kvlab time (> 1: kvlab is faster). Writes
+``benchmarks/results/vs_vllm_kernels.json``.
 
 Run: ``python benchmarks/bench_vs_vllm_kernels.py`` (about a minute after the first build).
 """
@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 #: (label, heads, kv_heads, head_dim, requests, context, query tokens per request)
 ATTENTION = (
@@ -73,6 +72,19 @@ def _interleaved(fns: dict, calls: int) -> dict[str, float]:
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
+def _compare(kvlab_fn, vllm_fn, diff: float, calls: int) -> dict:
+    """Time the two ops; the case's record with their outputs' largest difference ``diff``."""
+    t = _interleaved({"kvlab": kvlab_fn, "vllm": vllm_fn}, calls)
+    return {"kvlab_us": t["kvlab"], "vllm_us": t["vllm"], "vllm_over_kvlab": t["vllm"] / t["kvlab"],
+            "max_abs_diff": diff}
+
+
+def _report(label: str, r: dict, extra: str = "") -> None:
+    print(f"{label:38s} kvlab {r['kvlab_us']:9.0f} us  vLLM {r['vllm_us']:9.0f} us  "
+          f"vLLM/kvlab {r['vllm_over_kvlab']:.2f}  max|diff| {r['max_abs_diff']:.1e}{extra}",
+          flush=True)
+
+
 def attention_case(torch, ops, isa, kv_cpu, heads, kv_heads, dim, reqs, ctx, q_len) -> dict:
     """Both ops on one set of requests: ``reqs`` sequences of ``ctx`` cached tokens, the last
     ``q_len`` of each the query (``q_len == ctx``: a whole prompt, causal)."""
@@ -98,8 +110,9 @@ def attention_case(torch, ops, isa, kv_cpu, heads, kv_heads, dim, reqs, ctx, q_l
         kvlab_fn = lambda: row_op(ours, q, kc, vc, tables, lens, scale)
     else:
         chunk_op = kv_cpu.CHUNK_OPS[row_op]
-        qs, starts, every = tuple(range(0, reqs * q_len + 1, q_len)), (0,) * reqs, range(reqs)
-        kvlab_fn = lambda: chunk_op(ours, q, kc, vc, tables, qs, starts, tuple(every), scale)
+        qs, starts = tuple(range(0, reqs * q_len + 1, q_len)), (0,) * reqs
+        every = tuple(range(reqs))
+        kvlab_fn = lambda: chunk_op(ours, q, kc, vc, tables, qs, starts, every, scale)
     # vLLM: blocks of 128 written by its own op, [blocks, kv_heads, 2 * 128, dim] split in K, V
     vbs = 128
     vper = -(-ctx // vbs)
@@ -128,10 +141,7 @@ def attention_case(torch, ops, isa, kv_cpu, heads, kv_heads, dim, reqs, ctx, q_l
     vllm_fn()
     diff = float((ours - theirs).abs().max())
     work = reqs * (ctx if q_len == 1 else ctx * (ctx + 1) / 2) * heads * dim * 4
-    calls = max(5, int(3e8 / work))
-    t = _interleaved({"kvlab": kvlab_fn, "vllm": vllm_fn}, calls)
-    return {"kvlab_us": t["kvlab"], "vllm_us": t["vllm"], "vllm_over_kvlab": t["vllm"] / t["kvlab"],
-            "max_abs_diff": diff}
+    return _compare(kvlab_fn, vllm_fn, diff, max(5, int(3e8 / work)))
 
 
 def linear_case(torch, ops, pack_linear, rows, k_in, n_out) -> dict:
@@ -142,26 +152,23 @@ def linear_case(torch, ops, pack_linear, rows, k_in, n_out) -> dict:
     x = torch.randn(rows, k_in, generator=gen)
     pack_linear(layer)
     handler = ops.create_onednn_mm(layer.weight.t(), 32)
+    flops = 2 * rows * k_in * n_out
     with torch.no_grad():
-        ours, theirs = layer(x), ops.onednn_mm(handler, x, None)
-        diff = float((ours - theirs).abs().max())
-        calls = max(3, int(2e9 / (2 * rows * k_in * n_out)))
-        t = _interleaved({"kvlab": lambda: layer(x),
-                          "vllm": lambda: ops.onednn_mm(handler, x, None)}, calls)
-    return {"kvlab_us": t["kvlab"], "vllm_us": t["vllm"], "vllm_over_kvlab": t["vllm"] / t["kvlab"],
-            "max_abs_diff": diff,
-            "kvlab_gflops": 2 * rows * k_in * n_out / t["kvlab"] / 1e3}
+        diff = float((layer(x) - ops.onednn_mm(handler, x, None)).abs().max())
+        r = _compare(lambda: layer(x), lambda: ops.onednn_mm(handler, x, None), diff,
+                     max(3, int(2e9 / flops)))
+    return {**r, "kvlab_gflops": flops / r["kvlab_us"] / 1e3}
 
 
 def main() -> int:
     if Path(sys.prefix).resolve() != (REPO / ".venv-vllm").resolve():
-        if not VLLM_PYTHON.exists():
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from bench_vs_vllm import ensure_vllm_venv
-            ensure_vllm_venv()
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_vs_vllm import ensure_vllm_venv
+
+        python = str(ensure_vllm_venv())
         env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="0",
                    PYTHONPATH=str(REPO))
-        return os.execve(str(VLLM_PYTHON), [str(VLLM_PYTHON), __file__, *sys.argv[1:]], env)
+        return os.execve(python, [python, __file__, *sys.argv[1:]], env)
     import torch
 
     torch.set_num_threads(1)
@@ -190,17 +197,13 @@ def main() -> int:
         result["attention"][label] = {"shape": dict(zip(names, shape, strict=True)),
                                       "vllm_isa": isa, **r}
         ok &= r["max_abs_diff"] < 1e-4
-        print(f"{label:38s} kvlab {r['kvlab_us']:9.0f} us  vLLM {r['vllm_us']:9.0f} us  "
-              f"vLLM/kvlab {r['vllm_over_kvlab']:.2f}  max|diff| {r['max_abs_diff']:.1e}",
-              flush=True)
+        _report(label, r)
     for label, *shape in LINEAR:
         r = linear_case(torch, ops, pack_linear, *shape)
         names = ("rows", "in", "out")
         result["linear"][label] = {"shape": dict(zip(names, shape, strict=True)), **r}
         ok &= r["max_abs_diff"] < 1e-4
-        print(f"{label:38s} kvlab {r['kvlab_us']:9.0f} us  vLLM {r['vllm_us']:9.0f} us  "
-              f"vLLM/kvlab {r['vllm_over_kvlab']:.2f}  max|diff| {r['max_abs_diff']:.1e}  "
-              f"({r['kvlab_gflops']:.0f} GFLOP/s)", flush=True)
+        _report(label, r, f"  ({r['kvlab_gflops']:.0f} GFLOP/s)")
     result["outputs_agree"] = ok
     write_results("vs_vllm_kernels", result)
     return 0 if ok else 1
