@@ -342,6 +342,42 @@ def test_chunk_op_equals_dense_attention(heads, kv_heads, dim, block_size):
 
 
 @needs_kernel
+@pytest.mark.parametrize("scale", [1.0, 4.0])
+def test_chunk_op_masks_exactly_and_keeps_precision_over_wide_score_spreads(scale):
+    # scores spread over hundreds (weights from 1 down past e^-80): the op is as close to the
+    # float64 reference as torch's own float32 attention is (its error is the scores'
+    # float32 rounding); and the keys and values of a chunk's last positions, made enormous,
+    # leave the rows before them bit for bit as they were: a masked key weighs exactly 0
+    specs = [(0, 45), (16, 40)]
+    q, kc, vc, tables, qs, starts, _ = _chunk_case(7, 6, 2, 32, 16, specs)
+    exact, torch32 = [], []
+    for s, (start, n) in enumerate(specs):
+        slots = [int(tables[s, p // 16]) * 16 + p % 16 for p in range(start + n)]
+        k, v = (c.view(-1, 2, 32)[slots].repeat_interleave(3, 1).transpose(0, 1)
+                for c in (kc, vc))
+        qq = torch.cat((torch.zeros(start, 6, 32), q[qs[s]:qs[s + 1]]))
+        exact.append(dense_causal_attention(qq.double(), kc.view(-1, 2, 32)[slots].double(),
+                                            vc.view(-1, 2, 32)[slots].double(), scale)[start:])
+        torch32.append(torch.nn.functional.scaled_dot_product_attention(
+            qq.transpose(0, 1), k, v, is_causal=True, scale=scale).transpose(0, 1)[start:])
+    exact = torch.cat(exact)
+    got = cpu_kernels.chunk_attention(q, kc, vc, tables, qs, starts, scale)
+    ours = float((got.double() - exact).abs().max())
+    theirs = float((torch.cat(torch32).double() - exact).abs().max())
+    assert ours <= 2 * theirs + 1e-6, (ours, theirs)
+    loud_k, loud_v, keep = kc.clone(), vc.clone(), []
+    for s, (start, n) in enumerate(specs):
+        for p in range(start + n - 10, start + n):
+            slot = tables[s, p // 16] * 16 + p % 16
+            loud_k.view(-1, 2, 32)[slot] = 1e4
+            loud_v.view(-1, 2, 32)[slot] = 1e6
+        keep += range(qs[s], qs[s + 1] - 10)
+    loud = cpu_kernels.chunk_attention(q, loud_k, loud_v, tables, qs, starts, scale)
+    assert torch.equal(loud[keep], got[keep])
+    assert not torch.equal(loud, got)
+
+
+@needs_kernel
 def test_chunk_op_bfloat16_strided_queries_and_two_threads():
     specs = [(0, 50), (31, 90)]
     q, kc, vc, tables, qs, starts, ref = _chunk_case(2, 8, 2, 64, 16, specs, torch.bfloat16)

@@ -143,8 +143,9 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
 // from the paged cache: no gather), the softmax statistics m, l are per lane, and the output
 // accumulates transposed as ot[d][row] += V_j[d] * p[j][row]. So every inner loop is an FMA of
 // a broadcast cache value with a vector of rows, and a tile reads each key once for all of
-// its rows. Masked scores are -1e30, not -inf (-ffast-math); key 0 is visible to every row, so
-// the running maximum is finite after the first key tile.
+// its rows. Masked scores are -1e30, not -inf (-ffast-math), and weigh exactly 0
+// (exp_nonpositive); key 0 is visible to every row, so the running maximum is finite after the
+// first key tile.
 namespace chunk {
 
 #if defined(__AVX512F__)
@@ -159,13 +160,37 @@ constexpr int TK = 32;           // keys per key tile
 constexpr int JB = 4;            // keys per score micro-block
 constexpr int DB = 4;            // output dims per PV micro-block
 constexpr float MASKED = -1e30f;
+constexpr float MIN_EXP = -80.f;
 
 inline vf splat(float x) { return vf{} + x; }
+typedef int vi __attribute__((vector_size(VL * sizeof(int))));
+
+// e^x for x <= 0, lane by lane, inline: x = n ln2 + f with n = round(x / ln2), e^f by its
+// Taylor series to f^7 (|f| <= ln2 / 2), times 2^n built in the exponent bits; relative error
+// under 3e-7 (2-3 ulps; -ffast-math may merge the two parts of ln2). Lanes below -80 give
+// exactly 0 (e^-80 is 1.8e-35). glibc's vector expf, which this replaces here, is a call per
+// vector and sends every lane far below its range (each masked score) down a slow scalar path.
+inline vf exp_nonpositive(vf x) {
+  const vi low = x < MIN_EXP;
+  x = low ? splat(MIN_EXP) : x;
+  const vi n = -__builtin_convertvector(0.5f - x * 1.44269504f, vi);   // round(x / ln2)
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf f = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;   // ln2 in two parts
+  vf p = splat(1.f / 5040);
+  p = p * f + 1.f / 720;
+  p = p * f + 1.f / 120;
+  p = p * f + 1.f / 24;
+  p = p * f + 1.f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const vf scale = (vf)((n + 127) << 23);
+  return low ? splat(0.f) : p * scale;
+}
 
 struct Buffers {   // one thread's scratch, reused across tiles
-  std::vector<vf> qt, ot, st;
-  std::vector<float> m, l, pos;
-  Buffers(int64_t dim) : qt(dim * RV), ot(dim * RV), st(TK * RV), m(ROWS), l(ROWS), pos(ROWS) {}
+  std::vector<vf> qt, ot, st, m, l, pos;   // m, l, pos: per row (lane)
+  Buffers(int64_t dim) : qt(dim * RV), ot(dim * RV), st(TK * RV), m(RV), l(RV), pos(RV) {}
 };
 
 template <typename T>
@@ -178,14 +203,14 @@ void tile(const T* q, int64_t q_row, T* out, int64_t out_row, const T* k_cache,
   const int64_t rows = positions * group;
   float* qt = reinterpret_cast<float*>(b.qt.data());
   float* ot = reinterpret_cast<float*>(b.ot.data());
-  float* st = reinterpret_cast<float*>(b.st.data());
+  float* pos = reinterpret_cast<float*>(b.pos.data());
   std::fill(qt, qt + dim * ROWS, 0.f);
   std::fill(ot, ot + dim * ROWS, 0.f);
+  std::fill(b.m.begin(), b.m.end(), splat(MASKED));
+  std::fill(b.l.begin(), b.l.end(), splat(0.f));
   for (int64_t r = 0; r < ROWS; ++r) {
     const int64_t i = r < rows ? r / group : positions - 1;
-    b.pos[r] = static_cast<float>(start + first + i);
-    b.m[r] = MASKED;
-    b.l[r] = 0.f;
+    pos[r] = static_cast<float>(start + first + i);
     if (r >= rows) continue;
     const T* qr = q + (first + i) * q_row + (head0 + r % group) * dim;
     for (int64_t d = 0; d < dim; ++d) qt[d * ROWS + r] = static_cast<float>(qr[d]) * scale;
@@ -217,40 +242,25 @@ void tile(const T* q, int64_t q_row, T* out, int64_t out_row, const T* k_cache,
       for (int jj = 0; jj < JB && j0 + jj < nk; ++jj)
         for (int v = 0; v < RV; ++v) b.st[(j0 + jj) * RV + v] = acc[jj][v];
     }
-    if (t0 + nk - 1 > lowest) {   // the diagonal: hide keys after each row's position
-      for (int64_t j = 0; j < nk; ++j) {
-        const float t = static_cast<float>(t0 + j);
-        float* s = st + j * ROWS;
-#pragma omp simd
-        for (int r = 0; r < ROWS; ++r) s[r] = t > b.pos[r] ? MASKED : s[r];
+    // online softmax over this key tile, per row (lane); on the diagonal, keys after a row's
+    // position score MASKED
+    const bool diagonal = t0 + nk - 1 > lowest;
+    vf mt[RV], c[RV], sum[RV] = {};
+    for (int v = 0; v < RV; ++v) mt[v] = b.m[v];
+    for (int64_t j = 0; j < nk; ++j)
+      for (int v = 0; v < RV; ++v) {
+        vf& s = b.st[j * RV + v];
+        if (diagonal) s = splat(static_cast<float>(t0 + j)) > b.pos[v] ? splat(MASKED) : s;
+        mt[v] = s > mt[v] ? s : mt[v];
       }
-    }
-    // online softmax over this key tile, per row (lane)
-    alignas(64) float corr[ROWS], sum[ROWS], mt[ROWS];
-    std::copy(b.m.begin(), b.m.end(), mt);
-    for (int64_t j = 0; j < nk; ++j) {
-#pragma omp simd
-      for (int r = 0; r < ROWS; ++r) mt[r] = std::max(mt[r], st[j * ROWS + r]);
-    }
-#pragma omp simd
-    for (int r = 0; r < ROWS; ++r) {
-      corr[r] = std::exp(b.m[r] - mt[r]);
-      b.m[r] = mt[r];
-      sum[r] = 0.f;
-    }
-    for (int64_t j = 0; j < nk; ++j) {
-      float* s = st + j * ROWS;
-#pragma omp simd
-      for (int r = 0; r < ROWS; ++r) {
-        s[r] = std::exp(s[r] - b.m[r]);
-        sum[r] += s[r];
+    for (int v = 0; v < RV; ++v) c[v] = exp_nonpositive(b.m[v] - mt[v]), b.m[v] = mt[v];
+    for (int64_t j = 0; j < nk; ++j)
+      for (int v = 0; v < RV; ++v) {
+        vf& s = b.st[j * RV + v];
+        sum[v] += s = exp_nonpositive(s - mt[v]);
       }
-    }
-#pragma omp simd
-    for (int r = 0; r < ROWS; ++r) b.l[r] = b.l[r] * corr[r] + sum[r];
+    for (int v = 0; v < RV; ++v) b.l[v] = b.l[v] * c[v] + sum[v];
     // ot = ot * corr + V^T p
-    vf c[RV];
-    for (int v = 0; v < RV; ++v) std::memcpy(&c[v], corr + v * VL, sizeof(vf));
     for (int64_t d0 = 0; d0 < dim; d0 += DB) {
       vf acc[DB][RV];
       for (int dd = 0; dd < DB; ++dd)
@@ -268,7 +278,7 @@ void tile(const T* q, int64_t q_row, T* out, int64_t out_row, const T* k_cache,
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const float inv = 1.f / b.l[r];
+    const float inv = 1.f / reinterpret_cast<const float*>(b.l.data())[r];
     T* o = out + (first + r / group) * out_row + (head0 + r % group) * dim;
     for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(ot[d * ROWS + r] * inv);
   }
@@ -300,11 +310,15 @@ void chunk_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   const int64_t group = heads / kv_heads, sub = std::min<int64_t>(group, chunk::ROWS);
   const int64_t per_tile = chunk::ROWS / sub, width = tables.stride(0);
   const int64_t* table = tables.data_ptr<int64_t>();
-  std::vector<std::array<int64_t, 3>> items;
-  for (int64_t s : chunks)
+  std::vector<std::array<int64_t, 4>> items;
+  for (int64_t s : chunks) {
+    // as few tiles as fit the chunk, equally full (a last tile of a few positions would pay
+    // for a whole one)
+    const int64_t n = query_start[s + 1] - query_start[s];
+    const int64_t tiles = (n + per_tile - 1) / per_tile, step = (n + tiles - 1) / tiles;
     for (int64_t h = 0; h < heads; h += h % group + sub < group ? sub : group - h % group)
-      for (int64_t i = 0; i < query_start[s + 1] - query_start[s]; i += per_tile)
-        items.push_back({s, h, i});
+      for (int64_t i = 0; i < n; i += step) items.push_back({s, h, i, std::min(step, n - i)});
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "chunk_attention",
                                   [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -314,9 +328,8 @@ void chunk_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
       chunk::Buffers buffers(dim);
       for (int64_t w = begin; w < end; ++w) {
-        const auto [s, h, i] = items[w];
+        const auto [s, h, i, n] = items[w];
         const int64_t lo = query_start[s];
-        const int64_t n = std::min(per_tile, query_start[s + 1] - lo - i);
         const int64_t heads_here = std::min(sub, group - h % group);
         chunk::tile<scalar_t>(qp + lo * q.stride(0), q.stride(0), op + lo * out.stride(0),
                               out.stride(0), kp, vp, table + s * width, block_size, kv_heads,
