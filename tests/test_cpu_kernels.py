@@ -461,6 +461,13 @@ def test_fused_layer_ops_equal_the_torch_ops():
     torch.testing.assert_close(qkv[:, :8 * 32].view(37, 8, 32), want)
     gu = (3 * torch.randn(37, 1100, generator=gen))[:, :2 * 512]
     torch.testing.assert_close(fused.silu_and_mul(gu), TorchOps.silu_and_mul(gu))
+    # a width that leaves a tail after the vector lanes, and gates far out on both sides
+    # (sigmoid saturating to 0 and 1), in the lanes and in the tail
+    extreme = torch.tensor([-1e4, -100.0, -88.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 88.0, 100.0,
+                            1e4])
+    gate = torch.cat((extreme, 20 * torch.randn(15, generator=gen), extreme))
+    gu = torch.cat((gate[None].expand(5, -1), torch.randn(5, 37, generator=gen)), 1)
+    torch.testing.assert_close(fused.silu_and_mul(gu), TorchOps.silu_and_mul(gu))
     with pytest.raises(RuntimeError, match="float32"):
         fused.rms_norm(x.double(), w.double(), 1e-6)
     with pytest.raises(RuntimeError, match="cos and sin"):

@@ -24,6 +24,47 @@
 #include <cstring>
 #include <vector>
 
+// ---------------------------------------------------------------------------------------------
+// Vectors of VL float lanes (GCC vector extensions: +, *, comparisons and ?: act lane by lane)
+// and an inline exp on them, shared by the chunk op and SiLU.
+namespace vec {
+
+#if defined(__AVX512F__)
+constexpr int VL = 16;
+#else
+constexpr int VL = 8;
+#endif
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+typedef int vi __attribute__((vector_size(VL * sizeof(int))));
+constexpr float MIN_EXP = -80.f;
+
+inline vf splat(float x) { return vf{} + x; }
+
+// e^x for x <= 0, lane by lane, inline: x = n ln2 + f with n = round(x / ln2), e^f by its
+// Taylor series to f^7 (|f| <= ln2 / 2), times 2^n built in the exponent bits; relative error
+// under 3e-7 (2-3 ulps; -ffast-math may merge the two parts of ln2). Lanes below -80 give
+// exactly 0 (e^-80 is 1.8e-35). glibc's vector expf, which this replaces here, is a call per
+// vector and sends every lane far below its range (each masked score) down a slow scalar path.
+inline vf exp_nonpositive(vf x) {
+  const vi low = x < MIN_EXP;
+  x = low ? splat(MIN_EXP) : x;
+  const vi n = -__builtin_convertvector(0.5f - x * 1.44269504f, vi);   // round(x / ln2)
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf f = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;   // ln2 in two parts
+  vf p = splat(1.f / 5040);
+  p = p * f + 1.f / 720;
+  p = p * f + 1.f / 120;
+  p = p * f + 1.f / 24;
+  p = p * f + 1.f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const vf scale = (vf)((n + 127) << 23);
+  return low ? splat(0.f) : p * scale;
+}
+
+}  // namespace vec
+
 namespace {
 
 // Calls visit(t, row) for positions t = 0 .. len-1 of one request, row pointing at position t's
@@ -148,45 +189,13 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
 // first key tile.
 namespace chunk {
 
-#if defined(__AVX512F__)
-constexpr int VL = 16;
-#else
-constexpr int VL = 8;
-#endif
-typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+using namespace vec;
 constexpr int RV = 4;            // row vectors per tile
 constexpr int ROWS = RV * VL;    // rows per tile
 constexpr int TK = 32;           // keys per key tile
 constexpr int JB = 4;            // keys per score micro-block
 constexpr int DB = 4;            // output dims per PV micro-block
 constexpr float MASKED = -1e30f;
-constexpr float MIN_EXP = -80.f;
-
-inline vf splat(float x) { return vf{} + x; }
-typedef int vi __attribute__((vector_size(VL * sizeof(int))));
-
-// e^x for x <= 0, lane by lane, inline: x = n ln2 + f with n = round(x / ln2), e^f by its
-// Taylor series to f^7 (|f| <= ln2 / 2), times 2^n built in the exponent bits; relative error
-// under 3e-7 (2-3 ulps; -ffast-math may merge the two parts of ln2). Lanes below -80 give
-// exactly 0 (e^-80 is 1.8e-35). glibc's vector expf, which this replaces here, is a call per
-// vector and sends every lane far below its range (each masked score) down a slow scalar path.
-inline vf exp_nonpositive(vf x) {
-  const vi low = x < MIN_EXP;
-  x = low ? splat(MIN_EXP) : x;
-  const vi n = -__builtin_convertvector(0.5f - x * 1.44269504f, vi);   // round(x / ln2)
-  const vf nf = __builtin_convertvector(n, vf);
-  const vf f = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;   // ln2 in two parts
-  vf p = splat(1.f / 5040);
-  p = p * f + 1.f / 720;
-  p = p * f + 1.f / 120;
-  p = p * f + 1.f / 24;
-  p = p * f + 1.f / 6;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  const vf scale = (vf)((n + 127) << 23);
-  return low ? splat(0.f) : p * scale;
-}
 
 struct Buffers {   // one thread's scratch, reused across tiles
   std::vector<vf> qt, ot, st, m, l, pos;   // m, l, pos: per row (lane)
@@ -402,7 +411,8 @@ torch::Tensor rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   return x;
 }
 
-// silu(g) * u of gu = [g | u]: [N, 2I] -> a new contiguous [N, I].
+// silu(g) * u of gu = [g | u]: [N, 2I] -> a new contiguous [N, I]. The sigmoid is built from
+// e^-|g| <= 1, so no gate overflows: under -ffast-math, g / (1 + e^-g) gave NaN below g = -88.
 torch::Tensor silu_and_mul(torch::Tensor gu) {
   TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0
               && gu.scalar_type() == at::kFloat, "silu_and_mul: float32 [N, 2I]");
@@ -415,8 +425,20 @@ torch::Tensor silu_and_mul(torch::Tensor gu) {
       const float* g = gp + r * stride;
       const float* u = g + inner;
       float* o = op + r * inner;
-#pragma omp simd
-      for (int64_t i = 0; i < inner; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      int64_t i = 0;
+      for (; i + vec::VL <= inner; i += vec::VL) {   // sigmoid(x) from e = e^-|x| <= 1
+        vec::vf x, y;
+        std::memcpy(&x, g + i, sizeof x);
+        std::memcpy(&y, u + i, sizeof y);
+        const vec::vf e = vec::exp_nonpositive(x < 0 ? x : -x);
+        const vec::vf sig = (x < 0 ? e : vec::splat(1.f)) / (1.f + e);
+        const vec::vf z = x * sig * y;
+        std::memcpy(o + i, &z, sizeof z);
+      }
+      for (; i < inner; ++i) {
+        const float e = std::exp(-std::fabs(g[i]));
+        o[i] = g[i] * ((g[i] < 0 ? e : 1.f) / (1.f + e)) * u[i];
+      }
     }
   });
   return out;
