@@ -7,8 +7,9 @@ and times, on the same data, one torch/OpenMP thread (``OMP_NUM_THREADS=1``):
 
 - **decode attention**: kvlab's row op (the unchecked op the engine calls, ``decode_op``) vs vLLM's
   ``cpu_attention_with_kv_cache`` with one query token per request, at kvlab-tiny's heads
-  (6/2 x 32) and ~25M's (8/4 x 64), with contexts that stay in the caches and ones that stream
-  from DRAM;
+  (6/2 x 32) and ~25M's (8/4 x 64), with contexts that stay in the caches, ones that stream
+  from DRAM, and calls timed one at a time after the caches were flushed (as an engine step
+  finds a layer's KV: the other layers' work has evicted it);
 - **prefill attention**: kvlab's chunk op (``CHUNK_OPS``) vs the same vLLM op on whole causal
   prompts, one long and several short;
 - **linear layers**: kvlab's packed oneDNN call (``kvlab.kernels.cpu_linear``) vs vLLM's
@@ -35,15 +36,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-#: (label, heads, kv_heads, head_dim, requests, context, query tokens per request)
+#: (label, heads, kv_heads, head_dim, requests, context, query tokens per request, cold)
+#: cold: the CPU's caches are flushed before every call (timed alone), as between one layer's
+#: attention and the next in an engine step; otherwise calls repeat on cache-resident data
 ATTENTION = (
-    ("decode tiny, 8 x 1,300 (in cache)", 6, 2, 32, 8, 1300, 1),
-    ("decode tiny, 36 x 120 (in cache)", 6, 2, 32, 36, 120, 1),
-    ("decode 25M, 16 x 300 (in cache)", 8, 4, 64, 16, 300, 1),
-    ("decode 25M, 32 x 1,200 (DRAM)", 8, 4, 64, 32, 1200, 1),
-    ("prefill tiny, 1 x 1,536", 6, 2, 32, 1, 1536, 1536),
-    ("prefill tiny, 16 x 128", 6, 2, 32, 16, 128, 128),
-    ("prefill 25M, 4 x 512", 8, 4, 64, 4, 512, 512),
+    ("decode tiny, 8 x 1,300 (in cache)", 6, 2, 32, 8, 1300, 1, False),
+    ("decode tiny, 36 x 120 (in cache)", 6, 2, 32, 36, 120, 1, False),
+    ("decode tiny, 36 x 200 (cold)", 6, 2, 32, 36, 200, 1, True),
+    ("decode 25M, 16 x 300 (in cache)", 8, 4, 64, 16, 300, 1, False),
+    ("decode 25M, 32 x 1,200 (DRAM)", 8, 4, 64, 32, 1200, 1, False),
+    ("prefill tiny, 1 x 1,536", 6, 2, 32, 1, 1536, 1536, False),
+    ("prefill tiny, 16 x 128", 6, 2, 32, 16, 128, 128, False),
+    ("prefill 25M, 4 x 512", 8, 4, 64, 4, 512, 512, False),
 )
 #: (label, rows, in features, out features)
 LINEAR = (
@@ -55,26 +59,36 @@ LINEAR = (
 ROUNDS = 7
 
 
-def _mean_us(fn, calls: int) -> float:
-    t = time.process_time()
+def _mean_us(fn, calls: int, flush=None) -> float:
+    """Mean process CPU microseconds of ``fn()``; with ``flush``, each call is timed alone
+    after ``flush()`` has run untimed."""
+    if flush is None:
+        t = time.process_time()
+        for _ in range(calls):
+            fn()
+        return (time.process_time() - t) / calls * 1e6
+    total = 0.0
     for _ in range(calls):
+        flush()
+        t = time.process_time()
         fn()
-    return (time.process_time() - t) / calls * 1e6
+        total += time.process_time() - t
+    return total / calls * 1e6
 
 
-def _interleaved(fns: dict, calls: int) -> dict[str, float]:
+def _interleaved(fns: dict, calls: int, flush=None) -> dict[str, float]:
     times: dict[str, list[float]] = {k: [] for k in fns}
     order = list(fns)
     for _ in range(ROUNDS):
         for k in order:
-            times[k].append(_mean_us(fns[k], calls))
+            times[k].append(_mean_us(fns[k], calls, flush))
         order.reverse()   # alternate which op runs first
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
-def _compare(kvlab_fn, vllm_fn, diff: float, calls: int) -> dict:
+def _compare(kvlab_fn, vllm_fn, diff: float, calls: int, flush=None) -> dict:
     """Time the two ops; the case's record with their outputs' largest difference ``diff``."""
-    t = _interleaved({"kvlab": kvlab_fn, "vllm": vllm_fn}, calls)
+    t = _interleaved({"kvlab": kvlab_fn, "vllm": vllm_fn}, calls, flush)
     return {"kvlab_us": t["kvlab"], "vllm_us": t["vllm"], "vllm_over_kvlab": t["vllm"] / t["kvlab"],
             "max_abs_diff": diff}
 
@@ -85,9 +99,11 @@ def _report(label: str, r: dict, extra: str = "") -> None:
           flush=True)
 
 
-def attention_case(torch, ops, isa, kv_cpu, heads, kv_heads, dim, reqs, ctx, q_len) -> dict:
+def attention_case(torch, ops, isa, kv_cpu, heads, kv_heads, dim, reqs, ctx, q_len,
+                   cold) -> dict:
     """Both ops on one set of requests: ``reqs`` sequences of ``ctx`` cached tokens, the last
-    ``q_len`` of each the query (``q_len == ctx``: a whole prompt, causal)."""
+    ``q_len`` of each the query (``q_len == ctx``: a whole prompt, causal); ``cold``: each
+    call timed alone after 128 MiB were read and written (more than the CPU's caches)."""
     gen = torch.Generator().manual_seed(heads * ctx + reqs)
     k = torch.randn(reqs, ctx, kv_heads, dim, generator=gen)
     v = torch.randn(reqs, ctx, kv_heads, dim, generator=gen)
@@ -141,7 +157,10 @@ def attention_case(torch, ops, isa, kv_cpu, heads, kv_heads, dim, reqs, ctx, q_l
     vllm_fn()
     diff = float((ours - theirs).abs().max())
     work = reqs * (ctx if q_len == 1 else ctx * (ctx + 1) / 2) * heads * dim * 4
-    return _compare(kvlab_fn, vllm_fn, diff, max(5, int(3e8 / work)))
+    if not cold:
+        return _compare(kvlab_fn, vllm_fn, diff, max(5, int(3e8 / work)))
+    scratch = torch.zeros(32 << 20)
+    return _compare(kvlab_fn, vllm_fn, diff, 40, lambda: scratch.add_(1.0))
 
 
 def linear_case(torch, ops, pack_linear, rows, k_in, n_out) -> dict:
@@ -193,7 +212,8 @@ def main() -> int:
     for label, *shape in ATTENTION:
         isa = _get_attn_isa(torch.float32, 128, shape[2])   # what vLLM's engine picks
         r = attention_case(torch, ops, isa, kv_cpu, *shape)
-        names = ("heads", "kv_heads", "head_dim", "requests", "context", "query_tokens")
+        names = ("heads", "kv_heads", "head_dim", "requests", "context", "query_tokens",
+                 "cold")
         result["attention"][label] = {"shape": dict(zip(names, shape, strict=True)),
                                       "vllm_isa": isa, **r}
         ok &= r["max_abs_diff"] < 1e-4
