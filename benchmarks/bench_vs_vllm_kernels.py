@@ -8,8 +8,9 @@ and times, on the same data, one torch/OpenMP thread (``OMP_NUM_THREADS=1``):
 - **decode attention**: kvlab's row op (the unchecked op the engine calls, ``decode_op``) vs vLLM's
   ``cpu_attention_with_kv_cache`` with one query token per request, at kvlab-tiny's heads
   (6/2 x 32) and ~25M's (8/4 x 64), with contexts that stay in the caches, ones that stream
-  from DRAM, and calls timed one at a time after the caches were flushed (as an engine step
-  finds a layer's KV: the other layers' work has evicted it);
+  from DRAM, and calls timed one at a time after the caches were flushed (their reads come
+  from DRAM; an engine step finds a layer's KV somewhere between the two, as the other
+  layers' work passes through the caches in between);
 - **prefill attention**: kvlab's chunk op (``CHUNK_OPS``) vs the same vLLM op on whole causal
   prompts, one long and several short;
 - **linear layers**: kvlab's packed oneDNN call (``kvlab.kernels.cpu_linear``) vs vLLM's
@@ -37,11 +38,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 #: (label, heads, kv_heads, head_dim, requests, context, query tokens per request, cold)
-#: cold: the CPU's caches are flushed before every call (timed alone), as between one layer's
-#: attention and the next in an engine step; otherwise calls repeat on cache-resident data
+#: cold: the CPU's caches are flushed before every call (timed alone), so its reads come from
+#: DRAM; otherwise calls repeat on data that stays in the caches
 ATTENTION = (
     ("decode tiny, 8 x 1,300 (in cache)", 6, 2, 32, 8, 1300, 1, False),
     ("decode tiny, 36 x 120 (in cache)", 6, 2, 32, 36, 120, 1, False),
+    ("decode tiny, 36 x 200 (in cache)", 6, 2, 32, 36, 200, 1, False),
     ("decode tiny, 36 x 200 (cold)", 6, 2, 32, 36, 200, 1, True),
     ("decode 25M, 16 x 300 (in cache)", 8, 4, 64, 16, 300, 1, False),
     ("decode 25M, 32 x 1,200 (DRAM)", 8, 4, 64, 32, 1200, 1, False),
@@ -103,7 +105,8 @@ def attention_case(torch, ops, isa, kv_cpu, heads, kv_heads, dim, reqs, ctx, q_l
                    cold) -> dict:
     """Both ops on one set of requests: ``reqs`` sequences of ``ctx`` cached tokens, the last
     ``q_len`` of each the query (``q_len == ctx``: a whole prompt, causal); ``cold``: each
-    call timed alone after 128 MiB were read and written (more than the CPU's caches)."""
+    call timed alone after 128 MiB were read (more than the CPU's caches; read only, so no
+    dirty lines are written back during the timed call)."""
     gen = torch.Generator().manual_seed(heads * ctx + reqs)
     k = torch.randn(reqs, ctx, kv_heads, dim, generator=gen)
     v = torch.randn(reqs, ctx, kv_heads, dim, generator=gen)
@@ -160,7 +163,7 @@ def attention_case(torch, ops, isa, kv_cpu, heads, kv_heads, dim, reqs, ctx, q_l
     if not cold:
         return _compare(kvlab_fn, vllm_fn, diff, max(5, int(3e8 / work)))
     scratch = torch.zeros(32 << 20)
-    return _compare(kvlab_fn, vllm_fn, diff, 40, lambda: scratch.add_(1.0))
+    return _compare(kvlab_fn, vllm_fn, diff, 40, scratch.sum)
 
 
 def linear_case(torch, ops, pack_linear, rows, k_in, n_out) -> dict:

@@ -27,6 +27,7 @@
 // ---------------------------------------------------------------------------------------------
 // Vectors of VL float lanes (GCC vector extensions: +, *, comparisons and ?: act lane by lane)
 // and an inline exp on them, shared by the chunk op and SiLU.
+namespace {
 namespace vec {
 
 #if defined(__AVX512F__)
@@ -41,9 +42,10 @@ constexpr float MIN_EXP = -80.f;
 inline vf splat(float x) { return vf{} + x; }
 
 // e^x for x <= 0, lane by lane, inline: x = n ln2 + f with n = round(x / ln2), e^f by its
-// Taylor series to f^7 (|f| <= ln2 / 2), times 2^n built in the exponent bits; relative error
-// under 3e-7 (2-3 ulps; -ffast-math may merge the two parts of ln2). Lanes below -80 give
-// exactly 0 (e^-80 is 1.8e-35). glibc's vector expf, which this replaces here, is a call per
+// Taylor series to f^7 (|f| <= ln2 / 2), times 2^n built in the exponent bits. -ffast-math
+// merges the two parts of ln2, so the relative error is under 3e-7 (2-3 ulps) where the build
+// has FMA (AVX2, AVX-512) and about 4e-6 without it. Lanes below -80 give exactly 0 (e^-80 is
+// 1.8e-35). glibc's vector expf, which this replaces here, is a call per
 // vector and sends every lane far below its range (each masked score) down a slow scalar path.
 inline vf exp_nonpositive(vf x) {
   const vi low = x < MIN_EXP;
@@ -64,6 +66,7 @@ inline vf exp_nonpositive(vf x) {
 }
 
 }  // namespace vec
+}  // namespace
 
 namespace {
 
@@ -324,6 +327,7 @@ void chunk_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
     // as few tiles as fit the chunk, equally full (a last tile of a few positions would pay
     // for a whole one)
     const int64_t n = query_start[s + 1] - query_start[s];
+    if (n == 0) continue;
     const int64_t tiles = (n + per_tile - 1) / per_tile, step = (n + tiles - 1) / tiles;
     for (int64_t h = 0; h < heads; h += h % group + sub < group ? sub : group - h % group)
       for (int64_t i = 0; i < n; i += step) items.push_back({s, h, i, std::min(step, n - i)});
