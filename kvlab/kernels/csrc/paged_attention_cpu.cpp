@@ -45,8 +45,8 @@ inline vf splat(float x) { return vf{} + x; }
 // Taylor series to f^7 (|f| <= ln2 / 2), times 2^n built in the exponent bits. -ffast-math
 // merges the two parts of ln2, so the relative error is under 3e-7 (2-3 ulps) where the build
 // has FMA (AVX2, AVX-512) and about 4e-6 without it. Lanes below -80 give exactly 0 (e^-80 is
-// 1.8e-35). glibc's vector expf, which this replaces here, is a call per
-// vector and sends every lane far below its range (each masked score) down a slow scalar path.
+// 1.8e-35). glibc's vector expf, which this replaces, is a call per vector and sends every
+// lane far below its range (each masked score) down a slow scalar path.
 inline vf exp_nonpositive(vf x) {
   const vi low = x < MIN_EXP;
   x = low ? splat(MIN_EXP) : x;
@@ -66,9 +66,6 @@ inline vf exp_nonpositive(vf x) {
 }
 
 }  // namespace vec
-}  // namespace
-
-namespace {
 
 // Calls visit(t, row) for positions t = 0 .. len-1 of one request, row pointing at position t's
 // [kv_heads, dim] entries in `cache`, walking the block table one block at a time.
