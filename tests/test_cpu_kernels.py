@@ -301,9 +301,10 @@ def test_a_build_killed_midway_and_stale_lock_files_never_block_the_next(tmp_pat
     assert not live.exists() and fresh.exists()         # the lock is free now: removed
 
 
-def _chunk_case(seed, heads, kv_heads, dim, bs, specs, dtype=torch.float32):
+def _chunk_case(seed, heads, kv_heads, dim, bs, specs, dtype=torch.float32, scale=None):
     """Caches holding every chunk's context (prefix and its own K/V) under scattered tables,
-    queries, and each chunk's dense float64 reference (the last rows of a causal pass)."""
+    queries, and each chunk's dense float64 reference (the last rows of a causal pass) at
+    ``scale`` (default ``dim ** -0.5``)."""
     gen = torch.Generator().manual_seed(seed)
     widths = [-(-(start + n) // bs) for start, n in specs]
     perm = torch.randperm(sum(widths) + 2, generator=gen).tolist()
@@ -322,7 +323,7 @@ def _chunk_case(seed, heads, kv_heads, dim, bs, specs, dtype=torch.float32):
         qq[start:] = q[qs[-1]:qs[-1] + n].double()
         k = kc.view(-1, kv_heads, dim)[slots].double()
         v = vc.view(-1, kv_heads, dim)[slots].double()
-        refs.append(dense_causal_attention(qq, k, v, dim ** -0.5)[start:])
+        refs.append(dense_causal_attention(qq, k, v, scale or dim ** -0.5)[start:])
         qs.append(qs[-1] + n)
     return q, kc, vc, torch.tensor(tables), qs, [s for s, _ in specs], torch.cat(refs)
 
@@ -349,18 +350,15 @@ def test_chunk_op_masks_exactly_and_keeps_precision_over_wide_score_spreads(scal
     # float32 rounding); and the keys and values of a chunk's last positions, made enormous,
     # leave the rows before them bit for bit as they were: a masked key weighs exactly 0
     specs = [(0, 45), (16, 40)]
-    q, kc, vc, tables, qs, starts, _ = _chunk_case(7, 6, 2, 32, 16, specs)
-    exact, torch32 = [], []
+    q, kc, vc, tables, qs, starts, exact = _chunk_case(7, 6, 2, 32, 16, specs, scale=scale)
+    torch32 = []
     for s, (start, n) in enumerate(specs):
         slots = [int(tables[s, p // 16]) * 16 + p % 16 for p in range(start + n)]
         k, v = (c.view(-1, 2, 32)[slots].repeat_interleave(3, 1).transpose(0, 1)
                 for c in (kc, vc))
         qq = torch.cat((torch.zeros(start, 6, 32), q[qs[s]:qs[s + 1]]))
-        exact.append(dense_causal_attention(qq.double(), kc.view(-1, 2, 32)[slots].double(),
-                                            vc.view(-1, 2, 32)[slots].double(), scale)[start:])
         torch32.append(torch.nn.functional.scaled_dot_product_attention(
             qq.transpose(0, 1), k, v, is_causal=True, scale=scale).transpose(0, 1)[start:])
-    exact = torch.cat(exact)
     got = cpu_kernels.chunk_attention(q, kc, vc, tables, qs, starts, scale)
     ours = float((got.double() - exact).abs().max())
     theirs = float((torch.cat(torch32).double() - exact).abs().max())
