@@ -164,12 +164,9 @@ def linear_floor_s(model, shapes: list[tuple[int, int]], repeats: int = 2) -> fl
     rows)`` in ``shapes``, every projection of every layer on ``tokens`` rows and the lm_head on
     ``sampled`` rows, with the model's own weights and the engine's own calls (the layers'
     ``forward``, oneDNN with packed weights where :mod:`kvlab.kernels.cpu_linear` bound it;
-    the lm_head as ``LlamaModel.logits`` computes it), nothing else (best of ``repeats``).
+    the lm_head through ``LlamaModel.logits``), nothing else (best of ``repeats``).
     kvlab's wall time cannot go below it, so HF's time over it bounds the reachable speedup."""
-    import torch.nn.functional as F
-
     cfg = model.cfg
-    head = model.embed.weight if model.lm_head is None else model.lm_head.weight
     layers = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in model.layers]
     widest = max(n for n, _ in shapes)
     x = torch.randn(widest, cfg.hidden_size)
@@ -186,7 +183,7 @@ def linear_floor_s(model, shapes: list[tuple[int, int]], repeats: int = 2) -> fl
                     gate_up(x[:n])
                     down(xi[:n])
                 if sampled:
-                    F.linear(x[:sampled], head)
+                    model.logits(x[:sampled])
             best = min(best, time.perf_counter() - t0)
     return best
 

@@ -49,9 +49,43 @@ def test_what_onednn_cannot_run_is_left_alone(monkeypatch):
 
     model = nn.Sequential(nn.Linear(8, 8), Scaled(8, 8), nn.Linear(8, 4, bias=False))
     assert cpu_linear.pack_linears(model) == 2 and "forward" not in vars(model[1])
+    assert cpu_linear.packed_linear(double.weight) is None
+    assert cpu_linear.packed_linear(torch.ones(4, 4, device="meta")) is None
     monkeypatch.setenv("KVLAB_CPU_LINEAR", "0")
     fresh = nn.Sequential(nn.Linear(8, 8))
     assert cpu_linear.pack_linears(fresh) == 0 and "forward" not in vars(fresh[0])
+    assert cpu_linear.packed_linear(fresh[0].weight) is None
+
+
+def _logits_match_f_linear(model, weight, head):
+    """``model.logits`` is ``head`` (bit for bit) and within float32 rounding of F.linear."""
+    torch.manual_seed(0)
+    for rows in (1, 2, 36):
+        hidden = torch.randn(rows, model.cfg.hidden_size)
+        with torch.inference_mode():
+            got = model.logits(hidden)
+            assert torch.equal(got, head(hidden))
+        want = F.linear(hidden, weight)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@needs_onednn
+def test_the_logits_matmul_is_packed_tied_or_untied(tmp_path, monkeypatch):
+    from kvlab.engine.hf_parity import save_random_hf_model
+
+    tied = LLM("kvlab-tiny").engine.model                   # tied: the embedding's weight
+    assert tied.lm_head is None and isinstance(tied.tied_head, functools.partial)
+    _logits_match_f_linear(tied, tied.embed.weight, tied.tied_head)
+    path = save_random_hf_model(tmp_path / "untied", tie_word_embeddings=False)
+    untied = LLM(str(path)).engine.model                    # its own lm_head, an nn.Linear
+    assert isinstance(untied.lm_head.forward, functools.partial) and untied.tied_head is None
+    _logits_match_f_linear(untied, untied.lm_head.weight, untied.lm_head)
+    monkeypatch.setenv("KVLAB_CPU_LINEAR", "0")
+    plain = LLM("kvlab-tiny").engine.model
+    assert plain.tied_head is None
+    _logits_match_f_linear(plain, plain.embed.weight,
+                           functools.partial(F.linear, weight=plain.embed.weight))
 
 
 @needs_onednn

@@ -20,7 +20,7 @@ from kvlab.core.interfaces import Scheduler
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.kernels.cpu_linear import pack_linears
+from kvlab.kernels.cpu_linear import pack_linears, packed_linear
 
 from .checkpoint import LoadedCheckpoint
 from .config import ModelConfig
@@ -184,7 +184,9 @@ def build_parts(a: EngineArgs, load_tokenizer: Callable[[Path], Tokenizer | None
     ckpt.model.prepare_rope(max_model_len)
     drafts = (speculator.draft.model,) if speculator and speculator.draft else ()
     for model in (ckpt.model, *drafts):   # CPU: oneDNN, weights packed once (cpu_linear)
-        pack_linears(model)
+        pack_linears(model)               # (an untied lm_head is one of them)
+        if model.lm_head is None:         # tied: the logits' matmul over the embedding
+            model.tied_head = packed_linear(model.embed.weight)
         bind_layer_ops(model)             # compiled norms, RoPE, SiLU-and-mul (CUDA: Triton)
     graphs = use_decode_graphs(a, dev, quant, speculator)
     # with graphs, one block past the manager's: the padded rows' scratch block

@@ -4,7 +4,7 @@ QKV bias); Q/K/V and gate/up are fused, so a layer is four matmuls over the step
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +89,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """The decoder; parameters start as zeros/ones until weights are loaded."""
+    tied_head: Callable[[torch.Tensor], torch.Tensor] | None = None   # (see logits)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -150,6 +151,8 @@ class LlamaModel(nn.Module):
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits ``[M, V]`` (float32) of hidden states ``[M, hidden]``."""
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()   # (a no-op in float32)
+        """Vocabulary logits ``[M, V]`` (float32) of hidden states ``[M, hidden]``; tied, as
+        ``tied_head`` (the engine binds oneDNN's with the weight packed, cpu_linear) if bound."""
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        out = F.linear(hidden, self.embed.weight) if head is None else head(hidden)
+        return out.float()   # (a no-op in float32)

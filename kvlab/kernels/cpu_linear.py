@@ -8,7 +8,11 @@ that repacking costs about as much as the product. :func:`pack_linears` reorders
 becomes ``torch.ops.mkldnn._linear_pointwise``: the call runs no Python of kvlab's. vLLM's CPU
 build does the same with its own op (``dispatch_cpu_unquantized_gemm`` and ``create_onednn_mm``
 in ``vllm/model_executor/layers/utils.py``, v0.32). ``benchmarks/bench_cpu_linear.py`` measures
-both paths at the engine's shapes.
+both paths at the engine's shapes. The logits' matmul is one of them: an untied ``lm_head``
+is an ``nn.Linear`` like the rest, and with tied embeddings the engine binds
+:func:`packed_linear` of the embedding's weight as ``LlamaModel.tied_head`` (vLLM packs its
+``lm_head`` too, tied or not: ``UnquantizedEmbeddingMethod.process_weights_after_loading`` in
+``vllm/model_executor/layers/vocab_parallel_embedding.py``, v0.32).
 
 The plain weights stay where they were (state dicts, weight hashes and quantization read them),
 so the packed copy doubles the weight memory, and a weight changed in place afterwards is not
@@ -21,11 +25,12 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-__all__ = ["available", "pack_linear", "pack_linears"]
+__all__ = ["available", "pack_linear", "pack_linears", "packed_linear"]
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -38,28 +43,37 @@ def available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None
+                  ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``x -> F.linear(x, weight, bias)`` on oneDNN with ``weight`` packed now, or None where
+    that cannot run (not a CPU tensor, a dtype oneDNN lacks here, oneDNN refuses) or
+    ``KVLAB_CPU_LINEAR=0``."""
+    if (os.environ.get("KVLAB_CPU_LINEAR", "1") == "0" or weight.device.type != "cpu"
+            or not available(weight.dtype)):
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    except RuntimeError:
+        return None
+    return functools.partial(torch.ops.mkldnn._linear_pointwise, W=packed,
+                             B=None if bias is None else bias.detach(), attr="none",
+                             scalars=[], algorithm="")
+
+
 def pack_linear(layer: nn.Module) -> bool:
-    """Point ``layer.forward`` at oneDNN with its weight packed now; False (layer unchanged)
-    where that cannot run or ``layer`` is not exactly an ``nn.Linear``. Call it again after the
-    weight changes."""
+    """Point ``layer.forward`` at :func:`packed_linear` of its weight and bias; False (layer
+    unchanged) where that cannot run or ``layer`` is not exactly an ``nn.Linear``. Call it
+    again after the weight changes."""
     if type(layer) is not nn.Linear:
         return False
-    w = layer.weight
-    if w.device.type != "cpu" or not available(w.dtype):
+    forward = packed_linear(layer.weight, layer.bias)
+    if forward is None:
         return False
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-    except RuntimeError:
-        return False
-    bias = None if layer.bias is None else layer.bias.detach()
-    layer.forward = functools.partial(torch.ops.mkldnn._linear_pointwise, W=packed, B=bias,
-                                      attr="none", scalars=[], algorithm="")
+    layer.forward = forward
     return True
 
 
 def pack_linears(model: nn.Module) -> int:
     """:func:`pack_linear` every ``nn.Linear`` of ``model`` (unless ``KVLAB_CPU_LINEAR=0``);
     the number packed."""
-    if os.environ.get("KVLAB_CPU_LINEAR", "1") == "0":
-        return 0
     return sum(pack_linear(m) for m in model.modules())
