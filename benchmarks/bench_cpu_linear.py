@@ -1,14 +1,14 @@
 """The CPU's linear layers: ``F.linear`` vs oneDNN with the weight packed once
-(:mod:`kvlab.kernels.cpu_linear`), at ~25M's projection shapes (hidden 512, 8/4 heads of 64,
-intermediate 2048, vocabulary 2048 for the logits' matmul) and a real model's ``lm_head``
-(TinyLlama-1.1B's: vocabulary 32,000, hidden 2,048, untied), at the row counts of decode (1-64)
-and prefill chunks (256; the logits' matmul sees only the sampled rows).
+(:mod:`kvlab.kernels.cpu_linear`), at the projection shapes of bench_vs_vllm's ~25M model
+(hidden 512, 8/4 heads of 64, intermediate 2048, vocabulary 2048 for the logits' matmul) and a
+real model's ``lm_head`` (TinyLlama-1.1B's: vocabulary 32,000, hidden 2,048, untied), at the
+row counts of decode (1-64) and prefill chunks (256; the logits' matmul sees only the sampled
+rows).
 
 One torch thread; per case the two paths alternate for five rounds of ``--calls`` calls each
-(fewer for a weight over 4M entries, about the same work),
-timed in process CPU time, best round kept; the outputs' largest difference relative to the
-largest |output| is recorded. Run: ``python benchmarks/bench_cpu_linear.py`` (writes
-benchmarks/results/cpu_linear.json).
+(fewer for a weight over 4M entries, about the same work), timed in process CPU time, best
+round kept; the outputs' largest difference relative to the largest |output| is recorded.
+Run: ``python benchmarks/bench_cpu_linear.py`` (writes benchmarks/results/cpu_linear.json).
 """
 
 from __future__ import annotations

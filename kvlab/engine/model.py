@@ -151,8 +151,8 @@ class LlamaModel(nn.Module):
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits ``[M, V]`` (float32) of hidden states ``[M, hidden]``; tied, as
-        ``tied_head`` (the engine binds oneDNN's with the weight packed, cpu_linear) if bound."""
+        """Vocabulary logits ``[M, V]`` (float32) of hidden states ``[M, hidden]``: ``lm_head``,
+        or if tied ``tied_head`` where the engine bound one (cpu_linear), else the embedding's."""
         head = self.lm_head if self.lm_head is not None else self.tied_head
         out = F.linear(hidden, self.embed.weight) if head is None else head(hidden)
         return out.float()   # (a no-op in float32)

@@ -8,7 +8,7 @@ that repacking costs about as much as the product. :func:`pack_linears` reorders
 becomes ``torch.ops.mkldnn._linear_pointwise``: the call runs no Python of kvlab's. vLLM's CPU
 build does the same with its own op (``dispatch_cpu_unquantized_gemm`` and ``create_onednn_mm``
 in ``vllm/model_executor/layers/utils.py``, v0.32). ``benchmarks/bench_cpu_linear.py`` measures
-both paths at the engine's shapes. The logits' matmul is one of them: an untied ``lm_head``
+both paths at the engine's shapes. The logits' matmul is packed too: an untied ``lm_head``
 is an ``nn.Linear`` like the rest, and with tied embeddings the engine binds
 :func:`packed_linear` of the embedding's weight as ``LlamaModel.tied_head`` (vLLM packs its
 ``lm_head`` too, tied or not: ``UnquantizedEmbeddingMethod.process_weights_after_loading`` in
@@ -16,9 +16,10 @@ is an ``nn.Linear`` like the rest, and with tied embeddings the engine binds
 
 The plain weights stay where they were (state dicts, weight hashes and quantization read them),
 so the packed copy doubles the weight memory, and a weight changed in place afterwards is not
-seen until :func:`pack_linears` runs again. ``KVLAB_CPU_LINEAR=0`` (read when an engine is
-built) keeps ``F.linear``; a layer oneDNN refuses keeps it too. The packed op computes the same
-product in another summation order (``tests/test_cpu_linear.py`` bounds the difference).
+seen until :func:`pack_linears` runs again (a tied head: until ``tied_head`` is bound again).
+``KVLAB_CPU_LINEAR=0`` (read when an engine is built) keeps ``F.linear``; a layer oneDNN
+refuses keeps it too. The packed op computes the same product in another summation order
+(``tests/test_cpu_linear.py`` bounds the difference).
 """
 
 from __future__ import annotations
