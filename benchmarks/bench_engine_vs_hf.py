@@ -134,6 +134,29 @@ def matmul_gflops(clock=time.perf_counter) -> float:
     return 2 * 1024**3 / max(best, 1e-9) / 1e9
 
 
+def stream_read_gbps(clock=time.perf_counter) -> float:
+    """Sustained rate at which this process reads float32 memory far beyond the CPU's caches
+    (best of several sums of a 256 MiB tensor), in GB/s: the floor of a memory-bound op."""
+    x = torch.ones(64 * 1024 * 1024)
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        t = clock()
+        x.sum()
+        best = min(best, clock() - t)
+    return x.numel() * x.element_size() / max(best, 1e-9) / 1e9
+
+
+def paged_kv_bytes(llm: LLM, meta) -> int:
+    """Bytes of K and V the step's paged rows (decodes, short chunks behind a prefix) read
+    through their block tables, over all layers: each row reads every position it attends."""
+    if meta is None or not meta.paged_lens.numel():
+        return 0
+    model = llm.engine.model
+    per_position = model.cfg.kv_bytes_per_token(model.dtype.itemsize)   # the bench's KV dtype
+    return int(meta.paged_lens.sum()) * per_position
+
+
 def chunk_flops(llm: LLM, chunks) -> float:
     """Model FLOPs of one step's chunks (matmuls + attention; lm_head only on sampled rows)."""
     model = llm.engine.model
@@ -198,6 +221,7 @@ def run_kvlab(model: str | Path, workload, *, max_num_seqs: int = 64) -> dict:
                                                         ignore_eos=True))
     outputs: dict[str, list[int]] = {}
     flops = linear = 0.0
+    kv_read = 0
     shapes: list[tuple[int, int]] = []
     t0, c0 = time.perf_counter(), time.process_time()
     while eng.has_unfinished_requests():
@@ -206,6 +230,7 @@ def run_kvlab(model: str | Path, workload, *, max_num_seqs: int = 64) -> dict:
         chunks = eng.last_trace.scheduler_output.chunks
         flops += chunk_flops(llm, chunks)
         linear += chunk_linear_flops(llm, chunks)
+        kv_read += paged_kv_bytes(llm, eng.last_trace.metadata)
         shapes.append((sum(c.num_tokens for c in chunks), sum(c.sample for c in chunks)))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     st = eng.stats
@@ -222,6 +247,7 @@ def run_kvlab(model: str | Path, workload, *, max_num_seqs: int = 64) -> dict:
                          - st.model_time_s - st.sample_time_s},
         "prefix_hit_rate": st.prefix_hit_rate,
         "linear_floor_s": linear_floor_s(eng.model, [s for s in shapes if s[0]]),
+        "paged_kv_bytes": kv_read,
     }
 
 
@@ -436,6 +462,15 @@ def bench_model(model_dir: Path, model_name: str, args: argparse.Namespace) -> d
           f"({ceiling['linear_share_of_kvlab']:.0%} of kvlab's wall time) at "
           f"{ceiling['mfu_linear_ceiling']:.0%} of the 1024^3 rate, so "
           f"kvlab can be at most {ceiling['speedup_ceiling_vs_hf_best']:.2f}x HF's best here")
+    # decode attention's own floor: its K/V reads at this core's streaming rate
+    stream = stream_read_gbps()
+    kv_floor = kv["paged_kv_bytes"] / (stream * 1e9)
+    ceiling.update({"paged_kv_gb": kv["paged_kv_bytes"] / 1e9, "stream_read_gbps": stream,
+                    "paged_kv_floor_s": kv_floor,
+                    "share_of_linear_plus_kv_floor": (floor + kv_floor) / kv["wall_s"]})
+    print(f"decode attention reads {kv['paged_kv_bytes'] / 1e9:.1f} GB of K/V: at this core's "
+          f"streaming rate ({stream:.1f} GB/s) {kv_floor:.2f} s; the linear layers and these "
+          f"reads alone are {ceiling['share_of_linear_plus_kv_floor']:.0%} of kvlab's wall time")
     result = {
         "benchmark": "engine_vs_hf", "model": model_name, "requests": len(workload),
         "prompt_tokens": sum(len(p) for p, _ in workload),
