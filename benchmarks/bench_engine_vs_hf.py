@@ -136,7 +136,8 @@ def matmul_gflops(clock=time.perf_counter) -> float:
 
 def stream_read_gbps(clock=time.perf_counter) -> float:
     """Sustained rate at which this process reads float32 memory far beyond the CPU's caches
-    (best of several sums of a 256 MiB tensor), in GB/s: the floor of a memory-bound op."""
+    (best of several sums of a 256 MiB tensor), in GB/s: about as fast as one core reads what
+    is not in its caches (an op beats it only on data still cached)."""
     x = torch.ones(64 * 1024 * 1024)
     x.sum()
     best = float("inf")
