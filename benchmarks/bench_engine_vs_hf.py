@@ -121,17 +121,22 @@ def random_checkpoint(size: str) -> Path:
 
 
 # --------------------------------------------------------------------------- measurements
+def best_time(fn, clock=time.perf_counter, repeats: int = 5) -> float:
+    """The shortest of ``repeats`` timed calls of ``fn`` by ``clock`` (call it once first)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = clock()
+        fn()
+        best = min(best, clock() - t)
+    return max(best, 1e-9)
+
+
 def matmul_gflops(clock=time.perf_counter) -> float:
     """Sustained float32 matmul rate of this process (best of several 1024x1024x1024), by
     ``clock`` (wall time by default; ``time.process_time`` gives the rate per CPU-second)."""
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     a @ b
-    best = float("inf")
-    for _ in range(8):
-        t = clock()
-        a @ b
-        best = min(best, clock() - t)
-    return 2 * 1024**3 / max(best, 1e-9) / 1e9
+    return 2 * 1024**3 / best_time(lambda: a @ b, clock, repeats=8) / 1e9
 
 
 def stream_read_gbps(clock=time.perf_counter) -> float:
@@ -140,12 +145,7 @@ def stream_read_gbps(clock=time.perf_counter) -> float:
     is not in its caches (an op beats it only on data still cached)."""
     x = torch.ones(64 * 1024 * 1024)
     x.sum()
-    best = float("inf")
-    for _ in range(5):
-        t = clock()
-        x.sum()
-        best = min(best, clock() - t)
-    return x.numel() * x.element_size() / max(best, 1e-9) / 1e9
+    return x.numel() * x.element_size() / best_time(x.sum, clock) / 1e9
 
 
 def paged_kv_bytes(llm: LLM, meta) -> int:
