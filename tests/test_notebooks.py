@@ -1,9 +1,11 @@
 """The notebook pipeline: every chapter's .md source and executed .ipynb agree cell by cell,
 every chapter is in toc.yml and toc.yml names only files that exist (chapters as executed .ipynb,
-plain pages such as the glossary and bibliography as .md)."""
+plain pages such as the glossary and bibliography as .md), and no chapter reads a file through a
+path relative to the working directory (nbgrader and students run chapters elsewhere)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jupytext
@@ -75,3 +77,13 @@ def test_md_source_round_trips_through_jupytext(source):
     text = source.read_text()
     assert jupytext.writes(jupytext.read(source), fmt="md:myst", config=config) == text, (
         f"{source.name} changes when saved unchanged from Lab: write it back with jupytext")
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_code_reads_no_path_relative_to_the_working_directory(source):
+    # nbgrader runs a chapter in course/source/<ch>/, release/<ch>/ or autograded/<s>/<ch>/, and
+    # a student anywhere: "../benchmarks/..." exists only beside notebooks/
+    bad = [cell.source.splitlines()[0] for cell in jupytext.read(source).cells
+           if cell.cell_type == "code" and re.search(r"""["']\.\.(/|["'])""", cell.source)]
+    assert not bad, (f"{source.name}: a code cell reads a path relative to the working directory "
+                     f"(locate files from kvlab.__file__, as chapter 4 does): {bad}")
