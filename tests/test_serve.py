@@ -256,6 +256,18 @@ BAD = [
     (json.dumps({"model": MODEL, "prompt": "hi", "stream": "yes"}).encode(), 400,
      "invalid_type", "stream"),
     (json.dumps({"model": MODEL, "prompt": 7}).encode(), 400, "invalid_value", "prompt"),
+    # a lone surrogate is valid JSON text but not UTF-8: quoted back in the message, it must
+    # not turn the 4xx into a 500
+    (b'{"model": "\\ud800", "prompt": "a"}', 404, "model_not_found", "model"),
+    (b'{"model": "kvlab-tiny", "prompt": "a", "\\ud800": 1}', 400, "unknown_parameter",
+     "\ud800"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "stream": True,
+                 "stream_options": {"include_usage": "no"}}).encode(), 400, "invalid_type",
+     "stream_options"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "stop_token_ids": [99999]}).encode(), 400,
+     "invalid_value", "stop_token_ids"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "user": 5}).encode(), 400, "invalid_type",
+     "user"),
 ]
 
 
@@ -274,12 +286,37 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, body, s
     assert idle(server.engine) or wait_until(lambda: idle(server.engine)) is None
 
 
+def test_an_error_is_counted_once_and_a_body_cut_short_is_no_server_error(server) -> None:
+    def errors(code: str) -> float:
+        key = ("kvlab:http_errors_total", (("code", code), ("model_name", MODEL)))
+        return parse_metrics(httpx.get(server.url + "/metrics").text).get(key, 0.0)
+
+    before = {code: errors(code) for code in ("404", "500")}
+    resp = httpx.post(server.url + "/v1/completions", content=b'{"model": "\\ud800"}',
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 404 and resp.json()["error"]["message"].count("\ud800") == 1
+    for _ in range(3):   # a client that announces 1,000 bytes, sends 22 and hangs up
+        with socket.create_connection((server.host, server.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                         b"application/json\r\ncontent-length: 1000\r\n\r\n"
+                         b'{"model": "kvlab-tiny"')
+    ok = httpx.post(server.url + "/v1/completions",
+                    json={"model": MODEL, "prompt": "The town", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+    assert errors("404") - before["404"] == 1 and errors("500") == before["500"]
+
+
 def test_chat_errors_and_routes(server) -> None:
     bad = httpx.post(server.url + "/v1/chat/completions",
                      json={"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
-    assert httpx.get(server.url + "/v1/nothing").status_code == 404
-    assert httpx.get(server.url + "/v1/completions").status_code == 405
+    named = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x", "name": 5}]})
+    assert named.status_code == 400 and named.json()["error"]["code"] == "invalid_type"
+    for path, method, status, code in (("/v1/nothing", "GET", 404, "not_found"),
+                                       ("/v1/completions", "GET", 405, "method_not_allowed")):
+        resp = httpx.request(method, server.url + path)
+        assert resp.status_code == status and resp.json()["error"]["code"] == code
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == MODEL
     assert httpx.get(server.url + "/health").status_code == 200
 

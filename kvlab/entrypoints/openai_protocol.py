@@ -55,7 +55,7 @@ class APIError(Exception):
 
 
 def error_body(message: str, kind: str, param: str | None = None,
-               code: str | int | None = None) -> dict:
+               code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -200,6 +200,9 @@ def chat_prompt(messages: Any) -> str:
         if extra:
             raise APIError(400, f"messages[{i}].{extra[0]} is not supported by kvlab's server",
                            param="messages", code="unsupported_parameter")
+        if not isinstance(m.get("name", ""), str):
+            raise APIError(400, f"messages[{i}].name must be a string, got {m['name']!r}"[:300],
+                           param="messages", code="invalid_type")
         if m["role"] not in ROLES:
             raise APIError(400, f"messages[{i}].role {m['role']!r} is not one of "
                                 f"{', '.join(ROLES)}", param="messages", code="invalid_value")
@@ -305,6 +308,9 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest
     if model != served_model:
         raise APIError(404, f"The model `{model}` does not exist; this server serves "
                             f"`{served_model}`", param="model", code="model_not_found")
+    if "user" in body and not isinstance(body["user"], (str, type(None))):
+        raise APIError(400, f"user must be a string, got {body['user']!r}"[:300], param="user",
+                       code="invalid_type")
     neutral = CHAT_NEUTRAL if chat else NEUTRAL
     for name in neutral:
         _check_neutral(body, name, neutral)
@@ -320,7 +326,10 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest
         if not isinstance(opts, dict) or set(opts) - {"include_usage"} or not stream:
             raise APIError(400, "stream_options must be {\"include_usage\": bool} and only "
                                 "with stream=true", param="stream_options", code="invalid_value")
-        include_usage = bool(opts.get("include_usage", False))
+        include_usage = opts.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise APIError(400, f"stream_options.include_usage must be a boolean, got "
+                                f"{include_usage!r}", param="stream_options", code="invalid_type")
     try:
         stop = check_stop(body.get("stop"))
     except ValueError as err:

@@ -13,6 +13,7 @@ values, and where the token's text starts).
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +68,8 @@ def prepare(aeng: AsyncEngine, parsed: ParsedRequest) -> list[Work]:
             raise APIError(400, f"{parsed.structured_param}: {err}",
                            param=parsed.structured_param, code="invalid_value") from None
         except (ValueError, TypeError) as err:
-            name = "n" if str(err).startswith("n=") else param
+            field = re.match(r"SamplingParams\.(\w+)", str(err))   # the field it names
+            name = "n" if str(err).startswith("n=") else field.group(1) if field else param
             raise APIError(400, str(err), param=name, code="invalid_value") from None
         if text is None:
             text = tokenizer.decode(list(ids)) if parsed.echo and tokenizer is not None else ""

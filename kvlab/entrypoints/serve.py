@@ -38,7 +38,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -52,6 +52,14 @@ __all__ = ["MAX_BODY_BYTES", "ServerThread", "build_app", "main"]
 
 #: default limit of a request body (a 2,048-token context is ~10 KB of text)
 MAX_BODY_BYTES = 2 * 1024 * 1024
+
+
+class ErrorResponse(JSONResponse):
+    """An error body, ASCII-escaped: a message may quote what the client sent, and a lone
+    surrogate in it (valid in JSON text, not in UTF-8) must not turn a 4xx into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -85,6 +93,7 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
     ``tokenizer_info_endpoint``: serve ``GET /tokenizer_info`` (off by default, as in vLLM)."""
     engine = aeng.engine
     metrics = aeng.metrics
+    started = int(time.time())   # the model card's `created`: when this server started
     tokenizer = engine.tokenizer
     decode: Callable[[list[int]], str] = tokenizer.decode if tokenizer is not None \
         else (lambda ids: "")
@@ -96,9 +105,10 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
             return None
         return logprobs_body(chat, entries or [], names, k)
 
-    def fail(err: APIError) -> JSONResponse:
-        metrics.observe_http_error(err.status)
-        return JSONResponse(err.body(), status_code=err.status)
+    def fail(err: APIError) -> Response:
+        response = ErrorResponse(err.body(), status_code=err.status)
+        metrics.observe_http_error(err.status)   # once the response exists: counted once
+        return response
 
     async def completions(request: Request, chat: bool) -> Response:
         run: RequestRun | None = None
@@ -150,6 +160,8 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
                 "usage": run.usage()})
         except APIError as err:
             return fail(err)
+        except ClientDisconnect:   # gone while sending the body: nobody reads an answer
+            return Response(status_code=499)
         finally:
             if gone is not None:
                 gone.cancel()
@@ -201,7 +213,7 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
         return await completions(request, chat=True)
 
     def model_card() -> dict:
-        return {"id": served_model, "object": "model", "created": 0, "owned_by": "kvlab",
+        return {"id": served_model, "object": "model", "created": started, "owned_by": "kvlab",
                 "max_model_len": engine.max_model_len}
 
     async def models(request: Request) -> Response:
@@ -222,6 +234,8 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
             return JSONResponse(await asyncio.to_thread(work, raw, engine, served_model))
         except APIError as err:
             return fail(err)
+        except ClientDisconnect:
+            return Response(status_code=499)
 
     async def tokenizer_info_route(request: Request) -> Response:
         try:
@@ -231,8 +245,8 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
 
     async def health(request: Request) -> Response:
         if not aeng.running:
-            return JSONResponse(error_body("engine thread is not running", "server_error"),
-                                status_code=503)
+            return ErrorResponse(error_body("engine thread is not running", "server_error"),
+                                 status_code=503)
         return Response(status_code=200)
 
     async def prometheus(request: Request) -> Response:
@@ -241,16 +255,18 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 500)
-        metrics.observe_http_error(status)
         kind = "not_found_error" if status == 404 else "invalid_request_error"
-        return JSONResponse(error_body(f"{request.method} {request.url.path}: "
-                                       f"{getattr(exc, 'detail', exc)}", kind, None, status),
-                            status_code=status)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
+        response = ErrorResponse(error_body(f"{request.method} {request.url.path}: "
+                                            f"{getattr(exc, 'detail', exc)}", kind, None, code),
+                                 status_code=status)
+        metrics.observe_http_error(status)
+        return response
 
     async def server_error(request: Request, exc: Exception) -> Response:
         metrics.observe_http_error(500)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}"[:500],
-                                       "server_error", None, "internal_error"), status_code=500)
+        return ErrorResponse(error_body(f"internal error: {type(exc).__name__}: {exc}"[:500],
+                                        "server_error", None, "internal_error"), status_code=500)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
