@@ -8,6 +8,8 @@ nothing else happens.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -98,6 +100,45 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         check_engine_args(self)
+
+    @staticmethod
+    def add_cli_args(ap: argparse.ArgumentParser) -> None:
+        """The engine's command-line flags (vLLM's names, ``--no-enable-prefix-caching``), plus
+        ``--max-waiting`` (the production scheduler's admission limit)."""
+        ap.add_argument("--model", default="kvlab-tiny", help="shipped model name or HF directory")
+        ap.add_argument("--block-size", type=int, default=16)
+        ap.add_argument("--num-blocks", type=int, default=None)
+        ap.add_argument("--max-num-seqs", type=int, default=64)
+        ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        ap.add_argument("--max-prefill-chunk", type=int, default=None)
+        ap.add_argument("--max-model-len", type=int, default=None)
+        ap.add_argument("--no-enable-prefix-caching", action="store_true")
+        ap.add_argument("--scheduler", choices=("baseline", "production"), default="baseline")
+        ap.add_argument("--max-waiting", type=int, default=None,
+                        help="production scheduler: refuse requests (HTTP 503) when this many wait")
+        ap.add_argument("--device", default=None)
+        ap.add_argument("--dtype", default=None)
+        ap.add_argument("--seed", type=int, default=0)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """EngineArgs from :meth:`add_cli_args`' parsed flags (ValueError on bad ones)."""
+        scheduler: str | Callable[..., Scheduler] = args.scheduler
+        if args.max_waiting is not None:
+            if args.max_waiting < 0:
+                raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+            from kvlab.core.production_scheduler import ProductionScheduler
+
+            limit = args.max_waiting
+
+            def scheduler(kv, cfg):
+                return ProductionScheduler(kv, dataclasses.replace(cfg, max_waiting=limit))
+        return cls(args.model, block_size=args.block_size, num_blocks=args.num_blocks,
+                   max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
+                   enable_prefix_caching=not args.no_enable_prefix_caching, device=args.device,
+                   dtype=args.dtype, seed=args.seed, scheduler=scheduler)
 
 
 def check_engine_args(args: EngineArgs) -> None:

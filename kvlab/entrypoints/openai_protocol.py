@@ -33,7 +33,8 @@ from typing import Any
 from kvlab.engine.detokenizer import check_stop
 from kvlab.engine.sampler import SamplingParams
 
-__all__ = ["APIError", "ParsedRequest", "chat_prompt", "error_body", "parse_request"]
+__all__ = ["APIError", "ParsedRequest", "chat_prompt", "error_body", "json_object",
+           "parse_request"]
 
 
 class APIError(Exception):
@@ -139,7 +140,8 @@ class ParsedRequest:
         return self.params
 
 
-def _json_object(raw: bytes) -> dict:
+def json_object(raw: bytes) -> dict:
+    """A request body parsed as a JSON object, or APIError 400 naming what is wrong."""
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -295,7 +297,7 @@ def _structured(body: dict) -> tuple[dict | None, str | None]:
 
 def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest:
     """Parse and validate one request body; :class:`APIError` naming the problem."""
-    body = _json_object(raw)
+    body = json_object(raw)
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
     unknown = sorted(set(body) - allowed)
     if unknown:

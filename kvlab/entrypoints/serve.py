@@ -42,6 +42,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvlab.engine.engine_args import EngineArgs
+from kvlab.engine.llm_engine import LLMEngine
+
 from .async_engine import MAX_BACKLOG_TOKENS, AsyncEngine, RequestStream
 from .openai_protocol import APIError, ParsedRequest, error_body, parse_request
 from .openai_responses import TokenNames, choice, logprobs_body
@@ -319,27 +322,10 @@ class ServerThread:
         self.thread.join(30)
 
 
-def add_engine_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="kvlab-tiny", help="shipped model name or HF directory")
+def add_server_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--served-model-name", default=None,
                     help="model name clients must send (default: --model)")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-blocks", type=int, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--max-prefill-chunk", type=int, default=None)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--no-enable-prefix-caching", action="store_true")
-    ap.add_argument("--scheduler", choices=("baseline", "production"), default="baseline")
-    ap.add_argument("--max-waiting", type=int, default=None,
-                    help="production scheduler: refuse requests (HTTP 503) when this many wait")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default=None)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: default)")
-
-
-def add_server_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--log-level", default="warning")
@@ -351,32 +337,13 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
                     help="serve GET /tokenizer_info (vLLM's flag; lm-eval's remote tokenizer)")
 
 
-def make_engine(args: argparse.Namespace):
-    """An LLMEngine from parsed ``add_engine_args`` arguments (ValueError on bad ones)."""
-    import dataclasses
-
+def make_engine(args: argparse.Namespace) -> LLMEngine:
+    """An LLMEngine from the parsed flags (ValueError on bad ones); ``--threads`` is set first."""
     import torch
-
-    from kvlab.core.production_scheduler import ProductionScheduler
-    from kvlab.engine.engine_args import EngineArgs
-    from kvlab.engine.llm_engine import LLMEngine
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    scheduler: Any = args.scheduler
-    if args.max_waiting is not None:
-        if args.max_waiting < 0:
-            raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-        limit = args.max_waiting
-
-        def scheduler(kv, cfg):
-            return ProductionScheduler(kv, dataclasses.replace(cfg, max_waiting=limit))
-    return LLMEngine(EngineArgs(args.model, block_size=args.block_size, num_blocks=args.num_blocks,
-                     max_num_seqs=args.max_num_seqs,
-                     max_num_batched_tokens=args.max_num_batched_tokens,
-                     max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
-                     enable_prefix_caching=not args.no_enable_prefix_caching, device=args.device,
-                     dtype=args.dtype, seed=args.seed, scheduler=scheduler))
+    return LLMEngine(EngineArgs.from_cli_args(args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -386,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m kvlab serve",
                                  description=__doc__.split("\n")[0])
-    add_engine_args(ap)
+    EngineArgs.add_cli_args(ap)
     add_server_args(ap)
     args = ap.parse_args(argv)
     if args.max_request_bytes < 1:

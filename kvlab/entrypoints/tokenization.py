@@ -30,7 +30,7 @@ from typing import Any
 
 from kvlab.engine.llm_engine import LLMEngine
 
-from .openai_protocol import APIError, _json_object, chat_prompt
+from .openai_protocol import APIError, chat_prompt, json_object
 
 __all__ = ["CHAT_TEMPLATE", "detokenize", "tokenize", "tokenizer_info"]
 
@@ -75,7 +75,7 @@ def _tokenizer(engine: LLMEngine):
 def tokenize(raw: bytes, engine: LLMEngine, served_model: str) -> dict[str, Any]:
     """The answer to ``POST /tokenize`` (see the module docstring); APIError naming the field.
     Tokenizes: call it off the event loop."""
-    body = _json_object(raw)
+    body = json_object(raw)
     chat = "messages" in body
     _unknown(body, _CHAT if chat else _COMPLETION)
     _check_model(body, served_model)
@@ -112,7 +112,7 @@ def tokenize(raw: bytes, engine: LLMEngine, served_model: str) -> dict[str, Any]
 
 def detokenize(raw: bytes, engine: LLMEngine, served_model: str) -> dict[str, Any]:
     """The answer to ``POST /detokenize``: ``{"prompt": text}``; APIError naming the field."""
-    body = _json_object(raw)
+    body = json_object(raw)
     _unknown(body, {"model", "tokens"})
     _check_model(body, served_model)
     tok = _tokenizer(engine)
