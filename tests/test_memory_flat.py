@@ -22,7 +22,8 @@ from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.sampler import SamplingParams
 from kvlab.entrypoints.async_engine import AsyncEngine
-from kvlab.entrypoints.serve import ServerThread, build_app
+from kvlab.entrypoints.serve import build_app
+from kvlab.entrypoints.uvicorn_server import ServerThread
 
 MODEL = "kvlab-tiny"
 BOUND = 50.0   # bytes retained per finished request

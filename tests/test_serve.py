@@ -26,7 +26,8 @@ from kvlab.entrypoints import bench
 from kvlab.entrypoints.async_engine import AsyncEngine
 from kvlab.entrypoints.load_client import LoadConfig, PlannedRequest, plan_requests, run_load
 from kvlab.entrypoints.prometheus import Histogram, MetricFamily, parse_metrics, render
-from kvlab.entrypoints.serve import ServerThread, build_app
+from kvlab.entrypoints.serve import build_app
+from kvlab.entrypoints.uvicorn_server import ServerThread
 from kvlab.sim.workload import fixed, uniform
 from kvlab.slo import SLO, evaluate_slo
 
@@ -304,6 +305,71 @@ def test_an_error_is_counted_once_and_a_body_cut_short_is_no_server_error(server
                     json={"model": MODEL, "prompt": "The town", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200
     assert errors("404") - before["404"] == 1 and errors("500") == before["500"]
+
+
+def test_slow_headers_and_slow_bodies_hit_their_deadlines() -> None:
+    """A connection that sends nothing, a header line at a time too slowly (slow-loris), or a
+    second keep-alive request that stalls is closed at the header deadline; a body that stalls
+    is a 408 at the body deadline; a request whose headers arrive in pieces within the deadline
+    is served. No bound on how fast: only that each connection ends and how."""
+    aeng = AsyncEngine(LLMEngine(EngineArgs(MODEL, max_model_len=256)), model_name=MODEL)
+    request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+               b"\r\ncontent-length: %d\r\n\r\n")
+    body = json.dumps({"model": MODEL, "prompt": "The town", "max_tokens": 2}).encode()
+
+    def read_all(sock: socket.socket) -> bytes:
+        sock.settimeout(60)
+        parts = []
+        while chunk := sock.recv(65536):
+            parts.append(chunk)
+        return b"".join(parts)     # returns only once the server closes the connection
+
+    with ServerThread(build_app(aeng, MODEL, body_timeout=1.0), header_timeout=1.0) as srv:
+        with socket.create_connection((srv.host, srv.port)) as silent:
+            assert read_all(silent) == b""
+        with socket.create_connection((srv.host, srv.port)) as loris:
+            loris.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+            for i in range(40):            # one header line every 0.1 s, never the blank line
+                try:
+                    loris.sendall(b"x-%d: y\r\n" % i)
+                except OSError:            # the server closed the connection
+                    break
+                time.sleep(0.1)
+            assert read_all(loris) == b""
+        with socket.create_connection((srv.host, srv.port)) as reuse:
+            reuse.sendall(request % len(body) + body)
+            reuse.settimeout(60)
+            first = b""
+            while b'"usage"' not in first:
+                first += reuse.recv(65536)
+            assert first.startswith(b"HTTP/1.1 200")
+            reuse.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+            assert read_all(reuse) == b""
+        with socket.create_connection((srv.host, srv.port)) as stalled:
+            stalled.sendall(request % 100 + b'{"model": ')
+            answer = read_all(stalled)
+            assert answer.startswith(b"HTTP/1.1 408")
+            assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == \
+                "request_timeout"
+        with socket.create_connection((srv.host, srv.port)) as pieces:
+            head = request % len(body)
+            pieces.sendall(head[:20])
+            time.sleep(0.2)
+            pieces.sendall(head[20:] + body)
+            pieces.settimeout(60)
+            answer = b""
+            while b'"usage"' not in answer:
+                answer += pieces.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200")
+        errors = parse_metrics(httpx.get(srv.url + "/metrics").text)
+        assert errors[("kvlab:http_errors_total", (("code", "408"), ("model_name", MODEL)))] == 1
+
+
+def test_serve_cli_refuses_deadlines_that_are_not_positive() -> None:
+    for flag in ("--header-timeout", "--body-timeout"):
+        done = subprocess.run([sys.executable, "-m", "kvlab", "serve", flag, "0"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and f"{flag} must be > 0, got 0.0" in done.stderr
 
 
 def test_chat_errors_and_routes(server) -> None:

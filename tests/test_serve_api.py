@@ -20,7 +20,8 @@ from kvlab.engine.llm_engine import LLMEngine, Tokenizer
 from kvlab.engine.sampler import SamplingParams
 from kvlab.entrypoints.async_engine import AsyncEngine
 from kvlab.entrypoints.prometheus import parse_metrics
-from kvlab.entrypoints.serve import ServerThread, build_app
+from kvlab.entrypoints.serve import build_app
+from kvlab.entrypoints.uvicorn_server import ServerThread
 
 MODEL = "kvlab-tiny"
 

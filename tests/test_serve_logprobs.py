@@ -19,7 +19,8 @@ from kvlab.engine.llm_engine import LLMEngine, Tokenizer
 from kvlab.entrypoints.async_engine import AsyncEngine
 from kvlab.entrypoints.openai_protocol import chat_prompt
 from kvlab.entrypoints.openai_responses import LOGPROB_FLOOR, _byte_alphabet
-from kvlab.entrypoints.serve import ServerThread, build_app
+from kvlab.entrypoints.serve import build_app
+from kvlab.entrypoints.uvicorn_server import ServerThread
 
 openai = pytest.importorskip("openai")
 

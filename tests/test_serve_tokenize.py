@@ -11,7 +11,8 @@ from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.entrypoints.async_engine import AsyncEngine
 from kvlab.entrypoints.openai_protocol import chat_prompt
-from kvlab.entrypoints.serve import ServerThread, build_app
+from kvlab.entrypoints.serve import build_app
+from kvlab.entrypoints.uvicorn_server import ServerThread
 
 MODEL = "kvlab-tiny"
 TEXT = "Trern Thyvet was a generous shepherd 🐑 who lived in 東京"

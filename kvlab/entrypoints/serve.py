@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -50,11 +49,14 @@ from .openai_protocol import APIError, ParsedRequest, error_body, parse_request
 from .openai_responses import TokenNames, choice, logprobs_body
 from .request_run import Event, RequestRun, prepare
 from .tokenization import detokenize, tokenize, tokenizer_info
+from .uvicorn_server import HEADER_TIMEOUT, h11_with_header_deadline
 
-__all__ = ["MAX_BODY_BYTES", "ServerThread", "build_app", "main"]
+__all__ = ["BODY_TIMEOUT", "MAX_BODY_BYTES", "build_app", "main"]
 
 #: default limit of a request body (a 2,048-token context is ~10 KB of text)
 MAX_BODY_BYTES = 2 * 1024 * 1024
+#: default deadline (seconds) for a request's body (nginx's client_body_timeout is 60)
+BODY_TIMEOUT = 60.0
 
 
 class ErrorResponse(JSONResponse):
@@ -65,8 +67,9 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, or APIError 413 as soon as it is known to exceed ``limit`` bytes."""
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, or APIError 413 as soon as it is known to exceed ``limit`` bytes, or 408 when
+    it has not all arrived ``timeout`` seconds after the handler started reading."""
     def too_large() -> APIError:
         return APIError(413, f"request body exceeds the server's limit of {limit} bytes",
                         code="request_too_large", kind="invalid_request_error")
@@ -74,13 +77,21 @@ async def _read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_large()
-    parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large()
-        parts.append(chunk)
-    return b"".join(parts)
+
+    async def read() -> bytes:
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large()
+            parts.append(chunk)
+        return b"".join(parts)
+
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s",
+                       code="request_timeout", kind="invalid_request_error") from None
 
 
 async def _client_gone(request: Request) -> None:
@@ -91,8 +102,10 @@ async def _client_gone(request: Request) -> None:
 
 
 def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX_BODY_BYTES,
+              body_timeout: float = BODY_TIMEOUT,
               tokenizer_info_endpoint: bool = False) -> Starlette:
     """The Starlette application; its lifespan starts and stops ``aeng``'s engine thread.
+    A body is refused beyond ``max_body_bytes`` (413) or ``body_timeout`` seconds (408).
     ``tokenizer_info_endpoint``: serve ``GET /tokenizer_info`` (off by default, as in vLLM)."""
     engine = aeng.engine
     metrics = aeng.metrics
@@ -117,7 +130,7 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
         run: RequestRun | None = None
         gone: asyncio.Future | None = None
         try:
-            raw = await _read_body(request, max_body_bytes)
+            raw = await _read_body(request, max_body_bytes, body_timeout)
             parsed = await asyncio.to_thread(parse_request, raw, chat=chat,
                                              served_model=served_model)
             work = await asyncio.to_thread(prepare, aeng, parsed)
@@ -233,7 +246,7 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
         """``/tokenize`` and ``/detokenize``: body read with the size limit, worked off-loop."""
         work = tokenize if request.url.path == "/tokenize" else detokenize
         try:
-            raw = await _read_body(request, max_body_bytes)
+            raw = await _read_body(request, max_body_bytes, body_timeout)
             return JSONResponse(await asyncio.to_thread(work, raw, engine, served_model))
         except APIError as err:
             return fail(err)
@@ -294,34 +307,6 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
         lifespan=lifespan)
 
 
-class ServerThread:
-    """Run an app with uvicorn in a background thread on ``host`` and a free port (tests,
-    notebooks): ``with ServerThread(app) as srv: srv.url``."""
-
-    def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0) -> None:
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
-                                                    log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.host = host
-
-    def __enter__(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://{self.host}:{self.port}"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 def add_server_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--served-model-name", default=None,
                     help="model name clients must send (default: --model)")
@@ -331,6 +316,10 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-level", default="warning")
     ap.add_argument("--max-request-bytes", type=int, default=MAX_BODY_BYTES,
                     help="larger request bodies are refused with HTTP 413")
+    ap.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT,
+                    help="close a connection whose request headers take longer (seconds)")
+    ap.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT,
+                    help="answer 408 to a request whose body takes longer (seconds)")
     ap.add_argument("--max-stream-backlog", type=int, default=MAX_BACKLOG_TOKENS,
                     help="abort a stream whose client owes this many unread tokens")
     ap.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
@@ -358,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.max_request_bytes < 1:
         ap.error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    for flag in ("header_timeout", "body_timeout"):
+        if not getattr(args, flag) > 0:
+            ap.error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.max_stream_backlog < 1:
         ap.error(f"--max-stream-backlog must be >= 1, got {args.max_stream_backlog}")
     try:
@@ -369,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     aeng = AsyncEngine(engine, model_name=name, max_backlog_tokens=args.max_stream_backlog)
     print(f"kvlab serve: {name} on http://{args.host}:{args.port}", flush=True)
     app = build_app(aeng, name, max_body_bytes=args.max_request_bytes,
+                    body_timeout=args.body_timeout,
                     tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                http=h11_with_header_deadline(args.header_timeout))
     return 0
