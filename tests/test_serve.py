@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
@@ -502,3 +503,20 @@ def test_engine_step_failure_is_a_500_and_the_server_keeps_serving(server, monke
     assert ok.status_code == 200
     wait_until(lambda: idle(server.engine))
     server.engine.check_invariants()
+
+
+def test_serve_bounds_the_onednn_caches_unless_the_environment_sets_them(monkeypatch) -> None:
+    import argparse
+
+    from kvlab.entrypoints import serve
+
+    ap = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(ap)
+    serve.add_server_args(ap)
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "7")
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)   # leave the suite's setting
+    engine = serve.make_engine(ap.parse_args(["--max-model-len", "64", "--threads", "1"]))
+    assert engine.max_model_len == 64
+    assert os.environ["LRU_CACHE_CAPACITY"] == serve.ONEDNN_CACHE_CAPACITY == "64"
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"

@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -326,10 +327,19 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
                     help="serve GET /tokenizer_info (vLLM's flag; lm-eval's remote tokenizer)")
 
 
+#: capacity of torch's two oneDNN caches in a server process, unless the environment sets
+#: them: each keeps a primitive per input shape, and at torch's default of 1,024 a long run's
+#: new row counts keep adding native memory (pytorch/pytorch#27971); the README has the figures
+ONEDNN_CACHE_CAPACITY = "64"
+
+
 def make_engine(args: argparse.Namespace) -> LLMEngine:
-    """An LLMEngine from the parsed flags (ValueError on bad ones); ``--threads`` is set first."""
+    """An LLMEngine from the parsed flags (ValueError on bad ones). Process settings first:
+    ``--threads`` and the oneDNN cache capacities (read when the caches are first used)."""
     import torch
 
+    for var in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
+        os.environ.setdefault(var, ONEDNN_CACHE_CAPACITY)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     return LLMEngine(EngineArgs.from_cli_args(args))
