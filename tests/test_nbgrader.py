@@ -12,6 +12,7 @@ cell of an open-ended exercise. (About a minute: nbgrader executes each submissi
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -25,6 +26,11 @@ MANUAL = "10-pd-disaggregation"
 # bob's submission: one exercise right, one wrong (its answer one token too high), rest blank
 RIGHT_FOR_BOB, WRONG_FOR_BOB = "check_slot_mapping", "check_tail_waste"
 WRONG_EDIT = "waste_16 = waste_16 + 1"
+
+# an exercise statement that asks for reasoning; SAY_IS_CHECKED: the "say" is what the check
+# grades (a count, an invariant's number)
+PROSE = re.compile(r"\b(?:say|explain|argue|why|Would)\b")
+SAY_IS_CHECKED = {("05-request-lifecycle", 1), ("12-invariants-faults", 1)}
 
 pytest.importorskip("nbgrader")
 pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SAWarning")  # nbgrader internals
@@ -121,6 +127,22 @@ def test_open_ended_exercise_gets_a_hand_graded_answer_cell(course):
         assert meta["points"] == 3 and expect in cell.source
 
 
+def test_reasoning_asked_by_an_autograded_exercise_gets_a_hand_graded_cell(course):
+    """Chapter 10 #3 is autograded and also asks which crash point the student's order handles
+    differently: the written part is a markdown cell graded by hand, a point per criterion."""
+    root, built, _ = course
+    (ex,) = [e for e in built[MANUAL] if e.number == 3]
+    assert ex.check and ex.written_points >= 1
+    for folder, expect in (("source", "crash"), ("release", "YOUR ANSWER HERE")):
+        nb = _notebook(root, folder, MANUAL)
+        ids = [c.metadata.get("nbgrader", {}).get("grade_id") for c in nb.cells]
+        at = ids.index(f"{MANUAL}-ex3-written")
+        assert ids[at - 1] == f"{MANUAL}-ex3-test"      # right after the exercise's test
+        cell, meta = nb.cells[at], nb.cells[at].metadata["nbgrader"]
+        assert cell.cell_type == "markdown" and meta["solution"] and meta["grade"]
+        assert meta["points"] == ex.written_points and expect in cell.source
+
+
 def test_autograde_scores_a_right_and_a_wrong_submission(course):
     from nbgrader.api import Gradebook
 
@@ -192,6 +214,14 @@ def test_every_chapter_builds_an_assignment_without_grading_its_demo_cells():
         assert all("nbgrader" not in c.metadata for c in demo), source.stem
         demos += len(demo)
         manual += sum(1 for e in exercises if not e.check)
+        for e in exercises:   # an autograded exercise that asks for prose has a cell for it
+            prose = PROSE.search(" ".join(e.statement.split())) and e.check
+            if prose and (source.stem, e.number) not in SAY_IS_CHECKED:
+                assert e.written_points, f"{source.stem} #{e.number}: no written-answer cell"
+        written = [c.metadata["nbgrader"] for c in graded
+                   if c.metadata["nbgrader"]["grade_id"].endswith("-written")]
+        assert [g["points"] for g in written] == [e.written_points for e in exercises
+                                                  if e.written_points]
         by_hand = {e.number for e in exercises if not e.check}
         if source.stem.startswith(("10-", "11-")):
             assert 4 in by_hand, f"{source.stem} #4 is open-ended: graded by hand"

@@ -14,6 +14,9 @@ becomes nbgrader cells:
   **test cell** worth the exercise's points (★ 1, ★★ 2, ★★★ 3) that shows the same feedback
   (``try_check``) and, between ``### BEGIN HIDDEN TESTS`` / ``### END HIDDEN TESTS``, calls
   ``check_X`` itself, so an unanswered or wrong exercise fails the cell and scores 0;
+  when it also asks for reasoning (its entry in ``course/rubrics.md`` is marked
+  ``autograded``), a third, **manually graded** markdown cell takes the written part, worth one
+  point per criterion of that rubric;
 * an exercise without a check (open-ended: a sketch, a critique, an explanation) gets a
   **manually graded** answer cell worth its points: markdown, or code when its worked solution
   is code; the instructor source holds the worked solution, or the rubric's model answer
@@ -58,6 +61,7 @@ class Exercise:
     args: list[str] = field(default_factory=list)     # what the exercise passes to the check
     solution: str = ""                  # the worked solution (the chapter's hidden cell)
     mapped: bool = False                # the solution's check call gave every argument
+    written_points: int = 0             # an autograded exercise's written part, by hand
 
 
 def points_of(statement: str) -> int:
@@ -135,18 +139,29 @@ def _meta(grade_id: str, *, solution: bool, grade: bool, locked: bool, points: i
     return meta
 
 
-def _model_answers() -> dict[tuple[str, int], str]:
-    """Model answers of the rubric file, keyed by (chapter stem, exercise number)."""
+@dataclass
+class Rubric:
+    """A rubric of ``course/rubrics.md``: its model answer, its criteria (a point each) and
+    whether it grades the written part of an autograded exercise."""
+
+    model: str
+    criteria: int
+    written: bool
+
+
+def _rubrics() -> dict[tuple[str, int], Rubric]:
+    """The rubric file's entries, keyed by (chapter stem, exercise number)."""
     rubrics = ROOT / "course" / "rubrics.md"
-    answers: dict[tuple[str, int], str] = {}
+    found: dict[tuple[str, int], Rubric] = {}
     if not rubrics.exists():
-        return answers
-    pattern = re.compile(r"^## (\d\d-[\w-]+) #(\d+)\b.*?\n(.*?)(?=^## |\Z)", re.M | re.S)
-    for stem, number, body in pattern.findall(rubrics.read_text()):
+        return found
+    pattern = re.compile(r"^## (\d\d-[\w-]+) #(\d+)\b(.*?)\n(.*?)(?=^## |\Z)", re.M | re.S)
+    for stem, number, heading, body in pattern.findall(rubrics.read_text()):
         model = re.search(r"\*\*Model answer\.\*\*\s*(.*?)(?=\n\*\*|\Z)", body, re.S)
-        if model:
-            answers[(stem, int(number))] = model.group(1).strip()
-    return answers
+        found[(stem, int(number))] = Rubric(model.group(1).strip() if model else "",
+                                            len(re.findall(r"^- 1 point", body, re.M)),
+                                            "autograded" in heading)
+    return found
 
 
 def _print_only(source: str) -> str | None:
@@ -173,7 +188,7 @@ def instructor_notebook(source: Path):
     nb = jupytext.read(source)
     start = next((i for i, c in enumerate(nb.cells)
                   if c.cell_type == "markdown" and _EXERCISES.search(c.source)), len(nb.cells))
-    stem, models = source.stem, _model_answers()
+    stem, rubrics = source.stem, _rubrics()
     cells, exercises = [], []
     statement, number, answered = "", 0, True
 
@@ -182,7 +197,8 @@ def instructor_notebook(source: Path):
         if not answered:
             ex = Exercise(number, statement, points_of(statement))
             exercises.append(ex)
-            cells.append(_manual(ex, models.get((stem, number), ""), markdown=True))
+            rubric = rubrics.get((stem, number))
+            cells.append(_manual(ex, rubric.model if rubric else "", markdown=True))
 
     def _manual(ex: Exercise, answer: str, markdown: bool):
         gid = f"{stem}-ex{ex.number}-answer"
@@ -255,6 +271,14 @@ def instructor_notebook(source: Path):
             test.metadata["nbgrader"] = _meta(f"{gid}-test", solution=False, grade=True,
                                               locked=True, points=ex.points)
             cells += [answer, test]
+            rubric = rubrics.get((stem, number))
+            if rubric is not None and rubric.written:   # the reasoning it also asks for
+                ex.written_points = rubric.criteria
+                written = nbformat.v4.new_markdown_cell(rubric.model or "YOUR ANSWER HERE")
+                written.metadata["nbgrader"] = _meta(f"{gid}-written", solution=True,
+                                                     grade=True, locked=False,
+                                                     points=rubric.criteria)
+                cells.append(written)
             exercises.append(ex)
             answered = True
             i += 2 if solution else 1
@@ -291,6 +315,8 @@ def answer_key(chapters: list[tuple[Path, list[Exercise]]]) -> str:
         out += [f"## {source.stem}", ""]
         for ex in exercises:
             kind = f"autograded by `{ex.check}`" if ex.check else "graded by hand (rubric)"
+            if ex.written_points:
+                kind += f", and {ex.written_points} for the written part, by hand (rubric)"
             out += [f"### Exercise {ex.number} — {ex.points} point(s), {kind}", "",
                     ex.statement.strip(), ""]
             if ex.solution:
@@ -333,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         unmapped = [e.number for e in auto if not e.mapped]
         print(f"{source.stem}: {len(auto)} autograded ({sum(e.points for e in auto)} points), "
               f"{len(exercises) - len(auto)} by hand "
-              f"({sum(e.points for e in exercises if not e.check)} points)"
+              f"({sum(e.points for e in exercises if not e.check)} points), written parts "
+              f"{sum(e.written_points for e in auto)} points by hand"
               + (f"; solutions of {unmapped} do not give every answer" if unmapped else ""))
     return 0
 
