@@ -409,6 +409,17 @@ def test_chapter3_cow_counterexample_check():
     with pytest.raises(AssertionError, match="new BlockAllocator"):
         check_cow_counterexample(lambda: (shared, [0], 0))
 
+    def bad_index(index, table=(0,)):   # the versions differ, but only in input checking
+        def case():
+            alloc = BlockAllocator(2)
+            alloc.allocate()
+            return alloc, list(table), index
+        return case
+
+    for case in (bad_index(-1), bad_index(1), bad_index(0, table=(1,))):
+        with pytest.raises(AssertionError, match="valid case"):
+            check_cow_counterexample(case)
+
 
 def test_chapter3_max_samples_check():
     from kvlab.exercises.ch03 import SAMPLES_DESIGN, check_max_samples, samples_fit

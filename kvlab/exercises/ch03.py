@@ -238,6 +238,12 @@ def check_cow_counterexample(make_case) -> str:
         raise AssertionError("make_case must build a new BlockAllocator on every call")
     if _state(ours) != _state(theirs) or list(table) != list(table2) or logical != logical2:
         raise AssertionError("make_case must build the same case every time")
+    table = list(table)
+    if not (isinstance(logical, int) and 0 <= logical < len(table)) or any(
+            not (isinstance(b, int) and 0 <= b < len(ours.refcount) and ours.refcount[b] > 0)
+            for b in table):
+        raise AssertionError("make_case must return a valid case: a table of blocks that are "
+                             "allocated, and a logical block index into that table")
     want = _run(BlockAllocator.cow, theirs, table, logical)
     try:
         got = _run(suspect_cow, ours, table, logical)
