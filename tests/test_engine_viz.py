@@ -18,9 +18,14 @@ from kvlab.viz.engine import engine_step_figure
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    path = save_random_hf_model(tmp_path_factory.mktemp("viz") / "m", "llama", seed=5)
-    eng = LLMEngine(EngineArgs(path, block_size=4, num_blocks=32, max_num_batched_tokens=16))
+def model_path(tmp_path_factory):
+    return save_random_hf_model(tmp_path_factory.mktemp("viz") / "m", "llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    eng = LLMEngine(EngineArgs(model_path, block_size=4, num_blocks=32,
+                               max_num_batched_tokens=16))
     eng.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=4, temperature=0))
     eng.add_request("b", list(range(5, 14)), SamplingParams(max_tokens=4, n=2, seed=0))
     eng.step()
@@ -43,6 +48,35 @@ def test_figure_shows_batch_tables_and_pool(engine):
     plt.close(fig)
     with pytest.raises(ValueError):
         engine_step_figure(snap, max_pool_blocks=0)
+
+
+def test_stepper_keeps_each_request_colour_in_every_frame(model_path, monkeypatch):
+    from matplotlib.colors import to_rgb
+
+    import kvlab.viz.engine as viz
+
+    def make():      # "a" finishes first: the requests after it must not change colour
+        eng = LLMEngine(EngineArgs(model_path, block_size=4, num_blocks=32,
+                                   max_num_batched_tokens=16))
+        eng.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=2, temperature=0))
+        eng.add_request("b", list(range(5, 14)), SamplingParams(max_tokens=6, n=2, seed=0))
+        return eng
+
+    colours: dict[str, set] = {}
+    draw = viz.engine_step_figure
+
+    def recorded(snapshot, **kwargs):
+        fig = draw(snapshot, **kwargs)
+        for chunk in fig.axes[0].patches:
+            colours.setdefault(chunk.get_gid(), set()).add(to_rgb(chunk.get_facecolor()))
+        return fig
+
+    monkeypatch.setattr(viz, "engine_step_figure", recorded)
+    stepper = viz.EngineStepper(make(), replay=make)
+    stepper.kernel_free()                                  # the precomputed frames
+    while stepper.engine.has_unfinished_requests():        # and the live ones
+        stepper.step()
+    assert len(colours) >= 2 and all(len(c) == 1 for c in colours.values()), colours
 
 
 def test_snapshot_is_plain_data(engine):

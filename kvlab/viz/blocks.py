@@ -145,7 +145,8 @@ def fork_scenario(*, n: int = 3, num_blocks: int = 12, block_size: int = 4,
     seqs = ["p"] + [f"s{i}" for i in range(1, n)]
     for child in seqs[1:]:
         kv.fork("p", child)
-    steps.append((f"fork {n - 1} children for n={n}: every block shared", kv.snapshot()))
+    children = "child" if n == 2 else "children"
+    steps.append((f"fork {n - 1} {children} for n={n}: every block shared", kv.snapshot()))
     tokens = {rid: list(prompt) for rid in seqs}
     pending = []
     sample = {rid: 1000 * k for k, rid in enumerate(seqs)}  # each sequence samples its own

@@ -22,19 +22,30 @@ from .style import (
     request_color,
 )
 
-__all__ = ["EngineStepper", "engine_step_figure"]
+__all__ = ["EngineStepper", "engine_step_figure", "request_order"]
 
 
 def _dark(state: str) -> bool:
     return state in ("exclusive", "pending_copy")
 
 
+def request_order(snapshot, order: list[str] | None = None) -> list[str]:
+    """``order`` (a new list when None) extended, in place, by the request ids of ``snapshot``
+    it lacks: live requests, then those of the last batch. Passing one list through a run's
+    snapshots gives each request a colour it keeps in every frame."""
+    order = [] if order is None else order
+    ids = [r.request_id for r in snapshot.requests] + [e.request_id for e in snapshot.last_batch]
+    order += [rid for rid in dict.fromkeys(ids) if rid not in order]
+    return order
+
+
 def engine_step_figure(snapshot, *, max_pool_blocks: int = 48, per_row: int = 16,
-                       title: str | None = None):
+                       title: str | None = None, order: list[str] | None = None):
     """Draw ``snapshot`` (an :class:`~kvlab.engine.snapshot.EngineSnapshot`).
 
     ``max_pool_blocks`` caps the pool panel (blocks ``0 .. max_pool_blocks-1``; the remainder is
-    summarised in the panel title). Raises ValueError for non-positive sizes.
+    summarised in the panel title). ``order``: request ids in colour order (default:
+    :func:`request_order` of this snapshot alone). Raises ValueError for non-positive sizes.
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
@@ -42,7 +53,7 @@ def engine_step_figure(snapshot, *, max_pool_blocks: int = 48, per_row: int = 16
     if max_pool_blocks <= 0 or per_row <= 0:
         raise ValueError("max_pool_blocks and per_row must be positive")
     reqs = [r for r in snapshot.requests if r.block_table]
-    order = [r.request_id for r in snapshot.requests]
+    order = request_order(snapshot) if order is None else order
     batch = list(snapshot.last_batch)
     bs = snapshot.block_size
     shown = min(snapshot.num_blocks, max_pool_blocks)
@@ -153,15 +164,20 @@ class EngineStepper:
         self.engine = engine
         self.replay = replay
         self.figure_kwargs = figure_kwargs
+        self.order: list[str] = []    # every request seen, in colour order
         self.button = widgets.Button(description="step", icon="play")
         self.status = widgets.Label()
-        self.output, self._draw = figure_output(
-            lambda: engine_step_figure(self.engine.snapshot(), **self.figure_kwargs))
+        self.output, self._draw = figure_output(lambda: self.figure(self.engine.snapshot()))
         self.button.on_click(lambda _: self.step())
         self.widget = chapter_box([widgets.HBox([self.button, self.status]), self.output],
                                   what="engine stepper (each click runs engine.step())",
                                   kernel_free=None if replay is None else self.kernel_free)
         self._draw()
+
+    def figure(self, snapshot):
+        """:func:`engine_step_figure` of ``snapshot``, its requests added to :attr:`order`."""
+        return engine_step_figure(snapshot, order=request_order(snapshot, self.order),
+                                  **self.figure_kwargs)
 
     def kernel_free(self, max_steps: int = 12):
         """The current snapshot and up to ``max_steps`` more, stepped on ``replay()``'s copy."""
@@ -176,8 +192,10 @@ class EngineStepper:
             snapshots.append(copy.snapshot())
             notes.append(f"+{len(notes)} steps" + (f", finished: {', '.join(finished)}"
                                                    if finished else ""))
+        for snapshot in snapshots:       # colours fixed before the first frame is drawn
+            request_order(snapshot, self.order)
         return static_widget(
-            lambda i: engine_step_figure(snapshots[i], **self.figure_kwargs),
+            lambda i: self.figure(snapshots[i]),
             {"i": slider(range(len(snapshots)), label="step", labels=notes)},
             title="engine steps, precomputed")
 

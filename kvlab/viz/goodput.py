@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
 __all__ = ["attainment_curve", "goodput_explorer", "goodput_figure", "goodput_kernel_free",
-           "goodput_table"]
+           "goodput_table", "rate_figure"]
 
 Curves = Mapping[str, tuple[Sequence[float], Sequence[Sequence[LatencyRecord]]]]
 #: The measurement window of every run: up to its last arrival (see the module docstring).
@@ -47,15 +47,18 @@ def attainment_curve(rates: Sequence[float], runs: Sequence[Sequence[LatencyReco
 def goodput_figure(curves: Curves, slo: SLO, *, rate: float | None = None,
                    gpus: Mapping[str, int] | None = None, target: float = 0.9,
                    title: str | None = None) -> Figure:
-    """Attainment (left) and goodput (right) against the offered rate, one line per set-up.
-    Rates and goodput are per GPU when ``gpus`` gives each set-up's GPU count."""
+    """Attainment (left) and goodput (right) against the offered rate, one line per set-up,
+    named (with its capacity at ``target``) in one legend under both panels, clear of the
+    curves. Rates and goodput are per GPU when ``gpus`` gives each set-up's GPU count."""
     import matplotlib.pyplot as plt
 
     from kvlab.sim.serving import rate_at_attainment
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.5, 3.6))
+    # constrained layout makes room for the shared legend under the panels, off the curves
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.5, 4.0), layout="constrained")
     names = list(curves)
     unit = " per GPU" if gpus else ""
+    lines = []
     for i, name in enumerate(names):
         rates, runs = curves[name]
         n = gpus[name] if gpus else 1
@@ -63,11 +66,12 @@ def goodput_figure(curves: Curves, slo: SLO, *, rate: float | None = None,
         att, good = attainment_curve(rates, runs, slo, per=n)
         color = request_color(i, list(range(len(names))))
         cap = rate_at_attainment(x, att, target)
-        ax1.plot(x, att, marker="o", color=color, label=f"{name}: {cap:.1f}/s at {target:.0%}")
-        ax2.plot(x, good, marker="o", color=color, label=name)
+        lines += ax1.plot(x, att, marker="o", color=color,
+                          label=f"{name}: {cap:.1f}/s at {target:.0%}")
+        ax2.plot(x, good, marker="o", color=color)
     lo = min(min(curves[n][0]) / (gpus[n] if gpus else 1) for n in names)
     hi = max(max(curves[n][0]) / (gpus[n] if gpus else 1) for n in names)
-    ax2.plot([lo, hi], [lo, hi], ls=":", color="0.6", label="goodput = offered")
+    lines += ax2.plot([lo, hi], [lo, hi], ls=":", color="0.6", label="goodput = offered")
     ax1.axhline(target, ls="--", color="0.5", lw=1)
     for ax in (ax1, ax2):
         if rate is not None:
@@ -76,12 +80,31 @@ def goodput_figure(curves: Curves, slo: SLO, *, rate: float | None = None,
     ax1.set_ylabel("SLO attainment")
     ax1.set_ylim(-0.02, 1.02)
     ax2.set_ylabel(f"goodput (requests/s{unit})")
-    ax1.legend(fontsize=8, loc="lower left")
-    ax2.legend(fontsize=8, loc="upper left")
+    fig.legend(handles=lines, loc="outside lower center", ncol=2, fontsize=8)
     bounds = ", ".join(f"{k} ≤ {v * 1e3:g} ms" for k, v in
                        (("TTFT", slo.ttft), ("TPOT", slo.tpot), ("E2E", slo.e2e))
                        if v is not None)
     fig.suptitle(title or f"SLO: {bounds}")
+    return fig
+
+
+def rate_figure(offered: Sequence[float], throughput: Sequence[float],
+                goodput: Sequence[float], *, title: str = "") -> Figure:
+    """Throughput and goodput rate (requests/s) against the offered rate of each run, the
+    offered rate itself dotted. The rate axis is logarithmic with one tick per run, labelled
+    as a plain number (the runs' rates should be spread, as a log axis suits)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    ax.plot(offered, throughput, marker="o", label="throughput")
+    ax.plot(offered, goodput, marker="s", label="goodput rate")
+    ax.plot(offered, offered, ls=":", color="0.6", label="offered")
+    ax.set_xscale("log")
+    # the default log ticks label some minor ticks as 3x10^1, 4x10^1, ... that run together
+    ax.set_xticks(offered, [f"{r:.3g}" for r in offered])
+    ax.minorticks_off()
+    ax.set(xlabel="offered rate (requests/s)", ylabel="requests/s", title=title)
+    ax.legend()
     fig.tight_layout()
     return fig
 

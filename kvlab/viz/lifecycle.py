@@ -23,6 +23,10 @@ _STATE_POS = {
     "preempted": (2.1, 2.1), "finished": (4.2, 1.0), "cancelled": (2.8, -0.2),
     "failed": (1.4, -0.2), "rejected": (0.0, -0.2), "waiting_for_remote_kv": (0.0, 2.1),
 }
+#: Arrows drawn as arcs (``arc3`` radius): the two ways between preempted and running, and
+#: those from preempted that would otherwise cut through the running box.
+_CURVED = {("preempted", "running"): 0.25, ("running", "preempted"): 0.25,
+           ("preempted", "failed"): 0.3, ("preempted", "cancelled"): -0.3}
 
 
 def state_diagram_figure(transitions: dict, holds_kv: dict[str, bool],
@@ -39,15 +43,7 @@ def state_diagram_figure(transitions: dict, holds_kv: dict[str, bool],
         raise ValueError(f"no position for states {sorted(unknown)}")
     fig, ax = plt.subplots(figsize=(9.0, 4.0))
     w, h = 0.95, 0.42
-    for src, targets in transitions.items():
-        for dst in targets:
-            (x0, y0), (x1, y1) = _STATE_POS[src], _STATE_POS[dst]
-            curved = {("preempted", "running"), ("running", "preempted")}
-            rad = 0.25 if (src, dst) in curved else 0.0
-            ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
-                        arrowprops=dict(arrowstyle="-|>", color=MUTED, lw=1.0,
-                                        shrinkA=24, shrinkB=24,
-                                        connectionstyle=f"arc3,rad={rad}"))
+    boxes = {}
     for name, (x, y) in _STATE_POS.items():
         if name not in transitions:
             continue
@@ -55,10 +51,10 @@ def state_diagram_figure(transitions: dict, holds_kv: dict[str, bool],
         face = BLOCK_STATE_COLORS["exclusive"] if held else BLOCK_STATE_COLORS["free"]
         edge = "#c44e52" if name in highlight else INK
         terminal = not transitions[name]
-        ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h,
-                                    boxstyle="round,pad=0.02,rounding_size=0.08",
-                                    facecolor=face, edgecolor=edge,
-                                    linewidth=2.5 if name in highlight else 1.2))
+        boxes[name] = ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h,
+                                                  boxstyle="round,pad=0.02,rounding_size=0.08",
+                                                  facecolor=face, edgecolor=edge,
+                                                  linewidth=2.5 if name in highlight else 1.2))
         if terminal:
             ax.add_patch(FancyBboxPatch((x - w / 2 + 0.04, y - h / 2 + 0.04), w - 0.08, h - 0.08,
                                         boxstyle="round,pad=0.02,rounding_size=0.06",
@@ -66,6 +62,15 @@ def state_diagram_figure(transitions: dict, holds_kv: dict[str, bool],
         ax.text(x, y, name.upper().replace("_", " ").replace(" FOR ", " FOR\n"), ha="center",
                 va="center", fontsize=9 if "_" not in name else 7.5,
                 color="white" if held else INK, fontweight="bold")
+    for src, targets in transitions.items():
+        for dst in targets:
+            rad = _CURVED.get((src, dst), 0.0)
+            # centre to centre, clipped at the two boxes' edges: the head stays visible
+            ax.annotate("", xy=_STATE_POS[dst], xytext=_STATE_POS[src],
+                        arrowprops=dict(arrowstyle="-|>", color=MUTED, lw=1.0,
+                                        patchA=boxes[src], patchB=boxes[dst],
+                                        shrinkA=2, shrinkB=2,
+                                        connectionstyle=f"arc3,rad={rad}"))
     ax.set_xlim(-0.7, 4.9)
     ax.set_ylim(-0.6, 2.5)
     ax.set_aspect("equal")

@@ -70,6 +70,7 @@ def block_table_figure(
     token_counts: Mapping[str, int],
     *,
     per_row: int = 16,
+    order: Sequence[str] | None = None,
 ):
     """Draw block tables over a pool of ``num_blocks`` physical blocks.
 
@@ -79,6 +80,8 @@ def block_table_figure(
         block_size: tokens per block (fills are drawn to scale).
         token_counts: request id -> tokens stored; must fit the request's table.
         per_row: physical blocks per row of the pool drawing.
+        order: request ids in colour order (default: ``tables``' order); pass the same list
+            to every figure of a sequence and each request keeps its colour in all of them.
 
     Top: the physical pool, one cell per block, coloured by its owner's
     :func:`request_color` (free blocks grey; a block in more than one table is drawn in the
@@ -92,8 +95,9 @@ def block_table_figure(
 
     if num_blocks <= 0 or block_size <= 0 or per_row <= 0:
         raise ValueError("num_blocks, block_size and per_row must be positive")
-    order = list(tables)
-    for rid in order:
+    rows = list(tables)
+    order = rows if order is None else list(order)
+    for rid in rows:
         count = token_counts.get(rid, 0)
         if not 0 <= count <= len(tables[rid]) * block_size:
             raise ValueError(f"request {rid!r}: {count} tokens do not fit "
@@ -104,7 +108,7 @@ def block_table_figure(
         return int(np.clip(token_counts.get(rid, 0) - logical * block_size, 0, block_size))
 
     block_fill = {}
-    for rid in order:
+    for rid in rows:
         for logical, block in enumerate(tables[rid]):
             block_fill[block] = max(block_fill.get(block, 0), fill(rid, logical))
 
@@ -112,7 +116,7 @@ def block_table_figure(
     pool_rows = -(-num_blocks // cols)
     longest = max((len(t) for t in tables.values()), default=0)
     width = max(cols, longest + 2)
-    height = pool_rows * 1.3 + 1.2 + len(order) * 1.1
+    height = pool_rows * 1.3 + 1.2 + len(rows) * 1.1
     fig_width = min(0.55 * width + 1.5, 12.0)
     k = text_scale(fig_width, 7)  # a wide pool is shown narrowed: its text grows to stay legible
     fig, ax = plt.subplots(figsize=(fig_width, 0.5 * height + 0.8))
@@ -143,7 +147,7 @@ def block_table_figure(
     ax.text(-0.1, top - 0.55, "physical\nblocks", ha="right", va="center", fontsize=8 * k)
 
     base = top - 1.0 - (pool_rows - 1) * 1.3 - 1.6
-    for r, rid in enumerate(order):
+    for r, rid in enumerate(rows):
         y = base - r * 1.1
         color = request_color(rid, order)
         ax.text(-0.1, y + 0.4, f"{rid} ({token_counts.get(rid, 0)} tok)", ha="right",
@@ -160,10 +164,10 @@ def block_table_figure(
             ax.plot([logical + 0.5, px + 0.5], [y + 0.8, py], color=color, linewidth=0.7,
                     alpha=0.5, gid=f"map-{rid}-{logical}")
     ax.set_xlim(-3.2, width)
-    ax.set_ylim(base - (len(order) - 1) * 1.1 - 0.3, top + 0.1)
+    ax.set_ylim(base - (len(rows) - 1) * 1.1 - 0.3, top + 0.1)
     ax.axis("off")
     shared = sum(1 for who in owners.values() if len(who) > 1)
-    ax.set_title(f"{len(order)} block tables, {len(owners)}/{num_blocks} blocks in use"
+    ax.set_title(f"{len(rows)} block tables, {len(owners)}/{num_blocks} blocks in use"
                  f"{f', {shared} shared' if shared else ''} (block size {block_size})",
                  loc="left", fontsize=10 * k)
     fig.tight_layout()
@@ -287,9 +291,12 @@ class BlockTableView:
                 {rid: len(t) for rid, t in self.tables.items()})
 
     def figure(self, index: int | None = None):
-        """The figure of the current state, or of ``history[index]``."""
+        """The figure of the current state, or of ``history[index]``; a request's colour is
+        fixed by its creation order, so it is the same in every frame."""
         tables, counts = self.snapshot() if index is None else self.history[index][1]
-        return block_table_figure(tables, self.num_blocks, self.block_size, counts)
+        created = [f"r{i}" for i in range(self._next)]
+        return block_table_figure(tables, self.num_blocks, self.block_size, counts,
+                                  order=created)
 
     def _record(self, what: str) -> None:
         self.history.append((what, self.snapshot()))

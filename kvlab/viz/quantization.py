@@ -43,14 +43,16 @@ def quantization_summary(row, bits: int, group_size: int, symmetric: bool = True
 
 def quantization_figure(row, bits: int = 4, group_size: int = 32, symmetric: bool = True):
     """Three panels: the row and its reconstruction with each group's grid (top), the scale of
-    every group (bottom left) and the histogram of errors against ``±s/2`` (bottom right)."""
+    every group (bottom left) and the histogram of errors against ``±s/2`` (bottom right).
+    The legend sits right of the top panel, off the data."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     s = quantization_summary(row, bits, group_size, symmetric)
     x = row.numpy()
     n = x.size
-    fig = plt.figure(figsize=(10.0, 5.4))
-    grid = fig.add_gridspec(2, 2, height_ratios=[1.3, 1.0], hspace=0.45, wspace=0.25)
+    fig = plt.figure(figsize=(10.0, 5.4), layout="constrained")  # makes room for the legend
+    grid = fig.add_gridspec(2, 2, height_ratios=[1.3, 1.0])
     ax = fig.add_subplot(grid[0, :])
     levels = 2 ** bits - 1
     for gi, scale in enumerate(s["scales"]):
@@ -72,10 +74,11 @@ def quantization_figure(row, bits: int = 4, group_size: int = 32, symmetric: boo
     ax.set_title(f"int{bits} {'symmetric' if symmetric else 'zero-point'}, group {group_size}: "
                  f"{s['effective_bits']:.3g} effective bits, RMS error {s['rms']:.2e}, "
                  f"max {s['max_error']:.2e}", loc="left", fontsize=10)
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax2 = fig.add_subplot(grid[1, 0])
     ax2.bar(np.arange(s["scales"].size), s["scales"], color=REQUEST_PALETTE[2], edgecolor=INK,
             linewidth=0.4)
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))  # group numbers, a few of them
     ax2.set_xlabel("group")
     ax2.set_ylabel("scale s")
     ax2.set_title("one scale per group: outliers inflate theirs", loc="left", fontsize=10)
@@ -83,10 +86,12 @@ def quantization_figure(row, bits: int = 4, group_size: int = 32, symmetric: boo
     half = float(s["scales"].max()) / 2
     ax3.hist(s["error"], bins=41, range=(-1.05 * half, 1.05 * half), color=REQUEST_PALETTE[4])
     ax3.axvline(-half, color=INK, linestyle="--", linewidth=0.8)
-    ax3.axvline(half, color=INK, linestyle="--", linewidth=0.8, label="±max(s)/2")
+    ax3.axvline(half, color=INK, linestyle="--", linewidth=0.8)
+    # few, short tick labels (a shared power of ten at the axis end): they do not run together
+    ax3.xaxis.set_major_locator(MaxNLocator(5, steps=[1, 2, 2.5, 5, 10]))
+    ax3.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
     ax3.set_xlabel("x - deq(q(x))")
-    ax3.set_title("error histogram", loc="left", fontsize=10)
-    ax3.legend(fontsize=8)
+    ax3.set_title("error histogram (dashed: ±max(s)/2)", loc="left", fontsize=10)
     return fig
 
 

@@ -18,21 +18,22 @@ __all__ = ["AcceptanceView", "acceptance_caption", "acceptance_figure", "speedup
 
 
 def acceptance_figure(data: AcceptanceData) -> Figure:
-    """Three panels: acceptance per draft position (with the i.i.d. model ``alpha^(i+1)``),
-    tokens emitted per verification step per request, and ``p(x)`` against ``q(x)`` for every
+    """Three panels: acceptance per draft position (with the i.i.d. model ``α^i``), tokens
+    emitted per verification step per request, and ``p(x)`` against ``q(x)`` for every
     rejected draft (a draft is rejected with probability ``1 - p/q``, so all lie below the
-    diagonal)."""
+    diagonal). The legends sit under their panels, off the data."""
     import matplotlib.pyplot as plt
 
     # the column's width (9 in at 96 px per inch): shown at its point size, not narrowed
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(9.0, 3.4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(9.0, 4.2))
+    under = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.22), "fontsize": 8}
     pos = range(1, data.k + 1)
     a.bar(pos, data.per_pos, color="#4C72B0", label="measured")
     a.plot(pos, [data.alpha ** i for i in pos], "o--", color="#DD8452",
-           label=f"alpha^i, alpha={data.alpha:.2f}")
+           label=rf"$\alpha^i$, $\alpha$ = {data.alpha:.2f}")
     a.set(xlabel="draft position i", ylabel="share accepted", ylim=(0, 1.05),
           title=f"{data.method}, k={data.k}, T={data.temperature:g}")
-    a.legend(fontsize=8)
+    a.legend(**under)
     if data.method == "ngram" and max(data.per_pos, default=0.0) < 0.1:
         # the bars are (almost) empty: say why, in the panel, not only in the prose
         a.text(0.5, 0.45, "n-gram drafts copy what\nfollowed an earlier match\nof the last "
@@ -45,7 +46,7 @@ def acceptance_figure(data: AcceptanceData) -> Figure:
     b.axhline(data.mean_length, color="grey", ls=":", label=f"mean {data.mean_length:.2f}")
     b.set(xlabel="engine step", ylabel="tokens emitted", ylim=(0, data.k + 1.5),
           title="accepted drafts + 1, per step")
-    b.legend(fontsize=8, ncol=2)
+    b.legend(ncol=2, **under)
     if data.rejected:
         p, q = zip(*data.rejected, strict=True)
         c.scatter(q, p, s=12, color="#C44E52")

@@ -155,9 +155,12 @@ def batch_timeline_figure(
 
 def describe_step(step: TimelineStep, budget: int) -> str:
     """One line per chunk of ``step``: what the widget prints under the figure."""
-    lines = [f"step {step.step}: {step.num_tokens}/{budget} tokens, {len(step.chunks)} requests"]
+    n_req = len(step.chunks)
+    lines = [f"step {step.step}: {step.num_tokens}/{budget} tokens, "
+             f"{n_req} request{'s' * (n_req != 1)}"]
     for rid, n, prefill in step.chunks:
-        lines.append(f"  {rid}: {n} {'prefill' if prefill else 'decode'} token(s)")
+        lines.append(f"  {rid}: {n} {'prefill' if prefill else 'decode'} "
+                     f"token{'s' * (n != 1)}")
     for what, ids in (("admitted", step.admitted), ("preempted", step.preempted),
                       ("finished", step.finished)):
         if ids:
@@ -166,7 +169,9 @@ def describe_step(step: TimelineStep, budget: int) -> str:
 
 
 class BatchTimeline:
-    """Slider over steps; shows a window of ``width`` steps ending at the selected one."""
+    """Slider over steps; shows a window of ``width`` steps ending at the selected one. The
+    slider reads the step's number (as the x axis and the caption do); its value is the
+    step's index in ``steps``."""
 
     def __init__(self, steps: Sequence[TimelineStep], budget: int, *, width: int = 30,
                  title: str | None = None, order: Sequence[str] | None = None) -> None:
@@ -176,9 +181,9 @@ class BatchTimeline:
             raise ValueError("no steps to show")
         self.steps, self.budget, self.width, self.title = list(steps), budget, width, title
         self.order = None if order is None else list(order)
-        self.slider = widgets.IntSlider(value=min(width, len(steps)) - 1, min=0,
-                                        max=len(steps) - 1, description="step index",
-                                        continuous_update=False)
+        self.slider = widgets.SelectionSlider(
+            options=[(str(s.step), i) for i, s in enumerate(self.steps)],
+            value=min(width, len(steps)) - 1, description="step", continuous_update=False)
         self.out, self._redraw = figure_output(
             self.figure, lambda: describe_step(self.steps[self.slider.value], self.budget))
         self.slider.observe(lambda change: self.draw(), names="value")
@@ -192,7 +197,9 @@ class BatchTimeline:
         from .kernel_free import slider, spread, static_widget
 
         keep = spread(len(self.steps), max_frames, include=[self.slider.value])
-        return static_widget(self.figure, {"index": slider(keep, label="step index")},
+        return static_widget(self.figure,
+                             {"index": slider(keep, label="step",
+                                              labels=[str(self.steps[i].step) for i in keep])},
                              default={"index": self.slider.value},
                              caption=lambda index: describe_step(self.steps[index], self.budget),
                              title=self.title or "batch timeline")
