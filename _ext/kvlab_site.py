@@ -15,10 +15,13 @@ Loaded through ``book.yml`` (``sphinx.local_extensions``). On every HTML page it
   by :func:`kvlab.viz.kernel_free.render_figure`) where the page would otherwise use its file
   path, and a ``min-width`` at which its smallest text (also in the PNG) is still 9 CSS px: on
   a phone the figure then scrolls sideways instead of shrinking into unreadable text;
-* lets long inline code (file paths, dotted names) break after ``/``, ``.`` and ``_``: the
-  "In real systems" tables fit the column instead of scrolling sideways, and on a phone a long
-  name in prose (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``) does not
-  widen the page past the screen.
+* lets long inline code (file paths, dotted names, command-line flags) break after ``/``,
+  ``.``, ``_`` and the hyphens inside a word, and between the humps of a CamelCase run too long
+  for a phone's column: the "In real systems" tables fit the column instead of scrolling
+  sideways, and on a phone a long name in prose
+  (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``,
+  ``--disaggregation-decode-allocation-policy``, ``SchedulerDisaggregationPrefillMixin``) is
+  not cut at the screen's edge. The breaks are ``<wbr>`` elements: copied text is unchanged.
 """
 
 from __future__ import annotations
@@ -79,16 +82,26 @@ def clean_scripts(scripts: list) -> list:
 
 
 _PRE_SPAN = re.compile(r'(<span class="pre">)([^<]{13,})(</span>)')
-_BREAK_AFTER = re.compile(r"([/._])(?=[^/._])")
+# after a "/", "." or "_" (not inside a run of them), and after the hyphens between two word
+# characters: "--disaggregation-decode" breaks as "--disaggregation-|decode", never after its
+# leading "--" nor inside "x=-1"
+_BREAK_AFTER = re.compile(r"([/._](?=[^/._])|(?<=\w)-+(?=\w))")
+# a run with no break opportunity that is longer than this (about 210 px of inline code) may
+# also break before each capital that follows a lower-case letter (Scheduler|Disaggregation)
+_LONG_RUN = 24
+_RUN = re.compile(r"[^/._\-&;]{" + str(_LONG_RUN) + ",}")
+_HUMP = re.compile(r"(?<=[a-z])(?=[A-Z])")
 
 
 def break_long_literals(body: str) -> str:
-    """``body`` with a ``<wbr>`` after each ``/``, ``.`` and ``_`` of its long inline-code
-    words (in prose and tables; code blocks, which have no ``<span class="pre">``, keep their
-    lines)."""
+    """``body`` with a ``<wbr>`` after each ``/``, ``.``, ``_`` and inner hyphen of its long
+    inline-code words, and at the humps of a CamelCase run of ``_LONG_RUN`` characters or more
+    (in prose and tables; code blocks, which have no ``<span class="pre">``, keep their lines).
+    A ``<wbr>`` has no text: what a reader copies is unchanged."""
 
     def literal(match: re.Match) -> str:
-        return match[1] + _BREAK_AFTER.sub(r"\1<wbr>", match[2]) + match[3]
+        text = _RUN.sub(lambda run: _HUMP.sub("<wbr>", run[0]), match[2])
+        return match[1] + _BREAK_AFTER.sub(r"\1<wbr>", text) + match[3]
 
     return _PRE_SPAN.sub(literal, body)
 
@@ -165,4 +178,4 @@ def setup(app) -> dict[str, Any]:
     app.connect("html-page-context", _page_context, priority=900)
     # env_version: bumped when what this extension writes into pages changes, so an incremental
     # build re-reads every page instead of keeping pages written by the previous version
-    return {"parallel_read_safe": True, "parallel_write_safe": True, "env_version": 2}
+    return {"parallel_read_safe": True, "parallel_write_safe": True, "env_version": 3}
