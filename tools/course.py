@@ -139,6 +139,21 @@ def _meta(grade_id: str, *, solution: bool, grade: bool, locked: bool, points: i
     return meta
 
 
+def _hand_graded(grade_id: str, answer: str, points: int, *, markdown: bool):
+    """A manually graded answer cell worth ``points``, holding ``answer`` (the instructor's
+    model; nbgrader's student version replaces it): markdown, or code between the solution
+    markers."""
+    import nbformat
+
+    if markdown:
+        cell = nbformat.v4.new_markdown_cell(answer or "YOUR ANSWER HERE")
+    else:
+        cell = nbformat.v4.new_code_cell(f"{BEGIN}\n{answer}\n{END}")
+    cell.metadata["nbgrader"] = _meta(grade_id, solution=True, grade=True, locked=False,
+                                      points=points)
+    return cell
+
+
 @dataclass
 class Rubric:
     """A rubric of ``course/rubrics.md``: its model answer, its criteria (a point each) and
@@ -201,15 +216,9 @@ def instructor_notebook(source: Path):
             cells.append(_manual(ex, rubric.model if rubric else "", markdown=True))
 
     def _manual(ex: Exercise, answer: str, markdown: bool):
-        gid = f"{stem}-ex{ex.number}-answer"
         ex.solution = answer
-        if markdown:
-            cell = nbformat.v4.new_markdown_cell(answer or "YOUR ANSWER HERE")
-        else:
-            cell = nbformat.v4.new_code_cell(f"{BEGIN}\n{answer}\n{END}")
-        cell.metadata["nbgrader"] = _meta(gid, solution=True, grade=True, locked=False,
-                                          points=ex.points)
-        return cell
+        return _hand_graded(f"{stem}-ex{ex.number}-answer", answer, ex.points,
+                            markdown=markdown)
 
     i = 0
     while i < len(nb.cells):
@@ -274,11 +283,8 @@ def instructor_notebook(source: Path):
             rubric = rubrics.get((stem, number))
             if rubric is not None and rubric.written:   # the reasoning it also asks for
                 ex.written_points = rubric.criteria
-                written = nbformat.v4.new_markdown_cell(rubric.model or "YOUR ANSWER HERE")
-                written.metadata["nbgrader"] = _meta(f"{gid}-written", solution=True,
-                                                     grade=True, locked=False,
-                                                     points=rubric.criteria)
-                cells.append(written)
+                cells.append(_hand_graded(f"{gid}-written", rubric.model, rubric.criteria,
+                                          markdown=True))
             exercises.append(ex)
             answered = True
             i += 2 if solution else 1
