@@ -23,8 +23,8 @@ def _kvlab(model: str, threads: int):
     import torch
 
     torch.set_num_threads(threads)
+    from kvlab.core.sampling_params import SamplingParams
     from kvlab.engine.llm import LLM
-    from kvlab.engine.sampler import SamplingParams
 
     llm = LLM(model)
 

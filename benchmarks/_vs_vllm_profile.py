@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import types
 
 import torch
 
@@ -36,41 +37,37 @@ def _named(name: str, fn):
 
 @contextlib.contextmanager
 def compiled_ops_visible(llm):
-    """Within the block, ``llm``'s compiled CPU ops run inside ``kvlab::<op>`` profiler ranges
-    (the runner's decode op, its chunk op and the ops table bound into each decoder layer);
-    restored afterwards."""
-    from kvlab.engine.model import DecoderLayer, TorchOps
+    """Within the block, ``llm``'s compiled CPU ops run inside ``kvlab::<op>`` profiler ranges:
+    the runner's kernels are rebuilt over the same build with each function wrapped (attention's
+    decode and chunk ops, the layer ops); restored afterwards."""
+    from kvlab.engine.attention_cpu import CpuAttention
+    from kvlab.engine.ops import CpuLayerOps, Kernels
     from kvlab.kernels import cpu
 
     runner = llm.engine.executor
-    kernel, chunks = runner.kernel, dict(cpu.CHUNK_OPS)
-    layers = [m for m in llm.engine.model.modules() if isinstance(m, DecoderLayer)]
-    bound = [layer.ops for layer in layers]
+    chosen = runner.kernels
+    build = cpu.compiled()
     try:
-        if kernel is not None:
-            runner.kernel = _named("kvlab::decode_attention", kernel)
-            if kernel in chunks:
-                cpu.CHUNK_OPS[runner.kernel] = _named("kvlab::chunk_attention", chunks[kernel])
-        for layer, ops in zip(layers, bound, strict=True):
-            if ops is not TorchOps:   # a compiled table: opaque to the profiler
-                layer.ops = type("Named" + ops.__name__, (ops,), {
-                    op: staticmethod(_named(f"kvlab::{op}", getattr(ops, op)))
-                    for op in ("rms_norm", "rope_", "silu_and_mul")})
+        if build is not None:
+            named = types.SimpleNamespace(**{
+                op: _named(f"kvlab::{op}", getattr(build, op))
+                for op in ("decode_attention", "chunk_attention", "rms_norm", "rope_",
+                           "silu_and_mul")})
+            attention = (CpuAttention(named) if isinstance(chosen.attention, CpuAttention)
+                         else chosen.attention)
+            ops = CpuLayerOps(named) if isinstance(chosen.ops, CpuLayerOps) else chosen.ops
+            runner.kernels = Kernels(attention, ops)
         yield
     finally:
-        runner.kernel = kernel
-        cpu.CHUNK_OPS.clear()
-        cpu.CHUNK_OPS.update(chunks)
-        for layer, ops in zip(layers, bound, strict=True):
-            layer.ops = ops
+        runner.kernels = chosen
 
 
 def profile_phases(model_dir, workload, profiled, threads: int = 1, label: str = "") -> dict:
     """Run ``workload`` (prompt ids, max_tokens) through ``LLM(model_dir)`` unprofiled (phases,
     CPU seconds), then ``profiled`` (the same shapes, fresh tokens: no prefix-cache hits from
     the first run) under torch.profiler (op classes); both as dicts."""
+    from kvlab.core.sampling_params import SamplingParams
     from kvlab.engine.llm import LLM
-    from kvlab.engine.sampler import SamplingParams
 
     torch.set_num_threads(threads)
     llm = LLM(model_dir)

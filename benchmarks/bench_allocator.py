@@ -26,6 +26,8 @@ from _results import write_results
 
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.labs.invariants import check_kv_manager
+from kvlab.labs.kv_snapshot import snapshot_of
 from kvlab.reference import BlockAllocator
 
 NUM_REQUESTS = 1_500
@@ -91,8 +93,8 @@ def run_trace(enable_prefix_caching: bool) -> dict:
             kv.commit(rid, tokens)
             ops += 2
     elapsed = time.perf_counter() - start
-    kv.check_invariants()
-    snap = kv.snapshot()
+    check_kv_manager(kv)
+    snap = snapshot_of(kv)
     return {
         "prefix_caching": enable_prefix_caching,
         "ops": ops,

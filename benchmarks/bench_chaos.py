@@ -1,6 +1,6 @@
 """The chaos soak: many seeded chaos runs, the invariant set checked on every step.
 
-Each run is :func:`kvlab.sim.chaos.run_chaos` (one ``EngineCore`` over the production
+Each run is :func:`kvlab.labs.chaos.soak.run_chaos` (one ``EngineCore`` over the production
 scheduler with prefix caching, chunked prefill, ``n > 1``, draft-model or n-gram speculation,
 random and mid-step aborts, and a seeded step-fault schedule: allocation refusal, KV
 shrinkage, executor and sampler errors, late copies, abort storms, rejection at every
@@ -16,7 +16,7 @@ checks, violations (a run that raises ``InvariantViolation`` counts one and the 
 leaked blocks, finished requests whose tokens differ from the same request run alone without
 faults, recoveries and refused damaged logs.
 
-Then the P/D soak (:func:`kvlab.sim.pd_chaos.run_pd_chaos`, as many seeds, 80 traffic steps):
+Then the P/D soak (:func:`kvlab.labs.chaos.pd_soak.run_pd_chaos`, as many seeds, 80 traffic steps):
 a producer and a consumer under every P/D transfer fault, step faults and aborts, invariant 8
 reading an independent audit of every install.
 
@@ -32,9 +32,9 @@ from collections import Counter
 
 from _results import write_results
 
-from kvlab.invariants.spec_invariants import InvariantViolation
-from kvlab.sim.chaos import ChaosConfig, run_chaos
-from kvlab.sim.pd_chaos import run_pd_chaos
+from kvlab.labs.chaos.pd_soak import run_pd_chaos
+from kvlab.labs.chaos.soak import ChaosConfig, run_chaos
+from kvlab.labs.invariants.spec_invariants import InvariantViolation
 
 METHODS = ("draft", "ngram")
 
@@ -83,7 +83,8 @@ def soak(seeds: range, check: bool) -> dict:
 
 
 def pd_soak(seeds: range) -> dict:
-    """P/D disaggregation under transfer faults, step faults and aborts (kvlab.sim.pd_chaos)."""
+    """P/D disaggregation under transfer faults, step faults and aborts
+    (kvlab.labs.chaos.pd_soak)."""
     totals: Counter = Counter()
     transfer: Counter = Counter()
     step_faults: Counter = Counter()

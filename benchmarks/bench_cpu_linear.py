@@ -1,5 +1,6 @@
 """The CPU's linear layers: ``F.linear`` vs oneDNN with the weight packed once
-(:mod:`kvlab.kernels.cpu_linear`), at the projection shapes of bench_vs_vllm's ~25M model
+(:class:`kvlab.engine.linear.OneDnnLinearMethod`), at the projection shapes of bench_vs_vllm's ~25M
+model
 (hidden 512, 8/4 heads of 64, intermediate 2048, vocabulary 2048 for the logits' matmul) and a
 real model's ``lm_head`` (TinyLlama-1.1B's: vocabulary 32,000, hidden 2,048, untied), at the
 row counts of decode (1-64) and prefill chunks (256; the logits' matmul sees only the sampled
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _results import write_results
 
-from kvlab.kernels import cpu_linear
+from kvlab.engine.linear import Linear, OneDnnLinearMethod
 
 SHAPES = {"qkv": (1024, 512), "o": (512, 512), "gate_up": (4096, 512), "down": (512, 2048),
           "lm_head": (2048, 512), "lm_head 32K": (32000, 2048)}
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=50)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    if not cpu_linear.available(torch.float32):
+    if not OneDnnLinearMethod.available(torch.float32):
         print("oneDNN linear is not available in this torch build")
         return 1
     gen = torch.Generator().manual_seed(0)
@@ -54,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for name, (n, k) in SHAPES.items():
             plain = nn.Linear(k, n, bias=False)
-            packed = nn.Linear(k, n, bias=False)
+            packed = Linear(k, n, bias=False)
             packed.weight.copy_(plain.weight)
-            assert cpu_linear.pack_linear(packed)
+            assert packed.use_method(OneDnnLinearMethod())
             calls = args.calls if n * k <= 2**22 else max(3, args.calls * 2**22 // (n * k))
             for m in ROWS:
                 x = torch.randn(m, k, generator=gen)

@@ -2,9 +2,10 @@
 
 Every case is a batch of single-token rows (one decoding request each) with its context in a
 paged cache ``[num_blocks, block_size, KV, D]`` under shuffled block tables, laid out by the
-engine's own :func:`kvlab.engine.chunk_metadata.build_metadata`. Three ways to attend it:
+engine's own :func:`kvlab.engine.attention_metadata.build_metadata`. Three ways to attend it:
 
-- **compiled**: ``kvlab.kernels.row_kernel("cpu", float32)``, the C++ op the engine runs on
+- **compiled**: ``CpuAttention.attend_rows`` (:mod:`kvlab.engine.attention_cpu`), the C++ op the
+  engine runs on
   CPU; it walks each row's table through the cache, no gather.
 - **torch** (:func:`kvlab.engine.attention.attend_rows`): the engine's torch path; it gathers
   every row's blocks into one padded ``[R, KV, W*bs, D]`` (``W``: the widest table of the step)
@@ -46,8 +47,8 @@ sys.path.insert(0, str(REPO))
 from _results import write_results  # noqa: E402
 
 from kvlab.engine.attention import attend_rows  # noqa: E402
-from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata  # noqa: E402
-from kvlab.kernels import row_kernel  # noqa: E402
+from kvlab.engine.attention_cpu import CpuAttention  # noqa: E402
+from kvlab.engine.attention_metadata import ChunkSpec, build_metadata  # noqa: E402
 
 #: float32 outputs must lie this close to the float64 reference
 TOLERANCE = 1e-4
@@ -145,11 +146,11 @@ def case(name: str, batch: int, heads: int, kv_heads: int, dim: int, contexts: t
     scale = dim ** -0.5
     plan = bucket_plan(lens, tables, block_size)
     ws = workspace(plan, k_cache)
-    op = row_kernel("cpu", torch.float32)
+    op = CpuAttention.create(torch.float32)
 
     def compiled() -> torch.Tensor:
         out = torch.empty_like(q)
-        op(out, q, k_cache, v_cache, tables, lens, scale)
+        op.attend_rows(out, q, k_cache, v_cache, tables, lens, scale)
         return out
 
     fns: dict[str, Callable[[], torch.Tensor]] = {
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads < 1 or args.repeats < 1:
         ap.error("--threads and --repeats must be at least 1")
     torch.set_num_threads(args.threads)
-    compiled_ok = row_kernel("cpu", torch.float32) is not None
+    compiled_ok = CpuAttention.create(torch.float32) is not None
     cases = [case(*c, repeats=args.repeats) for c in CASES]
     print(f"torch threads {torch.get_num_threads()} | CPU ms per call (best of {args.repeats}) | "
           f"x: speedup of the first over the second | diff: max |out - float64|")

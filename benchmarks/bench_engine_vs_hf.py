@@ -49,11 +49,12 @@ sys.path.insert(0, str(REPO))
 
 from _results import write_results  # noqa: E402
 
+from kvlab.core.sampling_params import SamplingParams  # noqa: E402
 from kvlab.engine.checkpoint import resolve_model_path  # noqa: E402
 from kvlab.engine.llm import LLM  # noqa: E402
-from kvlab.engine.llm_engine import load_tokenizer  # noqa: E402
 from kvlab.engine.outputs import EngineStats  # noqa: E402
-from kvlab.engine.sampler import SamplingParams  # noqa: E402
+from kvlab.engine.tokenizer import load_tokenizer  # noqa: E402
+from kvlab.labs.invariants import check_engine  # noqa: E402
 
 
 # --------------------------------------------------------------------------- workload
@@ -89,7 +90,7 @@ def build_workload(model_dir: Path, vocab: int, n: int, seed: int
 
 def random_tiny_checkpoint() -> Path:
     """A random model with kvlab-tiny's shape (used when the shipped weights are missing)."""
-    from kvlab.engine.hf_parity import save_random_hf_model
+    from kvlab.labs.parity.hf import save_random_hf_model
 
     return save_random_hf_model(
         Path(tempfile.mkdtemp()) / "random-tiny", "llama", seed=0, hidden_size=192,
@@ -112,7 +113,7 @@ SIZES: dict[str, dict] = {
 
 def random_checkpoint(size: str) -> Path:
     """A seeded random Llama of :data:`SIZES` ``[size]`` in a temporary folder."""
-    from kvlab.engine.hf_parity import save_random_hf_model
+    from kvlab.labs.parity.hf import save_random_hf_model
 
     return save_random_hf_model(
         Path(tempfile.mkdtemp()) / f"random-{size}", "llama", seed=0,
@@ -187,7 +188,8 @@ def linear_floor_s(model, shapes: list[tuple[int, int]], repeats: int = 2) -> fl
     """Seconds the linear layers alone take over a run: for each step's ``(tokens, sampled
     rows)`` in ``shapes``, every projection of every layer on ``tokens`` rows and the lm_head on
     ``sampled`` rows, with the model's own weights and the engine's own calls (the layers'
-    ``forward``, oneDNN with packed weights where :mod:`kvlab.kernels.cpu_linear` bound it;
+    ``forward``, oneDNN with packed weights where the engine chose
+    :class:`kvlab.engine.linear.OneDnnLinearMethod`;
     the lm_head through ``LlamaModel.logits``), nothing else (best of ``repeats``).
     kvlab's wall time cannot go below it, so HF's time over it bounds the reachable speedup."""
     cfg = model.cfg
@@ -235,7 +237,7 @@ def run_kvlab(model: str | Path, workload, *, max_num_seqs: int = 64) -> dict:
         shapes.append((sum(c.num_tokens for c in chunks), sum(c.sample for c in chunks)))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     st = eng.stats
-    eng.check_invariants()
+    check_engine(eng)
     return {
         "wall_s": wall, "cpu_s": cpu, "generated_tokens": st.generated_tokens,
         "outputs": [outputs[f"r{i}"] for i in range(len(workload))],

@@ -20,8 +20,8 @@ import time
 import numpy as np
 from _results import write_results
 
-from kvlab.core.paging import slot_mapping
-from kvlab.fragmentation import compare_policies, sharegpt_like_workload
+from kvlab.labs.fragmentation import compare_policies, sharegpt_like_workload
+from kvlab.labs.paging import slot_mapping
 from kvlab.reference import physical_slot
 
 ARENA_TOKENS = 16384

@@ -19,7 +19,7 @@ loaded machine, so the prefill's process CPU time is recorded beside it (``prefi
 with one thread it is the prefill's own cost) and the ratio is given against both.
 
 Then the book's arithmetic: seconds per request for the catalogue models' KV (bf16) at NVLink,
-InfiniBand/RoCE and PCIe Gen5 bandwidths (:mod:`kvlab.capacity.transfer_cost`).
+InfiniBand/RoCE and PCIe Gen5 bandwidths (:mod:`kvlab.labs.capacity.transfer_cost`).
 
 Run: ``python benchmarks/bench_pd_transfer.py [--threads N]``. Writes
 ``benchmarks/results/pd_transfer.json``.
@@ -37,8 +37,7 @@ import time
 import torch
 from _results import write_results
 
-from kvlab.capacity.catalog import MODELS
-from kvlab.capacity.transfer_cost import LINKS, transfer_table
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.disagg.entry import check_delivery, encode_frame, make_descriptor, make_header
 from kvlab.disagg.transfer_faults import SendPlan
 from kvlab.engine.checkpoint import load_checkpoint
@@ -46,8 +45,9 @@ from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.kv_transfer import KVPayloadCodec, engine_model_fields
 from kvlab.engine.kv_transfer.connectors import SharedStorageConnector, TcpConnector
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.sampler import SamplingParams
+from kvlab.labs.capacity.transfer_cost import LINKS, transfer_table
 from kvlab.reference import kv_bytes
+from kvlab.sim.catalog import MODELS
 
 PROMPTS = (64, 256, 1024)
 REPEATS = 5

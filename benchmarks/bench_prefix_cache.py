@@ -8,7 +8,7 @@ identical answers. The reference scans every entry per lookup (O(entries x lengt
 tree walks only the matched path (O(length of the match)), so its cost stays flat as the cache
 grows. The 100k linear scan is slow, so it times fewer lookups and reports cost per lookup.
 
-The radix tree is :class:`~kvlab.core.token_trie.TokenTrie`, the production twin of the reference.
+The radix tree is :class:`~kvlab.labs.token_trie.TokenTrie`, the production twin of the reference.
 Also timed: the engine's block tree (``RadixCache.match``, block size 16) on the same prefixes.
 
 Run: ``python benchmarks/bench_prefix_cache.py``. Writes ``benchmarks/results/prefix_cache.json``.
@@ -23,7 +23,7 @@ import time
 from _results import write_results
 
 from kvlab.core.radix_cache import RadixCache
-from kvlab.core.token_trie import TokenTrie
+from kvlab.labs.token_trie import TokenTrie
 from kvlab.reference import PrefixCache
 
 SIZES = (1_000, 10_000, 100_000)

@@ -31,7 +31,7 @@ from _results import write_results
 
 from kvlab import LLM, SamplingParams
 from kvlab.engine.quantization import KernelLog, QuantConfig, QuantizedLinear, dequantize, quantize
-from kvlab.engine.quantization.evaluate import heldout_token_ids, perplexity
+from kvlab.labs.perplexity import heldout_token_ids, perplexity
 from kvlab.models.corpus import sample_prompts
 from kvlab.reference import effective_bits
 

@@ -125,7 +125,7 @@ def main() -> None:
     from _results import write_results
 
     from kvlab import LLM
-    from kvlab.engine.quantization.evaluate import heldout_token_ids
+    from kvlab.labs.perplexity import heldout_token_ids
     from kvlab.models.corpus import sample_prompts
 
     torch.set_num_threads(1)

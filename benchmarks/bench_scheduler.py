@@ -33,6 +33,7 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.labs.invariants import check_scheduler
 from kvlab.sim.costmodel import RooflineCostModel
 from kvlab.sim.executor import CostModelExecutor, sim_token
 
@@ -90,7 +91,7 @@ def measure(cls, scenario: str, n: int) -> float:
     core = setup(cls, scenario, n)
     steps = max(7, min(40, 40_000 // n))
     times = sorted(one_step(core) for _ in range(steps))
-    core.scheduler.check_invariants()
+    check_scheduler(core.scheduler)
     return times[len(times) // 2]
 
 

@@ -23,12 +23,12 @@ import time
 from _results import write_results
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
-from kvlab.core.event_log import EventLog
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.labs.recovery.event_log import EventLog
+from kvlab.labs.serving import records_from_sim
+from kvlab.labs.slo import SLO, evaluate_slo
 from kvlab.sim import RooflineCostModel, lognormal, make_workload, simulate
-from kvlab.sim.serving import records_from_sim
-from kvlab.slo import SLO, evaluate_slo
 
 N = 10_000
 CPU = [0.0]   # CPU seconds of the last run (the machine may be shared: wall time inflates)

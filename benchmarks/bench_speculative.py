@@ -25,8 +25,8 @@ import time
 import torch
 from _results import write_results
 
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.engine.llm import LLM
-from kvlab.engine.sampler import SamplingParams
 
 KS = (1, 2, 4, 8)
 MAX_TOKENS = 48

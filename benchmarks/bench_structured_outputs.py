@@ -33,12 +33,9 @@ sys.path.insert(0, str(REPO))
 
 from _results import write_results  # noqa: E402
 
+from kvlab.core.sampling_params import SamplingParams  # noqa: E402
 from kvlab.engine.llm import LLM  # noqa: E402
-from kvlab.engine.sampler import (  # noqa: E402
-    SamplerState,
-    SamplingParams,
-    sample,
-)
+from kvlab.engine.sampler import SamplerState, sample  # noqa: E402
 from kvlab.engine.structured_outputs import (  # noqa: E402
     GrammarCompiler,
     StructuredOutputsParams,

@@ -2,14 +2,14 @@
 
 A verification step feeds each of ``--requests`` running requests a chunk of ``k + 1`` tokens
 behind its cached context (the drafts plus the last sampled token). The engine's flat metadata
-(:func:`kvlab.engine.chunk_metadata.build_metadata`) of a runner with a row op makes every such
+(:func:`kvlab.engine.attention_metadata.build_metadata`) of a runner with a row op makes every such
 token a *paged row* (a chunk of at most ``PAGED_MAX_TOKENS`` behind a prefix): query token ``i``
 of a chunk at ``start`` attends ``start + i + 1`` positions through the chunk's table, all rows
 of the step in one call; without an op the engine keeps them as per-request SDPA calls. Per
 layer:
 
-- **compiled**: :func:`~kvlab.engine.attention.paged_attention` with the CPU op
-  (``kvlab.kernels.row_kernel``), which walks each row's table through the cache;
+- **compiled**: the compiled CPU backend (:class:`~kvlab.engine.attention_cpu.CpuAttention`),
+  whose row op walks each row's table through the cache;
 - **torch**: the same rows through the torch path :func:`~kvlab.engine.attention.attend_rows`
   (every row's blocks gathered into one padded batch, one masked SDPA), which is why the engine
   does not make them rows without an op;
@@ -27,7 +27,6 @@ tokens asserted. Timings are never asserted. Writes ``benchmarks/results/verify_
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import random
 import statistics
@@ -45,20 +44,19 @@ sys.path.insert(0, str(REPO))
 from _results import write_results  # noqa: E402
 
 from kvlab import LLM, SamplingParams  # noqa: E402
-from kvlab.engine.attention import AttentionMetadata, paged_attention  # noqa: E402
-from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata  # noqa: E402
-from kvlab.kernels import row_kernel  # noqa: E402
+from kvlab.engine.attention_cpu import CpuAttention  # noqa: E402
+from kvlab.engine.attention_metadata import (  # noqa: E402
+    AttentionMetadata,
+    ChunkSpec,
+    build_metadata,
+)
+from kvlab.engine.attention_torch import TorchAttention  # noqa: E402
 
 #: (query heads, KV heads, head dim) of kvlab-tiny and of the ~25M random Llama
 SHAPES = {"kvlab-tiny": (6, 2, 32), "25M": (8, 2, 64)}
 
 #: float32 outputs must lie this close to the float64 reference
 TOLERANCE = 1e-4
-
-
-def _no_op(*args: object) -> None:
-    """Stands in for a row op where none is built: only the layout is wanted from it."""
-    raise AssertionError("the layout-only op is never called")
 
 
 def per_request(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -109,12 +107,12 @@ def bench(shape: str, k: int, requests: int, rounds: int, seed: int = 0) -> dict
     gen = torch.Generator().manual_seed(seed)
     kc = torch.randn(len(perm), bs, kv_heads, dim, generator=gen)
     vc = torch.randn(len(perm), bs, kv_heads, dim, generator=gen)
-    op = row_kernel("cpu", torch.float32)
-    # the layout a runner with an op gets: every verified token a paged row (without an op the
-    # engine keeps these chunks as SDPA calls, what ``per_request`` times)
+    op = CpuAttention.create(torch.float32)
+    # the layout the compiled backend gets: every verified token a paged row (the torch
+    # backend keeps these chunks as SDPA calls, what ``per_request`` times)
     meta = build_metadata([ChunkSpec([0] * (k + 1), s, t)
                            for s, t in zip(starts, tables, strict=True)], bs,
-                          kernel=op if op is not None else _no_op)
+                          paged_max_tokens=CpuAttention.paged_max_tokens)
     n = meta.num_tokens
     assert meta.paged_rows.numel() == n and not meta.dense, "verification rows are paged"
     q = torch.randn(n, heads, dim, generator=gen)
@@ -123,12 +121,11 @@ def bench(shape: str, k: int, requests: int, rounds: int, seed: int = 0) -> dict
     kn = torch.randn(n, kv_heads, dim, generator=gen)
     vn = torch.randn(n, kv_heads, dim, generator=gen)
     scale = dim ** -0.5
-    rows = dataclasses.replace(meta, kernel=None)   # the same rows through attend_rows
-    fns: dict[str, Callable[[], torch.Tensor]] = {
+    fns: dict[str, Callable[[], torch.Tensor]] = {   # "torch": the same rows, gathered
         "per_request": lambda: per_request(q, kc, vc, meta, scale),
-        "torch": lambda: paged_attention(q, kn, vn, kc, vc, rows, scale)}
+        "torch": lambda: TorchAttention().attend(q, kn, vn, kc, vc, meta, scale)}
     if op is not None:
-        fns["compiled"] = lambda: paged_attention(q, kn, vn, kc, vc, meta, scale)
+        fns["compiled"] = lambda: op.attend(q, kn, vn, kc, vc, meta, scale)
     ref = per_request(q.double(), kc.double(), vc.double(), meta, scale)
     diff = {name: float((f().double() - ref).abs().max()) for name, f in fns.items()}
     bad = {name: d for name, d in diff.items() if not d <= TOLERANCE}
@@ -182,8 +179,9 @@ def engine_ab(k: int, requests: int, rounds: int, max_tokens: int = 48) -> dict:
                     os.environ.pop("KVLAB_CPU_ATTENTION", None)
                 else:
                     os.environ["KVLAB_CPU_ATTENTION"] = saved
-            assert (llm.engine.executor.kernel is not None) == (flag == "1" and bool(
-                row_kernel("cpu", torch.float32))), f"KVLAB_CPU_ATTENTION={flag} not honoured"
+            compiled = isinstance(llm.engine.executor.kernels.attention, CpuAttention)
+            assert compiled == (flag == "1" and CpuAttention.create(torch.float32) is not None), \
+                f"KVLAB_CPU_ATTENTION={flag} not honoured"
             llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)
             m = llm.engine.speculator.metrics
             m.reset()
@@ -230,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--requests, --rounds, --threads, --engine-requests must be at least 1 and "
                  "--engine-rounds at least 0")
     torch.set_num_threads(args.threads)
-    compiled_ok = row_kernel("cpu", torch.float32) is not None
+    compiled_ok = CpuAttention.create(torch.float32) is not None
     rows = []
     print(f"torch threads {args.threads} | {args.requests} requests x (k+1) tokens, one layer, "
           f"CPU ms (median of {args.rounds} rounds) | x: per-request time over each (min-max)")

@@ -91,7 +91,7 @@ def num_params(cfg: dict) -> int:
 
 def write_checkpoint(size: str, root: Path) -> Path:
     """Seeded random Llama of :data:`SIZES` ``[size]`` as HF safetensors under ``root``."""
-    from kvlab.engine.hf_parity import save_random_hf_model
+    from kvlab.labs.parity.hf import save_random_hf_model
 
     return save_random_hf_model(root / f"random-{size}", "llama", seed=0,
                                 max_position_embeddings=2048, initializer_range=0.02,

@@ -5,15 +5,18 @@ in vLLM's environment (``.venv-vllm``, made by ``bench_vs_vllm.py``; the script 
 itself there), imports kvlab from this checkout (its CPU ops build once for that interpreter)
 and times, on the same data, one torch/OpenMP thread (``OMP_NUM_THREADS=1``):
 
-- **decode attention**: kvlab's row op (the unchecked op the engine calls, ``decode_op``) vs vLLM's
+- **decode attention**: kvlab's row op (the unchecked op the engine calls, ``decode_attention`` of
+  ``kvlab.kernels.cpu.compiled()``) vs vLLM's
   ``cpu_attention_with_kv_cache`` with one query token per request, at kvlab-tiny's heads
   (6/2 x 32) and ~25M's (8/4 x 64), with contexts that stay in the caches, ones that stream
   from DRAM, and calls timed one at a time after the caches were flushed (their reads come
   from DRAM; an engine step finds a layer's KV somewhere between the two, as the other
   layers' work passes through the caches in between);
-- **prefill attention**: kvlab's chunk op (``CHUNK_OPS``) vs the same vLLM op on whole causal
+- **prefill attention**: kvlab's chunk op (``chunk_attention`` of the same build) vs the same vLLM
+  op on whole causal
   prompts, one long and several short;
-- **linear layers**: kvlab's packed oneDNN call (``kvlab.kernels.cpu_linear``) vs vLLM's
+- **linear layers**: kvlab's packed oneDNN call (``kvlab.engine.linear.OneDnnLinearMethod``) vs
+  vLLM's
   ``onednn_mm`` at the engine's shapes (a decode batch and a prefill step).
 
 vLLM's KV cache is filled by its own ``cpu_attn_reshape_and_cache`` from the same K/V (its
@@ -123,12 +126,13 @@ def attention_case(torch, ops, isa, kv_cpu, heads, kv_heads, dim, reqs, ctx, q_l
     tables = torch.arange(reqs * per).view(reqs, per)
     ours = torch.empty_like(q)
     # the unchecked ops the engine calls (the checked entry points validate every index first)
-    row_op = kv_cpu.decode_op("cpu", torch.float32)
+    build = kv_cpu.compiled()
+    row_op = build.decode_attention
     if q_len == 1:
         lens = torch.full((reqs,), ctx)
         kvlab_fn = lambda: row_op(ours, q, kc, vc, tables, lens, scale)
     else:
-        chunk_op = kv_cpu.CHUNK_OPS[row_op]
+        chunk_op = build.chunk_attention
         qs, starts = tuple(range(0, reqs * q_len + 1, q_len)), (0,) * reqs
         every = tuple(range(reqs))
         kvlab_fn = lambda: chunk_op(ours, q, kc, vc, tables, qs, starts, every, scale)
@@ -166,13 +170,15 @@ def attention_case(torch, ops, isa, kv_cpu, heads, kv_heads, dim, reqs, ctx, q_l
     return _compare(kvlab_fn, vllm_fn, diff, 40, scratch.sum)
 
 
-def linear_case(torch, ops, pack_linear, rows, k_in, n_out) -> dict:
+def linear_case(torch, ops, rows, k_in, n_out) -> dict:
+    from kvlab.engine.linear import Linear, OneDnnLinearMethod
+
     gen = torch.Generator().manual_seed(rows + n_out)
-    layer = torch.nn.Linear(k_in, n_out, bias=False)
+    layer = Linear(k_in, n_out, bias=False)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(n_out, k_in, generator=gen) * k_in ** -0.5)
     x = torch.randn(rows, k_in, generator=gen)
-    pack_linear(layer)
+    assert layer.use_method(OneDnnLinearMethod())
     handler = ops.create_onednn_mm(layer.weight.t(), 32)
     flops = 2 * rows * k_in * n_out
     with torch.no_grad():
@@ -199,7 +205,6 @@ def main() -> int:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from kvlab.kernels import cpu as kv_cpu
-    from kvlab.kernels.cpu_linear import pack_linear
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _results import write_results
@@ -222,7 +227,7 @@ def main() -> int:
         ok &= r["max_abs_diff"] < 1e-4
         _report(label, r)
     for label, *shape in LINEAR:
-        r = linear_case(torch, ops, pack_linear, *shape)
+        r = linear_case(torch, ops, *shape)
         names = ("rows", "in", "out")
         result["linear"][label] = {"shape": dict(zip(names, shape, strict=True)), **r}
         ok &= r["max_abs_diff"] < 1e-4

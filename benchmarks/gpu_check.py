@@ -4,7 +4,7 @@ torch, decode speed with and without CUDA graphs, HF parity with graphs on. Writ
 what it measured (``complete: false``); a section that fails records its error and the run
 goes on.
 
-1. **Fused ops vs torch** (``fused_ops_vs_torch``): :mod:`kvlab.engine.fused_parity` on CUDA
+1. **Fused ops vs torch** (``fused_ops_vs_torch``): :mod:`kvlab.labs.parity.fused` on CUDA
    (RMSNorm with residual add, SiLU-and-mul, RoPE in float32 and bfloat16; kvlab-tiny's greedy
    tokens with and without them).
 2. **Decode** of a 0.5B-class random Llama (Qwen2-0.5B's shape, bfloat16) at batch 1, 16 and
@@ -20,7 +20,7 @@ goes on.
    GPU busy time and its share of the timed median step.
 3. **HF parity on CUDA with graphs on**: kvlab generating greedily (float32, TF32 off, Triton
    decode, decode steps replayed from graphs) re-scored by transformers; every position.
-4. **Triton attention vs torch**: every case of :mod:`kvlab.engine.triton_parity`.
+4. **Triton attention vs torch**: every case of :mod:`kvlab.labs.parity.triton`.
 
 ``targets`` says which of issue 20's GPU targets hold (GPU busy >= 85% of the decode step,
 <= 4 ms per step at batch 64, >= 5x the batch-1 tok/s of the eager engine). Exits with status
@@ -92,7 +92,7 @@ def free_memory() -> None:
 
 
 def check_fused(device: str) -> dict:
-    from kvlab.engine.fused_parity import compare_engine, compare_ops
+    from kvlab.labs.parity.fused import compare_engine, compare_ops
 
     out = {"ops_float32": compare_ops(device, torch.float32),
            "ops_bfloat16": compare_ops(device, torch.bfloat16),
@@ -109,7 +109,7 @@ def check_fused(device: str) -> dict:
 
 
 def check_triton(device: str, limit: int | None = None) -> dict:
-    from kvlab.engine.triton_parity import CASES, compare
+    from kvlab.labs.parity.triton import CASES, compare
 
     out = {}
     for name, case in list(CASES.items())[:limit]:
@@ -124,7 +124,7 @@ def check_triton(device: str, limit: int | None = None) -> dict:
 
 def check_hf_parity(device: str, smoke: bool) -> dict:
     from kvlab.engine.cuda_graphs import counter
-    from kvlab.engine.hf_parity import compare_with_hf, save_random_hf_model
+    from kvlab.labs.parity.hf import compare_with_hf, save_random_hf_model
 
     size = dict(MODEL_SMOKE) if smoke else dict(
         hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -148,9 +148,9 @@ def decode_run(path: Path, device: str, batches: list[int], steps: int, prompt: 
                enforce_eager: bool, fused: bool, profile_steps_n: int) -> dict:
     """Decode at each batch size in one engine: timing, bandwidth, graph replays; the profile
     too when ``profile_steps_n`` > 0."""
+    from kvlab.core.sampling_params import SamplingParams
     from kvlab.engine.cuda_graphs import counter
     from kvlab.engine.llm import LLM
-    from kvlab.engine.sampler import SamplingParams
 
     os.environ["KVLAB_FUSED_OPS"] = "1" if fused else "0"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def model() -> Path:
         if not model_path:
-            from kvlab.engine.hf_parity import save_random_hf_model
+            from kvlab.labs.parity.hf import save_random_hf_model
             log("saving the random decode model")
             model_path.append(save_random_hf_model(
                 Path(tempfile.mkdtemp()) / "llama", "llama", seed=0,

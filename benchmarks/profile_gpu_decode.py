@@ -118,8 +118,8 @@ def host_functions(eng, steps: int, rows: int = 20) -> list[dict]:
 def profile_engine(path: Path, batches: tuple[int, ...], *, enforce_eager: bool,
                    fused: bool, steps: int = 10, device: str = "cuda") -> dict:
     """Build the engine on ``path`` and profile decode steps at each batch size."""
+    from kvlab.core.sampling_params import SamplingParams
     from kvlab.engine.llm import LLM
-    from kvlab.engine.sampler import SamplingParams
 
     os.environ["KVLAB_FUSED_OPS"] = "1" if fused else "0"
     llm = LLM(path, device=device,
@@ -175,7 +175,7 @@ def profile_engine(path: Path, batches: tuple[int, ...], *, enforce_eager: bool,
 def main(argv: list[str] | None = None) -> dict:
     from gpu_check import MODEL_0_5B, MODEL_SMOKE
 
-    from kvlab.engine.hf_parity import save_random_hf_model
+    from kvlab.labs.parity.hf import save_random_hf_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="on CPU with a tiny model")

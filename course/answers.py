@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvlab.labs.invariants import check_scheduler
+
 
 @dataclass(frozen=True)
 class Truth:
@@ -55,9 +57,9 @@ def _number(value: float) -> Truth:
 # --- chapter 1: capacity -----------------------------------------------------------------------
 
 def _ch01():
-    from kvlab.capacity import plan_capacity
-    from kvlab.capacity.catalog import get_gpu, get_model
     from kvlab.exercises import ch01
+    from kvlab.labs.capacity import plan_capacity
+    from kvlab.sim.catalog import get_gpu, get_model
 
     return ch01, plan_capacity, get_gpu, get_model
 
@@ -110,7 +112,7 @@ truth("ch01.tp_kv_per_rank.second")(lambda: _tp_kv_per_rank(1))
 
 @truth("ch01.tp_design.min_tp")
 def _tp_design_min_tp() -> Truth:
-    from kvlab.capacity import DTYPE_BYTES
+    from kvlab.labs.capacity import DTYPE_BYTES
 
     ch01, plan_capacity, get_gpu, get_model = _ch01()
     d = ch01.TP_DESIGN
@@ -202,14 +204,14 @@ def _max_samples() -> Truth:
 def _abort_run():
     """Chapter 5's tight run with :data:`ABORT`'s request aborted before its step:
     (request id, scheduler, event log)."""
-    from kvlab.core.event_log import EventLog
     from kvlab.exercises import ch05
+    from kvlab.labs.recovery.event_log import EventLog
     from kvlab.sim.tokens import drive
 
     rid, log = ch05.ABORT["request"], EventLog()
     sched = ch05.tight_scheduler(log=log)
     drive(sched, arrivals=ch05.tight_arrivals(), aborts={ch05.ABORT["step"]: [rid]},
-          check=True)
+          check=check_scheduler)
     return rid, sched, log
 
 
@@ -258,7 +260,8 @@ def _logprob_temperature() -> Truth:
     """(b): kvlab's logprobs are the raw log_softmax, whatever temperature and filters."""
     import torch
 
-    from kvlab.engine.sampler import SamplerState, SamplingParams, sample
+    from kvlab.core.sampling_params import SamplingParams
+    from kvlab.engine.sampler import SamplerState, sample
 
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     raw = torch.log_softmax(logits, dim=-1)[0]
@@ -340,9 +343,9 @@ def _deployment_k() -> Truth:
 
 @truth("ch10.transfer_ms")
 def _transfer_ms() -> Truth:
-    from kvlab.capacity.catalog import get_model
-    from kvlab.capacity.transfer_cost import LINKS, kv_transfer_bytes, transfer_seconds
     from kvlab.exercises import ch10
+    from kvlab.labs.capacity.transfer_cost import LINKS, kv_transfer_bytes, transfer_seconds
+    from kvlab.sim.catalog import get_model
 
     nbytes = kv_transfer_bytes(get_model(ch10.TRANSFER_MODEL), ch10.TRANSFER_TOKENS,
                                ch10.TRANSFER_ELEMENT_BYTES) / ch10.TRANSFER_TP
@@ -363,7 +366,7 @@ def _classification() -> Truth:
 
 def _hand_report():
     from kvlab.exercises import ch11
-    from kvlab.slo import evaluate_slo
+    from kvlab.labs.slo import evaluate_slo
 
     return evaluate_slo(list(ch11.HAND_RECORDS), ch11.HAND_SLO, window_s=ch11.HAND_WINDOW_S)
 
@@ -377,8 +380,8 @@ def _max_rate() -> Truth:
     """:func:`rate_at_attainment` over ``RATE_GRID``, simulating from the lowest rate up to the
     first that misses 90% (the rates above it cannot change the answer)."""
     from kvlab.exercises import ch11
-    from kvlab.sim.serving import rate_at_attainment
-    from kvlab.slo import evaluate_slo
+    from kvlab.labs.serving import rate_at_attainment
+    from kvlab.labs.slo import evaluate_slo
 
     rates, att = [], []
     for rate in ch11.RATE_GRID:
@@ -403,7 +406,7 @@ def _chunk_for_tpot() -> Truth:
 @truth("ch12.bug_invariants")
 def _bug_invariants() -> Truth:
     from kvlab.exercises import ch12
-    from kvlab.sim.fault_lab import run_lab
+    from kvlab.labs.chaos.fault_lab import run_lab
 
     return Truth({k: run_lab(m, "none").caught for k, m in sorted(ch12.BUGS.items())})
 
@@ -411,7 +414,7 @@ def _bug_invariants() -> Truth:
 @truth("ch12.fault_moves_catch")
 def _fault_moves_catch() -> Truth:
     from kvlab.exercises import ch12
-    from kvlab.sim.fault_lab import run_lab
+    from kvlab.labs.chaos.fault_lab import run_lab
 
     trace = run_lab(ch12.FAULT_MOVES["implementation"], ch12.FAULT_MOVES["fault"])
     return Truth(trace.caught, reveal={"violation": str(trace.violation)})
@@ -423,7 +426,7 @@ def _expected_crashes() -> Truth:
     ``rate``, its kind uniform over ``STEP_FAULTS``; a kind at the ``update`` or ``recover``
     point comes with the crash it needs (``StepFaultSchedule.from_seed``)."""
     from kvlab.exercises import ch12
-    from kvlab.faults.step_faults import STEP_FAULTS
+    from kvlab.labs.faults.step_faults import STEP_FAULTS
 
     crashing = sum(point in ("update", "recover") for point in STEP_FAULTS.values())
     value = ch12.DERIVE["steps"] * ch12.DERIVE["rate"] * crashing / len(STEP_FAULTS)
@@ -448,7 +451,7 @@ truth("ch02.tail_waste.256")(lambda: _number(_tail_waste(_ch02().TAIL_LENGTHS, 2
 
 
 def _ch02_slots() -> list[int]:
-    from kvlab.core.paging import slot_mapping
+    from kvlab.labs.paging import slot_mapping
 
     return slot_mapping(**_ch02().BATCH).tolist()
 
@@ -461,7 +464,7 @@ for _i in range(sum(len(p) for p in _ch02().BATCH["positions"])):   # one seal p
 def _paged_run(requests: int, seed: int, arena_tokens: int, block_size: int,
                prompt_mean: float = 161.0, output_mean: float = 338.0):
     """The paged simulation of a ShareGPT-like workload (the chapter's by default)."""
-    from kvlab.fragmentation import sharegpt_like_workload, simulate
+    from kvlab.labs.fragmentation import sharegpt_like_workload, simulate
 
     workload = sharegpt_like_workload(requests, seed=seed, prompt_mean=prompt_mean,
                                       output_mean=output_mean)
@@ -690,9 +693,10 @@ def _chunk_design() -> Truth:
 
 
 def _rows_step_metadata():
-    """Chapter 7's ``ROWS_STEP`` as a runner with a paged-row op lays it out (block size 4,
-    each chunk's table its own blocks)."""
-    from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata
+    """Chapter 7's ``ROWS_STEP`` as a runner with the compiled CPU backend lays it out (block
+    size 4, each chunk's table its own blocks)."""
+    from kvlab.engine.attention_cpu import CpuAttention
+    from kvlab.engine.attention_metadata import ChunkSpec, build_metadata
     from kvlab.exercises import ch07
 
     specs, next_block = [], 0
@@ -701,10 +705,7 @@ def _rows_step_metadata():
         specs.append(ChunkSpec([0] * n, start, list(range(next_block, next_block + blocks))))
         next_block += blocks
 
-    def op(*args) -> None:   # any op: the runner's choice of one is what the layout reads
-        raise NotImplementedError
-
-    return build_metadata(specs, 4, kernel=op)
+    return build_metadata(specs, 4, paged_max_tokens=CpuAttention.paged_max_tokens)
 
 
 @truth("ch07.paged_rows.rows")

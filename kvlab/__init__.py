@@ -37,7 +37,8 @@ _LAZY = {
     "LLM": "kvlab.engine.llm",
     "LLMEngine": "kvlab.engine.llm_engine",
     "EngineArgs": "kvlab.engine.engine_args",
-    "SamplingParams": "kvlab.engine.sampler",
+    "SamplingParams": "kvlab.core.sampling_params",
+    "RequestOutputKind": "kvlab.core.sampling_params",
     "RequestOutput": "kvlab.engine.outputs",
     "CompletionOutput": "kvlab.engine.outputs",
 }

@@ -15,6 +15,8 @@ import argparse
 import sys
 import time
 
+from kvlab.labs.invariants import check_engine
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -46,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
+    from kvlab.core.sampling_params import SamplingParams
     from kvlab.engine.llm import LLM
-    from kvlab.engine.sampler import SamplingParams
     from kvlab.models.corpus import sample_prompts, shared_prefix_prompts
 
     try:
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.quantization is not None or args.kv_cache_dtype != "auto":
         print(f"\nquantization report (spec rule 7)\n{llm.quantization_report()}")
-    llm.engine.check_invariants()
+    check_engine(llm.engine)
     return 0
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.engine.llm import LLM
-from kvlab.engine.sampler import SamplingParams
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -52,7 +52,7 @@ def test_paged_kv_bytes_counts_a_short_chunk_behind_a_prefix_row_by_row(monkeypa
     bench = _bench(monkeypatch)
     llm = LLM(BENCHMARKS.parent / "kvlab" / "models" / "kvlab-tiny")   # prefix caching on
     eng = llm.engine
-    if eng.executor.kernel is None:
+    if eng.executor.kernels.attention.paged_max_tokens == 0:
         pytest.skip("no compiled row op: short chunks behind a prefix are attended whole")
     cfg = eng.model.cfg
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)

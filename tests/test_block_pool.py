@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab.core.block_pool import CACHE_OWNER, BlockPool, OutOfBlocks
-from kvlab.core.invariants import check_pool
+from kvlab.labs.invariants.structural import check_pool
 
 
 def unchanged(pool: BlockPool, fn, exc):

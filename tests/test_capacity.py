@@ -9,14 +9,15 @@ import sys
 
 import pytest
 
-from kvlab.capacity import (
+from kvlab.labs.capacity import (
     DTYPE_BYTES,
     CapacityPlan,
     kv_element_bytes,
     kv_heads_per_rank,
     plan_capacity,
 )
-from kvlab.capacity.catalog import (
+from kvlab.reference import kv_bytes
+from kvlab.sim.catalog import (
     GB,
     GPUS,
     MODELS,
@@ -26,7 +27,6 @@ from kvlab.capacity.catalog import (
     get_gpu,
     get_model,
 )
-from kvlab.reference import kv_bytes
 
 LLAMA8 = get_model("Llama-3-8B")
 LLAMA70 = get_model("Llama-3-70B")
@@ -246,8 +246,8 @@ def test_explicit_weight_bytes_and_raw_memory():
 
 
 def test_core_does_not_import_torch():
-    code = ("import sys, kvlab.capacity, kvlab.capacity.catalog, kvlab.core.paging, "
-            "kvlab.fragmentation; assert 'torch' not in sys.modules")
+    code = ("import sys, kvlab.labs.capacity, kvlab.sim.catalog, kvlab.labs.paging, "
+            "kvlab.labs.fragmentation; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

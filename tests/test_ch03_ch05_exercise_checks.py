@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.core.event_log import EventLog
 from kvlab.exercises import ch03, ch04, ch05
 from kvlab.exercises._common import NotYetAnswered
+from kvlab.labs.recovery.event_log import EventLog
 
 
 def _rule(num_blocks, block_size, prompt_tokens, output_tokens):

@@ -7,8 +7,8 @@ import pytest
 
 from kvlab.exercises import ch11
 from kvlab.exercises._common import NotYetAnswered
-from kvlab.sim.serving import run_colocated
-from kvlab.slo import SLO, evaluate_slo
+from kvlab.labs.serving import run_colocated
+from kvlab.labs.slo import SLO, evaluate_slo
 
 
 def test_goodput_by_hand() -> None:
@@ -107,7 +107,7 @@ def test_chunked_colocated_baseline_beats_the_split_under_the_chapter_slo() -> N
     """The chapter's comparison, at two rates per GPU: at 15 req/s per GPU the whole-prompt
     colocated pair has collapsed, the 1P+1D split still mostly meets the SLO, and the chunked
     colocated pair meets it for nearly every request."""
-    from kvlab.sim.serving import run_disaggregated
+    from kvlab.labs.serving import run_disaggregated
 
     slo = SLO(ttft=0.2, tpot=0.009)
     wl = ch11.chat_workload(160, 30.0)

@@ -16,7 +16,7 @@ from kvlab.exercises.ch12 import (
     check_expected_crashes,
     run_budget,
 )
-from kvlab.sim.fault_lab import LAB_FAULTS, MUTATIONS, Mutation, run_lab
+from kvlab.labs.chaos.fault_lab import LAB_FAULTS, MUTATIONS, Mutation, run_lab
 
 
 def test_the_correct_engine_survives_every_lab_fault():
@@ -166,7 +166,7 @@ def test_chapter_restates_invariant_7_while_its_statement_overpromises():
     and restates it. Once the statement says only what is checked, the note must go."""
     from pathlib import Path
 
-    from kvlab.invariants.spec_invariants import SPEC_INVARIANTS
+    from kvlab.labs.invariants.spec_invariants import SPEC_INVARIANTS
 
     statement = next(inv.statement for inv in SPEC_INVARIANTS if inv.number == 7)
     chapter = (Path(__file__).parents[1] / "notebooks" / "12-invariants-faults.md").read_text()
@@ -178,7 +178,7 @@ def test_chapter_restates_invariant_7_while_its_statement_overpromises():
 
 def test_expected_crashes_is_the_mean_of_seeded_schedules_and_gives_only_a_direction():
     from kvlab.exercises.ch12 import DERIVE
-    from kvlab.faults.step_faults import StepFaultSchedule
+    from kvlab.labs.faults.step_faults import StepFaultSchedule
 
     seeds = 2000
     crashes = sum(sum(f.kind == "crash" for f in StepFaultSchedule.from_seed(

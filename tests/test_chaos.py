@@ -1,4 +1,4 @@
-"""The invariant set under fault injection (torch-free: kvlab.sim.chaos's executor).
+"""The invariant set under fault injection (torch-free: kvlab.labs.chaos.soak's executor).
 
 A sweep of seeded chaos runs checks all nine invariants after every step; each invariant is
 then broken on purpose by a mutated component and the checker must name it and the culprit.
@@ -11,20 +11,20 @@ from collections import Counter
 import pytest
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
-from kvlab.core.engine_core import EngineCore, ScheduledChunk, SchedulerOutput
-from kvlab.core.interfaces import StepObserver
+from kvlab.core.engine_core import EngineCore, StepObserver
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.faults.step_faults import STEP_FAULTS, StepFault, StepFaultSchedule
-from kvlab.invariants.spec_invariants import (
+from kvlab.core.step_records import ScheduledChunk, SchedulerOutput
+from kvlab.labs.chaos.soak import ChaosConfig, ChaosExecutor, run_chaos
+from kvlab.labs.faults.step_faults import STEP_FAULTS, StepFault, StepFaultSchedule
+from kvlab.labs.invariants.spec_invariants import (
     SPEC_INVARIANTS,
     EngineView,
     InvariantMonitor,
     InvariantViolation,
 )
-from kvlab.sim.chaos import ChaosConfig, ChaosExecutor, run_chaos
 
 SEEDS = range(120)
 
@@ -220,7 +220,7 @@ def test_invariant_9_catches_admission_without_a_reservation(monkeypatch):
 
 def test_check_every_step_runs_the_set_on_a_real_engine_and_validates_its_argument():
     from kvlab import LLM, SamplingParams
-    from kvlab.invariants import check_every_step
+    from kvlab.labs.invariants import check_every_step
 
     with pytest.raises(TypeError, match="check_every_step takes an LLMEngine"):
         check_every_step(LLM("kvlab-tiny", num_blocks=32))      # the LLM, not its engine

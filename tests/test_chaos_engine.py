@@ -20,13 +20,13 @@ from collections import Counter
 import pytest
 import torch
 
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.disagg.transfer_faults import DEFAULT_POINT, FaultSchedule
 from kvlab.engine.kv_transfer import InProcessChannel
 from kvlab.engine.llm import LLM
-from kvlab.engine.sampler import SamplingParams
-from kvlab.faults.engine_faults import ENGINE_FAULTS, attach_faults
-from kvlab.faults.step_faults import STEP_FAULTS, InjectedFault, StepFault, StepFaultSchedule
-from kvlab.invariants import check_every_step
+from kvlab.labs.faults.engine_faults import ENGINE_FAULTS, attach_faults
+from kvlab.labs.faults.step_faults import STEP_FAULTS, InjectedFault, StepFault, StepFaultSchedule
+from kvlab.labs.invariants import check_every_step
 
 pytest.importorskip("xgrammar")
 

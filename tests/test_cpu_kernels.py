@@ -3,7 +3,6 @@ the dense reference and the engine's own tokens; its input checks; and the fallb
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 import shutil
@@ -15,11 +14,16 @@ import pytest
 import torch
 from dense_attention import dense_causal_attention
 
-from kvlab.engine.attention import PAGED_MAX_TOKENS, paged_attention, write_kv
-from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata
-from kvlab.engine.triton_parity import scattered_tables
+from kvlab.engine.attention_cpu import CpuAttention
+from kvlab.engine.attention_metadata import ChunkSpec, build_metadata
+from kvlab.engine.attention_torch import TorchAttention
+from kvlab.engine.kv_cache import write_kv
+from kvlab.engine.ops import Kernels, LayerOps, select_kernels
 from kvlab.kernels import cpu as cpu_kernels
-from kvlab.kernels import row_kernel
+from kvlab.labs.parity.triton import scattered_tables
+
+TORCH = TorchAttention()
+PAGED_MAX_TOKENS = CpuAttention.paged_max_tokens
 
 
 def _toolchain() -> bool:
@@ -31,9 +35,11 @@ def _toolchain() -> bool:
 needs_kernel = pytest.mark.skipif(not _toolchain(), reason="no C++ compiler or ninja here")
 
 
-def _kernel(meta, dtype=torch.float32):
-    """``meta`` with the compiled op for its paged rows."""
-    return dataclasses.replace(meta, kernel=cpu_kernels.decode_op("cpu", dtype))
+def _cpu(dtype=torch.float32) -> CpuAttention:
+    """The compiled backend for ``dtype`` (the tests that call it need the build)."""
+    backend = CpuAttention.create(dtype)
+    assert backend is not None, cpu_kernels.build_error()
+    return backend
 
 
 @needs_kernel
@@ -61,8 +67,8 @@ def test_kernel_equals_torch_path_and_dense_reference(heads, kv_heads, block_siz
     q, kc, vc, chunks = _case(heads * block_size + dim, len(lengths), heads, kv_heads, dim,
                               block_size, lengths, torch.float32)
     meta = build_metadata(chunks, block_size)
-    fast = paged_attention(q, None, None, kc, vc, _kernel(meta), dim ** -0.5)
-    slow = paged_attention(q, None, None, kc, vc, meta, dim ** -0.5)
+    fast = _cpu().attend(q, None, None, kc, vc, meta, dim ** -0.5)
+    slow = TORCH.attend(q, None, None, kc, vc, meta, dim ** -0.5)
     assert torch.allclose(fast, slow, atol=2e-6, rtol=1e-5), (fast - slow).abs().max()
     flat_k, flat_v = kc.view(-1, kv_heads, dim), vc.view(-1, kv_heads, dim)
     for row, c in enumerate(chunks):     # the flat rows are the chunks, in order
@@ -81,12 +87,12 @@ def test_bfloat16_and_several_threads():
     lengths = [1, 17, 64, 300, 33, 2, 128, 90]
     q, kc, vc, chunks = _case(7, len(lengths), 8, 2, 64, 16, lengths, torch.bfloat16)
     meta = build_metadata(chunks, 16)
-    ref = paged_attention(q.float(), None, None, kc.float(), vc.float(), meta, 0.125)
+    ref = TORCH.attend(q.float(), None, None, kc.float(), vc.float(), meta, 0.125)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            got = paged_attention(q, None, None, kc, vc, _kernel(meta, torch.bfloat16), 0.125)
+            got = _cpu(torch.bfloat16).attend(q, None, None, kc, vc, meta, 0.125)
             assert got.dtype == torch.bfloat16
             assert torch.allclose(got.float(), ref, atol=2e-2, rtol=2e-2)
     finally:
@@ -123,8 +129,8 @@ def test_bad_inputs_are_refused_before_anything_is_written():
 
 @needs_kernel
 def test_engine_tokens_and_logprobs_agree_with_the_torch_path(monkeypatch):
+    from kvlab.core.sampling_params import SamplingParams
     from kvlab.engine.llm import LLM
-    from kvlab.engine.sampler import SamplingParams
 
     prompts = ["The river", "Once upon a time the shepherd", "A", "Trern Thyvet was a generous"]
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=2)
@@ -132,7 +138,8 @@ def test_engine_tokens_and_logprobs_agree_with_the_torch_path(monkeypatch):
     for flag in (True, False):
         monkeypatch.setenv("KVLAB_CPU_ATTENTION", "1" if flag else "0")   # read at construction
         llm = LLM("kvlab-tiny")
-        assert (llm.engine.executor.kernel is not None) == flag
+        attention = llm.engine.executor.kernels.attention
+        assert isinstance(attention, CpuAttention if flag else TorchAttention)
         runs.append(llm.generate(prompts, params))
     for a, b in zip(*runs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -146,7 +153,7 @@ def test_a_failed_build_falls_back_to_the_torch_path(tmp_path):
         import warnings
         from kvlab.kernels import cpu as cpu_kernels
         from kvlab.engine.llm import LLM
-        from kvlab.engine.sampler import SamplingParams
+        from kvlab.core.sampling_params import SamplingParams
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = LLM("kvlab-tiny").generate(["The river"], SamplingParams(max_tokens=4,
@@ -175,11 +182,12 @@ def test_switched_off_by_the_environment(monkeypatch):
 
 
 def test_float64_attention_keeps_full_precision():
-    # the kernel accumulates in float32, so a float64 runner gets no op: the torch path
-    assert row_kernel("cpu", torch.float64) is None
+    # the kernel accumulates in float32, so a float64 engine gets the torch definitions
+    assert select_kernels("cpu", torch.float64) == Kernels.torch()
+    assert CpuAttention.create(torch.float64) is None
     lengths = [3, 40, 17]
     q, kc, vc, chunks = _case(11, len(lengths), 4, 2, 32, 8, lengths, torch.float64)
-    got = paged_attention(q, None, None, kc, vc, build_metadata(chunks, 8), 32 ** -0.5)
+    got = TORCH.attend(q, None, None, kc, vc, build_metadata(chunks, 8), 32 ** -0.5)
     flat_k, flat_v = kc.view(-1, 2, 32), vc.view(-1, 2, 32)
     for row, c in enumerate(chunks):
         slots = [c.block_table[p // 8] * 8 + p % 8 for p in range(c.start_pos + 1)]
@@ -204,7 +212,7 @@ def test_paged_rows_equal_dense_attention_for_short_chunks_behind_a_prefix():
         nb = -(-(start + n) // bs)
         chunks.append(ChunkSpec(list(range(n)), start, perm[at:at + nb]))
         at += nb
-    meta = build_metadata(chunks, bs, kernel=cpu_kernels.decode_op("cpu", torch.float32))
+    meta = build_metadata(chunks, bs, paged_max_tokens=PAGED_MAX_TOKENS)
     assert meta.dense == (1, 3)          # the long chunk and the fresh prompt
     assert int(meta.paged_rows.numel()) == 4 + 2 + PAGED_MAX_TOKENS  # short, prefixed
     total = sum(n for _, n in specs)
@@ -212,7 +220,7 @@ def test_paged_rows_equal_dense_attention_for_short_chunks_behind_a_prefix():
     k = torch.randn(total, kv_heads, dim, generator=gen)
     v = torch.randn(total, kv_heads, dim, generator=gen)
     write_kv(kc, vc, k, v, meta.slot_mapping)
-    got = paged_attention(q, k, v, kc, vc, meta, dim ** -0.5)
+    got = _cpu().attend(q, k, v, kc, vc, meta, dim ** -0.5)
     flat_k, flat_v = kc.view(-1, kv_heads, dim), vc.view(-1, kv_heads, dim)
     for i, c in enumerate(chunks):
         lo, hi = meta.query_start[i], meta.query_start[i + 1]
@@ -414,39 +422,52 @@ def test_chunk_op_refuses_bad_inputs():
 
 
 @needs_kernel
-def test_engine_takes_every_dense_chunk_through_the_op():
-    # the op that came with the row kernel runs the dense chunks; without it (no kernel) the
-    # torch path runs them, and both equal the reference
-    op = cpu_kernels.decode_op("cpu", torch.float32)
+def test_the_cpu_backend_takes_every_dense_chunk_through_the_op():
+    # the compiled backend runs the dense chunks in one call of its chunk op; the torch
+    # backend runs them with SDPA; both equal the reference
     specs = [(0, 40), (24, 30), (9, 1)]
     q, kc, vc, tables, *_, ref = _chunk_case(8, 6, 2, 32, 16, specs)
     chunks = [ChunkSpec(list(range(n)), s, t[:-(-(s + n) // 16)].tolist())
               for (s, n), t in zip(specs, tables, strict=True)]
     slots = build_metadata(chunks, 16).slot_mapping
     k, v = kc.view(-1, 2, 32)[slots], vc.view(-1, 2, 32)[slots]   # the chunks' own K/V
-    calls, real = [], cpu_kernels.CHUNK_OPS[op]
-    fake = {op: lambda *a: calls.append(a[7]) or real(*a)}
-    for kernel in (op, None):
-        meta = build_metadata(chunks, 16, kernel=kernel)
-        before = dict(cpu_kernels.CHUNK_OPS)
-        cpu_kernels.CHUNK_OPS.update(fake)
-        try:
-            got = paged_attention(q, k, v, kc, vc, meta, 32 ** -0.5)
-        finally:
-            cpu_kernels.CHUNK_OPS.clear()
-            cpu_kernels.CHUNK_OPS.update(before)
+    backend = _cpu()
+    calls, real = [], backend._chunk
+    backend._chunk = lambda *a: calls.append(a[7]) or real(*a)
+    for attention in (backend, TORCH):
+        meta = build_metadata(chunks, 16, paged_max_tokens=attention.paged_max_tokens)
+        got = attention.attend(q, k, v, kc, vc, meta, 32 ** -0.5)
         torch.testing.assert_close(got.double(), ref, atol=3e-6, rtol=1e-5)
     assert calls == [(0, 1)]        # once, with both multi-token chunks; the decode row paged
 
 
 @needs_kernel
-def test_fused_layer_ops_equal_the_torch_ops():
-    # the compiled RMSNorm / RoPE / SiLU-and-mul against model.py's torch definitions, on the
-    # strided views a layer hands them (rows of a wider buffer); RoPE rotates in place
-    from kvlab.engine.model import TorchOps
+def test_over_a_rounding_cache_a_fresh_prompt_attends_its_own_kv():
+    # exact=False (a quantized cache): the compiled backend runs a fresh prompt on the torch
+    # path over its new K/V, and a chunk behind a prefix through the op, as the torch backend
+    specs = [(0, 24), (24, 30)]
+    q, kc, vc, tables, *_ = _chunk_case(9, 6, 2, 32, 16, specs)
+    chunks = [ChunkSpec(list(range(n)), s, t[:-(-(s + n) // 16)].tolist())
+              for (s, n), t in zip(specs, tables, strict=True)]
+    meta = build_metadata(chunks, 16, paged_max_tokens=PAGED_MAX_TOKENS)
+    k = torch.randn(meta.num_tokens, 2, 32)      # differs from what the cache holds
+    v = torch.randn(meta.num_tokens, 2, 32)
+    backend = _cpu()
+    calls, real = [], backend._chunk
+    backend._chunk = lambda *a: calls.append(a[7]) or real(*a)
+    got = backend.attend(q, k, v, kc, vc, meta, 32 ** -0.5, exact=False)
+    want = TORCH.attend(q, k, v, kc, vc, meta, 32 ** -0.5, exact=False)
+    torch.testing.assert_close(got, want, atol=3e-6, rtol=1e-5)
+    assert calls == [(1,)]
 
-    assert cpu_kernels.available()
-    fused = cpu_kernels.FUSED_OPS[torch.float32]
+
+@needs_kernel
+def test_fused_layer_ops_equal_the_torch_ops():
+    # the compiled RMSNorm / RoPE / SiLU-and-mul against the torch definitions (LayerOps), on
+    # the strided views a layer hands them (rows of a wider buffer); RoPE rotates in place
+    TorchOps = LayerOps()
+    fused = cpu_kernels.compiled()
+    assert fused is not None, cpu_kernels.build_error()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(37, 300, generator=gen)[:, :192]
     w = torch.randn(192, generator=gen)

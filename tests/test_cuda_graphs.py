@@ -178,7 +178,7 @@ def test_decode_graphs_refuse_a_bad_ladder(monkeypatch):
     eng = LLM("kvlab-tiny", **ENGINE).engine
     for sizes in ([], [4, 2], [0, 1], [1, 1, 2]):
         with pytest.raises(ValueError, match="ascending positive"):
-            cuda_graphs.DecodeGraphs(eng.model, eng.cache.layers, None, sizes=sizes,
+            cuda_graphs.DecodeGraphs(eng.model, eng.cache.layers, eng.executor.kernels, sizes=sizes,
                                      block_size=4, max_model_len=96, scratch_block=0)
 
 

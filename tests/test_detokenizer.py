@@ -7,12 +7,12 @@ import random
 
 import pytest
 
+from kvlab.core.sampling_params import check_stop
 from kvlab.engine.detokenizer import (
     REPLACEMENT,
     IncrementalDetokenizer,
     StopStringMatcher,
     TextStream,
-    check_stop,
 )
 
 CJK = [chr(c) for c in range(0x4E00, 0x4E00 + 400)]

@@ -9,12 +9,13 @@ import torch
 
 pytest.importorskip("transformers")
 
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.engine.checkpoint import load_checkpoint
 from kvlab.engine.engine_args import EngineArgs
-from kvlab.engine.hf_parity import save_random_hf_model
 from kvlab.engine.llm import LLM
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.sampler import SamplingParams
+from kvlab.labs.invariants import check_engine
+from kvlab.labs.parity.hf import save_random_hf_model
 
 VOCAB = 128
 
@@ -56,7 +57,7 @@ def test_prefix_caching_does_not_change_outputs(model_dir, prompts, params):
     off = _tokens(_llm(model_dir, enable_prefix_caching=False).generate(prompts, params))
     assert first == off == again
     assert on.engine.stats.prefix_hit_rate > 0.3
-    on.engine.check_invariants()
+    check_engine(on.engine)
 
 
 def test_batched_equals_one_at_a_time(model_dir, prompts):
@@ -85,7 +86,7 @@ def test_forks_equal_separate_requests_with_same_seeds(model_dir, prompts):
                                                           seed=5 + c.index, ignore_eos=True))
             assert c.token_ids == alone[0].outputs[0].token_ids
     assert len({tuple(c.token_ids) for c in forked[0].outputs}) > 1  # samples do differ
-    forked_llm.engine.check_invariants()
+    check_engine(forked_llm.engine)
 
 
 def test_seed_reproducible_and_independent_of_batch(model_dir, prompts):
@@ -169,7 +170,7 @@ def test_preemption_under_kv_pressure_keeps_outputs(model_dir, prompts, params):
     tight_outs = tight.generate(prompts, params)
     assert sum(o.metrics.num_preemptions for o in tight_outs) > 0  # the pressure is real
     assert _tokens(tight_outs) == _tokens(ample_outs)
-    tight.engine.check_invariants()
+    check_engine(tight.engine)
 
 
 def test_step_api_abort_and_snapshot(model_dir, prompts):
@@ -200,10 +201,10 @@ def test_step_api_abort_and_snapshot(model_dir, prompts):
     assert snap.refcounts[later.block_table[0]] >= 3    # its writer, c and the prefix cache
     out = eng.abort_request("a")
     assert out.finished and out.outputs[0].finish_reason == "abort"
-    eng.check_invariants()
+    check_engine(eng)
     while eng.has_unfinished_requests():
         eng.step()
-    eng.check_invariants()
+    check_engine(eng)
     snap = eng.snapshot()
     assert all(s in ("free", "cached") for s in snap.block_states)  # nothing leaked
 
@@ -236,7 +237,7 @@ def test_generate_returns_a_request_aborted_by_another_thread(model_dir, prompts
     assert outs[1].outputs[0].finish_reason == "length"
     assert len(outs[1].outputs[0].token_ids) == 40
     assert not engine.has_unfinished_requests()
-    engine.check_invariants()
+    check_engine(engine)
 
 
 def test_get_metrics_has_vllms_shape(model_dir, prompts):
@@ -286,7 +287,7 @@ def test_prefix_cache_is_scoped_by_security_domain(model_dir, prompts):
     hit = _run_one(eng, "a2", prompts[0], security_domain="tenant-a").num_cached_tokens
     assert hit == (len(prompts[0]) - 1) // 4 * 4  # every full block but the last token's
     assert eng.cache_scope("tenant-a") != eng.cache_scope("tenant-b")
-    eng.check_invariants()
+    check_engine(eng)
 
 
 # bf16 vs fp32 log-probabilities on this model: measured max |difference| 0.0225 over the top-5
@@ -341,7 +342,7 @@ def test_rejected_request_with_n_samples_finishes(model_dir, prompts):
     assert "rejected" not in [c.finish_reason for c in outs[0].outputs]
     assert all(o.finished for o in outs)
     assert not llm.engine.has_unfinished_requests()
-    llm.engine.check_invariants()
+    check_engine(llm.engine)
 
 
 def test_delta_outputs_add_up_to_the_cumulative_ones(model_dir, prompts):
@@ -349,7 +350,7 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(model_dir, prompts):
     each step's output holds only the tokens and logprobs after the previous output's, so
     concatenated they equal the CUMULATIVE run's (same seeds), and an abort's output holds
     only what no output carried yet. CUMULATIVE outputs are unchanged (each holds all)."""
-    from kvlab.engine.sampler import RequestOutputKind
+    from kvlab.core.sampling_params import RequestOutputKind
 
     delta = RequestOutputKind.DELTA
     kw = dict(max_tokens=12, temperature=0.9, seed=5, n=2, logprobs=2, ignore_eos=True)

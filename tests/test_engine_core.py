@@ -24,15 +24,17 @@ pytest.importorskip("transformers")
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.engine_core import EngineBusy, EngineCore
-from kvlab.core.event_log import EventLog
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import FinishReason, RequestStatus, RuntimeRequest
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.engine.engine_args import EngineArgs
-from kvlab.engine.hf_parity import save_random_hf_model
 from kvlab.engine.llm import LLM
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.sampler import SamplingParams
+from kvlab.labs.invariants import check_engine, check_scheduler
+from kvlab.labs.kv_snapshot import snapshot_of
+from kvlab.labs.parity.hf import save_random_hf_model
+from kvlab.labs.recovery.event_log import EventLog
 from kvlab.sim.executor import CostModelExecutor
 from kvlab.sim.tokens import greedy_tokens, hash_token
 
@@ -94,7 +96,7 @@ def _run(eng: LLMEngine, done: dict | None = None) -> dict:
 
 def _assert_kv_clean(eng: LLMEngine) -> None:
     """No table, no pending copy, every block free or cached (evictable)."""
-    snap = eng.kv.snapshot()
+    snap = snapshot_of(eng.kv)
     assert snap.tables == {}
     assert snap.pending_copies == ()
     assert set(snap.block_states) <= {"free", "cached"}, Counter(snap.block_states)
@@ -105,7 +107,7 @@ def _assert_kv_clean(eng: LLMEngine) -> None:
 def _assert_refcounts(eng: LLMEngine) -> None:
     """Every block's refcount is its owner count, and its request owners are exactly the
     requests whose table holds it (checked from the public snapshot, not the pool)."""
-    snap = eng.kv.snapshot()
+    snap = snapshot_of(eng.kv)
     for b in range(snap.num_blocks):
         assert snap.refcounts[b] == len(snap.block_owners[b]), b
         holders = sorted(rid for rid, table in snap.tables.items() if b in table)
@@ -205,12 +207,12 @@ def test_abort_inside_execute_takes_effect_at_step_end(model_dir, when):
     assert [o for o in outs if o.request_id == "a"] == [out]
     assert eng.scheduler.find_request("a") is None          # applied and forgotten at step end
     assert not eng.kv.has("a") and not eng.has_request("a")
-    eng.check_invariants()
+    check_engine(eng)
     _assert_refcounts(eng)
     done = _run(eng)
     assert "a" not in done
     assert done["b"].outputs[0].token_ids == _alone(model_dir, _prompt(2, 7), 5)
-    eng.check_invariants()
+    check_engine(eng)
     _assert_kv_clean(eng)
     assert eng.scheduler.requests() == []
 
@@ -231,10 +233,10 @@ def test_abort_from_a_real_thread_while_execute_blocks(model_dir):
     assert out.outputs[0].token_ids == _alone(model_dir, _prompt(3, 6), 8)[:1]
     assert [o for o in outs if o.request_id == "a"] == [out]   # the step reports it too
     assert eng.scheduler.find_request("a") is None and not eng.kv.has("a")
-    eng.check_invariants()
+    check_engine(eng)
     done = _run(eng)
     assert done["b"].outputs[0].token_ids == _alone(model_dir, _prompt(4, 5), 6)
-    eng.check_invariants()
+    check_engine(eng)
     _assert_kv_clean(eng)
 
 
@@ -262,7 +264,7 @@ def test_abort_n2_request_mid_step(model_dir):
     assert [c.token_ids for c in out.outputs] == [alone[:2], alone[:2]]
     for sid in ("p", "p#1"):
         assert eng.scheduler.find_request(sid) is None and not eng.kv.has(sid)
-    eng.check_invariants()
+    check_engine(eng)
     _assert_refcounts(eng)
     done = _run(eng)
     assert done["q"].outputs[0].token_ids == _alone(model_dir, _prompt(5, 10), 4)
@@ -310,12 +312,12 @@ def test_second_concurrent_step_raises_engine_busy(model_dir):
     assert not thread.is_alive() and "error" not in result
     assert {o.request_id for o in result["outs"]} == {"a", "b"}
     assert eng.stats.steps == 2
-    eng.check_invariants()
+    check_engine(eng)
     _assert_refcounts(eng)
     done = _run(eng)
     assert done["a"].outputs[0].token_ids == _alone(model_dir, _prompt(6, 8), 6)
     assert [c.token_ids for c in done["b"].outputs] == [_alone(model_dir, _prompt(7, 3), 6)] * 2
-    eng.check_invariants()
+    check_engine(eng)
     _assert_kv_clean(eng)
 
 
@@ -336,7 +338,7 @@ def test_add_request_from_another_thread_during_execute(model_dir):
     assert {o.request_id for o in outs} == {"a"}
     for i in range(5):
         assert eng.scheduler.get_request(f"late{i}").status is RequestStatus.WAITING
-    eng.check_invariants()
+    check_engine(eng)
     done = _run(eng)
     for i in range(5):
         assert done[f"late{i}"].outputs[0].token_ids == _alone(model_dir, _prompt(10 + i, 4 + i),
@@ -369,7 +371,7 @@ def test_generate_beside_a_direct_request(model_dir):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in fresh]
     assert all(o.finished for o in outs)
     assert eng.has_request("mine")
-    eng.check_invariants()
+    check_engine(eng)
     mine_alone = _alone(model_dir, _prompt(30, 6), 24)
     first = eng.step()
     by_id = {o.request_id: o for o in first}
@@ -381,7 +383,7 @@ def test_generate_beside_a_direct_request(model_dir):
     done = _run(eng)
     assert set(done) == {"mine"}
     assert done["mine"].outputs[0].token_ids == mine_alone
-    eng.check_invariants()
+    check_engine(eng)
     _assert_kv_clean(eng)
 
 
@@ -502,7 +504,7 @@ def test_ten_thousand_requests_are_forgotten():
     assert slope <= RETAINED_BYTES_PER_REQUEST, waves
     mems = [m for _, m in waves]
     assert max(mems) - min(mems) < RETAINED_BYTES_PER_REQUEST * 8000, waves
-    sched.check_invariants()
+    check_scheduler(sched)
     assert not core.has_unfinished_requests()
 
 
@@ -549,7 +551,7 @@ def test_llm_engine_forgets_finished_requests(model_dir):
     assert eng.get_num_unfinished_requests() == 0
     assert not any(eng.has_request(f"q{k}") for k in range(300))
     assert eng.stats.finished_requests == 300
-    eng.check_invariants()
+    check_engine(eng)
     _assert_kv_clean(eng)
 
 
@@ -570,7 +572,7 @@ def test_request_admitted_and_finished_in_one_step(model_dir):
     assert [(c.token_ids, c.finish_reason) for c in outs["stop"].outputs] == [([first], "stop")]
     assert outs["one"].finished and outs["stop"].finished and not outs["other"].finished
     assert eng.stats.prompt_tokens == 9 + 9 + 4
-    eng.check_invariants()
+    check_engine(eng)
     eng.add_request("again", _prompt(70, 9), _greedy(1))      # served from the prefix cache
     again = {o.request_id: o for o in eng.step()}["again"]
     assert again.num_cached_tokens == 8 and again.outputs[0].token_ids == [first]
@@ -600,7 +602,7 @@ def test_finished_id_is_reusable_and_a_live_one_is_not(model_dir):
         with pytest.raises(ValueError, match="duplicate"):
             eng.add_request(rid, _prompt(52, 3), _greedy(2))
     assert _observable(eng) == before
-    eng.check_invariants()
+    check_engine(eng)
     out = _run(eng)["x"]
     assert [c.token_ids for c in out.outputs] == [_alone(model_dir, _prompt(51, 6), 5)] * 2
     eng.add_request("x", _prompt(52, 3), _greedy(2))
@@ -773,7 +775,7 @@ def test_refused_executor_result_fails_the_step_and_the_core_goes_on(tamper):
     assert not kv.has("a") and not kv.has("b")
     assert sched.get_request("c").status is RequestStatus.WAITING
     assert late[0].request_id == "d" and sched.find_request("d") is None   # abort applied
-    sched.check_invariants()
+    check_scheduler(sched)
     ended = []
     while core.has_unfinished_requests():
         ended.append(core.step())
@@ -784,8 +786,8 @@ def test_refused_executor_result_fails_the_step_and_the_core_goes_on(tamper):
         hash_token((7, 8)), hash_token((7, 8, hash_token((7, 8)))),
         hash_token((7, 8, hash_token((7, 8)), hash_token((7, 8, hash_token((7, 8))))))]
     assert sched.requests() == []
-    sched.check_invariants()
-    assert kv.requests() == [] and kv.snapshot().pending_copies == ()
+    check_scheduler(sched)
+    assert kv.requests() == [] and snapshot_of(kv).pending_copies == ()
 
 
 def test_refused_result_on_the_real_engine_reports_error(model_dir):
@@ -800,7 +802,7 @@ def test_refused_result_on_the_real_engine_reports_error(model_dir):
     with pytest.raises(ValueError, match="did not sample"):
         eng.step()
     eng.core.executor = inner
-    eng.check_invariants()
+    check_engine(eng)
     outs = eng.step()
     assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs] == [
         ("a", True, "error")]

@@ -9,13 +9,15 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.engine.checkpoint import CheckpointError, load_checkpoint
 from kvlab.engine.config import ConfigError
 from kvlab.engine.engine_args import EngineArgs
-from kvlab.engine.hf_parity import save_random_hf_model
 from kvlab.engine.llm import LLM
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.sampler import SamplingParams
+from kvlab.labs.invariants import check_engine
+from kvlab.labs.kv_snapshot import snapshot_of
+from kvlab.labs.parity.hf import save_random_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +130,7 @@ def test_bad_requests_leave_engine_unchanged(engine, args, exc, message):
     with pytest.raises(exc, match=message):
         engine.add_request(*args)
     assert _state(engine) == before
-    engine.check_invariants()
+    check_engine(engine)
 
 
 def test_abort_unknown_id(engine):
@@ -138,8 +140,8 @@ def test_abort_unknown_id(engine):
     assert _state(engine) == before
     while engine.has_unfinished_requests():
         engine.step()
-    engine.check_invariants()
-    assert engine.kv.snapshot().count("exclusive") == 0  # no leaked block
+    check_engine(engine)
+    assert snapshot_of(engine.kv).count("exclusive") == 0  # no leaked block
 
 
 def test_generate_validates_every_prompt_before_running(model_dir):
@@ -150,7 +152,7 @@ def test_generate_validates_every_prompt_before_running(model_dir):
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate([[1, 2]], [SamplingParams(), SamplingParams()])
     assert _state(llm.engine) == before  # nothing was queued
-    llm.engine.check_invariants()
+    check_engine(llm.engine)
 
 
 def test_bad_engine_arguments(model_dir):
@@ -212,7 +214,7 @@ def test_engine_token_budget_below_max_num_seqs(model_dir, scheduler):
                     max_num_batched_tokens=8, scheduler=scheduler))
     assert eng.scheduler_config.max_num_seqs == 8
     assert _run(eng, {"a": [1, 2, 3], "b": [4, 5, 6, 7]}) == {"a": 3, "b": 3}
-    eng.check_invariants()
+    check_engine(eng)
 
 
 def _run(eng, prompts, max_tokens=3):
@@ -228,7 +230,7 @@ def _run(eng, prompts, max_tokens=3):
 
 
 def _all_blocks_free_or_cached(eng):
-    snap = eng.kv.snapshot()
+    snap = snapshot_of(eng.kv)
     assert not snap.tables and not snap.pending_copies
     assert snap.free_blocks + snap.evictable_blocks == eng.kv.num_blocks
 
@@ -256,7 +258,7 @@ def test_executor_error_fails_the_step_and_engine_keeps_serving(model_dir, sched
     monkeypatch.setattr(eng.executor, "execute", _FailOnce(eng.executor.execute))
     with pytest.raises(RuntimeError, match="device lost"):
         eng.step()
-    eng.check_invariants()
+    check_engine(eng)
     _all_blocks_free_or_cached(eng)   # the step's KV was released, exactly once
     for rid in ("a", "b"):
         req = eng.scheduler.get_request(rid)
@@ -269,7 +271,7 @@ def test_executor_error_fails_the_step_and_engine_keeps_serving(model_dir, sched
     assert outs["a"].finished and len(outs["a"].outputs[0].token_ids) == 1
     assert not eng.has_unfinished_requests()
     assert _run(eng, {"c": [1, 2, 3, 4, 5], "d": [6, 7]}) == {"c": 3, "d": 3}
-    eng.check_invariants()
+    check_engine(eng)
     _all_blocks_free_or_cached(eng)
 
 
@@ -294,7 +296,7 @@ def test_sampling_error_fails_the_step_and_spares_the_rest(model_dir, monkeypatc
                 for r in ("long", "pair", "pair#1", "later")}
     assert statuses == {"long": "failed", "pair": "failed", "pair#1": "waiting",
                         "later": "waiting"}
-    eng.check_invariants()
+    check_engine(eng)
     _all_blocks_free_or_cached(eng)
     finished = {}
     while eng.has_unfinished_requests():
@@ -304,5 +306,5 @@ def test_sampling_error_fails_the_step_and_spares_the_rest(model_dir, monkeypatc
                                             for c in out.outputs]
     assert finished == {"long": [(0, "error")], "pair": [(0, "error"), (3, "length")],
                         "later": [(3, "length")]}
-    eng.check_invariants()
+    check_engine(eng)
     _all_blocks_free_or_cached(eng)

@@ -60,7 +60,7 @@ def test_top_p_messages_give_the_direction_not_the_method():
 
 def test_kv_bytes_per_token_on_a_local_model(tmp_path):
     pytest.importorskip("transformers")
-    from kvlab.engine.hf_parity import save_random_hf_model
+    from kvlab.labs.parity.hf import save_random_hf_model
 
     path = save_random_hf_model(tmp_path / "m", "llama")  # 2 layers, 2 KV heads, head_dim 16
     assert "Correct" in ch07.check_kv_bytes_per_token(2 * 2 * 2 * 16 * 4, model=str(path))
@@ -137,7 +137,9 @@ def test_paged_rows_check():
     names = list(ch07.ROWS_STEP)
     rows, dense = meta.paged_rows.numel(), {names[s] for s in meta.dense}
     # independently, from the rule: one-token chunks, and short chunks behind a prefix
-    from kvlab.engine.attention import PAGED_MAX_TOKENS
+    from kvlab.engine.attention_cpu import CpuAttention
+
+    PAGED_MAX_TOKENS = CpuAttention.paged_max_tokens
 
     paged = {c for c, (p, n) in ch07.ROWS_STEP.items()
              if n == 1 or (p > 0 and n <= PAGED_MAX_TOKENS)}

@@ -16,19 +16,12 @@ import pytest
 import torch
 
 from kvlab.core.checks import is_int
+from kvlab.core.sampling_params import MAX_SEED, MIN_TEMPERATURE, SamplingParams, is_real
 from kvlab.engine.checkpoint import load_checkpoint, resolve_model_path
 from kvlab.engine.config import ConfigError, ModelConfig
 from kvlab.engine.llm import LLM
-from kvlab.engine.llm_engine import Tokenizer, load_tokenizer
-from kvlab.engine.sampler import (
-    MAX_SEED,
-    MIN_TEMPERATURE,
-    SamplerState,
-    SamplingParams,
-    filter_logits,
-    is_real,
-    sample,
-)
+from kvlab.engine.sampler import SamplerState, filter_logits, sample
+from kvlab.engine.tokenizer import Tokenizer, load_tokenizer
 from kvlab.models import shipped_model_path
 
 VOCAB = 64
@@ -367,7 +360,7 @@ def test_from_dict_defaults_and_default_source():
 )
 def test_valid_random_hf_checkpoints_still_load(tmp_path, arch, overrides):
     pytest.importorskip("transformers")
-    from kvlab.engine.hf_parity import save_random_hf_model
+    from kvlab.labs.parity.hf import save_random_hf_model
 
     path = save_random_hf_model(tmp_path / arch, arch, seed=1, **overrides)
     cfg = load_checkpoint(path).config

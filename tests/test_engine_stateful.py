@@ -30,10 +30,12 @@ from hypothesis.stateful import (
 
 pytest.importorskip("transformers")
 
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.engine.engine_args import EngineArgs
-from kvlab.engine.hf_parity import save_random_hf_model
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.sampler import SamplingParams
+from kvlab.labs.invariants import check_engine
+from kvlab.labs.kv_snapshot import snapshot_of
+from kvlab.labs.parity.hf import save_random_hf_model
 
 VOCAB = 128
 BLOCK_SIZE = 2
@@ -193,12 +195,12 @@ class EngineMachine(RuleBasedStateMachine):
     def step(self, steps):
         for _ in range(steps):   # several: steps must outnumber aborts for requests to finish
             self._step()
-            self.eng.check_invariants()
+            check_engine(self.eng)
 
     # ------------------------------------------------------------------ checks
     @invariant()
     def consistent(self):
-        self.eng.check_invariants()
+        check_engine(self.eng)
         assert self.eng.get_num_unfinished_requests() == len(self.live)
 
     def teardown(self):
@@ -206,10 +208,10 @@ class EngineMachine(RuleBasedStateMachine):
             if not self.eng.has_unfinished_requests():
                 break
             self._step()
-            self.eng.check_invariants()
+            check_engine(self.eng)
         assert not self.live and not self.abort_reports
         assert not self.eng.has_unfinished_requests()
-        snap = self.eng.kv.snapshot()
+        snap = snapshot_of(self.eng.kv)
         assert snap.tables == {} and snap.pending_copies == ()
         assert set(snap.block_states) <= {"free", "cached"}
         assert snap.free_blocks + snap.evictable_blocks == NUM_BLOCKS

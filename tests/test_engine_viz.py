@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.engine.engine_args import EngineArgs
-from kvlab.engine.hf_parity import save_random_hf_model
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.sampler import SamplingParams
+from kvlab.labs.parity.hf import save_random_hf_model
 from kvlab.viz.engine import engine_step_figure
 
 

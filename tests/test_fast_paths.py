@@ -16,11 +16,13 @@ import pytest
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.block_pool import OutOfBlocks
-from kvlab.core.event_log import EventLog
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.labs.invariants import check_kv_manager, check_scheduler
+from kvlab.labs.kv_snapshot import snapshot_of
+from kvlab.labs.recovery.event_log import EventLog
 from kvlab.sim.tokens import drive
 
 SHARED = tuple(range(900, 940))
@@ -49,7 +51,7 @@ def _outcome(fn):
 
 
 def _state(kv: KVCacheManager):
-    return kv.state_tuple(), kv.snapshot()
+    return kv.state_tuple(), snapshot_of(kv)
 
 
 def _both(managers, method: str, *args):
@@ -132,7 +134,7 @@ def test_manager_fast_paths_match_the_general_path(seed):
             continue
         assert res[0] == res[1], op
         assert _state(fast) == _state(slow), op
-        fast.check_invariants()
+        check_kv_manager(fast)
 
 
 def test_grow_noop_test_is_exact_on_the_cases_it_accepts():
@@ -190,7 +192,7 @@ def _trace(cls, manager_cls, seed: int):
                           admission=rng.choice(["reserve", "watermark"]))
     sched = cls(kv, cfg, log=EventLog())
     steps = []
-    drive(sched, arrivals=arrivals, check=True, max_steps=5000,
+    drive(sched, arrivals=arrivals, check=check_scheduler, max_steps=5000,
           on_step=lambda out: steps.append((out, kv.state_tuple())))
     requests = [(r.request_id, r.status, tuple(r.output_token_ids), r.num_preemptions)
                 for r in sched.requests()]

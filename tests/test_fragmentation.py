@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from kvlab.fragmentation import (
+from kvlab.labs.fragmentation import (
     CATEGORIES,
     POLICIES,
     BuddyArena,

@@ -1,10 +1,11 @@
-"""A decoder layer's ops tables (kvlab.engine.fused_ops): the engine binds one per model, and
-the fused Triton ops (kvlab.kernels.triton_fused: RMSNorm with residual add, SiLU-and-mul,
-RoPE) equal the torch path on CPU under Triton's interpreter, and an engine with them bound
+"""A decoder layer's small ops (kvlab.engine.ops): the engine selects one table with its
+kernels, and the fused Triton ops (kvlab.kernels.triton_fused: RMSNorm with residual add,
+SiLU-and-mul,
+RoPE) equal the torch path on CPU under Triton's interpreter, and an engine running them
 generates kvlab-tiny's greedy tokens unchanged.
 
 ``TRITON_INTERPRET=1`` must be set before Triton is first imported, so the cases run in one
-subprocess (``python -m kvlab.engine.fused_parity``) and this module reads its JSON. The
+subprocess (``python -m kvlab.labs.parity.fused``) and this module reads its JSON. The
 interpreter rounds float32 to bfloat16 toward zero (a GPU rounds to nearest even), so in
 bfloat16 the kernels lie within two roundings (2 * 2**-7 of the magnitude) of the torch path
 here; ``benchmarks/gpu_check.py`` checks them on a GPU with the tighter bound."""
@@ -26,7 +27,7 @@ OPS = ("rms_norm", "add_rms_norm.sum", "add_rms_norm", "silu_and_mul", "rope")
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_interpreted("kvlab.engine.fused_parity")
+    return run_interpreted("kvlab.labs.parity.fused")
 
 
 @needs_triton
@@ -63,9 +64,9 @@ def test_engine_with_fused_ops_generates_the_same_tokens(results):
 def test_parity_harness_detects_a_wrong_kernel(monkeypatch):
     """The comparison can fail: with torch stand-ins for the kernels (no Triton needed), a
     SiLU-and-mul that swaps gate and up is caught and the others pass."""
-    from kvlab.engine import fused_parity
-    from kvlab.engine.model import apply_rope, rms_norm
+    from kvlab.engine.ops import apply_rope, rms_norm
     from kvlab.kernels import triton_fused
+    from kvlab.labs.parity import fused as fused_parity
 
     def add_rms_norm(x, res, w, eps):
         x.add_(res)
@@ -105,55 +106,51 @@ def test_fused_ops_refuse_bad_shapes():
 def test_add_rms_norm_is_the_residual_add_then_the_norm():
     # the definition every table keeps: the layer's former ``x = o(attn).add_(x)`` then
     # ``rms_norm(x)``, bit for bit, the sum written into the first argument
-    from kvlab.engine.fused_ops import compiled_cpu_ops
-    from kvlab.engine.model import TorchOps, rms_norm
+    from kvlab.engine.ops import CpuLayerOps, LayerOps, rms_norm
+    from kvlab.kernels import cpu as cpu_kernels
 
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(5, 48, generator=gen), torch.randn(48, generator=gen)
-    for ops in (TorchOps, compiled_cpu_ops(torch.float32)):
-        if ops is None:    # the compiled CPU build is missing here
-            continue
+    build = cpu_kernels.compiled()
+    tables = [LayerOps()] + ([CpuLayerOps(build)] if build is not None else [])
+    for ops in tables:
         y = torch.randn(5, 48, generator=gen)
         want_sum = y + x
         normed, total = ops.add_rms_norm(y, x, w, 1e-5)
         assert total is y and torch.equal(total, want_sum)
         assert torch.equal(normed, ops.rms_norm(want_sum, w, 1e-5))
-    assert torch.equal(TorchOps.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
+    assert torch.equal(LayerOps().rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
 
 
-def test_the_engine_binds_one_ops_table_per_model(monkeypatch):
-    """On the CPU in float32 the layers get the compiled build's ops (TorchOps with its three)
-    where it built, else torch's; bind_fused_ops puts the Triton table in (unless
-    KVLAB_FUSED_OPS=0) and unbind_fused_ops takes every layer back to TorchOps."""
-    from kvlab.engine.checkpoint import load_checkpoint
-    from kvlab.engine.fused_ops import (
-        TritonOps,
-        bind_fused_ops,
-        bind_layer_ops,
-        unbind_fused_ops,
-    )
-    from kvlab.engine.model import DecoderLayer, TorchOps
+def test_the_engine_selects_one_kernel_set_for_its_device_and_dtype(monkeypatch):
+    """On the CPU in float32: the compiled attention and the compiled build's three ops where
+    it built, else the torch definitions; float64 always the definitions; on CUDA Triton's
+    attention and ops (``KVLAB_FUSED_OPS=0``: the torch ops). The engine's runner holds the
+    selection, and every forward runs it."""
+    from kvlab.engine.attention_cpu import CpuAttention
+    from kvlab.engine.attention_torch import TorchAttention
+    from kvlab.engine.attention_triton import TritonAttention
+    from kvlab.engine.llm import LLM
+    from kvlab.engine.ops import CpuLayerOps, Kernels, LayerOps, TritonLayerOps, select_kernels
     from kvlab.kernels import cpu as cpu_kernels
     from kvlab.kernels import triton as triton_kernels
 
-    model = load_checkpoint("kvlab-tiny").model
-    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
-    assert all(layer.ops is TorchOps for layer in layers)   # unbound: torch's
-    ops = bind_layer_ops(model)
-    assert all(layer.ops is ops for layer in layers) and issubclass(ops, TorchOps)
+    chosen = select_kernels("cpu", torch.float32)
     if cpu_kernels.available():
-        built = cpu_kernels.FUSED_OPS[torch.float32]
-        assert (ops.rms_norm, ops.rope_, ops.silu_and_mul) == (
-            built.rms_norm, built.rope_, built.silu_and_mul)
-        assert ops.add_rms_norm.__func__ is TorchOps.add_rms_norm.__func__
+        assert isinstance(chosen.attention, CpuAttention)
+        assert isinstance(chosen.ops, CpuLayerOps)
     else:
-        assert ops is TorchOps
-    assert bind_layer_ops(load_checkpoint("kvlab-tiny", dtype=torch.float64).model) is TorchOps
-    monkeypatch.setenv("KVLAB_FUSED_OPS", "0")
-    assert bind_fused_ops(model) == 0 and all(layer.ops is ops for layer in layers)
-    monkeypatch.delenv("KVLAB_FUSED_OPS")
+        assert chosen == Kernels.torch()
+    assert type(LLM("kvlab-tiny").engine.executor.kernels.ops) is type(chosen.ops)
+    assert select_kernels("cpu", torch.float64) == Kernels(TorchAttention(), LayerOps())
+    bf16 = select_kernels("cpu", torch.bfloat16)
+    assert type(bf16.ops) is LayerOps     # the compiled small ops are float32 only
+    monkeypatch.setenv("KVLAB_CPU_ATTENTION", "0")
+    assert select_kernels("cpu", torch.float32) == Kernels.torch()
+    monkeypatch.delenv("KVLAB_CPU_ATTENTION")
     if triton_kernels.available():
-        assert bind_fused_ops(model) == len(layers) == 4
-        assert all(layer.ops is TritonOps for layer in layers)
-    unbind_fused_ops(model)
-    assert all(layer.ops is TorchOps for layer in layers)
+        cuda = select_kernels("cuda", torch.bfloat16)
+        assert isinstance(cuda.attention, TritonAttention)
+        assert isinstance(cuda.ops, TritonLayerOps)
+        monkeypatch.setenv("KVLAB_FUSED_OPS", "0")
+        assert type(select_kernels("cuda", torch.bfloat16).ops) is LayerOps

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kvlab.engine.hf_parity import compare_with_hf, save_random_hf_model
+from kvlab.labs.parity.hf import compare_with_hf, save_random_hf_model
 
 TOL = 1e-4
 
@@ -44,7 +44,6 @@ def test_logprobs_and_greedy_tokens_match_hf(tmp_path, arch, overrides, engine_k
 def test_parity_check_detects_wrong_weights(tmp_path, monkeypatch):
     """The comparison is not vacuous: perturbing one kvlab weight breaks it."""
     from kvlab.engine.llm import LLM
-    from kvlab.kernels import cpu_linear
 
     path = save_random_hf_model(tmp_path / "m", "llama", seed=2)
     original = LLM.__init__
@@ -53,7 +52,8 @@ def test_parity_check_detects_wrong_weights(tmp_path, monkeypatch):
         original(self, model, **kw)
         with torch.no_grad():
             self.engine.model.layers[0].o.weight.add_(0.01)
-        cpu_linear.pack_linears(self.engine.model)   # a weight changed in place is repacked
+        model = self.engine.model   # a weight changed in place is processed again (repacked)
+        model.use_linear_method(model.layers[0].o.method)
 
     monkeypatch.setattr(LLM, "__init__", perturbed)
     report = compare_with_hf(path, _prompts(3), max_tokens=4)
@@ -62,7 +62,7 @@ def test_parity_check_detects_wrong_weights(tmp_path, monkeypatch):
 
 def test_shipped_model_matches_hf():
     """The trained kvlab-tiny (tied embeddings, real tokenizer) through kvlab vs transformers."""
-    from kvlab.engine.llm_engine import load_tokenizer
+    from kvlab.engine.tokenizer import load_tokenizer
     from kvlab.models import shipped_model_path
     from kvlab.models.corpus import sample_prompts, shared_prefix_prompts
 

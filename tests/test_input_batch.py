@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from kvlab.core.engine_core import ScheduledChunk
-from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata
-from kvlab.engine.model_runner import InputBatch
+from kvlab.core.step_records import ScheduledChunk
+from kvlab.engine.attention_metadata import ChunkSpec, build_metadata
+from kvlab.engine.input_batch import InputBatch
 
 
 def _same(a, b) -> None:
@@ -99,14 +99,17 @@ def test_input_batch_writes_only_the_delta():
     assert all(batch.table(rid) == t for rid, t in tables.items())
 
 
-def test_input_batch_rejects_bad_deltas_and_chunks():
+def test_input_batch_asserts_the_schedulers_guarantees():
+    """The scheduler never sends a delta that keeps more than the runner has, an empty chunk or
+    a table that does not cover its chunk; the batch asserts it (inside the engine: asserts,
+    not validation)."""
     batch = InputBatch(8)
-    with pytest.raises(ValueError, match="keeps 1 table entries, the runner has 0"):
+    with pytest.raises(AssertionError, match="keeps more table entries"):
         batch.apply([_chunk("a", [1], 0, [0, 1], 1)])
     assert batch.num_rows == 0
     batch.apply([_chunk("a", [1], 20, [0, 1], 0)])
-    with pytest.raises(ValueError, match="does not cover"):
+    with pytest.raises(AssertionError, match="does not cover"):
         batch.build([_chunk("a", [1], 20, [0, 1], 2)])
     batch.apply([_chunk("b", [], 0, [3], 0)])
-    with pytest.raises(ValueError, match="no tokens"):
+    with pytest.raises(AssertionError, match="does not cover"):
         batch.build([_chunk("b", [], 0, [3], 1)])

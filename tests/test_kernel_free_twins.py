@@ -17,7 +17,7 @@ def _visible_key(html: str) -> str:
 
 
 def _curves():
-    from kvlab.slo import LatencyRecord
+    from kvlab.labs.slo import LatencyRecord
 
     def run(rate, ttft, tpot):
         return [LatencyRecord(f"r{i}", arrival=i / rate, ttft=ttft * (1 + i / 10),
@@ -30,7 +30,7 @@ def _curves():
 
 
 def test_goodput_twin_grid_default_frame_and_every_rate_in_the_caption():
-    from kvlab.slo import SLO, evaluate_slo
+    from kvlab.labs.slo import SLO, evaluate_slo
     from kvlab.viz.goodput import KERNEL_FREE_GRID, goodput_figure, goodput_kernel_free
 
     curves = _curves()
@@ -64,7 +64,7 @@ def test_goodput_explorer_bundle(monkeypatch):
 
 
 def test_fault_twin_runs_on_a_fresh_pair_and_leaves_the_live_demo_alone(monkeypatch):
-    from kvlab.engine.kv_transfer.demo import PDDemo
+    from kvlab.labs.pd.demo import PDDemo
     from kvlab.viz.pd import fault_explorer
 
     made = []
@@ -101,7 +101,7 @@ def test_fault_explorer_refuses_unknown_fault():
 
 
 def test_acceptance_twin_runs_on_engines_of_its_own(monkeypatch):
-    from kvlab.engine.spec_decode import acceptance
+    from kvlab.labs.speculation import acceptance
     from kvlab.viz import spec
 
     shared: dict = {}

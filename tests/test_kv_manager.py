@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.core.paging import token_slots
+from kvlab.labs.invariants import check_kv_manager
+from kvlab.labs.kv_snapshot import snapshot_of
+from kvlab.labs.paging import token_slots
 
 S = ("model-a", "tenant-1")
 
@@ -19,7 +21,7 @@ def unchanged(mgr: KVCacheManager, fn, exc):
     with pytest.raises(exc):
         fn()
     assert mgr.state_tuple() == before
-    mgr.check_invariants()
+    check_kv_manager(mgr)
 
 
 def test_admit_allocates_and_commit_caches_full_blocks():
@@ -31,11 +33,11 @@ def test_admit_allocates_and_commit_caches_full_blocks():
     assert kv.block_table("a") == [0, 1, 2]
     assert token_slots(kv.block_table("a"), kv.block_size, 3, 6) == [3, 4, 5]
     kv.commit("a", prompt)
-    snap = kv.snapshot()
+    snap = snapshot_of(kv)
     assert snap.cached_blocks == 2 and snap.protected_blocks == 2 and snap.evictable_blocks == 0
     assert snap.block_states[:3] == ("shared", "shared", "exclusive")  # cache + a
     assert snap.refcounts[:3] == (2, 2, 1)
-    kv.check_invariants()
+    check_kv_manager(kv)
 
 
 def test_prefix_hit_reuses_and_locks_blocks():
@@ -44,7 +46,7 @@ def test_prefix_hit_reuses_and_locks_blocks():
     kv.admit("a", S, prompt, 11)
     kv.commit("a", prompt)
     kv.free("a")
-    snap = kv.snapshot()
+    snap = snapshot_of(kv)
     assert snap.block_states[:3] == ("cached", "cached", "free")
     assert snap.evictable_blocks == 2 and snap.free_blocks == 6
     second = [*prompt, 50, 51]
@@ -53,9 +55,9 @@ def test_prefix_hit_reuses_and_locks_blocks():
     assert kv.blocks_needed(None, 13, S, second) == 4
     assert kv.admit("b", S, second, 13) == 8
     assert kv.block_table("b")[:2] == [0, 1]
-    assert kv.snapshot().evictable_blocks == 0
-    assert kv.snapshot().hit_tokens == 8
-    kv.check_invariants()
+    assert snapshot_of(kv).evictable_blocks == 0
+    assert snapshot_of(kv).hit_tokens == 8
+    check_kv_manager(kv)
 
 
 def test_last_token_always_recomputed():
@@ -69,10 +71,10 @@ def test_last_token_always_recomputed():
     # b recomputes block 1 into a private duplicate; committing keeps the cached one canonical
     kv.commit("b", prompt)
     assert kv.prefix_cache.match(S, prompt, leave_last=False).blocks == (0, 1)
-    kv.check_invariants()
+    check_kv_manager(kv)
     kv.free("b")
-    kv.check_invariants()
-    assert kv.snapshot().cached_blocks == 2
+    check_kv_manager(kv)
+    assert snapshot_of(kv).cached_blocks == 2
 
 
 def test_scopes_never_share():
@@ -82,7 +84,7 @@ def test_scopes_never_share():
     kv.commit("a", prompt)
     assert kv.lookup(("model-a", "tenant-2"), prompt) == 0
     assert kv.admit("b", ("model-a", "tenant-2"), prompt, 9) == 0
-    kv.check_invariants()
+    check_kv_manager(kv)
 
 
 def test_fork_shares_and_grow_copies_on_write():
@@ -92,14 +94,14 @@ def test_fork_shares_and_grow_copies_on_write():
     kv.commit("p", prompt)
     for child in ("c1", "c2"):
         kv.fork("p", child)
-    assert kv.snapshot().refcounts[:2] == (4, 3)  # cache + 3 sequences; tail block shared by 3
-    kv.check_invariants()
+    assert snapshot_of(kv).refcounts[:2] == (4, 3)  # cache + 3 sequences; tail block shared by 3
+    check_kv_manager(kv)
     # each sequence writes its first sampled token at position 6 (inside the shared tail block)
     assert kv.blocks_needed("c1", 7, write_from=6) == 1
     copies = kv.grow("c1", 7, 6)
     assert copies == [(1, 2)]
-    assert kv.snapshot().block_states[1:3] == ("pending_copy", "pending_copy")
-    kv.check_invariants()
+    assert snapshot_of(kv).block_states[1:3] == ("pending_copy", "pending_copy")
+    check_kv_manager(kv)
     kv.complete_copies(copies)
     copies2 = kv.grow("c2", 7, 6)
     assert copies2 == [(1, 3)]
@@ -107,14 +109,14 @@ def test_fork_shares_and_grow_copies_on_write():
     assert kv.grow("p", 7, 6) == []  # the last owner writes in place
     assert kv.block_table("p") == [0, 1]
     assert kv.block_table("c1") == [0, 2] and kv.block_table("c2") == [0, 3]
-    kv.check_invariants()
+    check_kv_manager(kv)
     # growing into a new block allocates without copies
     assert kv.grow("c1", 9, 8) == [] and len(kv.block_table("c1")) == 3
     for rid in ("p", "c1", "c2"):
         assert kv.free(rid)
         assert not kv.free(rid)  # idempotent
-    kv.check_invariants()
-    assert kv.snapshot().count("cached") == 1
+    check_kv_manager(kv)
+    assert snapshot_of(kv).count("cached") == 1
 
 
 def test_free_during_pending_copy_parks_blocks():
@@ -124,11 +126,11 @@ def test_free_during_pending_copy_parks_blocks():
     copies = kv.grow("c", 4, 2)
     kv.free("p")
     kv.free("c")
-    kv.check_invariants()
-    assert kv.snapshot().free_blocks == 2  # the two fenced blocks are parked
+    check_kv_manager(kv)
+    assert snapshot_of(kv).free_blocks == 2  # the two fenced blocks are parked
     kv.complete_copies(copies)
-    assert kv.snapshot().free_blocks == 4
-    kv.check_invariants()
+    assert snapshot_of(kv).free_blocks == 4
+    check_kv_manager(kv)
 
 
 def test_eviction_under_pressure_keeps_locked_paths():
@@ -143,13 +145,13 @@ def test_eviction_under_pressure_keeps_locked_paths():
     kv.admit("c", ("other",), c, 5)  # 3 blocks
     kv.commit("c", c)
     kv.free("c")
-    snap = kv.snapshot()
+    snap = snapshot_of(kv)
     assert snap.evictable_blocks == 2 and snap.free_blocks == 1
     assert kv.num_allocatable_blocks() == 3
     kv.admit("d", ("x",), [5, 5, 5], 3)  # the free block, then c's LRU leaf; never b's path
     assert kv.lookup(S, b) == 4
     assert kv.lookup(("other",), c) == 2
-    kv.check_invariants()
+    check_kv_manager(kv)
     unchanged(kv, lambda: kv.admit("e", ("x",), [6, 6, 6], 3), OutOfBlocks)
     assert kv.blocks_needed(None, 3, ("x",), [6, 6, 6]) == 2 > kv.num_allocatable_blocks()
 
@@ -185,7 +187,7 @@ def test_preemption_by_recompute_hits_committed_blocks():
     kv.free("r")  # preempted
     again = prompt + outputs
     assert kv.admit("r", S, again, 17) == 12
-    kv.check_invariants()
+    check_kv_manager(kv)
 
 
 def test_caching_disabled():
@@ -195,16 +197,16 @@ def test_caching_disabled():
     kv.commit("a", [1, 2, 3])
     kv.free("a")
     assert kv.lookup(S, [1, 2, 3]) == 0
-    assert kv.snapshot().free_blocks == 4
+    assert snapshot_of(kv).free_blocks == 4
     assert kv.admit("b", S, [1, 2, 3], 3) == 0
     assert kv.blocks_needed(None, 3, S, [1, 2, 3]) == 2
-    kv.check_invariants()
+    check_kv_manager(kv)
 
 
 def test_snapshot_is_frozen_plain_data():
     kv = KVCacheManager(4, 2)
     kv.admit("a", S, [1, 2, 3], 3)
-    snap = kv.snapshot()
+    snap = snapshot_of(kv)
     with pytest.raises(AttributeError):
         snap.num_blocks = 3  # type: ignore[misc]
     assert snap.tables == {"a": (0, 1)}
@@ -217,11 +219,11 @@ def test_invariant_checker_names_the_broken_rule():
     kv.admit("a", S, [1, 2, 3], 3)
     kv.pool._refcount[0] += 1  # corrupt on purpose
     with pytest.raises(AssertionError, match="refcount == owners"):
-        kv.check_invariants()
+        check_kv_manager(kv)
     kv.pool._refcount[0] -= 1
     kv._tables["a"].append(3)  # a table that lists a block the pool never gave it
     with pytest.raises(AssertionError, match="refcount == live owners"):
-        kv.check_invariants()
+        check_kv_manager(kv)
 
 
 # ---------------------------------------------------------------------------- chapter 3 views
@@ -450,18 +452,18 @@ def test_commit_never_caches_a_block_whose_copy_is_pending():
     assert copies == [(1, 2)]
     kv.commit("c", [1, 2, 3, 9])  # KV of position 3 is not there yet: the copy is pending
     assert kv.prefix_cache.match(S, [1, 2, 3, 9, 0]).num_tokens == 2
-    kv.check_invariants()
+    check_kv_manager(kv)
     kv.complete_copies(copies)
     kv.commit("c", [1, 2, 3, 9])
     assert kv.prefix_cache.match(S, [1, 2, 3, 9, 0]).num_tokens == 4
-    kv.check_invariants()
+    check_kv_manager(kv)
 
 
 def test_core_memory_modules_do_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, kvlab.core.kv_cache_manager, kvlab.core.invariants, "
+    code = ("import sys, kvlab.core.kv_cache_manager, kvlab.labs.invariants.structural, "
             "kvlab.core.radix_cache; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -477,17 +479,17 @@ def test_fork_before_commit_caches_shared_blocks_only_once_unshared():
     kv.fork("r0", "r1")
     kv.grow("r0", 11, 10)
     kv.commit("r0", tokens[:11])
-    kv.check_invariants()
-    assert kv.snapshot().cached_blocks == 0 and kv.locked_node("r0") is None
+    check_kv_manager(kv)
+    assert snapshot_of(kv).cached_blocks == 0 and kv.locked_node("r0") is None
     kv.free("r0")
-    kv.check_invariants()
+    check_kv_manager(kv)
     shared = kv.block_table("r1")
     kv.commit("r1", tokens[:10])
-    kv.check_invariants()
+    check_kv_manager(kv)
     assert kv.locked_node("r1").depth == 5
     assert all(not kv.prefix_cache.is_evictable(b) for b in shared)
     kv.admit("x", ("other",), list(range(38)), 38)   # memory pressure evicts nothing in use
-    kv.check_invariants()
+    check_kv_manager(kv)
     assert kv.block_table("r1") == shared
 
 
@@ -503,24 +505,24 @@ def _fork_before_commit(bs: int, prompt_len: int, children: int, commit_order: l
     kv.admit(ids[0], (), prompt, prompt_len)
     for rid in ids[1:]:
         kv.fork(ids[0], rid)
-        kv.check_invariants()
+        check_kv_manager(kv)
     for rid in ids:
         kv.complete_copies(kv.grow(rid, prompt_len + 1, prompt_len))
-        kv.check_invariants()
+        check_kv_manager(kv)
     for i in commit_order:
         kv.commit(ids[i], [*prompt, 100 + i])
-        kv.check_invariants()
+        check_kv_manager(kv)
     for i in free_order:
         tables = {r: kv.block_table(r) for r in ids if kv.has(r) and r != ids[i]}
         kv.free(ids[i])
-        kv.check_invariants()
+        check_kv_manager(kv)
         spare = kv.num_allocatable_blocks()
         if spare:  # evict everything evictable; the live requests keep their blocks
             kv.admit("pressure", ("other",), list(range(spare * bs)), spare * bs)
-            kv.check_invariants()
+            check_kv_manager(kv)
             assert {r: kv.block_table(r) for r in tables} == tables
             kv.free("pressure")
-            kv.check_invariants()
+            check_kv_manager(kv)
     assert kv.num_allocatable_blocks() == num_blocks
 
 

@@ -1,5 +1,6 @@
-"""The layering rules of DESIGN.md: kvlab.reference, kvlab.core (and kvlab.sim) never import
-torch, and ``import kvlab`` loads torch only when a torch-dependent name is first used."""
+"""The layering rules of DESIGN.md: imports point down the layers, no import cycles, the
+torch-free layers (reference, core, disagg, sim and the chaos labs) never import torch, and
+``import kvlab`` loads torch only when a torch-dependent name is first used."""
 
 from __future__ import annotations
 
@@ -25,17 +26,19 @@ def _modules_after(statement: str) -> set[str]:
     "for m in pkgutil.iter_modules(r.__path__) if m.name != 'rule08_speculative']",
     "import kvlab.core",
     "import kvlab",
-    "import kvlab.sim",
-    "import kvlab.core, pkgutil, importlib, kvlab.core as c; "
-    "[importlib.import_module('kvlab.core.' + m.name) for m in pkgutil.iter_modules(c.__path__)]",
-    "import kvlab.sim, pkgutil, importlib, kvlab.sim as s; "
-    "[importlib.import_module('kvlab.sim.' + m.name) for m in pkgutil.iter_modules(s.__path__)]",
-    *(f"import kvlab.{lab}, pkgutil, importlib, kvlab.{lab} as p; "
-      f"[importlib.import_module('kvlab.{lab}.' + m.name) "
+    *(f"import kvlab.{pkg}, pkgutil, importlib, kvlab.{pkg} as p; "
+      f"[importlib.import_module('kvlab.{pkg}.' + m.name) "
       "for m in pkgutil.iter_modules(p.__path__)]"
-      for lab in ("capacity", "fragmentation", "recovery", "slo", "disagg")),
-    "import kvlab.invariants.spec_invariants, kvlab.invariants.install_audit, "
-    "kvlab.faults.step_faults, kvlab.invariants, kvlab.faults",
+      for pkg in ("core", "disagg", "sim")),
+    *(f"import kvlab.labs.{lab}, pkgutil, importlib, kvlab.labs.{lab} as p; "
+      f"[importlib.import_module('kvlab.labs.{lab}.' + m.name) "
+      "for m in pkgutil.iter_modules(p.__path__)]"
+      for lab in ("capacity", "fragmentation", "recovery", "chaos")),
+    "import kvlab.labs.slo, kvlab.labs.paging, kvlab.labs.token_trie, kvlab.labs.kv_snapshot, "
+    "kvlab.labs.serving",
+    "import kvlab.labs.invariants.spec_invariants, kvlab.labs.invariants.install_audit, "
+    "kvlab.labs.faults.step_faults, kvlab.labs.invariants, kvlab.labs.faults, "
+    "kvlab.labs.pd.pair",
 ])
 def test_metadata_layer_never_imports_torch(statement):
     assert "torch" not in _modules_after(statement)
@@ -48,18 +51,11 @@ def test_torch_names_load_lazily_on_first_use():
         assert "torch" in modules and "kvlab.reference.rule08_speculative" in modules
 
 
-def test_core_never_imports_the_chapter_labs():
-    """The lab packages (capacity planning, fragmentation, crash recovery, goodput) import the
-    engine's core; the core never imports them, nor the simulator, figures, exercises or the
-    engine."""
-    modules = _modules_after(
-        "import kvlab.core, pkgutil, importlib, kvlab.core as c; "
-        "[importlib.import_module('kvlab.core.' + m.name) "
-        "for m in pkgutil.iter_modules(c.__path__)]")
-    above = ("kvlab.capacity", "kvlab.fragmentation", "kvlab.recovery", "kvlab.slo",
-             "kvlab.disagg", "kvlab.invariants", "kvlab.faults", "kvlab.sim", "kvlab.viz",
-             "kvlab.exercises", "kvlab.engine", "kvlab.entrypoints")
-    assert not {m for m in modules if m.startswith(above)}
+#: The layers of DESIGN.md, lowest first: a module imports its own package and lower ranks
+#: only (siblings of one rank never import each other).
+RANK = {"_lazy": -1, "reference": 0, "models": 0, "core": 1, "disagg": 2, "sim": 2,
+        "kernels": 2, "engine": 3, "labs": 4, "viz": 5, "exercises": 6, "entrypoints": 7,
+        "__main__": 8}
 
 
 def test_reference_is_the_bottom_layer():
@@ -74,12 +70,13 @@ def test_reference_is_the_bottom_layer():
 
 def test_engine_api_is_reachable_from_the_top_level():
     modules = _modules_after("import kvlab; kvlab.LLM, kvlab.SamplingParams, kvlab.RequestOutput")
-    assert {"kvlab.engine.llm", "kvlab.engine.sampler", "kvlab.engine.outputs"} <= modules
+    assert {"kvlab.engine.llm", "kvlab.engine.outputs"} <= modules
 
 
 def _import_graph() -> dict[str, set[str]]:
-    """kvlab module -> the kvlab modules it imports, read from the source (imports inside
-    functions count: a lazy import is still a dependency; ``if TYPE_CHECKING`` ones do not)."""
+    """kvlab module -> the kvlab modules it imports, read from the source: imports inside
+    functions count (a lazy import is still a dependency) and so do ``if TYPE_CHECKING`` ones
+    (a type a module names is a module it depends on)."""
     import ast
     from pathlib import Path
 
@@ -94,12 +91,7 @@ def _import_graph() -> dict[str, set[str]]:
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps: set[str] = set()
-        todo = [ast.parse(path.read_text())]
-        while todo:
-            node = todo.pop()
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                todo.extend(node.orelse)
-                continue
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom):
@@ -108,14 +100,14 @@ def _import_graph() -> dict[str, set[str]]:
                     up = package.split(".")[:len(package.split(".")) - node.level + 1]
                     base = ".".join(up + ([node.module] if node.module else []))
                 deps |= {base} | {f"{base}.{a.name}" for a in node.names}
-            todo.extend(ast.iter_child_nodes(node))
         graph[name] = {d for d in deps if d in modules and d != name}
     return graph
 
 
 def test_kvlab_has_no_import_cycles():
-    """No two kvlab modules import each other, directly or through others (a lazy import
-    inside a function counts): every arrow runs one way, so each layer reads on its own."""
+    """No two kvlab modules import each other, directly or through others (lazy and
+    ``TYPE_CHECKING`` imports count): every arrow runs one way, so each layer reads on its
+    own."""
     graph = _import_graph()
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -147,31 +139,39 @@ def test_kvlab_has_no_import_cycles():
     assert len(graph) > 100 and not cycles, cycles
 
 
-def test_the_engine_core_never_imports_upward():
-    """kvlab.core imports only kvlab.reference and itself; kvlab.engine never imports the
-    package top level, the server, the simulator, figures, exercises or the lab packages
-    (invariant monitors and fault injectors attach to it from outside); only its P/D feature,
-    kvlab.engine.kv_transfer, builds on the torch-free half in kvlab.disagg."""
-    graph = _import_graph()
-    for name, deps in graph.items():
-        if name.startswith("kvlab.core"):
-            assert all(d.startswith(("kvlab.core", "kvlab.reference")) for d in deps), (name, deps)
-        if name.startswith("kvlab.engine"):
-            bad = {d for d in deps if d == "kvlab" or d.startswith((
-                "kvlab.entrypoints", "kvlab.sim", "kvlab.viz", "kvlab.exercises",
-                "kvlab.capacity", "kvlab.fragmentation", "kvlab.recovery", "kvlab.slo",
-                "kvlab.invariants", "kvlab.faults"))}
-            if not name.startswith("kvlab.engine.kv_transfer"):
-                bad |= {d for d in deps if d.startswith("kvlab.disagg")}
-            assert not bad, (name, bad)
+def test_imports_point_down_the_layers():
+    """Every import stays in its own top-level package or points to a lower layer of
+    :data:`RANK` (the package top level ``kvlab`` is imported by nobody): so ``kvlab.core``
+    imports only ``kvlab.reference``, the engine never imports the labs, the figures, the
+    exercises or the server, and the labs attach to the engine from outside."""
+    assert set(RANK) >= {p.name.removesuffix(".py") for p in _package_dir().iterdir()
+                         if p.name not in ("__init__.py", "__pycache__")
+                         and (p.is_dir() or p.suffix == ".py")}
+    bad = []
+    for name, deps in _import_graph().items():
+        if name == "kvlab":
+            continue
+        top = name.split(".")[1]
+        for dep in deps:
+            if dep == "kvlab":
+                bad.append((name, dep))
+                continue
+            other = dep.split(".")[1]
+            if other != top and RANK[other] >= RANK[top]:
+                bad.append((name, dep))
+    assert not bad, bad
 
 
-def test_every_kvlab_module_is_at_most_400_lines():
-    """Issue 24's bound: a module holds one thing, small enough to read in one sitting."""
+def _package_dir():
     from pathlib import Path
 
     import kvlab
 
-    root = Path(kvlab.__file__).parent
-    sizes = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
-    assert len(sizes) > 100 and not {p: n for p, n in sizes.items() if n > 400}
+    return Path(kvlab.__file__).parent
+
+
+def test_at_most_eleven_top_level_packages():
+    """The layout is the architecture: the packages of :data:`RANK`, no more."""
+    packages = sorted(p.name for p in _package_dir().iterdir()
+                      if p.is_dir() and (p / "__init__.py").exists())
+    assert len(packages) <= 11, packages

@@ -7,7 +7,6 @@ import copy
 import pytest
 
 from kvlab.core.block_pool import OutOfBlocks
-from kvlab.core.event_log import EventLog, SimulatedCrash, canonical
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import (
     TRANSITIONS,
@@ -18,6 +17,8 @@ from kvlab.core.request import (
     RuntimeRequest,
     holds_kv,
 )
+from kvlab.labs.invariants import check_kv_manager
+from kvlab.labs.recovery.event_log import EventLog, SimulatedCrash, canonical
 from kvlab.reference import ALLOWED, Phase, Request
 
 S = RequestStatus
@@ -158,13 +159,13 @@ def test_release_is_idempotent_and_logged_write_ahead():
     assert kv.state_tuple() == state and len(life.log) == n
     kinds = [e.kind for e in life.log]
     assert kinds == ["acquire", "acquired", "release", "released"]
-    kv.check_invariants()
+    check_kv_manager(kv)
 
 
 def test_failed_acquisition_logs_the_compensating_outcome():
     """A refused acquisition ends with ``acquire_failed`` (no dangling intent): the log and
     its replay agree with the manager that the request holds no KV."""
-    from kvlab.recovery import replay
+    from kvlab.labs.recovery import replay
 
     kv = KVCacheManager(1, 4)
     life = Lifecycle(EventLog())

@@ -17,10 +17,10 @@ then does, for every cut point of a seeded run with speculation and prefix shari
 from __future__ import annotations
 
 from kvlab.core.engine_core import EngineCore
-from kvlab.invariants.spec_invariants import EngineView, InvariantMonitor
-from kvlab.recovery import recover
-from kvlab.sim.chaos import ChaosExecutor, solo_tokens
-from kvlab.sim.log_cut import build, make
+from kvlab.labs.chaos.log_cut import build, make
+from kvlab.labs.chaos.soak import ChaosExecutor, solo_tokens
+from kvlab.labs.invariants.spec_invariants import EngineView, InvariantMonitor
+from kvlab.labs.recovery import recover
 
 
 def test_every_clean_prefix_of_the_log_recovers_to_a_correct_engine():
@@ -61,7 +61,7 @@ def test_a_cut_inside_a_record_is_refused_but_a_cut_between_records_is_not():
 
     import pytest
 
-    from kvlab.core.event_log import CorruptLog
+    from kvlab.labs.recovery.event_log import CorruptLog
 
     kv, sched, _, _ = build(2)
     events = sched.log.durable()

@@ -18,9 +18,9 @@ import tracemalloc
 import pytest
 import torch
 
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.sampler import SamplingParams
 from kvlab.entrypoints.async_engine import AsyncEngine
 from kvlab.entrypoints.serve import build_app
 from kvlab.entrypoints.uvicorn_server import ServerThread
@@ -88,7 +88,8 @@ def test_default_engine_retains_nothing_per_finished_request():
     slope = _traced(wave, waves=40, warmup=45)     # 1,440 warm-up, 1,280 traced
     print(f"default engine: {slope:.1f} bytes retained per finished request")
     assert slope <= BOUND
-    assert not engine.kv.requests() and not engine.executor.samplers
+    engine.step()   # the last step's ended requests reach the runner with the next output
+    assert not engine.kv.requests() and not engine.executor.requests
     assert not engine.executor.input_batch.row_ids()
 
 
@@ -118,4 +119,5 @@ def test_server_retains_nothing_per_finished_request():
         slope = _traced(wave, waves=20, warmup=24)  # 1,200 warm-up, 1,000 traced
     print(f"server: {slope:.1f} bytes retained per finished request")
     assert slope <= BOUND
-    assert not engine.kv.requests() and not engine.executor.samplers
+    engine.step()   # (stepped by this thread: the server has stopped)
+    assert not engine.kv.requests() and not engine.executor.requests

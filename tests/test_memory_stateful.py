@@ -31,12 +31,12 @@ from hypothesis.stateful import (
 )
 
 from kvlab.core.block_pool import BlockPool, OutOfBlocks
-from kvlab.core.invariants import check_kv_manager, check_pool, check_radix
 from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.core.kv_snapshot import radix_nodes
-from kvlab.core.paging import token_slots
 from kvlab.core.radix_cache import RadixCache
-from kvlab.core.token_trie import TokenTrie
+from kvlab.labs.invariants.structural import check_kv_manager, check_pool, check_radix
+from kvlab.labs.kv_snapshot import radix_nodes
+from kvlab.labs.paging import token_slots
+from kvlab.labs.token_trie import TokenTrie
 from kvlab.reference import PrefixCache
 
 SETTINGS = settings(max_examples=40, stateful_step_count=60, deadline=None,

@@ -91,7 +91,7 @@ def test_source_marks_answers_tests_and_points(course):
     assert all(g["locked"] and not g["solution"] and g["points"] > 0 for g in tests)
     assert [g["points"] for g in tests] == [e.points for e in exercises]
     # no demo cell is graded: only the exercises' cells carry nbgrader metadata
-    demo = [c for c in source.cells if "check_invariants()" in c.source]
+    demo = [c for c in source.cells if "check_kv_manager(kv)" in c.source]
     assert all("nbgrader" not in c.metadata for c in demo)
 
 
@@ -210,7 +210,7 @@ def test_every_chapter_builds_an_assignment_without_grading_its_demo_cells():
         assert all(c.metadata["nbgrader"]["locked"] and c.metadata["nbgrader"]["points"] > 0
                    for c in tests)
         assert not any(student.is_solution(c) for c in nb.cells)
-        demo = [c for c in nb.cells if "check_invariants()" in c.source]
+        demo = [c for c in nb.cells if "check_kv_manager(kv)" in c.source]
         assert all("nbgrader" not in c.metadata for c in demo), source.stem
         demos += len(demo)
         manual += sum(1 for e in exercises if not e.check)

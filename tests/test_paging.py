@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.core.block_pool import OutOfBlocks
-from kvlab.core.paging import (
+from kvlab.labs.paging import (
     BlockTable,
     block_table_array,
     slot_mapping,
@@ -299,8 +299,8 @@ def test_chapter2_fast_slot_counterexample_check():
 
 
 def test_chapter2_blocks_to_add_debug_check():
-    from kvlab.core.paging import BlockTable
     from kvlab.exercises.ch02 import blocks_to_add, check_blocks_to_add_counterexample
+    from kvlab.labs.paging import BlockTable
     from kvlab.reference import BlockAllocator
 
     def real(num_tokens, new_tokens, block_size):
@@ -337,7 +337,7 @@ def test_chapter2_blocks_to_add_debug_check():
 
 def test_chapter2_smaller_arena_predict_check():
     from kvlab.exercises.ch02 import ARENA_PREDICT, check_smaller_arena
-    from kvlab.fragmentation import sharegpt_like_workload, simulate
+    from kvlab.labs.fragmentation import sharegpt_like_workload, simulate
 
     d = ARENA_PREDICT
     workload = sharegpt_like_workload(d["requests"], seed=d["seed"])
@@ -368,7 +368,7 @@ def test_chapter2_block_size_design_check():
     import itertools
 
     from kvlab.exercises.ch02 import BLOCK_DESIGN, check_block_size_design
-    from kvlab.fragmentation import sharegpt_like_workload, simulate
+    from kvlab.labs.fragmentation import sharegpt_like_workload, simulate
 
     d = BLOCK_DESIGN
     workload = sharegpt_like_workload(d["requests"], seed=d["seed"],

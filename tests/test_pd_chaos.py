@@ -16,9 +16,9 @@ import pytest
 
 import kvlab.disagg.remote_kv_scheduler as remote_kv
 from kvlab.disagg.entry import check_delivery
-from kvlab.invariants.install_audit import InstallAudit
-from kvlab.invariants.spec_invariants import InvariantViolation
-from kvlab.sim.pd_chaos import PD_STEP_FAULTS, PD_TRANSFER_FAULTS, run_pd_chaos
+from kvlab.labs.chaos.pd_soak import PD_STEP_FAULTS, PD_TRANSFER_FAULTS, run_pd_chaos
+from kvlab.labs.invariants.install_audit import InstallAudit
+from kvlab.labs.invariants.spec_invariants import InvariantViolation
 
 
 def test_pd_chaos_sweep_keeps_every_invariant():

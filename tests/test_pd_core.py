@@ -2,7 +2,8 @@
 install journal and recovery, and the RemoteKVScheduler protocol under every fault.
 
 The fault sweeps run the *in-process* connector and the toy token-KV engine of
-:mod:`kvlab.sim.pd` (hundreds of schedules in seconds; the toy samples from the KV it reads, so
+:mod:`kvlab.labs.pd.pair` (hundreds of schedules in seconds; the toy samples from the KV it reads,
+so
 a wrong install changes tokens). The real model, storage and TCP between two OS processes are
 tested in ``test_pd_engine.py``.
 """
@@ -14,7 +15,6 @@ import random
 import pytest
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
-from kvlab.core.event_log import EventLog
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import (
     TRANSITIONS,
@@ -36,8 +36,10 @@ from kvlab.disagg.entry import (
 from kvlab.disagg.install_journal import InstallJournal, InstallRecord, recover_installs
 from kvlab.disagg.remote_kv_scheduler import RemoteKVPolicy, RemoteKVScheduler
 from kvlab.disagg.transfer_faults import FAULT_KINDS, Fault, FaultSchedule, TransferFaultInjector
+from kvlab.labs.invariants import check_scheduler
+from kvlab.labs.pd.pair import TOY_FIELDS, run_pair
+from kvlab.labs.recovery.event_log import EventLog
 from kvlab.reference import REQUIRED_KV_FIELDS
-from kvlab.sim.pd import TOY_FIELDS, run_pair
 
 S = RequestStatus
 
@@ -272,23 +274,23 @@ def test_remote_scheduler_boundary_errors_and_parked_abort():
     short = RuntimeRequest("b", (1, 2, 3), 2)       # no full block before its last token
     sched.add_request(short)
     assert short.status is S.WAITING and sched.parked == ("a",)
-    sched.check_invariants()
+    check_scheduler(sched)
     out = sched.schedule()
     assert [c.request_id for c in out.chunks] == ["b"]   # a waits; it never runs
     assert sched.abort_request("a").status is S.CANCELLED
     assert not kv.has("a") and sched.parked == ()
     assert sched.abort_request("a").status is S.CANCELLED   # idempotent
-    sched.check_invariants()
+    check_scheduler(sched)
 
 
 def test_book_transfer_arithmetic():
-    from kvlab.capacity.catalog import get_model
-    from kvlab.capacity.transfer_cost import (
+    from kvlab.labs.capacity.transfer_cost import (
         LINKS,
         kv_transfer_bytes,
         transfer_seconds,
         transfer_table,
     )
+    from kvlab.sim.catalog import get_model
 
     m = get_model("Llama-3-8B")
     assert kv_transfer_bytes(m, 1024) == 2 * 32 * 1024 * 8 * 128 * 2 == 134_217_728

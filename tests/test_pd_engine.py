@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.disagg.transfer_faults import FAULT_KINDS, Fault, FaultSchedule
 from kvlab.engine.checkpoint import load_checkpoint
 from kvlab.engine.kv_transfer import InProcessChannel, KVTransferConfig
 from kvlab.engine.kv_transfer.connectors import HEADER_FILE, PAYLOAD_FILE
 from kvlab.engine.llm import LLM
-from kvlab.engine.sampler import SamplingParams
+from kvlab.labs.invariants import check_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
@@ -108,7 +109,7 @@ def test_shared_storage_round_trip_is_exact(ckpt, single, tmp_path):
     _same(single, out)
     sched = cons.engine.scheduler
     assert cons.engine.kv_transfer.stats == {"installed": 3}
-    cons.engine.check_invariants()
+    check_engine(cons.engine)
     assert cons.engine.kv.requests() == []                   # nothing leaked
     # the consumer's blocks hold exactly the producer's bytes
     codec = cons.engine.kv_transfer.codec
@@ -168,7 +169,7 @@ def test_every_fault_on_the_real_transports(ckpt, tmp_path, connector):
         cons.engine.kv_transfer.close()
     _same(truth, out)
     stats = cons.engine.kv_transfer.stats
-    cons.engine.check_invariants()
+    check_engine(cons.engine)
     assert cons.engine.kv.requests() == []
     for kind in FRAME_FAULTS:
         if kind == "producer_crash" and connector == "tcp":   # cut mid-header or mid-payload
@@ -204,7 +205,7 @@ def test_fail_policy_and_delivery_after_abort(ckpt, tmp_path):
         eng.step()
     assert eng.kv_transfer.stats["after_abort"] == 1
     assert eng.kv_transfer.stats["installed"] == 1
-    eng.check_invariants()
+    check_engine(eng)
     assert eng.kv.requests() == []
 
 
@@ -212,7 +213,7 @@ def test_fail_policy_and_delivery_after_abort(ckpt, tmp_path):
 PRODUCER = textwrap.dedent("""
     import json, sys
     from kvlab.engine.llm import LLM
-    from kvlab.engine.sampler import SamplingParams
+    from kvlab.core.sampling_params import SamplingParams
     port, prompts, faults = int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
     llm = LLM("kvlab-tiny", block_size=8, num_blocks=64, kv_transfer_config={
         "kv_connector": "tcp", "kv_role": "kv_producer",
@@ -250,8 +251,8 @@ def test_consumer_crash_mid_install_on_the_real_engine(ckpt, tmp_path, crash_at,
     """The consumer dies before install-journal record ``crash_at`` (1: allocated, 2: written,
     3: committed — after the prefix-cache commit). Recovery says whether the blocks were
     installed; installed blocks hold exactly the producer's bytes, and no table survives."""
-    from kvlab.core.event_log import SimulatedCrash
     from kvlab.disagg.install_journal import recover_installs
+    from kvlab.labs.recovery.event_log import SimulatedCrash
 
     extra = {"shared_storage_path": str(tmp_path)}
     _produce(ckpt, "shared_storage", **extra)

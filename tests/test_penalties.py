@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from kvlab.engine.sampler import SamplerState, SamplingParams, penalize, sample
+from kvlab.core.sampling_params import SamplingParams
+from kvlab.engine.sampler import SamplerState, penalize, sample
 
 
 def test_penalize_on_a_worked_example():
@@ -61,8 +62,8 @@ def hf_pair(tmp_path_factory):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
-    from kvlab.engine.hf_parity import save_random_hf_model
     from kvlab.engine.llm import LLM
+    from kvlab.labs.parity.hf import save_random_hf_model
 
     path = save_random_hf_model(tmp_path_factory.mktemp("pen") / "m", "llama", seed=3)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

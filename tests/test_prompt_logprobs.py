@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.engine.sampler import SamplingParams
+from kvlab.core.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +14,7 @@ def hf_pair(tmp_path_factory):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
-    from kvlab.engine.hf_parity import save_random_hf_model
+    from kvlab.labs.parity.hf import save_random_hf_model
 
     path = save_random_hf_model(tmp_path_factory.mktemp("plp") / "m", "llama", seed=4)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

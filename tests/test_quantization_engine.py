@@ -27,8 +27,9 @@ from kvlab import LLM, SamplingParams
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.engine.checkpoint import load_checkpoint
 from kvlab.engine.quantization import QuantConfig, QuantizedLinear, save_quantized
-from kvlab.engine.quantization.evaluate import heldout_token_ids, token_logprobs
 from kvlab.engine.quantization.linear import DEQUANT_KERNEL, INT4_KERNEL
+from kvlab.labs.invariants import check_kv_manager
+from kvlab.labs.perplexity import heldout_token_ids, token_logprobs
 from kvlab.models.corpus import sample_prompts
 from kvlab.reference import effective_bits
 
@@ -203,7 +204,7 @@ def test_prefix_cache_never_hits_across_kv_dtypes():
     assert kv.lookup(scopes["int8"], prompt) == 32    # two full blocks hit in the same scope
     assert kv.lookup(scopes["auto"], prompt) == 0
     assert kv.lookup(scopes["fp8_e4m3"], prompt) == 0
-    kv.check_invariants()
+    check_kv_manager(kv)
 
 
 def test_quantized_kv_prefix_hits_stay_within_tolerance():
@@ -304,7 +305,7 @@ def test_speculative_decoding_over_quantized_weights_and_kv(spec):
 
 
 def test_heldout_split_is_the_one_training_left_out():
-    from kvlab.engine.quantization.evaluate import HELDOUT_START
+    from kvlab.labs.perplexity import HELDOUT_START
     from kvlab.models import shipped_model_path
 
     info = json.loads((shipped_model_path(MODEL) / "training_info.json").read_text())

@@ -208,6 +208,6 @@ def test_kv_dtype_module_is_torch_free():
     import subprocess
     import sys
 
-    code = ("import sys, kvlab.core.kv_dtype, kvlab.capacity; "
+    code = ("import sys, kvlab.core.kv_dtype, kvlab.labs.capacity; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

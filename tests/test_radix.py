@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.core.cache_scope import SCOPE_FIELDS, CacheScope
-from kvlab.core.invariants import check_radix
-from kvlab.core.kv_snapshot import radix_snapshot
 from kvlab.core.radix_cache import RadixCache, scope_key
-from kvlab.core.token_trie import TokenTrie
+from kvlab.labs.invariants.structural import check_radix
+from kvlab.labs.kv_snapshot import radix_snapshot
+from kvlab.labs.token_trie import TokenTrie
 from kvlab.reference import PrefixCache
 
 # ---------------------------------------------------------------------------- TokenTrie

@@ -6,12 +6,13 @@ import pytest
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.block_pool import OutOfBlocks
-from kvlab.core.event_log import EventLog, SimulatedCrash
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import RUNNING_STATUSES, FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.recovery import recover, replay
+from kvlab.labs.invariants import check_kv_manager, check_scheduler
+from kvlab.labs.recovery import recover, replay
+from kvlab.labs.recovery.event_log import EventLog, SimulatedCrash
 from kvlab.sim.tokens import drive, greedy_tokens
 
 S = RequestStatus
@@ -62,7 +63,7 @@ def finish_run(sched, arrivals, aborts, start_step):
     pending = [q for step in sorted(arrivals) for q in arrivals[step] if q.request_id not in known]
     later_aborts = {1: [rid for step, ids in aborts.items() if step > start_step for rid in ids]}
     return drive(sched, arrivals={1: [copy_request(q) for q in pending]}, aborts=later_aborts,
-                 check=True)
+                 check=check_scheduler)
 
 
 def copy_request(r):
@@ -76,7 +77,7 @@ def fresh(d):
 def reference(cls, kv_cls=KVCacheManager):
     arrivals, aborts = script()
     sched = build(cls, EventLog(), kv_cls)
-    result = drive(sched, arrivals=fresh(arrivals), aborts=aborts, check=True)
+    result = drive(sched, arrivals=fresh(arrivals), aborts=aborts, check=check_scheduler)
     return sched, result
 
 
@@ -142,15 +143,15 @@ def test_crash_at_every_event_then_recover(cls, kv_cls):
         assert sorted(report.freed) == orphans, k
         assert len(frees) == len(set(frees)), f"crash at {k}: freed twice"
         assert not report.unknown_freed
-        recovered.check_invariants()
-        kv.check_invariants()
+        check_scheduler(recovered)
+        check_kv_manager(kv)
         for rid in recovered.running:
             assert kv.has(rid)
         outcomes["freed"] += len(report.freed)
         outcomes["requeued"] += len(report.requeued)
         outcomes["resumed"] += len(report.resumed)
         finish_run(recovered, arrivals, aborts, crash_step)
-        recovered.check_invariants()
+        check_scheduler(recovered)
         assert not kv.requests(), f"crash at {k}: KV leaked"
         assert kv.num_allocatable_blocks() == kv.num_blocks
         for r in recovered.requests():
@@ -220,7 +221,7 @@ def test_orphan_after_finish_before_release_is_freed_once():
                                                                                      log=log))
     assert report.freed == ("x",) and not kv.has("x")
     assert recovered.get_request("x").finish_reason == FinishReason.LENGTH
-    recovered.check_invariants()
+    check_scheduler(recovered)
 
 
 class AddIndexLog(EventLog):
@@ -250,11 +251,11 @@ def test_log_compaction_keeps_recovery_exact():
         return sched
 
     full = build_small(KVCacheManager(8, 4), EventLog(), compact_at=10**9)
-    drive(full, arrivals=workload(), check=True)
+    drive(full, arrivals=workload(), check=check_scheduler)
     want = {r.request_id: r.output_token_ids for r in full.requests()}
     added_at: dict[str, int] = {}   # where each request was added in the compacting run
     ref = build_small(KVCacheManager(8, 4), AddIndexLog(added_at))
-    drive(ref, arrivals=workload(), check=True)
+    drive(ref, arrivals=workload(), check=check_scheduler)
     total = ref.log.next_index
     checkpoints = [e for e in ref.log if e.kind == "checkpoint"]
     assert len(checkpoints) == 1, "compaction keeps only the latest checkpoint"
@@ -273,7 +274,7 @@ def test_log_compaction_keeps_recovery_exact():
         # never submitted before the crash: the client resubmits; compacted ones had ended
         resubmit = [copy_request(q) for qs in workload().values() for q in qs
                     if q.request_id not in known and added_at[q.request_id] >= k]
-        drive(recovered, arrivals={1: resubmit}, check=True)
+        drive(recovered, arrivals={1: resubmit}, check=check_scheduler)
         assert not kv.requests() and kv.num_allocatable_blocks() == kv.num_blocks
         for r in recovered.requests():
             assert r.status.is_terminal

@@ -11,12 +11,13 @@ from dataclasses import replace
 
 import pytest
 
-from kvlab.core.event_log import CorruptLog, Event, EventLog, SimulatedCrash, seal
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.recovery import plan_recovery, recover, replay
+from kvlab.labs.invariants import check_scheduler
+from kvlab.labs.recovery import plan_recovery, recover, replay
+from kvlab.labs.recovery.event_log import CorruptLog, Event, EventLog, SimulatedCrash, seal
 from kvlab.sim.tokens import drive
 
 S = RequestStatus
@@ -39,7 +40,7 @@ def make(kv, log):
 
 def reference(stop_token_ids=frozenset()):
     sched = make(KVCacheManager(8, 4), EventLog())
-    drive(sched, arrivals=arrivals(stop_token_ids), check=True)
+    drive(sched, arrivals=arrivals(stop_token_ids), check=check_scheduler)
     return sched
 
 
@@ -369,7 +370,7 @@ def test_running_request_without_table_that_met_its_stop_is_finished(stop):
     request = recovered.get_request(victim)
     assert request.status == S.FINISHED and request.finish_reason == expected_reason
     assert request.output_token_ids == target.output_token_ids
-    drive(recovered, check=True)
+    drive(recovered, check=check_scheduler)
     assert recovered.get_request(victim).output_token_ids == target.output_token_ids
     for r in recovered.requests():
         assert r.output_token_ids == ref.get_request(r.request_id).output_token_ids
@@ -391,7 +392,8 @@ def test_recovered_log_survives_a_second_crash(fraction):
         drive(first, arrivals={1: resubmit})
     second, _ = recover(first.log.events, kv, make)
     known = {r.request_id for r in second.requests()}
-    drive(second, arrivals={1: [q for q in resubmit if q.request_id not in known]}, check=True)
+    drive(second, arrivals={1: [q for q in resubmit if q.request_id not in known]},
+          check=check_scheduler)
     assert not kv.requests()
     for r in second.requests():
         assert r.output_token_ids == ref.get_request(r.request_id).output_token_ids

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.engine.sampler import SamplerState, SamplingParams, filter_logits, sample
+from kvlab.core.sampling_params import SamplingParams
+from kvlab.engine.sampler import SamplerState, filter_logits, sample
 
 VOCAB = 8
 # χ² critical value for 7 degrees of freedom at α = 0.001 (a correct sampler fails 1 run in 1000;

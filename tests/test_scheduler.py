@@ -8,12 +8,13 @@ import random
 import pytest
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
-from kvlab.core.engine_core import SchedulerOutput
-from kvlab.core.event_log import EventLog
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler, starvation_bound
 from kvlab.core.request import FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.core.step_records import SchedulerOutput
+from kvlab.labs.invariants import check_scheduler
+from kvlab.labs.recovery.event_log import EventLog
 from kvlab.reference import Phase, Request, build_batch
 from kvlab.sim.tokens import drive, greedy_tokens, hash_token
 
@@ -93,7 +94,7 @@ def test_baseline_batch_equals_reference_build_batch(seed, caching):
         kv.complete_copies(out.copies)
         sched.update_from_output(out, {c.request_id: greedy_tokens(sched.get_request(c.request_id))
                                        for c in out.chunks if c.sample})
-        sched.check_invariants()
+        check_scheduler(sched)
     assert compared > 5
 
 
@@ -161,7 +162,7 @@ def test_bad_request_fields_are_named_and_change_nothing(cls, fields, names):
     with pytest.raises(ValueError, match=names):
         sched.add_request(RuntimeRequest(**{**base, **fields}))
     assert _sched_state(sched) == before
-    sched.check_invariants()
+    check_scheduler(sched)
 
 
 @pytest.mark.parametrize("cls", SCHEDULERS)
@@ -183,7 +184,7 @@ def test_update_validates_before_mutating(cls):
         sched.update_from_output(stale, {"a": 1, "b": 2})
     sched.update_from_output(out, {"a": 1, "b": 2})
     assert sched.get_request("a").output_token_ids == [1]
-    sched.check_invariants()
+    check_scheduler(sched)
 
 
 # ---------------------------------------------------------------- admission and overload
@@ -203,7 +204,7 @@ def test_request_that_can_never_fit_is_rejected_with_reason(cls):
     ended = sched.update_from_output(out, {c.request_id: 1 for c in out.chunks if c.sample})
     assert [r.request_id for r in ended] == ["big", "ctx"]
     assert all(r.finish_reason == FinishReason.REJECTED for r in ended)
-    drive(sched, check=True)
+    drive(sched, check=check_scheduler)
     assert sched.get_request("ok").finish_reason == FinishReason.LENGTH
 
 
@@ -222,7 +223,7 @@ def test_overload_policy_rejects_beyond_queue_limit():
     sched.update_from_output(out, {c.request_id: 1 for c in out.chunks if c.sample})
     sched.add_request(req("late", 3))             # 2 wait beyond 0 free slots: full
     assert sched.get_request("late").status == S.REJECTED
-    drive(sched, check=True)
+    drive(sched, check=check_scheduler)
     assert [r.status for r in sched.requests()].count(S.FINISHED) == 5
 
 
@@ -235,7 +236,7 @@ def test_reserve_admission_reserves_for_max_tokens():
     assert out.admitted == ("a",)
     assert sched.reserved_blocks() == 3  # 1 block allocated, 3 still claimable
     sched.update_from_output(out, {"a": greedy_tokens(sched.get_request("a"))})
-    result = drive(sched, check=True)
+    result = drive(sched, check=check_scheduler)
     assert not any(o.preempted for o in result.outputs)
     assert sched.get_request("b").admitted_step > sched.get_request("a").finished_step - 1
 
@@ -268,7 +269,7 @@ def test_stop_conditions(cls):
     sched.add_request(req("ign", prompt, 3, eos_token_id=first, ignore_eos=True))
     sched.add_request(req("ctx", prompt, 10, max_model_len=5))
     sched.add_request(req("len", prompt, 2))
-    drive(sched, token_fn=lambda r: hash_token(r.all_token_ids), check=True)
+    drive(sched, token_fn=lambda r: hash_token(r.all_token_ids), check=check_scheduler)
     got = {r.request_id: (r.finish_reason, len(r.output_token_ids)) for r in sched.requests()}
     assert got == {
         "stop": (FinishReason.STOP, 2),
@@ -287,7 +288,7 @@ def run_all(cls, requests, num_blocks, cfg, caching=True):
     sched = cls(kv, cfg)
     for r in requests:
         sched.add_request(copy.deepcopy(r))
-    result = drive(sched, check=True)
+    result = drive(sched, check=check_scheduler)
     assert not kv.requests()
     return sched, result
 
@@ -322,7 +323,7 @@ def test_production_victim_is_least_important_newest():
     sched.add_request(req("hi", 2, 14, priority=0))
     sched.add_request(req("lo-old", 2, 14, priority=1))
     sched.add_request(req("lo-new", 2, 14, priority=1))
-    result = drive(sched, check=True, max_steps=200)
+    result = drive(sched, check=check_scheduler, max_steps=200)
     first = next(o.preempted for o in result.outputs if o.preempted)
     assert first == ("lo-new",)
     assert sched.get_request("hi").num_preemptions == 0
@@ -333,7 +334,7 @@ def test_baseline_victim_is_newest_admitted():
     sched = BaselineScheduler(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8))
     for rid in ("a", "b", "c"):
         sched.add_request(req(rid, 2, 14))
-    result = drive(sched, check=True, max_steps=200)
+    result = drive(sched, check=check_scheduler, max_steps=200)
     assert next(o.preempted for o in result.outputs if o.preempted) == ("c",)
     assert sched.waiting == [] and sched.get_request("a").num_preemptions == 0
 
@@ -358,8 +359,8 @@ def test_abort_waiting_running_inflight_and_idempotent(cls):
     assert aborted.finish_reason == FinishReason.ABORT and not kv.has("a")
     assert sched.get_request("a").output_token_ids == [1]
     assert sched.abort_request("a") is aborted and aborted.status == S.CANCELLED
-    sched.check_invariants()
-    drive(sched, check=True)
+    check_scheduler(sched)
+    drive(sched, check=check_scheduler)
     assert sched.get_request("b").finish_reason == FinishReason.LENGTH
     assert sched.abort_request("b").status == S.FINISHED   # a late abort changes nothing
     assert not kv.requests()
@@ -374,7 +375,7 @@ def test_priority_classes_and_deadlines_order_admission():
     sched.add_request(req("late", 3, 2, priority=1, deadline=9.0))
     sched.add_request(req("none", 3, 2, priority=1))
     sched.add_request(req("soon", 3, 2, priority=1, deadline=5.0))
-    result = drive(sched, check=True)
+    result = drive(sched, check=check_scheduler)
     order = [rid for o in result.outputs for rid in o.admitted]
     assert order == ["soon", "late", "none", "low"]
 
@@ -388,7 +389,7 @@ def test_cache_affinity_prefers_longest_hit():
     sched.add_request(req("cold", tuple(range(200, 217)), 1))
     sched.add_request(req("hit8", (*base[:8], 7, 7, 7), 1))
     sched.add_request(req("hit16", (*base, 9), 1))
-    result = drive(sched, check=True)
+    result = drive(sched, check=check_scheduler)
     assert [rid for o in result.outputs for rid in o.admitted] == ["hit16", "hit8", "cold"]
     assert sched.get_request("hit16").num_cached_tokens == 16
 
@@ -401,7 +402,7 @@ def stream_of_hits(sched, steps):
     arrivals = {1: [req("cold", tuple(range(300, 316)), 2)]}
     for s in range(1, steps):
         arrivals.setdefault(s, []).append(req(f"hit{s}", (*base, s), 2))
-    return drive(sched, arrivals=arrivals, check=True, max_steps=10 * steps)
+    return drive(sched, arrivals=arrivals, check=check_scheduler, max_steps=10 * steps)
 
 
 def test_affinity_without_ageing_starves_and_ageing_bounds_it():
@@ -444,7 +445,7 @@ def test_every_running_request_advances_every_step():
         assert set(sched.running) - set(out.admitted) <= scheduled | set(
             r.request_id for r in sched.requests() if r.status.is_terminal)
 
-    drive(sched, check=True, on_step=check)
+    drive(sched, check=check_scheduler, on_step=check)
 
 
 @pytest.mark.parametrize("cls", SCHEDULERS)
@@ -459,18 +460,18 @@ def test_forget_drops_only_ended_and_reported_requests(cls):
         sched.forget("big")
     with pytest.raises(KeyError):
         sched.forget("nope")
-    drive(sched, check=True)
+    drive(sched, check=check_scheduler)
     assert sched.forget("big").status == RequestStatus.REJECTED
     assert sched.forget("a").finish_reason == FinishReason.LENGTH
     assert sched.requests() == [] and not sched.has_unfinished_requests()
-    sched.check_invariants()
+    check_scheduler(sched)
 
 
 @pytest.mark.parametrize("cls", SCHEDULERS)
 def test_fail_step_fails_the_step_and_releases_its_kv_once(cls):
     """The executor could not run a step: its requests fail with reason ERROR, their KV is
     released exactly once, a request outside the step is untouched, and the scheduler goes on."""
-    from kvlab.recovery import replay
+    from kvlab.labs.recovery import replay
 
     kv = KVCacheManager(32, 4)
     sched = cls(kv, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=11), log=EventLog())
@@ -494,7 +495,7 @@ def test_fail_step_fails_the_step_and_releases_its_kv_once(cls):
     assert sorted(frees) == ["p", "q"]                       # each exactly once
     assert not kv.requests() and not kv.pending_copies()
     assert sched.get_request("w").status == S.WAITING        # not in the step
-    sched.check_invariants()
+    check_scheduler(sched)
     replayed = replay(sched.log.events)
     assert all(replayed[r].kv == "none" for r in ("p", "q"))
     # the failed requests are reported by the next update, and new work runs
@@ -502,5 +503,5 @@ def test_fail_step_fails_the_step_and_releases_its_kv_once(cls):
     out = sched.schedule()
     ended = sched.update_from_output(out, {c.request_id: 1 for c in out.chunks if c.sample})
     assert sorted(r.request_id for r in ended) == ["p", "q"]
-    drive(sched, arrivals={}, check=True)
+    drive(sched, arrivals={}, check=check_scheduler)
     assert sched.get_request("n").status == S.FINISHED

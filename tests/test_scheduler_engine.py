@@ -16,9 +16,10 @@ torch = pytest.importorskip("torch")
 
 from kvlab.core.baseline_scheduler import BaselineScheduler  # noqa: E402
 from kvlab.core.production_scheduler import ProductionScheduler  # noqa: E402
-from kvlab.engine.hf_parity import save_random_hf_model  # noqa: E402
+from kvlab.core.sampling_params import SamplingParams  # noqa: E402
 from kvlab.engine.llm import LLM  # noqa: E402
-from kvlab.engine.sampler import SamplingParams  # noqa: E402
+from kvlab.labs.invariants import check_scheduler  # noqa: E402
+from kvlab.labs.parity.hf import save_random_hf_model  # noqa: E402
 
 VOCAB = 128
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -57,7 +58,7 @@ def generate(model_dir, prompts, params, factory, num_blocks):
     outs = llm.generate(prompts, params)
     sched = llm.engine.scheduler
     preemptions = sum(o.metrics.num_preemptions for o in outs)
-    sched.check_invariants()
+    check_scheduler(sched)
     assert not llm.engine.kv.requests()
     assert not sched.requests()   # every reported request was forgotten
     return [[c.token_ids for c in o.outputs] for o in outs], preemptions

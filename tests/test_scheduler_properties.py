@@ -14,6 +14,7 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler, starvation_bound
 from kvlab.core.request import RUNNING_STATUSES, FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.labs.invariants import check_scheduler
 from kvlab.sim.tokens import drive, hash_token
 
 S = RequestStatus
@@ -115,8 +116,8 @@ def run(cls, reqs, aborts, cfg, kvspec):
             seen_computed[rid] = r.num_computed_tokens
         waiting_after.append(list(sched.waiting))
 
-    drive(sched, model_tokens, arrivals=arrivals, aborts=abort_at, check=True, on_step=on_step,
-          max_steps=3000)
+    drive(sched, model_tokens, arrivals=arrivals, aborts=abort_at, check=check_scheduler,
+          on_step=on_step, max_steps=3000)
     assert not kv.requests() and kv.num_allocatable_blocks() == num_blocks
     return sched, waiting_after
 

@@ -17,7 +17,7 @@ from kvlab.core.request import RUNNING_STATUSES, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.exercises import ch05, ch06
 from kvlab.exercises._common import NotYetAnswered, try_check
-from kvlab.recovery import replay
+from kvlab.labs.recovery import replay
 from kvlab.sim.tokens import drive
 from kvlab.viz.style import BLOCK_STATE_COLORS, request_color
 from kvlab.viz.timeline import (
@@ -140,7 +140,7 @@ def test_ch05_crash_scenario_orphans():
 
 
 def test_ch05_abort_prediction_check():
-    from kvlab.core.event_log import EventLog
+    from kvlab.labs.recovery.event_log import EventLog
 
     log = EventLog()
     sched = ch05.tight_scheduler(log=log)
@@ -187,8 +187,8 @@ def test_ch05_no_preemption_blocks_check():
 
 
 def test_ch05_crash_design_check():
-    from kvlab.core.event_log import EventLog, SimulatedCrash
-    from kvlab.recovery import recover
+    from kvlab.labs.recovery import recover
+    from kvlab.labs.recovery.event_log import EventLog, SimulatedCrash
 
     full = EventLog()
     drive(ch05.tight_scheduler(log=full), arrivals=ch05.tight_arrivals())
@@ -213,7 +213,7 @@ def test_ch05_crash_design_check():
 
 
 def test_ch05_planner_bug_check():
-    from kvlab.recovery import plan_recovery
+    from kvlab.labs.recovery import plan_recovery
 
     n = ch05._tight_event_count()
     wrong = {k: ch05.planner_mistakes(k) for k in range(n)}
@@ -341,7 +341,7 @@ def test_ch06_chunk_design_check():
     good = {truth: ms[truth], 2 * truth: ms[2 * truth]}
     assert "Correct" in ch06.check_chunk_design(truth, good)
     # a prediction scaled from the H100 sweep by the bf16 rates passes (the worked solution)
-    from kvlab.capacity.catalog import get_gpu
+    from kvlab.sim.catalog import get_gpu
 
     ratio = get_gpu(ch06.CHUNK_SWEEP["gpu"]).bf16_tflops / get_gpu(d["gpu"]).bf16_tflops
     scaled = {c: h100[c] * 1e3 * ratio for c in (512, 1024)}

@@ -29,8 +29,9 @@ from kvlab.entrypoints.load_client import LoadConfig, PlannedRequest, plan_reque
 from kvlab.entrypoints.prometheus import Histogram, MetricFamily, parse_metrics, render
 from kvlab.entrypoints.serve import build_app
 from kvlab.entrypoints.uvicorn_server import ServerThread
+from kvlab.labs.invariants import check_engine
+from kvlab.labs.slo import SLO, evaluate_slo
 from kvlab.sim.workload import fixed, uniform
-from kvlab.slo import SLO, evaluate_slo
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "kvlab-tiny"
@@ -148,7 +149,7 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server) -> None:
                     assert engine.kv.requests(), "the request should hold KV mid-stream"
                 break
     wait_until(lambda: idle(engine))     # aborted, KV released
-    engine.check_invariants()
+    check_engine(engine)
     after = httpx.get(server.url + "/metrics").text
     assert metric(after, "vllm:request_success_total", finished_reason="abort") \
         - metric(before, "vllm:request_success_total", finished_reason="abort") == 1
@@ -184,7 +185,7 @@ def test_client_timeouts_and_abandons_are_counted_by_kind_and_free_kv(server,
     assert rep.failures["timeout"] == 3 and rep.failures["cancelled"] == 3
     assert rep.latency["e2e"]["mean"] != rep.latency["e2e"]["mean"]   # NaN: no latency folded
     wait_until(lambda: idle(server.engine), timeout=120)
-    server.engine.check_invariants()
+    check_engine(server.engine)
 
 
 def test_admission_rejects_are_503_and_counted_as_rejects() -> None:
@@ -390,7 +391,7 @@ def test_chat_errors_and_routes(server) -> None:
 
 def test_chat_and_completion_answers_match_the_engine(server) -> None:
     """Greedy text through HTTP (streamed and not) equals the engine's own generation."""
-    from kvlab.engine.sampler import SamplingParams
+    from kvlab.core.sampling_params import SamplingParams
 
     prompt = "Trern Thyvet was a generous shepherd who lived in"
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0}
@@ -477,7 +478,7 @@ def test_non_streaming_client_gone_aborts_and_frees_kv(server, monkeypatch) -> N
     finally:
         gate.set()
     wait_until(lambda: idle(server.engine))
-    server.engine.check_invariants()
+    check_engine(server.engine)
     after = httpx.get(server.url + "/metrics").text
     assert metric(after, "vllm:request_success_total", finished_reason="abort") \
         - metric(before, "vllm:request_success_total", finished_reason="abort") == 1
@@ -502,7 +503,7 @@ def test_engine_step_failure_is_a_500_and_the_server_keeps_serving(server, monke
                     json={"model": MODEL, "prompt": "The town", "max_tokens": 4}, timeout=30)
     assert ok.status_code == 200
     wait_until(lambda: idle(server.engine))
-    server.engine.check_invariants()
+    check_engine(server.engine)
 
 
 def test_serve_bounds_the_onednn_caches_unless_the_environment_sets_them(monkeypatch) -> None:

@@ -14,14 +14,16 @@ import httpx
 import pytest
 from test_detokenizer import byte_level_tokenizer
 
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.engine.detokenizer import REPLACEMENT
 from kvlab.engine.engine_args import EngineArgs
-from kvlab.engine.llm_engine import LLMEngine, Tokenizer
-from kvlab.engine.sampler import SamplingParams
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.engine.tokenizer import Tokenizer
 from kvlab.entrypoints.async_engine import AsyncEngine
 from kvlab.entrypoints.prometheus import parse_metrics
 from kvlab.entrypoints.serve import build_app
 from kvlab.entrypoints.uvicorn_server import ServerThread
+from kvlab.labs.invariants import check_engine
 
 MODEL = "kvlab-tiny"
 
@@ -332,7 +334,7 @@ def test_a_stalled_reader_is_aborted_with_bounded_queue():
     assert limit < aeng.last_slow_backlog <= limit + 4 and peak <= limit + 4
     assert aeng.queued_tokens() == 0
     wait_until(lambda: idle(engine))
-    engine.check_invariants()
+    check_engine(engine)
     text = aeng.metrics.render()
     assert parse_metrics(text)[("vllm:request_success_total",
                                 (("finished_reason", "abort"), ("model_name", MODEL)))] == 1

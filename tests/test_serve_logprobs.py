@@ -15,7 +15,8 @@ from test_serve_api import idle, sse, wait_until
 from kvlab import LLM, SamplingParams
 from kvlab.engine.detokenizer import REPLACEMENT
 from kvlab.engine.engine_args import EngineArgs
-from kvlab.engine.llm_engine import LLMEngine, Tokenizer
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.engine.tokenizer import Tokenizer
 from kvlab.entrypoints.async_engine import AsyncEngine
 from kvlab.entrypoints.openai_protocol import chat_prompt
 from kvlab.entrypoints.openai_responses import LOGPROB_FLOOR, _byte_alphabet

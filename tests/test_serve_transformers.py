@@ -18,9 +18,9 @@ import pytest
 
 pytest.importorskip("fastapi", reason="transformers serve needs transformers[serving]")
 
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.sampler import SamplingParams
 from kvlab.entrypoints import bench
 from kvlab.entrypoints.load_client import plan_requests
 

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
-from kvlab.core.engine_core import ScheduledChunk
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.core.step_records import ScheduledChunk
 from kvlab.sim.costmodel import RooflineCostModel, speculative_step_cost
 from kvlab.sim.executor import SimClock, simulate
 from kvlab.sim.static_batching import StaticBatchScheduler
@@ -31,7 +31,7 @@ CM = RooflineCostModel.named("Llama-3-8B", "H100-80GB SXM")
 
 
 def test_core_and_sim_do_not_import_torch():
-    code = ("import sys, kvlab.core.scheduler, kvlab.recovery, kvlab.sim.executor, "
+    code = ("import sys, kvlab.core.scheduler, kvlab.labs.recovery, kvlab.sim.executor, "
             "kvlab.sim.static_batching; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -10,13 +10,12 @@ import random
 import pytest
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
-from kvlab.core.engine_core import ScheduledChunk
-from kvlab.core.event_log import EventLog
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.sim import RooflineCostModel, fixed, make_workload, simulate, uniform
-from kvlab.sim.serving import (
+from kvlab.core.step_records import ScheduledChunk
+from kvlab.labs.recovery.event_log import EventLog
+from kvlab.labs.serving import (
     InstalledPrefillCost,
     chunk_sweep,
     rate_at_attainment,
@@ -24,8 +23,9 @@ from kvlab.sim.serving import (
     run_colocated,
     run_disaggregated,
 )
+from kvlab.labs.slo import SLO, evaluate_slo
+from kvlab.sim import RooflineCostModel, fixed, make_workload, simulate, uniform
 from kvlab.sim.workload import RequestSpec
-from kvlab.slo import SLO, evaluate_slo
 
 CM = RooflineCostModel.named("Llama-3-8B", "H100-80GB SXM")
 CFG = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, prefill_chunk=512)
@@ -152,7 +152,7 @@ def test_chunk_sweep_trades_tpot_for_throughput() -> None:
 
 
 def test_memoised_runs_equal_fresh_ones_and_return_copies() -> None:
-    from kvlab.sim import serving
+    from kvlab.labs import serving
 
     wl = make_workload(40, 30.0, uniform(16, 400), uniform(2, 40), seed=5)
     serving._colocated_instance.cache_clear()
@@ -176,7 +176,7 @@ def test_memoised_runs_equal_fresh_ones_and_return_copies() -> None:
 
 
 def test_unhashable_inputs_bypass_the_memo() -> None:
-    from kvlab.sim import serving
+    from kvlab.labs import serving
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""kvlab.slo: goodput, attainment, failures by kind, percentiles (differential vs the
+"""kvlab.labs.slo: goodput, attainment, failures by kind, percentiles (differential vs the
 reference goodput of spec rule 10 and vs NumPy)."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from kvlab.reference import goodput as reference_goodput
-from kvlab.slo import (
+from kvlab.labs.slo import (
     SLO,
     FailureKind,
     LatencyRecord,
@@ -18,6 +17,7 @@ from kvlab.slo import (
     evaluate_slo,
     percentile,
 )
+from kvlab.reference import goodput as reference_goodput
 
 KINDS = [k.value for k in FailureKind]
 

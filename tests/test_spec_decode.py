@@ -8,12 +8,14 @@ import math
 import pytest
 import torch
 
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.engine.llm import LLM
-from kvlab.engine.sampler import SamplingParams
 from kvlab.engine.spec_decode import SpeculativeConfig, ngram_lookup, verify
 from kvlab.engine.spec_decode import verifier as verifier_module
-from kvlab.engine.spec_decode.exactness import chi_square_test, power_against_tv
 from kvlab.engine.spec_decode.rng import TARGET, position_generator
+from kvlab.labs.invariants import check_engine
+from kvlab.labs.kv_snapshot import snapshot_of
+from kvlab.labs.speculation.exactness import chi_square_test, power_against_tv
 from kvlab.reference import speculative_step
 
 DRAFT = {"method": "draft_model", "model": "kvlab-tiny-draft"}
@@ -162,8 +164,9 @@ def test_greedy_identity_for_every_k(spec, greedy_reference):
         assert len(per_pos) == k
         assert all(a >= b for a, b in itertools.pairwise(per_pos))
         assert sum(per_pos) == m["spec_decode_num_accepted_tokens"].value
-        llm.engine.check_invariants()
-        assert llm.engine.kv.snapshot().free_blocks + llm.engine.kv.snapshot().evictable_blocks \
+        check_engine(llm.engine)
+        snap = snapshot_of(llm.engine.kv)
+        assert snap.free_blocks + snap.evictable_blocks \
             == llm.engine.num_blocks
     if spec is DRAFT:
         assert m["spec_decode_num_accepted_tokens"].value > 0
@@ -185,7 +188,7 @@ def test_greedy_identity_with_preemption_n_and_prefix_cache(spec):
         assert [[c.token_ids for c in o.outputs] for o in outs] == want, k
         assert sum(o.metrics.num_preemptions for o in outs) > 0, k
         assert llm.engine.stats.cached_prompt_tokens > 0, k
-        llm.engine.check_invariants()
+        check_engine(llm.engine)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent():
@@ -306,7 +309,7 @@ def test_tokens_2_3_are_distributed_exactly_as_without_speculation(params, monke
 # --------------------------------------------------------------------------- rollback
 def _kv_view(engine, rid):
     kv = engine.kv
-    snap = kv.snapshot()
+    snap = snapshot_of(kv)
     request = engine.scheduler.find_request(rid)
     table = len(kv.block_table(rid)) if request is not None and kv.has(rid) else None
     computed = request.num_computed_tokens if request is not None else None
@@ -342,7 +345,7 @@ def test_rollback_matches_a_plain_engine_after_every_step(spec):
                 n_slow = len(r2.output_token_ids) if r2 is not None else sp.max_tokens
             assert n_slow == n_fast
             assert _kv_view(fast, rid) == _kv_view(slow, rid), (i, n_fast)
-            fast.check_invariants()
+            check_engine(fast)
             steps += 1
         assert done_slow
     assert steps < 5 * sp.max_tokens     # speculation did save steps
@@ -373,8 +376,8 @@ def test_abort_mid_run_releases_lookahead_blocks():
     eng.abort_request("b")
     while eng.has_unfinished_requests():
         eng.step()
-    eng.check_invariants()
-    snap = eng.kv.snapshot()
+    check_engine(eng)
+    snap = snapshot_of(eng.kv)
     assert snap.free_blocks + snap.evictable_blocks == eng.num_blocks
     assert not snap.tables
 
@@ -406,7 +409,7 @@ def test_grammar_greedy_identity_and_state_rollback(spec):
         for out in eng.step():
             if out.finished:
                 got[out.request_id] = out.outputs[0].token_ids
-        eng.check_invariants()
+        check_engine(eng)
     assert [got[f"g{i}"] for i in range(len(params))] == want
     assert eng.speculator.metrics.num_draft_tokens > 0
 
@@ -420,7 +423,7 @@ def test_grammar_sampled_outputs_stay_in_language_with_speculation():
     llm = _llm(DRAFT, 3)
     for out in llm.generate([PROMPTS[0]] * 12, params, use_tqdm=False):
         assert regex.fullmatch(g["regex"], out.outputs[0].text), out.outputs[0].text
-    llm.engine.check_invariants()
+    check_engine(llm.engine)
 
 
 def test_abort_during_the_step_is_applied_after_verification():
@@ -445,8 +448,8 @@ def test_abort_during_the_step_is_applied_after_verification():
     assert not eng.kv.has("a") and eng.kv.has("b")
     while eng.has_unfinished_requests():
         eng.step()
-    eng.check_invariants()
-    snap = eng.kv.snapshot()
+    check_engine(eng)
+    snap = snapshot_of(eng.kv)
     assert snap.free_blocks + snap.evictable_blocks == eng.num_blocks
 
 

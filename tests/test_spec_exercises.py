@@ -132,7 +132,7 @@ def test_deployment_check_has_no_direction_and_grades_on_the_cost_model():
 
 def test_acceptance_figure_draws_plain_data():
     pytest.importorskip("matplotlib")
-    from kvlab.engine.spec_decode.acceptance import AcceptanceData
+    from kvlab.labs.speculation.acceptance import AcceptanceData
     from kvlab.viz.spec import acceptance_figure
 
     data = AcceptanceData("draft_model", 3, 0.8, (0.7, 0.5, 0.3),
@@ -145,7 +145,7 @@ def test_acceptance_figure_draws_plain_data():
 
 def test_an_empty_ngram_panel_says_why():
     pytest.importorskip("matplotlib")
-    from kvlab.engine.spec_decode.acceptance import AcceptanceData
+    from kvlab.labs.speculation.acceptance import AcceptanceData
     from kvlab.viz.spec import acceptance_caption, acceptance_figure
 
     empty = AcceptanceData("ngram", 4, 0.0, (0.0, 0.0, 0.0, 0.0),

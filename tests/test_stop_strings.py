@@ -10,6 +10,7 @@ import pytest
 from kvlab import LLM, SamplingParams
 from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
+from kvlab.labs.invariants import check_engine
 
 PROMPT = "Trern Thyvet was a generous shepherd who lived in"
 
@@ -87,7 +88,7 @@ def test_the_matched_sample_leaves_the_engine_at_once(llm):
     assert engine.scheduler.find_request("s") is None
     assert engine.has_unfinished_requests() and not engine.has_request("s")
     assert ended.outputs[0].finish_reason == "stop" and ended.outputs[0].text == full.text[:10]
-    engine.check_invariants()
+    check_engine(engine)
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.kv.pool.num_allocatable() == engine.kv.num_blocks
@@ -117,7 +118,7 @@ def test_stop_strings_are_refused_with_delta_outputs(llm):
     """A DELTA output's text is its new tokens' alone, so the engine cannot cut it at a stop
     string: such a request is refused, naming both needs (the server matches stop strings on
     its own incremental text instead)."""
-    from kvlab.engine.sampler import RequestOutputKind
+    from kvlab.core.sampling_params import RequestOutputKind
 
     with pytest.raises(ValueError, match="needs a tokenizer and CUMULATIVE outputs"):
         llm.engine.validate_request(PROMPT, SamplingParams(

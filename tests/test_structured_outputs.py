@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm import LLM
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.sampler import SamplingParams
 from kvlab.engine.structured_outputs import (
     GrammarError,
     StructuredOutputsParams,
@@ -21,6 +21,7 @@ from kvlab.engine.structured_outputs import (
     choice_ebnf,
     unpack_bitmask,
 )
+from kvlab.labs.invariants import check_engine
 
 jsonschema = pytest.importorskip("jsonschema")
 regex = pytest.importorskip("regex")
@@ -122,12 +123,12 @@ def test_bad_grammar_refused_with_engine_unchanged(llm, spec, words):
         llm.generate(["Hello", "World"], [good, params], use_tqdm=False)
     assert (engine.kv.state_tuple(), engine.get_num_unfinished_requests(),
             engine.has_unfinished_requests()) == before
-    engine.check_invariants()
+    check_engine(engine)
 
 
 def test_model_without_tokenizer_refuses_structured_outputs(tmp_path):
     pytest.importorskip("transformers")
-    from kvlab.engine.hf_parity import save_random_hf_model
+    from kvlab.labs.parity.hf import save_random_hf_model
 
     model = save_random_hf_model(tmp_path / "m", "llama", seed=1)
     engine = LLMEngine(EngineArgs(model, num_blocks=32))
@@ -153,7 +154,7 @@ def test_every_output_is_in_its_language(llm):
         assert c.finish_reason == "stop", (spec, c.text)
         assert c.token_ids[-1] == EOS  # the grammar's end is the model's EOS
         assert _in_language(spec, c.text), (spec, c.text)
-    llm.engine.check_invariants()
+    check_engine(llm.engine)
 
 
 def test_unconstrained_rows_get_identical_tokens(llm):
@@ -272,7 +273,7 @@ def test_preemption_keeps_grammar_state():
     while engine.has_unfinished_requests():
         for out in engine.step(only_finished=True):
             done[out.request_id] = out
-        engine.check_invariants()   # grammar states == output tokens after every step
+        check_engine(engine)   # grammar states == output tokens after every step
     tight = [done[f"r{i}"] for i in range(6)]
     assert sum(o.metrics.num_preemptions for o in tight) > 0   # the pressure is real
     assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in ref]
@@ -316,12 +317,12 @@ def test_invariant_catches_a_desynchronised_grammar(llm):
     engine.add_request("desync", "Hi", SamplingParams(max_tokens=8, structured_outputs={
         "regex": "[a-z]+"}))
     engine.step()
-    state = engine.executor.samplers["desync"].grammar
+    state = engine.executor.requests["desync"].grammar
     assert state.accept_token(state.allowed_token_ids()[-1])
     with pytest.raises(AssertionError, match="grammar state"):
-        engine.check_invariants()
+        check_engine(engine)
     state.rollback(1)
-    engine.check_invariants()
+    check_engine(engine)
     engine.abort_request("desync")
 
 

@@ -2,8 +2,8 @@
 
 The kernels are written for CUDA; here they run under Triton's interpreter
 (``TRITON_INTERPRET=1``), which must be set before Triton is first imported, so every case runs
-in one subprocess (``python -m kvlab.engine.triton_parity``) and this module only reads its
-JSON. Cases (see ``kvlab.engine.triton_parity.CASES``): multi-head, grouped-query with groups
+in one subprocess (``python -m kvlab.labs.parity.triton``) and this module only reads its
+JSON. Cases (see ``kvlab.labs.parity.triton.CASES``): multi-head, grouped-query with groups
 of 2, 3 and 4 and multi-query; block sizes 1, 4, 8, 16 and 32; ragged context lengths (one
 token, exactly one block, one past a block, several blocks); a head_dim that is not a power of
 two; float32 and bfloat16; one context split, the default, five and 32 (splits left empty
@@ -17,7 +17,7 @@ import importlib.util
 import pytest
 from triton_interpret import run_interpreted
 
-from kvlab.engine.triton_parity import CASES
+from kvlab.labs.parity.triton import CASES
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_interpreted("kvlab.engine.triton_parity")
+    return run_interpreted("kvlab.labs.parity.triton")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -50,9 +50,9 @@ def test_parity_harness_detects_a_wrong_kernel(monkeypatch):
     torch stand-ins that share the harness's metadata."""
     import torch
 
-    from kvlab.engine import triton_parity
-    from kvlab.engine.attention import write_kv
+    from kvlab.engine.kv_cache import write_kv
     from kvlab.kernels import triton as triton_kernels
+    from kvlab.labs.parity import triton as triton_parity
 
     def fake_decode(q, kc, vc, table, positions, scale, out=None, splits=None):
         # attends to positions 0 .. p-1 only (drops the newest token): must be caught

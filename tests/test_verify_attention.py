@@ -11,14 +11,18 @@ import pytest
 import torch
 from dense_attention import dense_causal_attention
 
-from kvlab.engine.attention import PAGED_MAX_TOKENS, paged_attention, write_kv
-from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata
-from kvlab.engine.kv_cache import PagedKVCache
+from kvlab.engine.attention_cpu import CpuAttention
+from kvlab.engine.attention_metadata import ChunkSpec, build_metadata
+from kvlab.engine.attention_torch import TorchAttention
+from kvlab.engine.kv_cache import PagedKVCache, write_kv
 from kvlab.kernels import cpu as cpu_kernels
+
+PAGED_MAX_TOKENS = CpuAttention.paged_max_tokens
+TORCH = TorchAttention()
 
 
 def _step(seed: int, heads: int, kv_heads: int, block_size: int, dtype=torch.float32,
-          kernel=None):
+          paged_max_tokens: int = 0):
     """A cache holding random contexts, and one step mixing decodes, fresh prompts and
     verification-like chunks (cached prefix, a few lengths shared by several requests)."""
     rng = random.Random(seed)
@@ -48,7 +52,7 @@ def _step(seed: int, heads: int, kv_heads: int, block_size: int, dtype=torch.flo
         full.append((k, v))
     chunks = [ChunkSpec(list(range(q)), s, t)
               for s, q, t in zip(starts, lengths, tables, strict=True)]
-    meta = build_metadata(chunks, block_size, kernel=kernel)
+    meta = build_metadata(chunks, block_size, paged_max_tokens=paged_max_tokens)
     n = meta.num_tokens
     qs = torch.randn(n, heads, dim, generator=gen).to(dtype)
     k_new = torch.empty(n, kv_heads, dim, dtype=dtype)
@@ -60,11 +64,11 @@ def _step(seed: int, heads: int, kv_heads: int, block_size: int, dtype=torch.flo
     return meta, qs, k_new, v_new, kc, vc, (starts, lengths, full), dim
 
 
-def _kernel(dtype):
-    op = cpu_kernels.decode_op("cpu", dtype)
-    if op is None:
+def _cpu(dtype) -> CpuAttention:
+    backend = CpuAttention.create(dtype)
+    if backend is None:
         pytest.skip(f"no CPU kernel here: {cpu_kernels.build_error()}")
-    return op
+    return backend
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -73,15 +77,16 @@ def test_verification_rows_equal_the_dense_reference_on_both_ops(seed, heads, kv
     block_size = [1, 4, 16][seed % 3]
     meta, q, k, v, kc, vc, (starts, lengths, full), dim = _step(seed, heads, kv_heads,
                                                                  block_size)
-    fast = _step(seed, heads, kv_heads, block_size, kernel=_kernel(torch.float32))[0]
+    cpu = _cpu(torch.float32)
+    fast = _step(seed, heads, kv_heads, block_size, paged_max_tokens=cpu.paged_max_tokens)[0]
     multi = tuple(i for i, n in enumerate(lengths) if n > 1)
     assert meta.dense == multi and meta.paged_rows.numel() == len(lengths) - len(multi)
     # with the kernel every chunk behind a prefix (all short here) is paged rows
     assert fast.dense == tuple(i for i in multi if starts[i] == 0)
     assert fast.paged_rows.numel() == sum(n for s, n in zip(starts, lengths, strict=True)
                                           if s > 0 or n == 1)
-    torch_out = paged_attention(q, k, v, kc, vc, meta, dim ** -0.5)
-    kernel_out = paged_attention(q, k, v, kc, vc, fast, dim ** -0.5)
+    torch_out = TORCH.attend(q, k, v, kc, vc, meta, dim ** -0.5)
+    kernel_out = cpu.attend(q, k, v, kc, vc, fast, dim ** -0.5)
     torch.testing.assert_close(kernel_out, torch_out, rtol=1e-5, atol=1e-5)
     for i, (s, n) in enumerate(zip(starts, lengths, strict=True)):
         kk, vv = full[i]
@@ -93,12 +98,12 @@ def test_verification_rows_equal_the_dense_reference_on_both_ops(seed, heads, kv
 
 
 def test_a_chunk_longer_than_the_bound_stays_dense():
-    """With a kernel, one token over :data:`PAGED_MAX_TOKENS` behind a prefix is an SDPA chunk;
-    at the bound it is paged rows (each reading the context through the table)."""
+    """With the compiled backend, one token over its ``paged_max_tokens`` behind a prefix is a
+    dense chunk; at the bound it is paged rows (each reading the context through the table)."""
     n = PAGED_MAX_TOKENS
     chunks = [ChunkSpec([0] * n, 5, list(range(8))), ChunkSpec([0] * (n + 1), 5, list(range(8)))]
     assert build_metadata(chunks, 4).dense == (0, 1)   # the torch path: both SDPA chunks
-    meta = build_metadata(chunks, 4, kernel=lambda *args: None)   # the layout a kernel gets
+    meta = build_metadata(chunks, 4, paged_max_tokens=n)   # the layout the CPU backend gets
     assert meta.dense == (1,) and meta.paged_rows.tolist() == list(range(n))
     assert meta.paged_lens.tolist() == list(range(6, 6 + n))
     assert meta.paged_tables.shape == (n, -(-(5 + n) // 4))
@@ -106,19 +111,20 @@ def test_a_chunk_longer_than_the_bound_stays_dense():
 
 def test_bfloat16_kernel_rows_match_the_torch_path():
     meta, q, k, v, kc, vc, _, dim = _step(3, 4, 2, 4, dtype=torch.bfloat16)
-    ref = paged_attention(q, k, v, kc, vc, meta, dim ** -0.5)
-    fast_meta = _step(3, 4, 2, 4, dtype=torch.bfloat16, kernel=_kernel(torch.bfloat16))[0]
-    fast = paged_attention(q, k, v, kc, vc, fast_meta, dim ** -0.5)
+    ref = TORCH.attend(q, k, v, kc, vc, meta, dim ** -0.5)
+    cpu = _cpu(torch.bfloat16)
+    fast_meta = _step(3, 4, 2, 4, dtype=torch.bfloat16, paged_max_tokens=cpu.paged_max_tokens)[0]
+    fast = cpu.attend(q, k, v, kc, vc, fast_meta, dim ** -0.5)
     torch.testing.assert_close(fast, ref, rtol=2e-2, atol=2e-2)
 
 
 def test_speculative_engine_gives_the_same_tokens_with_and_without_the_kernel(monkeypatch):
     """End to end with a draft model: verification rows through the CPU op or the torch path
     give the same greedy tokens, and logprobs up to float rounding."""
+    from kvlab.core.sampling_params import SamplingParams
     from kvlab.engine.llm import LLM
-    from kvlab.engine.sampler import SamplingParams
 
-    _kernel(torch.float32)
+    _cpu(torch.float32)
     prompts = ["The town of", "Once upon a time, the river", "Question: where does",
                "The town of Harrow is", "In the Vale, the people", "A storm came to"]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
@@ -127,7 +133,8 @@ def test_speculative_engine_gives_the_same_tokens_with_and_without_the_kernel(mo
         monkeypatch.setenv("KVLAB_CPU_ATTENTION", "1" if on else "0")
         llm = LLM("kvlab-tiny", num_blocks=512, max_num_seqs=8, speculative_config={
             "method": "draft_model", "model": "kvlab-tiny-draft", "num_speculative_tokens": 3})
-        assert (llm.engine.executor.kernel is not None) == on
+        attention = llm.engine.executor.kernels.attention
+        assert isinstance(attention, CpuAttention if on else TorchAttention)
         runs[on] = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
     for a, b in zip(runs[True], runs[False], strict=True):
         assert a.token_ids == b.token_ids

@@ -25,8 +25,8 @@ from matplotlib.patches import FancyBboxPatch, Rectangle
 from matplotlib.transforms import Bbox
 
 from kvlab.core.request import TRANSITIONS, RequestStatus, holds_kv
-from kvlab.engine.spec_decode.acceptance import AcceptanceData
-from kvlab.slo import SLO, LatencyRecord
+from kvlab.labs.slo import SLO, LatencyRecord
+from kvlab.labs.speculation.acceptance import AcceptanceData
 from kvlab.viz.blocks import fork_scenario
 from kvlab.viz.goodput import goodput_figure, rate_figure
 from kvlab.viz.lifecycle import state_diagram_figure

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.core.request import TRANSITIONS, RequestStatus, holds_kv
-from kvlab.engine.spec_decode.acceptance import AcceptanceData
+from kvlab.labs.speculation.acceptance import AcceptanceData
 from kvlab.viz.blocks import fork_scenario, pool_figure, text_scale
 from kvlab.viz.kernel_free import COLUMN_PX, SCALE, render_figure
 from kvlab.viz.lifecycle import state_diagram_figure

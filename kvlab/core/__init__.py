@@ -1,13 +1,25 @@
-"""kvlab.core: the metadata layer of the engine, pure Python, never imports torch.
+"""kvlab.core: the spine of the engine, pure Python, never imports torch.
 
-It decides *what* runs: capacities, page tables, block ownership, prefix reuse, request
-states, batches, P/D descriptors and metrics. Tensors live in :mod:`kvlab.engine`.
+It decides *what* runs: requests and their states, the scheduler and its two policies, the KV
+cache manager over a refcounted block pool and a radix prefix cache, and the one step loop
+(:class:`~kvlab.core.engine_core.EngineCore`) with the records that cross its seams. Tensors
+live in :mod:`kvlab.engine`; the chapters' labs in :mod:`kvlab.labs`.
 
 The torch-free reference listings of the specification live in :mod:`kvlab.reference` and are
 re-exported here (the very same objects); every other name is a production version the engine
 uses, tested against them.
 """
 
+from kvlab.core.baseline_scheduler import BaselineScheduler
+from kvlab.core.block_pool import CACHE_OWNER, BlockPool, OutOfBlocks
+from kvlab.core.cache_scope import SCOPE_FIELDS, CacheScope
+from kvlab.core.engine_core import EngineCore, StepObserver
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.production_scheduler import ProductionScheduler
+from kvlab.core.radix_cache import PrefixMatch, RadixCache, scope_key
+from kvlab.core.request import TRANSITIONS, FinishReason, Lifecycle, RequestStatus, RuntimeRequest
+from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.core.step_records import ModelOutput, ScheduledChunk, SchedulerOutput
 from kvlab.reference import (
     ALLOWED,
     REQUIRED_KV_FIELDS,
@@ -23,62 +35,39 @@ from kvlab.reference import (
     validate_kv_descriptor,
 )
 
-from .baseline_scheduler import BaselineScheduler
-from .block_pool import CACHE_OWNER, BlockPool
-from .cache_scope import SCOPE_FIELDS, CacheScope
-from .engine_core import ScheduledChunk, SchedulerOutput
-from .event_log import EventLog
-from .invariants import KV_MANAGER_INVARIANTS, InvariantSet, check_kv_manager
-from .kv_cache_manager import KVCacheManager
-from .kv_snapshot import KVSnapshot, RadixSnapshot, radix_snapshot
-from .paging import BlockTable, block_table_array, slot_mapping, slots_for
-from .production_scheduler import ProductionScheduler
-from .radix_cache import PrefixMatch, RadixCache, scope_key
-from .request import TRANSITIONS, FinishReason, Lifecycle, RequestStatus, RuntimeRequest
-from .scheduler_config import SchedulerConfig
-from .token_trie import TokenTrie
-
 __all__ = [
     "ALLOWED",
     "CACHE_OWNER",
-    "KV_MANAGER_INVARIANTS",
     "REQUIRED_KV_FIELDS",
     "SCOPE_FIELDS",
     "TRANSITIONS",
     "BaselineScheduler",
     "BlockAllocator",
     "BlockPool",
-    "BlockTable",
     "CacheScope",
-    "EventLog",
+    "EngineCore",
     "FinishReason",
-    "InvariantSet",
     "KVCacheManager",
-    "KVSnapshot",
     "Lifecycle",
+    "ModelOutput",
+    "OutOfBlocks",
     "Phase",
     "PrefixCache",
     "PrefixMatch",
     "ProductionScheduler",
     "RadixCache",
-    "RadixSnapshot",
     "Request",
     "RequestStatus",
     "RuntimeRequest",
     "ScheduledChunk",
     "SchedulerConfig",
     "SchedulerOutput",
-    "TokenTrie",
-    "block_table_array",
+    "StepObserver",
     "build_batch",
-    "check_kv_manager",
     "effective_bits",
     "goodput",
     "kv_bytes",
     "physical_slot",
-    "radix_snapshot",
     "scope_key",
-    "slot_mapping",
-    "slots_for",
     "validate_kv_descriptor",
 ]

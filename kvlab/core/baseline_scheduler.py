@@ -6,12 +6,11 @@ newest-admitted request. The opt-in :mod:`.production_scheduler` reserves KV (ch
 
 from __future__ import annotations
 
+from kvlab.core.block_pool import OutOfBlocks
+from kvlab.core.request import RUNNING_STATUSES, RequestStatus, RuntimeRequest
+from kvlab.core.scheduler import SchedulerBase, StepPlan
 from kvlab.reference import Phase
 from kvlab.reference import Request as ReferenceRequest
-
-from .block_pool import OutOfBlocks
-from .request import RUNNING_STATUSES, RequestStatus, RuntimeRequest
-from .scheduler import SchedulerBase, StepPlan
 
 S = RequestStatus
 
@@ -45,13 +44,13 @@ class BaselineScheduler(SchedulerBase):
             if plan.seqs_left == 0 or plan.tokens_left == 0:
                 return
             request = self._requests[rid]
-            cached = self._uncomputed_prefix_hit(request)
-            n = min(request.num_tokens - cached, chunk_cap, plan.tokens_left)
-            need = self.kv.blocks_needed(None, cached + n, request.scope, request.all_token_ids)
+            hit = self.kv.find_prefix(request.scope, request.all_token_ids)   # one lookup
+            n = min(request.num_tokens - hit.cached, chunk_cap, plan.tokens_left)
+            need = hit.blocks_needed(hit.cached + n, self.kv.block_size)
             if need > self.kv.num_allocatable_blocks():
                 return   # head of line: wait for KV, never skip ahead
             try:
-                self._admit(plan, request, cached, n)
+                self._admit(plan, request, hit, n)
             except OutOfBlocks:
                 return
 

@@ -1,4 +1,5 @@
-"""EngineCore: kvlab's one step loop (schedule, execute, update) and the records that cross it.
+"""EngineCore: kvlab's one step loop (schedule, execute, update), and the observer hooks the
+labs attach to it (:class:`StepObserver`; none by default).
 
 The real engine, the simulator and the chapters' drivers all run :meth:`EngineCore.step`: the
 scheduler sends :class:`SchedulerOutput` (chunks with block-table deltas, copies to run first),
@@ -11,104 +12,30 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
-from .request import RequestStatus, RuntimeRequest
-
-if TYPE_CHECKING:
-    from .interfaces import Executor, Scheduler, StepObserver
+from kvlab.core.interfaces import Executor, Scheduler
+from kvlab.core.request import RequestStatus, RuntimeRequest
+from kvlab.core.step_records import ModelOutput, SchedulerOutput
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Work for one request in one step: feed ``token_ids`` at positions ``start_pos...``.
+class StepObserver:
+    """Base class of the engine core's observers: override the hooks you need (each default
+    does nothing). Observers must not change scheduler state except as their hook allows."""
 
-    The table travels as a delta (vLLM v1's ``new_block_ids``): the first ``num_kept_blocks``
-    entries of the table last sent, then ``new_block_ids``. ``sample``: its last logits give the
-    next token. ``num_lookahead`` (:mod:`.spec_plan`): draft slots verified in the same forward.
-    """
+    def before_execute(self, core: EngineCore, output: SchedulerOutput) -> None:
+        """After ``schedule()``, before the executor runs ``output``."""
 
-    request_id: str
-    token_ids: tuple[int, ...]
-    start_pos: int
-    new_block_ids: tuple[int, ...]
-    sample: bool
-    is_prefill: bool
-    num_lookahead: int = 0
-    num_kept_blocks: int = 0
+    def defer_copies(self, core: EngineCore, output: SchedulerOutput) -> bool:
+        """Return True to lift ``output.copies``' fences yourself (before the next execute)."""
+        return False
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+    def after_step(self, core: EngineCore, result: StepResult) -> None:
+        """After ``update_from_output()`` applied the step."""
 
-    @property
-    def num_query_tokens(self) -> int:
-        """Tokens this chunk may put through the forward: its own plus the lookahead."""
-        return len(self.token_ids) + self.num_lookahead
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """One step's decisions; ``copies`` are (src_block, dst_block) KV copies to run first."""
-
-    step: int
-    chunks: tuple[ScheduledChunk, ...]
-    copies: tuple[tuple[int, int], ...] = ()
-    preempted: tuple[str, ...] = ()        # request ids preempted (KV released) this step:
-                                           # their tables are gone (resent whole on resume)
-    admitted: tuple[str, ...] = ()         # request ids given a KV table this step (first
-                                           # admission, or re-admission after a preemption)
-    rejected: tuple[str, ...] = ()         # request ids refused at admission this step
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-
-def check_sampled(output: SchedulerOutput, sampled: Mapping[str, Any]
-                  ) -> dict[str, tuple[int, ...]]:
-    """``request id -> tokens`` of one step's executor answer: an int >= 0 for each chunk with
-    ``sample=True`` (a tuple of 1..num_lookahead+1 with lookahead), nothing for the others.
-    ValueError names the first problem."""
-    expected = {c.request_id: c for c in output.chunks if c.sample}
-    missing = set(expected) - set(sampled)
-    extra = set(sampled) - set(expected)
-    if missing:
-        raise ValueError(f"no sampled token for {sorted(missing)}")
-    if extra:
-        raise ValueError(f"sampled tokens for requests that did not sample: {sorted(extra)}")
-    tokens: dict[str, tuple[int, ...]] = {}
-    for rid, chunk in expected.items():
-        got = sampled[rid]
-        seq = tuple(got) if isinstance(got, (tuple, list)) else (got,)
-        if not 1 <= len(seq) <= chunk.num_lookahead + 1:
-            raise ValueError(f"{rid!r}: {len(seq)} tokens for a chunk with "
-                             f"{chunk.num_lookahead} lookahead slots")
-        for token in seq:
-            if type(token) is not int or token < 0:
-                raise ValueError(f"sampled token for {rid!r} must be an int >= 0, got {token!r}")
-        tokens[rid] = seq
-    return tokens
-
-
-@dataclass
-class ModelOutput:
-    """An executor's answer for one step. ``sampled``: request id -> its new tokens, for each
-    chunk with ``sample=True`` (one; up to ``num_lookahead + 1`` when it speculated; a bare int
-    is accepted for one). Per token, where the executor computes them: ``logprobs`` and
-    ``top_logprobs`` (a dict, or None when not asked). ``drafts``: request id -> (drafts
-    proposed, accepted). ``seconds`` on the executor's clock; ``info``: its own trace of the
-    step (timings, metadata) for observers and figures."""
-
-    sampled: Mapping[str, tuple[int, ...] | int]
-    seconds: float = 0.0
-    info: object = None
-    logprobs: Mapping[str, list[float]] = field(default_factory=dict)
-    top_logprobs: Mapping[str, list[dict[int, float] | None]] = field(default_factory=dict)
-    drafts: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    def after_failed_step(self, core: EngineCore, output: SchedulerOutput,
+                          error: BaseException) -> None:
+        """After the step was failed (the executor raised, or its output was refused)."""
 
 
 class EngineBusy(RuntimeError):
@@ -145,8 +72,6 @@ class EngineCore:
 
     def add_observer(self, observer: StepObserver) -> None:
         """Register an observer (see the module docstring); called in registration order."""
-        from .interfaces import StepObserver
-
         if not isinstance(observer, StepObserver):
             raise TypeError(f"observers subclass StepObserver, got {type(observer).__name__}")
         self.observers.append(observer)
@@ -195,7 +120,7 @@ class EngineCore:
             if output.copies:
                 deferred = [o.defer_copies(self, output) for o in self.observers]
                 if not any(deferred):
-                    self.scheduler.kv.complete_copies(output.copies)
+                    self.scheduler.complete_copies(output.copies)
         except BaseException as error:
             with self.lock:
                 self.scheduler.fail_step(

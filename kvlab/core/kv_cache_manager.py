@@ -2,37 +2,49 @@
 object the scheduler allocates from. The prefix cache is an owner like any other, so
 copy-on-write protects cached KV with no special case. Every mutation is all-or-nothing (on
 OutOfBlocks, ValueError or KeyError nothing changed). Chapters 3 and 4.
+
+One request's table, as :meth:`~KVCacheManager.admit` builds it and
+:meth:`~KVCacheManager.grow` extends it (block size 4)::
+
+    tokens   | p0 p1 p2 p3 | p4 p5 p6 p7 | p8 p9 o0 o1 | o2 .. .. .. |
+    table    |     17      |      3      |     42      |      8      |
+             |<---- prefix-cache hit ---->|<------- fresh blocks ------>|
+             |  shared, locked in the tree | this request's own         |
+                                            ^ num_computed   ^ num_tokens (the slot of the
+                                              tokens           token about to be computed)
+             |<-- committed to the cache: full blocks whose KV is written -->|
+
+The hit is reused, not recomputed (the scheduler starts the request at the first token past
+it); fresh blocks come from the free list, or from evicting unlocked cached blocks. A request
+only ever writes into blocks it holds alone: a shared block in the range it writes is copied
+first (:meth:`~KVCacheManager.grow` returns the copies, fenced until the executor made them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from .block_pool import CACHE_OWNER, BlockPool, OutOfBlocks
-from .cache_scope import CacheScope
-from .radix_cache import InsertResult, PrefixMatch, RadixCache, RadixNode, scope_key
-
-if TYPE_CHECKING:
-    from .kv_snapshot import KVSnapshot
+from kvlab.core.block_pool import CACHE_OWNER, BlockPool, OutOfBlocks
+from kvlab.core.cache_scope import CacheScope
+from kvlab.core.radix_cache import InsertResult, PrefixMatch, RadixCache, RadixNode, scope_key
 
 
 @dataclass(frozen=True)
-class AdmitPlan:
-    """What :meth:`KVCacheManager.admit` would do: reuse ``hit_blocks`` (``cached`` tokens),
-    allocate ``fresh`` blocks, lock ``lock_cost`` cached blocks that are evictable now."""
+class PrefixHit:
+    """One prefix-cache lookup for an admission (:meth:`KVCacheManager.find_prefix`): reuse
+    ``hit_blocks`` (``cached`` tokens), locking the ``lock_cost`` of them that are evictable
+    now. Valid until the next change of the manager."""
 
     match: PrefixMatch | None
     cached: int
     hit_blocks: tuple[int, ...]
-    fresh: int
     lock_cost: int
 
-    @property
-    def needed(self) -> int:
-        """Allocatable blocks the admission consumes (fresh ones + evictable ones it locks)."""
-        return self.fresh + self.lock_cost
+    def blocks_needed(self, num_tokens: int, block_size: int) -> int:
+        """Allocatable blocks an admission of ``num_tokens`` slots with this hit consumes: the
+        fresh ones plus the evictable cached ones it locks."""
+        return max(0, -(-num_tokens // block_size) - len(self.hit_blocks)) + self.lock_cost
 
 
 class KVCacheManager:
@@ -81,8 +93,7 @@ class KVCacheManager:
         """Allocatable blocks that :meth:`admit` (``request_id=None``) or :meth:`grow` would use:
         the mutation succeeds iff ``blocks_needed(...) <= num_allocatable_blocks()``."""
         if request_id is None:
-            return self._plan_admission(self.blocks_for(num_tokens), scope_key(scope),
-                                        token_ids).needed
+            return self.find_prefix(scope, token_ids).blocks_needed(num_tokens, self.block_size)
         table = self._table(request_id)
         frm = num_tokens if write_from is None else write_from
         extra, targets = self._plan_grow(table, num_tokens, frm)
@@ -111,11 +122,23 @@ class KVCacheManager:
         self._table(request_id)
         return self._scopes[request_id]
 
+    def find_prefix(self, scope: CacheScope | tuple, token_ids: Sequence[int]) -> PrefixHit:
+        """The cached prefix of ``token_ids`` in ``scope`` an admission would reuse (one tree
+        match; whole blocks, at most ``len - 1`` tokens), to pass to :meth:`admit`."""
+        cache, pool = self.prefix_cache, self.pool
+        if cache is None:
+            return PrefixHit(None, 0, (), 0)
+        match = cache.match(scope_key(scope), token_ids)
+        hit = tuple(match.blocks)
+        lock_cost = sum(1 for b in hit if cache.is_evictable(b) and not pool.is_fenced(b))
+        return PrefixHit(match, match.num_tokens, hit, lock_cost)
+
     def admit(self, request_id: str, scope: CacheScope | tuple, token_ids: Sequence[int],
-              num_tokens: int) -> int:
-        """Create a table of ``num_tokens`` slots: reuse and lock the cached prefix, allocate
-        the rest; returns the cached tokens reused (== :meth:`lookup`, < ``num_tokens``).
-        ValueError / :class:`OutOfBlocks`, unchanged, on a bad call or too few blocks."""
+              num_tokens: int, hit: PrefixHit | None = None) -> int:
+        """Create a table of ``num_tokens`` slots: reuse and lock the cached prefix (``hit``, from
+        :meth:`find_prefix` with no change since; looked up here when None), allocate the rest;
+        returns the cached tokens reused (< ``num_tokens``). ValueError / :class:`OutOfBlocks`,
+        unchanged, on a bad call or too few blocks."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {request_id!r}")
         if request_id in self._tables:
@@ -123,15 +146,17 @@ class KVCacheManager:
         key = scope_key(scope)
         if type(num_tokens) is not int or num_tokens < 1:
             raise ValueError(f"a request needs at least one token slot, got {num_tokens!r}")
-        plan = self._plan_admission(self.blocks_for(num_tokens), key, token_ids)
-        if num_tokens <= plan.cached:
-            raise ValueError(f"num_tokens={num_tokens} must exceed the {plan.cached} cached tokens")
+        if hit is None:
+            hit = self.find_prefix(key, token_ids)
+        if num_tokens <= hit.cached:
+            raise ValueError(f"num_tokens={num_tokens} must exceed the {hit.cached} cached tokens")
+        needed = hit.blocks_needed(num_tokens, self.block_size)
         available = self.pool.num_allocatable()
-        if plan.needed > available:
-            raise OutOfBlocks(f"cannot admit {request_id!r}: needs {plan.needed} blocks, "
-                              f"{available} allocatable", plan.needed, available)
-        match, cached, hit_blocks = plan.match, plan.cached, list(plan.hit_blocks)
-        fresh = plan.fresh
+        if needed > available:
+            raise OutOfBlocks(f"cannot admit {request_id!r}: needs {needed} blocks, "
+                              f"{available} allocatable", needed, available)
+        match, cached, hit_blocks = hit.match, hit.cached, list(hit.hit_blocks)
+        fresh = max(0, self.blocks_for(num_tokens) - len(hit_blocks))
         # capacity is guaranteed: mutate
         if match is not None and match.node is not None:
             self.prefix_cache.lock(match.node)  # type: ignore[union-attr]
@@ -270,18 +295,6 @@ class KVCacheManager:
         self._table(request_id)
         return self._locks[request_id]
 
-    def check_invariants(self) -> None:
-        """AssertionError naming the first broken invariant (see kvlab.core.invariants)."""
-        from .invariants import check_kv_manager
-
-        check_kv_manager(self)
-
-    def snapshot(self) -> KVSnapshot:
-        """A plain-data picture of the manager (:func:`~kvlab.core.kv_snapshot.snapshot_of`)."""
-        from .kv_snapshot import snapshot_of
-
-        return snapshot_of(self)
-
     def state_tuple(self) -> tuple:
         """Everything observable (pool, tree, tables, counters) for before/after comparisons."""
         return (self.pool.state_tuple(),
@@ -339,16 +352,3 @@ class KVCacheManager:
         first = write_from // self.block_size
         last = min(len(table), self.blocks_for(num_tokens))
         return extra, [i for i in range(first, last) if self.pool.refcount(table[i]) > 1]
-
-    def _plan_admission(self, total_blocks: int, key: tuple,
-                        token_ids: Sequence[int]) -> AdmitPlan:
-        """What :meth:`admit` of a table of ``total_blocks`` blocks whose tokens begin with
-        ``token_ids`` would do, reusing the cached prefix in scope ``key``."""
-        cache, pool = self.prefix_cache, self.pool
-        if cache is None:
-            return AdmitPlan(None, 0, (), total_blocks, 0)
-        match = cache.match(key, token_ids)
-        hit = tuple(match.blocks)
-        lock_cost = sum(1 for b in hit if cache.is_evictable(b) and not pool.is_fenced(b))
-        return AdmitPlan(match, match.num_tokens, hit, max(0, total_blocks - len(hit)),
-                         lock_cost)

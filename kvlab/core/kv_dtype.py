@@ -32,7 +32,7 @@ class KVDtypeSpec:
     payload_bytes: float | None      # None: the model dtype's size
     scale_bytes: int                 # per (token, KV head); 0 without a scale
     qmax: float | None
-    planner_dtype: str | None        # the capacity planner's name (kvlab.capacity)
+    planner_dtype: str | None        # the capacity planner's name (kvlab.labs.capacity)
 
     @property
     def quantized(self) -> bool:

@@ -12,14 +12,13 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .block_pool import OutOfBlocks
-from .request import RUNNING_STATUSES, RequestStatus, RuntimeRequest
-from .scheduler import SchedulerBase, StepPlan
-from .scheduler_config import SchedulerConfig
+from kvlab.core.block_pool import OutOfBlocks
+from kvlab.core.request import RUNNING_STATUSES, RequestLog, RequestStatus, RuntimeRequest
+from kvlab.core.scheduler import SchedulerBase, StepPlan
+from kvlab.core.scheduler_config import SchedulerConfig
 
 if TYPE_CHECKING:
-    from .event_log import EventLog
-    from .kv_cache_manager import KVCacheManager
+    from kvlab.core.kv_cache_manager import KVCacheManager
 
 S = RequestStatus
 
@@ -76,7 +75,7 @@ class ProductionScheduler(SchedulerBase):
     """
 
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig | None = None, *,
-                 log: EventLog | None = None, order_key: OrderKey | None = None) -> None:
+                 log: RequestLog | None = None, order_key: OrderKey | None = None) -> None:
         super().__init__(kv, config, log=log)   # checks max_num_seqs <= max_num_batched_tokens
         self.order_key: OrderKey = order_key if order_key is not None else default_order_key
 
@@ -171,27 +170,27 @@ class ProductionScheduler(SchedulerBase):
             if (plan.seqs_left == 0 or plan.tokens_left == 0
                     or len(self.running) >= cfg.max_num_seqs):
                 break
-            # fresh lookup: an admission earlier in this step may have evicted cached blocks
-            cached = self._uncomputed_prefix_hit(request)
-            n = min(request.num_tokens - cached, cfg.prefill_chunk, plan.tokens_left)
-            scope, tokens = request.scope, request.all_token_ids
             available = self.kv.num_allocatable_blocks()
             if available - (reserved if cfg.admission == "reserve" else watermark) <= 0:
                 break                                   # nothing at all can be admitted
-            # blocks_needed(None, ...) counts fresh blocks plus the evictable cached blocks that
-            # admission locks: "need <= available" is exactly when admit() succeeds.
+            # fresh lookup: an admission earlier in this step may have evicted cached blocks
+            hit = self.kv.find_prefix(request.scope, request.all_token_ids)
+            cached = hit.cached
+            n = min(request.num_tokens - cached, cfg.prefill_chunk, plan.tokens_left)
+            # blocks_needed counts fresh blocks plus the evictable cached blocks that admission
+            # locks: "need <= available" is exactly when admit() succeeds.
             if cfg.admission == "reserve":
-                need = self.kv.blocks_needed(None, request.max_kv_slots, scope, tokens)
+                need = hit.blocks_needed(request.max_kv_slots, self.kv.block_size)
                 fits = need <= available - reserved
             else:
-                need = self.kv.blocks_needed(None, cached + n, scope, tokens)
+                need = hit.blocks_needed(cached + n, self.kv.block_size)
                 fits = need <= available - watermark
             if not fits:
                 if self.is_aged(request):
                     break
                 continue
             try:
-                self._admit(plan, request, cached, n)
+                self._admit(plan, request, hit, n)
             except OutOfBlocks:
                 if self.is_aged(request):
                     break

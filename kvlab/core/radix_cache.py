@@ -11,7 +11,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .cache_scope import CacheScope
+from kvlab.core.cache_scope import CacheScope
 
 
 def scope_key(scope: CacheScope | tuple | list) -> tuple:

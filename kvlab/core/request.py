@@ -1,6 +1,6 @@
 """A runtime request (token ids only; the runner owns its sampling) and its state machine:
 :class:`Lifecycle` makes every status change, checked against :data:`TRANSITIONS`, with
-idempotent ends, and logs each one write-ahead when an ``EventLog`` is attached (opt-in,
+idempotent ends, and logs each one write-ahead when a :class:`RequestLog` is attached (opt-in,
 chapter 5's crash recovery). Only a RUNNING request holds KV.
 """
 
@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .radix_cache import scope_key
+from kvlab.core.radix_cache import scope_key
+from kvlab.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from .event_log import EventLog
+    from kvlab.core.kv_cache_manager import KVCacheManager
 
 
 class RequestStatus(Enum):
@@ -51,8 +52,10 @@ class FinishReason(str, Enum):
 
 @dataclass
 class RuntimeRequest:
-    """A request as the scheduler sees it: token ids only. The first ``num_computed_tokens``
-    of ``prompt_token_ids + output_token_ids`` have KV in its block table."""
+    """A request as the scheduler sees it: token ids, budgets, stop conditions. The first
+    ``num_computed_tokens`` of ``prompt_token_ids + output_token_ids`` have KV in its block
+    table. ``sampling_params`` and ``seed`` are carried for the executor (the scheduler never
+    reads them; :class:`~kvlab.core.step_records.NewRequest` takes them there)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -65,6 +68,8 @@ class RuntimeRequest:
     deadline: float | None = None          # absolute time on the engine's clock, seconds
     arrival_time: float = 0.0
     max_model_len: int | None = None        # context limit; reaching it finishes with LENGTH
+    sampling_params: SamplingParams | None = None
+    seed: int | None = None                 # the sampler's stream (sample i of n: seed + i)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0              # prompt tokens served by the prefix cache at admission
@@ -223,12 +228,23 @@ class IllegalTransition(ValueError):
     """A status change that :data:`TRANSITIONS` does not allow; nothing was changed."""
 
 
+class RequestLog(Protocol):
+    """A write-ahead log of request events (chapter 5's ``EventLog`` in
+    :mod:`kvlab.labs.recovery.event_log`): :class:`Lifecycle` appends, the scheduler compacts
+    the events of requests that ended and hold no KV."""
+
+    def append(self, kind: str, request_id: str, data: tuple[Any, ...], step: int) -> None: ...
+    def __len__(self) -> int: ...
+    def request_ids(self) -> set[str]: ...
+    def compact(self, request_ids: set[str], step: int | None = None) -> int: ...
+
+
 class Lifecycle:
-    """Applies status changes, logging each first (write-ahead) when an ``EventLog`` is
+    """Applies status changes, logging each first (write-ahead) when a :class:`RequestLog` is
     attached. ``step()`` stamps ``finished_step``. Validates before mutating: on an exception
     the request and the log are unchanged."""
 
-    def __init__(self, log: EventLog | None = None, step: Callable[[], int] = lambda: 0):
+    def __init__(self, log: RequestLog | None = None, step: Callable[[], int] = lambda: 0):
         self.log = log
         self._step = step
 
@@ -311,7 +327,7 @@ class Lifecycle:
         self._append("acquired", request.request_id, (kind, cached))
         return cached
 
-    def release(self, request: RuntimeRequest, kv: Any) -> bool:
+    def release(self, request: RuntimeRequest, kv: KVCacheManager) -> bool:
         """Free the request's KV exactly once (False: it held nothing); intent and outcome
         are logged around ``kv.free``."""
         if not kv.has(request.request_id):

@@ -9,15 +9,21 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from .block_pool import OutOfBlocks
-from .engine_core import ScheduledChunk, SchedulerOutput, check_sampled
-from .request import WAITING_STATUSES, Lifecycle, RequestStatus, RuntimeRequest, stop_reason
-from .scheduler_config import SchedulerConfig
-from .spec_plan import plan_lookahead
+from kvlab.core.block_pool import OutOfBlocks
+from kvlab.core.request import (
+    WAITING_STATUSES,
+    Lifecycle,
+    RequestLog,
+    RequestStatus,
+    RuntimeRequest,
+    stop_reason,
+)
+from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.core.spec_plan import plan_lookahead
+from kvlab.core.step_records import NewRequest, ScheduledChunk, SchedulerOutput, check_sampled
 
 if TYPE_CHECKING:
-    from .event_log import EventLog
-    from .kv_cache_manager import KVCacheManager
+    from kvlab.core.kv_cache_manager import KVCacheManager, PrefixHit
 
 
 class StepPlan:
@@ -70,7 +76,7 @@ class SchedulerBase:
     compact_min_events: int = 4096   # compact the event log at this size, then when it doubles
 
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig | None = None, *,
-                 log: EventLog | None = None) -> None:
+                 log: RequestLog | None = None) -> None:
         config = config if config is not None else SchedulerConfig()
         if config.max_num_seqs > config.max_num_batched_tokens:
             raise ValueError(f"{type(self).__name__} needs max_num_seqs <= max_num_batched_tokens "
@@ -88,10 +94,12 @@ class SchedulerBase:
         self._inflight_ids: set[str] = set()
         self._ended: list[RuntimeRequest] = []  # rejected/failed, reported by update_from_output
         self._rejected_pending: list[str] = []  # rejected since the last schedule()
+        self._known: set[str] = set()           # requests the executor holds state for
+        self._finished_ids: list[str] = []      # ended since the last schedule(): to drop
         self._compact_at = self.compact_min_events  # log size that triggers the next compaction
 
     @property
-    def log(self) -> EventLog | None:   # the write-ahead log passed in; None: none kept
+    def log(self) -> RequestLog | None:   # the write-ahead log passed in; None: none kept
         return self.lifecycle.log
 
     @property
@@ -170,6 +178,7 @@ class SchedulerBase:
         self.lifecycle.cancel(request)
         in_queue.remove(request_id)
         self.lifecycle.release(request, self.kv)
+        self._executor_drops(request_id)
         return request
 
     def schedule(self) -> SchedulerOutput:
@@ -182,13 +191,19 @@ class SchedulerBase:
         self._step += 1
         plan = StepPlan(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self._schedule_into(plan)
-        if self.config.num_lookahead_tokens:
-            plan_lookahead(self, plan)    # speculative decoding's draft slots
+        if k := self.config.num_lookahead_tokens:   # speculative decoding's draft slots
+            for i, chunk, copies in plan_lookahead(plan.chunks, plan.tokens_left, k, self.kv,
+                                                   self.get_request):
+                plan.copies.extend(copies)
+                plan.replace_chunk(i, chunk)
         chunks = tuple(plan.chunks)
+        new = tuple(self._new_request(c.request_id) for c in chunks
+                    if c.request_id not in self._known)
         output = SchedulerOutput(self._step, chunks, tuple(plan.copies), tuple(plan.preempted),
                                  tuple(plan.admitted), tuple(self._rejected_pending),
-                                 sum(c.num_query_tokens for c in chunks))
-        self._rejected_pending = []
+                                 sum(c.num_query_tokens for c in chunks), new_requests=new,
+                                 finished_ids=tuple(self._finished_ids))
+        self._rejected_pending, self._finished_ids = [], []
         self._inflight = output
         self._inflight_ids = {c.request_id for c in chunks}
         return output
@@ -227,12 +242,31 @@ class SchedulerBase:
                 self.lifecycle.finish(request, reason)
                 self.running.remove(request.request_id)
                 self.lifecycle.release(request, self.kv)
+                self._executor_drops(rid)
                 ended.append(request)
         self._close_step()
         early, self._ended = self._ended, []
         if self.log is not None and len(self.log) >= self._compact_at:
             self._compact_log()
         return early + ended
+
+    def _new_request(self, request_id: str) -> NewRequest:
+        """The state of a request the executor has not seen, sent with its first chunk."""
+        r = self._requests[request_id]
+        self._known.add(request_id)
+        return NewRequest(request_id, r.prompt_token_ids, tuple(r.output_token_ids),
+                          r.max_tokens, r.max_model_len, r.stop_token_ids, r.eos_token_id,
+                          r.ignore_eos, r.sampling_params, r.seed)
+
+    def _executor_drops(self, request_id: str) -> None:
+        """An ended request: the next output tells the executor to drop its state."""
+        if request_id in self._known:
+            self._known.remove(request_id)
+            self._finished_ids.append(request_id)
+
+    def complete_copies(self, copies: Sequence[tuple[int, int]]) -> None:
+        """The executor made these copy-on-write copies: their blocks' fences lift."""
+        self.kv.complete_copies(copies)
 
     def _close_step(self) -> None:
         """End the step in flight."""
@@ -256,6 +290,7 @@ class SchedulerBase:
             self.lifecycle.fail(request, message)
             self.running.remove(rid)
             self.lifecycle.release(request, self.kv)
+            self._executor_drops(rid)
             failed.append(request)
         self._close_step()
         self._ended.extend(failed)
@@ -265,7 +300,7 @@ class SchedulerBase:
         """Drop the log events of requests that ended and hold no KV (amortised O(1))."""
         live = {rid for rid, r in self._requests.items()
                 if not r.status.is_terminal or self.kv.has(rid)}
-        self.log.compact({e.request_id for e in self.log.events} - live)  # ended or forgotten
+        self.log.compact(self.log.request_ids() - live)  # ended or forgotten
         self._compact_at = max(self.compact_min_events, 2 * len(self.log))
 
     def restore(self, requests: Sequence[RuntimeRequest], running_order: Sequence[str],
@@ -285,11 +320,10 @@ class SchedulerBase:
             self._requests[rid].admit_seq = self._next_seq()
         self._step = step
 
-    def check_invariants(self) -> None:
-        """AssertionError naming the first broken invariant (:mod:`kvlab.core.invariants`)."""
-        from .invariants import check_scheduler
-
-        check_scheduler(self)
+    @property
+    def pending_finished_ids(self) -> tuple[str, ...]:
+        """Requests that ended since the last output, which the next one tells the executor."""
+        return tuple(self._finished_ids)
 
     @property
     def inflight_ids(self) -> frozenset[str]:
@@ -319,14 +353,14 @@ class SchedulerBase:
                 request.first_token_step = self._step
         self.lifecycle.progress(request, token)
 
-    def _admit(self, plan: StepPlan, request: RuntimeRequest, cached: int, n: int) -> None:
-        """Give a waiting request its table (reusing ``cached`` prefix tokens) and a chunk."""
-        rid = request.request_id
+    def _admit(self, plan: StepPlan, request: RuntimeRequest, hit: PrefixHit, n: int) -> None:
+        """Give a waiting request its table (reusing the prefix ``hit`` found for it this
+        step) and a chunk of ``n`` tokens."""
+        rid, cached = request.request_id, hit.cached
         tokens = request.all_token_ids
         got = self.lifecycle.acquire(
-            request, "admit", lambda: self.kv.admit(rid, request.scope, tokens, cached + n))
-        if got != cached:  # the manager's lookup() and admit() disagree: a bug, not a policy
-            raise AssertionError(f"{rid}: admit reused {got} tokens, lookup said {cached}")
+            request, "admit", lambda: self.kv.admit(rid, request.scope, tokens, cached + n, hit))
+        assert got == cached, f"{rid}: admit reused {got} tokens, the hit said {cached}"
         first = request.admitted_step is None
         self.lifecycle.transition(request, S.RUNNING)
         request.num_computed_tokens = cached

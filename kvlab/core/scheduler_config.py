@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .checks import is_int
+from kvlab.core.checks import is_int
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ up to ``k + 1`` query tokens. The rules:
 * the slots come from ``kv.grow``; when the pool is short the request simply does not
   speculate this step (``k_r = 0``): lookahead never preempts anyone;
 * the executor answers with a tuple of ``1 .. k_r + 1`` tokens (accepted drafts, then the
-  corrected or bonus token); :func:`~kvlab.core.engine_core.check_sampled` validates a
+  corrected or bonus token); :func:`~kvlab.core.step_records.check_sampled` validates a
   step's answers and
   the scheduler applies them one by one (stopping at a stop token), then
   :meth:`~.kv_cache_manager.KVCacheManager.truncate` gives back the blocks past the accepted
@@ -22,14 +22,16 @@ up to ``k + 1`` query tokens. The rules:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from .block_pool import OutOfBlocks
-from .request import RuntimeRequest, stop_reason
+from kvlab.core.block_pool import OutOfBlocks
+from kvlab.core.request import RuntimeRequest, stop_reason
+from kvlab.core.step_records import ScheduledChunk
 
 if TYPE_CHECKING:
-    from .scheduler import SchedulerBase, StepPlan
+    from kvlab.core.kv_cache_manager import KVCacheManager
 
 __all__ = ["lookahead_limit", "plan_lookahead", "stop_cut"]
 
@@ -40,34 +42,33 @@ def lookahead_limit(request: RuntimeRequest, k: int) -> int:
     return max(0, min(k, request.max_kv_slots - request.num_tokens))
 
 
-def plan_lookahead(scheduler: SchedulerBase, plan: StepPlan) -> int:
-    """Give the decoding chunks of ``plan`` their lookahead slots (see the module docstring);
-    the scheduler calls it when ``num_lookahead_tokens > 0``. Returns the slots granted."""
-    k = scheduler.config.num_lookahead_tokens
-    granted = 0
-    if k <= 0:
-        return 0
-    for i, chunk in enumerate(plan.chunks):
-        if not chunk.sample or chunk.num_tokens != 1 or plan.tokens_left <= 0:
+def plan_lookahead(chunks: Sequence[ScheduledChunk], tokens_left: int, k: int,
+                   kv: KVCacheManager, get_request: Callable[[str], RuntimeRequest]
+                   ) -> list[tuple[int, ScheduledChunk, list[tuple[int, int]]]]:
+    """Lookahead slots for the decoding chunks of a planned step (see the module docstring):
+    ``(index, the chunk with its slots, copy-on-write copies)`` for each chunk granted some,
+    within ``tokens_left``. Grows those requests' tables in ``kv``."""
+    granted = []
+    for i, chunk in enumerate(chunks):
+        if not chunk.sample or chunk.num_tokens != 1 or tokens_left <= 0:
             continue
-        request = scheduler.get_request(chunk.request_id)
+        request = get_request(chunk.request_id)
         if not request.is_decoding:
             continue
-        n = min(lookahead_limit(request, k), plan.tokens_left)
+        n = min(lookahead_limit(request, k), tokens_left)
         if n <= 0:
             continue
         start = chunk.start_pos
         try:
-            copies = scheduler.kv.grow(chunk.request_id, start + 1 + n, write_from=start)
+            copies = kv.grow(chunk.request_id, start + 1 + n, write_from=start)
         except OutOfBlocks:
             continue                     # skip speculation for this request; preempt nobody
-        plan.copies.extend(copies)
-        kept, new = scheduler.kv.table_delta(chunk.request_id)   # what grow changed since
+        kept, _ = kv.table_delta(chunk.request_id)   # what grow changed since
         kept = min(kept, chunk.num_kept_blocks)
-        new = tuple(scheduler.kv.block_table(chunk.request_id)[kept:])
-        plan.replace_chunk(i, replace(chunk, new_block_ids=new, num_kept_blocks=kept,
-                                      num_lookahead=n))
-        granted += n
+        new = tuple(kv.block_table(chunk.request_id)[kept:])
+        granted.append((i, replace(chunk, new_block_ids=new, num_kept_blocks=kept,
+                                   num_lookahead=n), copies))
+        tokens_left -= n
     return granted
 
 

@@ -8,12 +8,12 @@ journal and its recovery (:mod:`.install_journal`), and seeded transfer faults
 connectors are :mod:`kvlab.engine.kv_transfer`.
 """
 
-from .channel import EntryExporter, Inbox, InProcessChannel
-from .entry import Delivery, check_delivery, decode_frame, encode_frame, make_descriptor
-from .install_journal import InstallJournal, recover_installs
-from .interfaces import KVExporter, KVSource, KVWriter, RemoteKVPolicy, TransferDecision
-from .remote_kv_scheduler import RemoteKVScheduler
-from .transfer_faults import Fault, FaultSchedule, TransferFaultInjector
+from kvlab.disagg.channel import EntryExporter, Inbox, InProcessChannel
+from kvlab.disagg.entry import Delivery, check_delivery, decode_frame, encode_frame, make_descriptor
+from kvlab.disagg.install_journal import InstallJournal, recover_installs
+from kvlab.disagg.interfaces import KVExporter, KVSource, KVWriter, RemoteKVPolicy, TransferDecision
+from kvlab.disagg.remote_kv_scheduler import RemoteKVScheduler
+from kvlab.disagg.transfer_faults import Fault, FaultSchedule, TransferFaultInjector
 
 __all__ = [
     "Delivery",

@@ -18,7 +18,7 @@ record          meaning
 ==============  =============================================================================
 
 A consumer that dies leaves the journal and the KV manager as they were (kvlab's crash model,
-as in :mod:`kvlab.recovery`). :func:`recover_installs` then says, per operation, whether
+as in :mod:`kvlab.labs.recovery`). :func:`recover_installs` then says, per operation, whether
 its blocks were **installed** (a ``committed`` record) and frees every table the operation still
 holds exactly once: a table of an uncommitted operation may hold half-written KV, and since it
 was never committed to the prefix cache nobody can read it. Records carry a CRC like the event
@@ -27,16 +27,19 @@ log's, and a duplicate operation id is refused: install is idempotent by constru
 
 from __future__ import annotations
 
+import json
 import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from kvlab.core.event_log import SimulatedCrash, canonical
-
-__all__ = ["INSTALL_RECORDS", "InstallJournal", "InstallRecord", "OpRecovery",
+__all__ = ["INSTALL_RECORDS", "InstallCrash", "InstallJournal", "InstallRecord", "OpRecovery",
            "recover_installs"]
 
 INSTALL_RECORDS = ("begin", "allocated", "written", "committed", "released")
+
+
+class InstallCrash(RuntimeError):
+    """The consumer died before writing a journal record (``InstallJournal(crash_at=...)``)."""
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,13 @@ class InstallRecord:
     checksum: int = 0
 
     def expected_checksum(self) -> int:
-        return zlib.crc32(canonical((self.index, self.kind, self.op_id, self.data)).encode())
+        record = [self.index, self.kind, self.op_id, list(self.data)]
+        return zlib.crc32(json.dumps(record, separators=(",", ":")).encode())
 
 
 class InstallJournal:
     """Append-only install records. ``crash_at``: the index before which
-    :class:`~kvlab.core.event_log.SimulatedCrash` is raised (fault injection)."""
+    :class:`InstallCrash` is raised (fault injection)."""
 
     def __init__(self, crash_at: int | None = None) -> None:
         self.records: list[InstallRecord] = []
@@ -67,7 +71,7 @@ class InstallJournal:
             raise ValueError(f"unknown install record {kind!r}")
         index = len(self.records)
         if self.crash_at is not None and index >= self.crash_at:
-            raise SimulatedCrash(f"consumer crashed before install record {index} ({kind} of "
+            raise InstallCrash(f"consumer crashed before install record {index} ({kind} of "
                                  f"{op_id})")
         rec = InstallRecord(index, kind, op_id, tuple(data))
         rec = InstallRecord(index, kind, op_id, rec.data, rec.expected_checksum())

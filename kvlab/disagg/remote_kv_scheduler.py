@@ -42,9 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.core.block_pool import OutOfBlocks
-from kvlab.core.engine_core import SchedulerOutput
-from kvlab.core.event_log import EventLog
 from kvlab.core.request import Lifecycle, RequestStatus, RuntimeRequest
+from kvlab.core.step_records import SchedulerOutput
 from kvlab.disagg.entry import Delivery, check_delivery, entry_key, make_descriptor, token_ids_hash
 from kvlab.disagg.install_journal import InstallJournal
 from kvlab.disagg.interfaces import (
@@ -89,7 +88,8 @@ class RemoteKVScheduler:
         self.source, self.writer, self.exporter = source, writer, exporter
         self.journal = journal if journal is not None else InstallJournal()
         self.clock = clock
-        self.lifecycle = Lifecycle(EventLog(), step=lambda: self.inner.step_count)
+        # parked requests' changes go to the wrapped scheduler's log, if it keeps one
+        self.lifecycle = Lifecycle(inner.log, step=lambda: self.inner.step_count)
         self.stats: Counter[str] = Counter()
         self.decisions: deque[TransferDecision] = deque(maxlen=_MEMORY)
         self._parked: dict[str, _Parked] = {}
@@ -353,11 +353,11 @@ class RemoteKVScheduler:
             return self._own.pop(request_id)
         return self.inner.forget(request_id)
 
-    def check_invariants(self) -> None:
-        """The wrapped scheduler's invariants, then: a parked request is WAITING_FOR_REMOTE_KV,
-        unknown to the wrapped scheduler and holds no KV; every KV table belongs to a request of
-        the wrapped scheduler or to a held operation whose request waits for admission."""
-        self.inner.check_invariants()
+    def check_parked(self) -> None:
+        """AssertionError unless: a parked request is WAITING_FOR_REMOTE_KV, unknown to the
+        wrapped scheduler and holds no KV; every KV table belongs to a request of the wrapped
+        scheduler or to a held operation whose request waits for admission (the wrapped
+        scheduler's own invariants: :func:`kvlab.labs.invariants.check_scheduler`)."""
         for rid, p in self._parked.items():
             assert self._own.get(rid) is p.request, f"parked {rid} not registered"
             assert p.request.status is S.WAITING_FOR_REMOTE_KV, \

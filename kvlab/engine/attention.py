@@ -1,147 +1,91 @@
-"""Paged attention over one step's flat batch, and the index tensors it reads. A step lays its
-chunks end to end in the order given; chunk ``s`` of ``q`` tokens at ``start`` attends causally
-to positions ``0 .. start+q-1`` through its block table. KV per layer:
-``[num_blocks, block_size, kv_heads, head_dim]``. Chapter 7.
+"""The attention seam: :class:`AttentionBackend`, one object chosen per engine
+(:func:`kvlab.engine.ops.select_kernels`) that runs every layer's paged attention.
+
+A backend answers two questions, each over the paged cache
+``[num_blocks, block_size, kv_heads, head_dim]``: how the *paged rows* attend (one query token
+each, through its own table: :meth:`~AttentionBackend.attend_rows`) and how the *dense chunks*
+attend (a prompt, or a long chunk behind a cached prefix: :meth:`~AttentionBackend.attend_chunks`).
+:meth:`~AttentionBackend.forward`, shared by all, stores the step's new K/V through the layer's
+:class:`~kvlab.engine.kv_cache.KVLayer` and runs both (:meth:`~AttentionBackend.attend`). The
+backends:
+
+- :class:`~kvlab.engine.attention_torch.TorchAttention`: gathers and SDPA, the definition the
+  others are tested against;
+- :class:`~kvlab.engine.attention_cpu.CpuAttention`: kvlab's compiled CPU ops;
+- :class:`~kvlab.engine.attention_triton.TritonAttention`: Triton's decode kernel on CUDA.
+
+Chapter 7 reads them in this order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import cached_property
-from itertools import accumulate, chain
-
-import numpy as np
 import torch
 
-from kvlab.kernels import triton
-from kvlab.kernels.cpu import CHUNK_OPS
+from kvlab.engine.attention_metadata import AttentionMetadata
+from kvlab.engine.kv_cache import KVLayer
 
-from .torch_attention import attend_chunks, attend_rows
-
-__all__ = ["PAGED_MAX_TOKENS", "AttentionMetadata", "RowKernel", "attend_rows", "flat_metadata",
-           "paged_attention", "write_kv"]
-
-#: with a kernel, a chunk behind a cached prefix with at most this many tokens is attended row
-#: by row through its table, as decodes are (each row re-reads the context, so long chunks stay
-#: with SDPA; the torch path's gather would copy the context once per row, so there they all do)
-PAGED_MAX_TOKENS = 16
-
-#: ``op(out, q, k_cache, v_cache, tables, lens, scale)``: row ``r`` of ``q [R, H, D]`` attends
-#: the first ``lens[r]`` positions of table ``tables[r]``, written into ``out`` (contiguous)
-RowKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                      torch.Tensor, float], None]
+__all__ = ["AttentionBackend"]
 
 
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """One step's flat batch of ``N`` token rows and ``B`` chunks, as fixed-shape tensors on
-    the model's device. Chunk ``s`` owns rows ``query_start[s] .. query_start[s+1]-1``, starts
-    at position ``start_pos[s]`` and reads table ``block_tables[s]`` (padded with block 0).
-    *Paged* rows (single-token chunks; with a kernel, short chunks behind a prefix too) attend
-    through ``paged_tables``/``paged_lens``; the ``dense`` chunks are attended whole (the
-    compiled chunk op, all in one call, or one causal SDPA each on the torch path)."""
+class AttentionBackend:
+    """The contract every attention backend keeps (see the module docstring).
 
-    input_ids: torch.Tensor       # [N] long
-    positions: torch.Tensor       # [N] long
-    slot_mapping: torch.Tensor    # [N] long, the flat slot each new K/V is written to
-    block_tables: torch.Tensor    # [B, W] long
-    query_start: tuple[int, ...]  # B + 1 row offsets
-    start_pos: tuple[int, ...]    # B
-    paged_rows: torch.Tensor      # [R] long
-    paged_tables: torch.Tensor    # [R, W'] long, the table of each paged row's chunk
-    paged_lens: torch.Tensor      # [R] long, positions + 1
-    dense: tuple[int, ...]        # the chunks attended whole (chunk op or SDPA)
-    kernel: RowKernel | None = None   # the op for the paged rows (None: torch, attend_rows)
+    ``paged_max_tokens``: a chunk behind a cached prefix with at most this many tokens is
+    attended row by row through its table, as decodes are (0: only single-token rows); the
+    metadata builder reads it."""
 
-    @property
-    def num_tokens(self) -> int:
-        return self.query_start[-1]
+    name = "abstract"
+    paged_max_tokens = 0
 
-    @cached_property
-    def last_row(self) -> tuple[int, ...]:
-        """The row of each chunk's last token."""
-        return tuple(r - 1 for r in self.query_start[1:])
+    def __eq__(self, other: object) -> bool:   # the same kind over the same ops
+        return type(other) is type(self) and vars(other) == vars(self)
 
-    @property
-    def max_position(self) -> int:
-        return max(p + self.query_start[s + 1] - self.query_start[s] - 1
-                   for s, p in enumerate(self.start_pos))
+    def __hash__(self) -> int:
+        return hash(type(self))
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
-def flat_metadata(token_ids: Sequence[Sequence[int]], start_pos: Sequence[int],
-                  block_tables: torch.Tensor, block_size: int,
-                  device: torch.device | str = "cpu", kernel: RowKernel | None = None
-                  ) -> AttentionMetadata:
-    """The metadata of chunks ``token_ids[s]`` at ``start_pos[s]`` with tables
-    ``block_tables [B, >= W]`` (CPU, long) that cover them (checked by the callers)."""
-    # numpy, not torch: torch's CPU repeat_interleave runs a parallel region even for a few
-    # rows, which cost milliseconds per step with many threads on a GPU host
-    lens = np.array([len(t) for t in token_ids], dtype=np.int64)
-    starts = np.array(start_pos, dtype=np.int64)
-    query_start = tuple(accumulate(lens.tolist(), initial=0))
-    end = int((starts + lens).max())
-    tables = block_tables[:, :-(-end // block_size)]
-    seq = np.repeat(np.arange(len(lens)), lens)                              # row -> chunk
-    positions = np.arange(query_start[-1]) - np.array(query_start[:-1])[seq] + starts[seq]
-    slots = tables.numpy()[seq, positions // block_size] * block_size + positions % block_size
-    paged = (lens == 1) | ((kernel is not None) & (starts > 0) & (lens <= PAGED_MAX_TOKENS))
-    rows = np.flatnonzero(paged[seq])
-    paged_lens = positions[rows] + 1
-    width = -(-int(paged_lens.max()) // block_size) if rows.size else 0
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVLayer,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """One layer's attention in a step: store the new ``k, v: [N, KV, D]`` through ``kv``,
+        then :meth:`attend` over what ``kv`` gives to read; ``q: [N, H, D]`` -> ``[N, H, D]``."""
+        kv.write(k, v, meta.slot_mapping)
+        k_cache, v_cache, meta = kv.view(meta)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale, kv.exact)
 
-    def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               exact: bool = True) -> torch.Tensor:
+        """Attention of the flat batch over paged caches that already hold the step's new
+        K/V: the paged rows (:meth:`attend_rows`), then the dense chunks
+        (:meth:`attend_chunks`)."""
+        out = torch.empty_like(q)
+        rows = meta.paged_rows
+        if rows.numel() == q.shape[0]:          # a decode step: every row is a paged row
+            self.attend_rows(out, q.contiguous(), k_cache, v_cache, meta.paged_tables,
+                             meta.paged_lens, scale)
+        elif rows.numel():
+            o = q.new_empty((rows.numel(), *q.shape[1:]))
+            self.attend_rows(o, q.index_select(0, rows), k_cache, v_cache, meta.paged_tables,
+                             meta.paged_lens, scale)
+            out.index_copy_(0, rows, o)
+        if meta.dense:
+            self.attend_chunks(out, q, k, v, k_cache, v_cache, meta, scale, exact)
+        return out
 
-    return AttentionMetadata(
-        input_ids=torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.long,
-                               device=device),
-        positions=dev(positions), slot_mapping=dev(slots), block_tables=tables.to(device),
-        query_start=query_start, start_pos=tuple(start_pos), paged_rows=dev(rows),
-        paged_tables=tables[:, :width][torch.from_numpy(seq[rows])].to(device),
-        paged_lens=dev(paged_lens), dense=tuple(np.flatnonzero(~paged).tolist()),
-        kernel=kernel)
+    def attend_rows(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                    scale: float) -> None:
+        """Row ``r`` of ``q [R, H, D]`` attends the first ``lens[r]`` positions of table
+        ``tables[r]``, written into ``out [R, H, D]`` (contiguous)."""
+        raise NotImplementedError
 
-
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store new ``k, v: [N, kv_heads, D]`` at flat slots ``slot_mapping: [N]`` (in place)."""
-    if k_cache.is_cuda and triton.available():
-        triton.store_kv(k_cache, v_cache, k, v, slot_mapping)
-        return
-    kv_heads, dim = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, v)
-
-
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-                    ) -> torch.Tensor:
-    """Attention of the flat batch; ``q: [N, H, D]``, new ``k, v: [N, KV, D]`` -> ``[N, H, D]``.
-    :func:`write_kv` must have run first. Two branches: the paged rows (``meta.kernel`` or
-    :func:`attend_rows`), then the dense chunks: one call of the compiled chunk op that came
-    with ``meta.kernel`` (:data:`kvlab.kernels.cpu.CHUNK_OPS`), else one SDPA each
-    (:func:`~kvlab.engine.torch_attention.attend_chunks`)."""
-    num, _, dim = q.shape
-    out = torch.empty_like(q)
-    every = meta.paged_rows.numel() == num
-    if meta.paged_rows.numel():
-        qr = q.contiguous() if every else q.index_select(0, meta.paged_rows)
-        if meta.kernel is not None:
-            assert q.dtype == k_cache.dtype == v_cache.dtype, "one dtype"
-            o = out if every else torch.empty_like(qr)
-            meta.kernel(o, qr, k_cache, v_cache, meta.paged_tables, meta.paged_lens,
-                        float(scale))
-        else:
-            o = attend_rows(qr, k_cache, v_cache, meta.paged_tables, meta.paged_lens, scale)
-        if every:
-            out = o
-        else:
-            out.index_copy_(0, meta.paged_rows, o)
-    chunk_op = CHUNK_OPS.get(meta.kernel) if meta.dense and dim % 4 == 0 else None
-    if chunk_op is not None:   # every dense chunk in one call, read through the tables
-        chunk_op(out, q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.start_pos,
-                 meta.dense, float(scale))
-    elif meta.dense:
-        attend_chunks(out, q, k, v, k_cache, v_cache, meta, scale)
-    return out
+    def attend_chunks(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, exact: bool) -> None:
+        """Write the causal attention of every dense chunk of ``meta`` into ``out [N, H, D]``.
+        A fresh prompt attends its own new ``k, v``; a chunk behind a cached prefix reads the
+        prefix and itself through its table. ``exact``: the cache gives back exactly what was
+        written, so a fresh prompt may read itself from the cache too."""
+        raise NotImplementedError

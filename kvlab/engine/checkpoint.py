@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .config import ConfigError, ModelConfig, parse_token_ids
-from .model import LlamaModel
+from kvlab.engine.config import ConfigError, ModelConfig, parse_token_ids
+from kvlab.engine.model import LlamaModel
 
 __all__ = ["CheckpointError", "LoadedCheckpoint", "load_checkpoint", "resolve_model_path"]
 

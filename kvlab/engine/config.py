@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from kvlab.core.checks import is_int
-
-from .sampler import is_real
+from kvlab.core.sampling_params import is_real
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ConfigError", "ModelConfig", "RopeConfig", "parse_token_ids"]
 

@@ -8,8 +8,8 @@ addresses never change; each step copies its batch into them and replays. A grap
 the batch size, so :class:`DecodeGraphs` captures a *ladder* of sizes and pads each batch up
 to the next one (:func:`padded_size`).
 
-What is captured: ``model(meta, kv_layers)`` over rows of one token each (every chunk a
-decode), with the step's flat metadata (:class:`~kvlab.engine.attention.AttentionMetadata`)
+What is captured: ``model(meta, kv_layers, kernels)`` over rows of one token each (every chunk a
+decode), with the step's flat metadata (:class:`~kvlab.engine.attention_metadata.AttentionMetadata`)
 pointing into the static buffers: token ids, positions, slot mapping, block tables and
 sequence lengths, sized for the largest size and ``ceil(max_model_len / block_size)`` table
 columns. The final-normed hidden states land in a static output buffer; the runner selects the
@@ -41,8 +41,9 @@ from typing import Protocol
 
 import torch
 
-from .attention import AttentionMetadata, RowKernel
-from .model import LlamaModel
+from kvlab.engine.attention_metadata import AttentionMetadata
+from kvlab.engine.model import LlamaModel
+from kvlab.engine.ops import Kernels
 
 __all__ = ["MAX_CAPTURE_SIZE", "CudaGraphCapture", "DecodeGraphs", "EagerCapture",
            "GraphCounter", "capture_sizes", "counter", "padded_size"]
@@ -128,10 +129,10 @@ class DecodeGraphs:
 
     ``scratch_block``: a block of the cache no request ever owns (padded rows write there).
     ``max_model_len`` sizes the tables (``ceil(max_model_len / block_size)`` columns) and bounds
-    the positions; ``kernel``: the runner's paged-row op. ``capture``: :class:`CudaGraphCapture`
+    the positions; ``kernels``: the runner's. ``capture``: :class:`CudaGraphCapture`
     on CUDA, :class:`EagerCapture` elsewhere (the default follows the model's device)."""
 
-    def __init__(self, model: LlamaModel, kv_layers: Sequence, kernel: RowKernel | None, *,
+    def __init__(self, model: LlamaModel, kv_layers: Sequence, kernels: Kernels, *,
                  sizes: Sequence[int], block_size: int, max_model_len: int, scratch_block: int,
                  capture: type[EagerCapture] | type[CudaGraphCapture] | None = None):
         if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
@@ -140,7 +141,8 @@ class DecodeGraphs:
         dev = model.device
         if capture is None:
             capture = CudaGraphCapture if dev.type == "cuda" else EagerCapture
-        self.model, self.kv_layers, self.sizes = model, kv_layers, tuple(sizes)
+        self.model, self.kv_layers, self.kernels = model, kv_layers, kernels
+        self.sizes = tuple(sizes)
         self.scratch_slot = scratch_block * block_size
         self.scratch_block, self.max_model_len = scratch_block, max_model_len
         top, width = self.sizes[-1], -(-max_model_len // block_size)
@@ -156,12 +158,11 @@ class DecodeGraphs:
             self.graphs: dict[int, Capture] = {}
             pool = None
             for b in reversed(self.sizes):   # largest first: the others reuse its pool
-                graph = capture(functools.partial(self._forward, self._metadata(b, kernel)),
-                                pool)
+                graph = capture(functools.partial(self._forward, self._metadata(b)), pool)
                 self.graphs[b], pool = graph, graph.pool
                 counter.captured += 1
 
-    def _metadata(self, b: int, kernel: RowKernel | None) -> AttentionMetadata:
+    def _metadata(self, b: int) -> AttentionMetadata:
         """The static metadata of ``b`` single-token rows: views of the buffers. Its start
         positions are a bound on every position (``max_model_len - 1``), all the forward reads
         of them (``max_position``, which selects the RoPE table)."""
@@ -170,11 +171,11 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b],
             query_start=tuple(range(b + 1)), start_pos=(self.max_model_len - 1,) * b,
             paged_rows=self.rows[:b], paged_tables=self.block_tables[:b],
-            paged_lens=self.seq_lens[:b], dense=(), kernel=kernel)
+            paged_lens=self.seq_lens[:b], dense=())
 
     def _forward(self, meta: AttentionMetadata) -> None:
         b = meta.num_tokens
-        self.hidden[:b].copy_(self.model(meta, self.kv_layers))
+        self.hidden[:b].copy_(self.model(meta, self.kv_layers, self.kernels))
 
     def fits(self, meta: AttentionMetadata) -> bool:
         """Whether ``meta`` is a decode step a captured graph can run: one token per chunk, at
@@ -187,16 +188,15 @@ class DecodeGraphs:
             return False
         return True
 
-    def __call__(self, meta: AttentionMetadata, kv_layers: Sequence,
-                 rows: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, meta: AttentionMetadata, rows: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         """:meth:`LlamaModel.forward <kvlab.engine.model.LlamaModel.forward>` of a step that
-        :meth:`fits` (``kv_layers`` must be the captured ones): the final-normed hidden states
-        of ``rows`` (all when None). The inputs are copied into the buffers, rows a larger
-        batch left become padding again, and the padded size's graph replays."""
+        :meth:`fits`, over the captured KV layers with the captured kernels: the final-normed
+        hidden states of ``rows`` (all when None). The inputs are copied into the buffers, rows
+        a larger batch left become padding again, and the padded size's graph replays."""
         n = meta.num_tokens
         b = padded_size(self.sizes, n)
         assert b is not None and n == len(meta.start_pos), "call fits() first"
-        assert kv_layers is self.kv_layers, "the graphs write the cache they captured"
         self.input_ids[:n].copy_(meta.input_ids)
         self.positions[:n].copy_(meta.positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["IncrementalDetokenizer", "StopStringMatcher", "TextStream", "check_stop"]
+from kvlab.core.sampling_params import check_stop
+
+__all__ = ["IncrementalDetokenizer", "StopStringMatcher", "TextStream"]
 
 REPLACEMENT = "\ufffd"
 
@@ -70,19 +72,6 @@ class IncrementalDetokenizer:
     def pending(self) -> int:
         """Tokens whose text is held back."""
         return len(self.token_ids) - self._read
-
-
-def check_stop(stop: str | Sequence[str] | None, name: str = "stop") -> tuple[str, ...]:
-    """``stop`` (None, a str, or a list of str) as a tuple; ValueError naming ``name`` for
-    anything else or an empty string (it would match before the first character)."""
-    if stop is None:
-        return ()
-    items = [stop] if isinstance(stop, str) else stop
-    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
-        raise ValueError(f"{name} must be a string or a list of strings, got {stop!r}")
-    if any(not s for s in items):
-        raise ValueError(f"{name} may not contain an empty string")
-    return tuple(dict.fromkeys(items))
 
 
 class StopStringMatcher:

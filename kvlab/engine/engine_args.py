@@ -23,9 +23,8 @@ from kvlab.core.checks import is_int
 
 if TYPE_CHECKING:
     from kvlab.core.interfaces import Scheduler
-
-    from .checkpoint import LoadedCheckpoint
-    from .llm_engine import Tokenizer
+    from kvlab.engine.checkpoint import LoadedCheckpoint
+    from kvlab.engine.tokenizer import Tokenizer
 
 #: Default KV budget on CPU when ``num_blocks`` is None (bytes). On CUDA the default is half of
 #: the device memory free after loading the weights.
@@ -73,7 +72,7 @@ class EngineArgs:
     ``"fp8_e4m3"``): :mod:`kvlab.engine.quantization`. ``enforce_eager`` (vLLM's name): no
     CUDA graphs; by default an engine on CUDA captures its decode forward
     (:mod:`kvlab.engine.cuda_graphs`). The spec's invariants after every step are an observer
-    attached from outside: :func:`kvlab.invariants.check_every_step`.
+    attached from outside: :func:`kvlab.labs.invariants.check_every_step`.
     """
 
     model: str | Path | LoadedCheckpoint
@@ -145,7 +144,7 @@ def check_engine_args(args: EngineArgs) -> None:
     """Check the plain arguments of ``args`` (device and dtype are resolved by
     :func:`resolve_device` / :func:`resolve_dtype`; a blank model name is refused where names
     are resolved, :func:`~kvlab.engine.checkpoint.resolve_model_path`)."""
-    from .checkpoint import LoadedCheckpoint
+    from kvlab.engine.checkpoint import LoadedCheckpoint
 
     model, block_size, seed = args.model, args.block_size, args.seed
     max_num_seqs, max_num_batched_tokens = args.max_num_seqs, args.max_num_batched_tokens

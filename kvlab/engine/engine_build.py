@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,18 +20,16 @@ from kvlab.core.interfaces import Scheduler
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.kernels.cpu_linear import pack_linears, packed_linear
-
-from .checkpoint import LoadedCheckpoint
-from .config import ModelConfig
-from .engine_args import EngineArgs, resolve_device, resolve_dtype, size_kv_cache
-from .fused_ops import bind_layer_ops
-from .model_runner import ModelRunner
-from .quantization.setup import EngineQuantization
-from .spec_decode.setup import Speculator
-
-if TYPE_CHECKING:
-    from .llm_engine import Tokenizer
+from kvlab.engine.checkpoint import LoadedCheckpoint
+from kvlab.engine.config import ModelConfig
+from kvlab.engine.engine_args import EngineArgs, resolve_device, resolve_dtype, size_kv_cache
+from kvlab.engine.linear import select_linear_method
+from kvlab.engine.model_runner import ModelRunner
+from kvlab.engine.ops import select_kernels
+from kvlab.engine.quantization.setup import EngineQuantization
+from kvlab.engine.spec_decode.setup import Speculator
+from kvlab.engine.structured_outputs.manager import StructuredOutputManager
+from kvlab.engine.tokenizer import Tokenizer, load_tokenizer
 
 
 def make_scheduler(kind: str | Callable[..., Scheduler], kv: KVCacheManager,
@@ -48,7 +46,7 @@ def parse_kv_transfer(kv_transfer_config: dict | None, enable_prefix_caching: bo
     """The parsed ``KVTransferConfig`` (chapter 10), or None; ValueError for a bad one."""
     if kv_transfer_config is None:
         return None
-    from .kv_transfer import KVTransferConfig
+    from kvlab.engine.kv_transfer import KVTransferConfig
     parsed = KVTransferConfig.parse(kv_transfer_config)
     if parsed.consume and not enable_prefix_caching:
         raise ValueError("a kv_consumer installs remote KV through the prefix cache: "
@@ -75,11 +73,11 @@ def capture_decode_graphs(executor: ModelRunner, cache: Any, max_num_seqs: int,
     ``max_num_seqs``; a capture that fails leaves the engine eager, with a warning."""
     import warnings
 
-    from .cuda_graphs import DecodeGraphs, capture_sizes, counter
+    from kvlab.engine.cuda_graphs import DecodeGraphs, capture_sizes, counter
     counter.capture_error = None
     try:
         executor.graphs = DecodeGraphs(
-            executor.model, cache.layers, executor.kernel, sizes=capture_sizes(max_num_seqs),
+            executor.model, cache.layers, executor.kernels, sizes=capture_sizes(max_num_seqs),
             block_size=cache.block_size, max_model_len=max_model_len,
             scratch_block=scratch_block)
     except Exception as error:  # a GPU run must still produce results: eager, and say why
@@ -158,13 +156,13 @@ class EngineParts:
     kv_transfer: Any                # KVTransfer (chapter 10) or None
     executor: ModelRunner
     eos_token_ids: tuple[int, ...]
+    structured_outputs: StructuredOutputManager
 
 
-def build_parts(a: EngineArgs, load_tokenizer: Callable[[Path], Tokenizer | None]
-                ) -> EngineParts:
+def build_parts(a: EngineArgs) -> EngineParts:
     """Build an engine's parts from ``a`` in dependency order; every argument is checked before
-    the part it shapes is allocated. ``load_tokenizer`` reads the model directory's tokenizer
-    (unless ``a.tokenizer`` is given)."""
+    the part it shapes is allocated; the tokenizer is the model directory's unless
+    ``a.tokenizer`` is given."""
     quant = EngineQuantization.resolve(a.quantization, a.quantization_group_size,
                                        a.kv_cache_dtype)
     transfer = parse_kv_transfer(a.kv_transfer_config, a.enable_prefix_caching, quant)
@@ -183,11 +181,10 @@ def build_parts(a: EngineArgs, load_tokenizer: Callable[[Path], Tokenizer | None
         max_model_len=max_model_len, device=dev)
     ckpt.model.prepare_rope(max_model_len)
     drafts = (speculator.draft.model,) if speculator and speculator.draft else ()
-    for model in (ckpt.model, *drafts):   # CPU: oneDNN, weights packed once (cpu_linear)
-        pack_linears(model)               # (an untied lm_head is one of them)
-        if model.lm_head is None:         # tied: the logits' matmul over the embedding
-            model.tied_head = packed_linear(model.embed.weight)
-        bind_layer_ops(model)             # compiled norms, RoPE, SiLU-and-mul (CUDA: Triton)
+    linear = select_linear_method(dev, dtype)    # CPU: oneDNN, each weight packed once
+    for model in (ckpt.model, *drafts):
+        model.use_linear_method(linear)
+    kernels = select_kernels(dev, dtype)         # attention backend and layer ops
     graphs = use_decode_graphs(a, dev, quant, speculator)
     # with graphs, one block past the manager's: the padded rows' scratch block
     cache = quant.make_kv_cache(cfg, size.num_blocks + graphs, a.block_size, dtype, dev)
@@ -203,14 +200,17 @@ def build_parts(a: EngineArgs, load_tokenizer: Callable[[Path], Tokenizer | None
     scheduler = make_scheduler(a.scheduler, kv, scheduler_config)
     kv_transfer = None
     if transfer is not None:   # prefill/decode disaggregation (chapter 10)
-        from .kv_transfer import KVPayloadCodec, KVTransfer, engine_model_fields
+        from kvlab.engine.kv_transfer import KVPayloadCodec, KVTransfer, engine_model_fields
         kv_transfer = KVTransfer(transfer, KVPayloadCodec(cache),
                                  engine_model_fields(ckpt.weights_hash, cfg, dtype))
         scheduler = kv_transfer.wrap(scheduler)
-    executor = Speculator.make_executor(speculator, ckpt.model, cache, max_model_len)
+    eos = tuple(dict.fromkeys(cfg.eos_token_ids + ckpt.generation_eos))
+    structured = StructuredOutputManager(tokenizer, cfg.vocab_size, eos)
+    executor = Speculator.make_executor(speculator, ckpt.model, cache, max_model_len, kernels,
+                                        structured, eos)
     if graphs:
         capture_decode_graphs(executor, cache, scheduler_config.max_num_seqs, max_model_len,
                               scratch_block=size.num_blocks)
     return EngineParts(quant, ckpt, tokenizer, dev, dtype, speculator, max_model_len,
                        size.num_blocks, cache, kv, scheduler_config, scheduler, kv_transfer,
-                       executor, tuple(dict.fromkeys(cfg.eos_token_ids + ckpt.generation_eos)))
+                       executor, eos, structured)

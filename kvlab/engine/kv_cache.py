@@ -1,18 +1,67 @@
-"""The KV cache tensors: one K and one V tensor per layer, paged into fixed-size blocks.
+"""The KV cache tensors, paged into fixed-size blocks, and the one interface attention reads a
+layer's KV through (:class:`KVLayer`, which the quantized cache implements too).
 
 Layout: a single tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``; layer ``l``'s
 K is ``data[l, 0]`` and V is ``data[l, 1]``, each ``[num_blocks, block_size, kv_heads,
 head_dim]``. Which request owns which block is decided by :mod:`kvlab.core` (block tables); this
-module only holds the payload and performs copy-on-write copies.
+module only holds the payload: it writes a step's new K/V and performs copy-on-write copies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 
-__all__ = ["PagedKVCache", "blocks_for_budget"]
+from kvlab.engine.attention_metadata import AttentionMetadata
+from kvlab.kernels import triton
+
+__all__ = ["KVLayer", "PagedKVCache", "PagedKVLayer", "blocks_for_budget", "write_kv"]
+
+
+class KVLayer(Protocol):
+    """One layer's KV as attention sees it. ``exact``: reads give back exactly what was written
+    (False for a quantized cache, whose reads are rounded)."""
+
+    exact: bool
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store the step's new ``k, v: [N, kv_heads, D]`` at flat slots ``slot_mapping``."""
+        ...
+
+    def view(self, meta: AttentionMetadata
+             ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """``(k_cache, v_cache, meta)``: paged tensors ``[blocks, block_size, kv_heads, D]`` in
+        the compute dtype holding every block ``meta`` reads, and ``meta`` indexing them."""
+        ...
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new ``k, v: [N, kv_heads, D]`` at flat slots ``slot_mapping: [N]`` (in place):
+    ``index_copy_``, or on CUDA the Triton store kernel (one program per token)."""
+    if k_cache.is_cuda and triton.available():
+        triton.store_kv(k_cache, v_cache, k, v, slot_mapping)
+        return
+    kv_heads, dim = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, v)
+
+
+class PagedKVLayer(NamedTuple):
+    """One layer of a :class:`PagedKVCache`: views of its K and V (``k, v = layer`` unpacks)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    exact = True          # (a class attribute, not a field: the layer unpacks into K and V)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        write_kv(self.k, self.v, k, v, slot_mapping)
+
+    def view(self, meta: AttentionMetadata
+             ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        return self.k, self.v, meta
 
 
 def blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
@@ -28,15 +77,12 @@ def blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
 
 def copy_indices(copies: Sequence[tuple[int, int]], num_blocks: int, device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(source ids, destination ids) of copy-on-write ``copies`` as index tensors. ValueError
-    when an id is outside ``0..num_blocks-1`` or a destination repeats."""
+    """(source ids, destination ids) of copy-on-write ``copies`` (from the block pool: ids in
+    ``0..num_blocks-1``, no destination twice) as index tensors."""
     src = [int(s) for s, _ in copies]
     dst = [int(d) for _, d in copies]
-    bad = [b for b in src + dst if not 0 <= b < num_blocks]
-    if bad:
-        raise ValueError(f"copy_blocks: block ids {bad} outside 0..{num_blocks - 1}")
-    if len(set(dst)) != len(dst):
-        raise ValueError(f"copy_blocks: a destination block repeats in {list(copies)}")
+    assert all(0 <= b < num_blocks for b in src + dst), "copy_blocks: ids outside the cache"
+    assert len(set(dst)) == len(dst), f"copy_blocks: a destination repeats in {list(copies)}"
     return torch.tensor(src, device=device), torch.tensor(dst, device=device)
 
 
@@ -55,8 +101,7 @@ class PagedKVCache:
         self.block_size = block_size
         self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
+        self.layers = [PagedKVLayer(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
 
     @property
     def nbytes(self) -> int:
@@ -71,7 +116,6 @@ class PagedKVCache:
         """Copy every ``(src, dst)`` block's K and V in all layers (copy-on-write payload).
 
         Sources are read before any destination is written, so chains are well defined.
-        ValueError (and nothing copied) when an index is out of range or a dst repeats.
         """
         if not copies:
             return

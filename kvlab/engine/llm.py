@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from .engine_args import EngineArgs
-from .llm_engine import LLMEngine, Prompt
-from .outputs import RequestOutput
-from .sampler import SamplingParams
+from kvlab.core.sampling_params import SamplingParams
+from kvlab.engine.engine_args import EngineArgs
+from kvlab.engine.llm_engine import LLMEngine, Prompt, TokenizedPrompt
+from kvlab.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from .metrics import Metric
+    from kvlab.engine.metrics import Metric
 
 __all__ = ["LLM"]
 
@@ -30,7 +30,7 @@ class LLM:
 
     def get_metrics(self) -> list[Metric]:
         """The engine's counters in vLLM's shape (:func:`kvlab.engine.metrics.engine_metrics`)."""
-        from .metrics import engine_metrics
+        from kvlab.engine.metrics import engine_metrics
 
         return engine_metrics(self.engine)
 
@@ -40,7 +40,7 @@ class LLM:
 
     def quantization_report(self):
         """Spec rule 7's five facts, weight and KV bytes (:mod:`kvlab.engine.quantization`)."""
-        from .quantization.report import engine_report
+        from kvlab.engine.quantization.report import engine_report
 
         return engine_report(self.engine)
 
@@ -61,17 +61,20 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         engine = self.engine
-        for p, sp in zip(prompts, params, strict=True):  # validate all before queueing any
+        checked = []                  # validate (and encode) all before queueing any
+        for p, sp in zip(prompts, params, strict=True):
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
-            engine.validate_request(p, sp)
+            text, token_ids, sp = engine.validate_request(p, sp)
+            checked.append((TokenizedPrompt(text, token_ids), sp))
         ids, done = [], {}     # request ids in prompt order; their final outputs
         bar = tqdm(total=len(prompts), desc="Processed prompts", unit="req",
                    disable=None if use_tqdm else True)
         try:
-            for p, sp in zip(prompts, params, strict=True):
-                ids.append(rid := self._next_id())   # aborted if anything below raises
-                engine.add_request(rid, p, sp)
+            for prompt, sp in checked:
+                rid = self._next_id()
+                ids.append(rid)                      # aborted if anything below raises
+                engine.add_request(rid, prompt, sp)
             mine = set(ids)
             while len(done) < len(ids):
                 foreign = []

@@ -1,25 +1,23 @@
-"""LLMEngine: requests in, one engine-core step per ``step()``, outputs out; and the text
-boundary where prompts are encoded (:class:`Tokenizer`). It owns what the scheduler and the
-runner should not know: text, sampling parameters, the ``n`` samples of a request (``r``,
-``r#1``, ... with seeds ``s + i``, fanned out at admission as in vLLM v1) and timestamps.
-A bad request raises, naming the problem, and changes nothing.
+"""LLMEngine: requests in, one engine-core step per ``step()``, outputs out. It is the public
+boundary where requests are checked and prompts encoded (once each), and it owns what the
+scheduler and the runner should not know: text, the ``n`` samples of a request (``r``, ``r#1``,
+... with seeds ``s + i``, fanned out at admission as in vLLM v1) and timestamps. What the
+runner needs of a request travels in the scheduler's output. A bad request raises, naming the
+problem, and changes nothing.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 from kvlab.core.engine_core import EngineCore
 from kvlab.core.request import RuntimeRequest
-
-from .checkpoint import tokenizer_hash
-from .engine_args import SEED_MOD, EngineArgs
-from .engine_build import build_parts, engine_cache_scope
-from .outputs import (
+from kvlab.core.sampling_params import SamplingParams
+from kvlab.engine.engine_args import SEED_MOD, EngineArgs
+from kvlab.engine.engine_build import build_parts, engine_cache_scope
+from kvlab.engine.outputs import (
     EngineStats,
     OutputProcessor,
     RequestMetrics,
@@ -27,74 +25,23 @@ from .outputs import (
     RequestState,
     SampleState,
 )
-from .sampler import SamplerState, SamplingParams
-from .snapshot import StepTrace
-from .structured_outputs.manager import StructuredOutputManager
+from kvlab.engine.snapshot import StepTrace
 
-__all__ = ["LLMEngine", "Prompt", "Tokenizer", "load_tokenizer"]
+__all__ = ["LLMEngine", "Prompt", "TokenizedPrompt"]
 
-Prompt = str | Sequence[int]
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A prompt encoded once (:meth:`LLMEngine.validate_request`): ``text`` (None for token
+    ids) and its ``token_ids``. :meth:`LLMEngine.add_request` takes it without encoding again."""
+
+    text: str | None
+    token_ids: tuple[int, ...]
+
+
+Prompt = str | Sequence[int] | TokenizedPrompt
 
 _SAMPLE_SEP = "#"  # sample i > 0 of request "r" runs as request "r#i"
-
-
-def _nonblank_path(value: str | Path, name: str) -> Path:
-    """``value`` as a Path; ValueError for a blank str (``Path("")`` means the current dir)."""
-    if isinstance(value, str) and not value.strip():
-        raise ValueError(f"{name} must name a file or a directory, got {value!r} "
-                         "(pass '.' for the current directory)")
-    return Path(value)
-
-
-class Tokenizer:
-    """Text to token ids and back over a ``tokenizer.json`` (file or directory; no network);
-    ``hash`` identifies it in prefix-cache scopes."""
-
-    def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer as _HFTokenizer
-
-        file = _nonblank_path(path, "Tokenizer: path")
-        if file.is_dir():
-            file = file / "tokenizer.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"no tokenizer.json at {str(path)!r}")
-        try:
-            self._tok = _HFTokenizer.from_file(str(file))
-        except Exception as err:  # tokenizers raises a bare Exception subclass
-            raise ValueError(f"{file}: cannot parse tokenizer ({err})") from None
-        self.hash, self.path = tokenizer_hash(file), file
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        if not isinstance(text, str):
-            raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
-    def get_vocab(self) -> dict[str, int]:
-        """Token string (its own encoding: ``Ġthe``, ``▁the``, ``<0x0A>``) -> id, added ones too."""
-        return self._tok.get_vocab(with_added_tokens=True)
-
-    @property
-    def special_token_ids(self) -> tuple[int, ...]:
-        """Ids of the added special tokens (BOS, EOS, ...), which ``decode`` drops."""
-        added = self._tok.get_added_tokens_decoder()
-        return tuple(sorted(i for i, t in added.items() if t.special))
-
-    @property
-    def decoder_config(self) -> dict | None:
-        """The ``decoder`` section of ``tokenizer.json`` (how token strings turn into text)."""
-        return json.loads(self._tok.to_str()).get("decoder")
-
-
-def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
-    """The tokenizer of a model directory, or None when it ships no ``tokenizer.json``."""
-    path = _nonblank_path(model_dir, "load_tokenizer: model_dir") / "tokenizer.json"
-    return Tokenizer(path) if path.is_file() else None
 
 
 class LLMEngine:
@@ -105,24 +52,33 @@ class LLMEngine:
         if not isinstance(args, EngineArgs):
             raise TypeError(f"LLMEngine takes an EngineArgs, got {type(args).__name__} "
                             "(LLMEngine(EngineArgs(model, ...)); LLM(model, ...) builds one)")
-        p = build_parts(args, load_tokenizer)   # engine_build.py, in dependency order
-        self.args, self.quantization, self.checkpoint = args, p.quantization, p.checkpoint
-        self.model, self.config, self.tokenizer = p.checkpoint.model, p.checkpoint.config, \
-            p.tokenizer
-        self.device, self.dtype, self.speculator = p.device, p.dtype, p.speculator
-        self.max_model_len, self.block_size, self.num_blocks = \
-            p.max_model_len, args.block_size, p.num_blocks
-        self.cache, self.kv, self.scheduler_config = p.cache, p.kv, p.scheduler_config
-        self.scheduler, self.kv_transfer, self.executor = p.scheduler, p.kv_transfer, p.executor
+        p = build_parts(args)   # engine_build.py, in dependency order
+        self.args = args
+        self.quantization = p.quantization
+        self.checkpoint = p.checkpoint
+        self.model = p.checkpoint.model
+        self.config = p.checkpoint.config
+        self.tokenizer = p.tokenizer
+        self.device = p.device
+        self.dtype = p.dtype
+        self.speculator = p.speculator
+        self.max_model_len = p.max_model_len
+        self.block_size = args.block_size
+        self.num_blocks = p.num_blocks
+        self.cache = p.cache
+        self.kv = p.kv
+        self.scheduler_config = p.scheduler_config
+        self.scheduler = p.scheduler
+        self.kv_transfer = p.kv_transfer
+        self.executor = p.executor
         self.eos_token_ids = p.eos_token_ids
+        self.structured_outputs = p.structured_outputs
         self.core = EngineCore(self.scheduler, self.executor)
         self._arrivals = 0
         self._scopes: dict[str, tuple] = {}   # security domain -> prefix-cache scope
         self._ending: dict[str, tuple[str, ...]] = {}   # aborted request id -> its sample ids
         self.last_trace: StepTrace | None = None
         self.stats = EngineStats()
-        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.vocab_size,
-                                                          self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer.decode if self.tokenizer else None)
         self.clock: Callable[[], float] = time.monotonic
         self.cache_scope()   # the default tenant's scope, built once here
@@ -140,8 +96,13 @@ class LLMEngine:
         return scope
 
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, tuple[int, ...]]:
-        """(text or None, token ids) of a prompt; ValueError/TypeError naming the problem."""
-        if isinstance(prompt, str):
+        """(text or None, token ids) of a prompt (a str is encoded, a :class:`TokenizedPrompt`
+        is not again); ValueError/TypeError naming the problem."""
+        if isinstance(prompt, TokenizedPrompt):
+            text, ids = prompt.text, tuple(prompt.token_ids)
+            if not all(type(t) is int for t in ids):
+                raise TypeError("prompt token ids must be ints")
+        elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer.json: pass prompts as token ids")
             text, ids = prompt, tuple(self.tokenizer.encode(prompt))
@@ -160,29 +121,28 @@ class LLMEngine:
         return text, ids
 
     def _runtime_request(self, state: RequestState, sample: SampleState, scope: tuple,
-                         seed: int) -> tuple[RuntimeRequest, SamplerState]:
-        """The scheduler's request for ``sample`` and the runner's sampler state for it."""
+                         seed: int) -> RuntimeRequest:
+        """The scheduler's request for ``sample``; its sampling params and seed travel on to
+        the runner in the scheduler's output."""
         p = state.params
         stops = set(p.stop_token_ids)
         if not p.ignore_eos:
             stops.update(self.eos_token_ids[1:])  # extra eos ids act as stop tokens
-        masked = stops if p.ignore_eos else stops | set(self.eos_token_ids[:1])  # min_tokens
-        sampler = SamplerState.create(p if not sample.index else replace(p, prompt_logprobs=None),
-                                      (seed + sample.index) % SEED_MOD, self.device,
-                                      state.prompt_token_ids, sorted(masked))
         if p.structured_outputs is not None:
             stops.update(self.structured_outputs.stop_token_ids_for(p))  # ends at EOS
-            sampler.grammar = self.structured_outputs.new_state(p)  # one per sample (n > 1)
         return RuntimeRequest(
             sample.seq_id, state.prompt_token_ids, p.max_tokens, scope, frozenset(stops),
             self.eos_token_ids[0] if self.eos_token_ids else None, p.ignore_eos,
-            arrival_time=state.metrics.arrival_time, max_model_len=self.max_model_len), sampler
+            arrival_time=state.metrics.arrival_time, max_model_len=self.max_model_len,
+            sampling_params=p if not sample.index else replace(p, prompt_logprobs=None),
+            seed=(seed + sample.index) % SEED_MOD)
 
     def validate_request(self, prompt: Prompt, params: SamplingParams | None = None,
                          request_id: str | None = None
                          ) -> tuple[str | None, tuple[int, ...], SamplingParams]:
         """:meth:`add_request`'s checks (a duplicate id it checks under the lock), queueing
-        nothing: ``(text or None, token ids, params)``, or ValueError / TypeError naming it."""
+        nothing: ``(text or None, token ids, params)``, or ValueError / TypeError naming it.
+        Pass ``TokenizedPrompt(text, token_ids)`` on to :meth:`add_request` to encode once."""
         if request_id is not None:
             if not isinstance(request_id, str) or not request_id:
                 raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -235,10 +195,8 @@ class LLMEngine:
                 SampleState(request_id if i == 0 else f"{request_id}{_SAMPLE_SEP}{i}", i,
                             [] if params.logprobs is not None else None)
                 for i in range(params.n)]
-            requests = [self._runtime_request(state, s, scope, seed) for s in state.samples]
-            for request, sampler in requests:   # validated above: these cannot raise
-                self.executor.add_request(request, sampler)
-                self.core.add_request(request)
+            for sample in state.samples:   # validated above: these cannot raise
+                self.core.add_request(self._runtime_request(state, sample, scope, seed))
             self.outputs.add(state)
             self._arrivals += 1
 
@@ -256,8 +214,6 @@ class LLMEngine:
             ids = tuple(s.seq_id for s in state.samples)
             if any(self.scheduler.find_request(sid) is not None for sid in ids):
                 self._ending[request_id] = ids     # aborted mid-step: gone when it ends
-            else:
-                self.executor.remove_requests(ids)
             state.metrics.finished_time = self.clock()
             out = self.outputs.make_output(state, force_finished=True)
             self.outputs.drop(state)
@@ -298,7 +254,6 @@ class LLMEngine:
         with self.core.lock:
             if self.outputs.stops is not None:   # a matched stop string ends its sample
                 result = self.outputs.stops.end_matched(result, self.core.abort_request)
-            self.executor.remove_requests(r.request_id for r in result.ended + result.aborted)
             outputs = self.outputs.process(result, self.clock(), self.stats, only_finished)
             for request_id in list(self._ending):
                 self._samples_ending(request_id)     # forgets the aborts that have ended
@@ -309,11 +264,7 @@ class LLMEngine:
         self.stats.add_step(result, time.perf_counter() - t0)
         return outputs
 
-    def check_invariants(self) -> None:
-        from .consistency import check_engine  # scheduler, KV manager and engine invariants
-        check_engine(self)
-
     def snapshot(self):   # plain data, for figures (kvlab.engine.snapshot)
-        from .snapshot import take_snapshot
+        from kvlab.engine.snapshot import take_snapshot
         with self.core.lock:
             return take_snapshot(self)

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvlab.core.request import FinishReason, RequestStatus, RuntimeRequest
-
-from .sampler import SamplingParams
+from kvlab.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvlab.core.engine_core import StepResult
@@ -181,7 +180,7 @@ class OutputProcessor:
     def add(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
         if state.params.stop:
-            from .stop_strings import StopStrings  # off the default path
+            from kvlab.engine.stop_strings import StopStrings  # off the default path
             self.stops = self.stops or StopStrings(self.decode)
             self.stops.add([s.seq_id for s in state.samples], state.params.stop)
         for sample in state.samples:

@@ -17,18 +17,20 @@ decoding (its executor runs its own forward): such requests get no prompt logpro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
-from .attention import flat_metadata
-from .kv_cache import PagedKVCache
+from kvlab.engine.attention_metadata import flat_metadata
+from kvlab.engine.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
-    from kvlab.core.engine_core import ScheduledChunk
-
-    from .attention import AttentionMetadata
-    from .model_runner import ModelRunner
+    from kvlab.core.step_records import ScheduledChunk
+    from kvlab.engine.attention_metadata import AttentionMetadata
+    from kvlab.engine.model import LlamaModel
+    from kvlab.engine.ops import Kernels
+    from kvlab.engine.sampler import SamplerState
 
 __all__ = ["PromptScorer", "entries_from_logits"]
 
@@ -54,36 +56,38 @@ class PromptScorer:
     """The prompt entries of the runner's scored requests, filled chunk by chunk; a request's
     whole list is handed over once (:meth:`take`) in the step that completes it."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+    def __init__(self, requests: Mapping[str, SamplerState], model: LlamaModel,
+                 block_size: int, kernels: Kernels) -> None:
+        self.requests = requests      # the runner's sampler states (its dict, read as it changes)
+        self.model, self.block_size, self.kernels = model, block_size, kernels
         self.pending: dict[str, list[Entry]] = {}   # seq id -> entries (None: not yet)
         self.complete: set[str] = set()
         self.done: dict[str, list[Entry]] = {}
         self._plan: list[tuple[int, ScheduledChunk]] = []
 
     def _wants(self, rid: str) -> bool:
-        s = self.runner.samplers.get(rid)   # LLMEngine asks for sample 0's entries alone
+        s = self.requests.get(rid)   # LLMEngine asks for sample 0's entries alone
         return s is not None and s.params.prompt_logprobs is not None and rid not in self.complete
 
     def plan(self, chunks: tuple[ScheduledChunk, ...]) -> bool:
         """Whether this step carries a chunk whose request still needs prompt entries."""
-        live = self.runner.samplers
+        live = self.requests
         for rid in [r for r in (*self.pending, *self.complete) if r not in live]:
             self.pending.pop(rid, None)
             self.complete.discard(rid)
         self._plan = [(i, c) for i, c in enumerate(chunks) if self._wants(c.request_id)
-                      and c.start_pos < len(self.runner.samplers[c.request_id].prompt_ids)]
+                      and c.start_pos < len(self.requests[c.request_id].prompt_ids)]
         return bool(self._plan)
 
     def score(self, meta: AttentionMetadata, hidden: torch.Tensor,
               rows: torch.Tensor) -> torch.Tensor:
         """Fill the planned chunks' entries from ``hidden`` (all rows of the step) and the
         scratch forward; return ``hidden[rows]``, what the sampler needs."""
-        model = self.runner.model
+        model = self.model
         for i, c in self._plan:
             rid = c.request_id
-            prompt = list(self.runner.samplers[rid].prompt_ids)
-            k = self.runner.samplers[rid].params.prompt_logprobs
+            prompt = list(self.requests[rid].prompt_ids)
+            k = self.requests[rid].params.prompt_logprobs
             entries = self.pending.setdefault(rid, [None] * len(prompt))
             # position p predicts prompt token p + 1; positions L-1 on predict outputs
             want = [p for p in range(c.start_pos, min(c.start_pos + c.num_tokens,
@@ -110,13 +114,15 @@ class PromptScorer:
     def _scratch(self, tokens: list[int], prompt: list[int], positions: list[int],
                  k: int) -> list[dict]:
         """Entries at ``positions`` from a forward of ``tokens`` over a fresh KV cache."""
-        model, cfg = self.runner.model, self.runner.model.cfg
-        bs = self.runner.block_size
+        model, cfg = self.model, self.model.cfg
+        bs = self.block_size
         nb = -(-len(tokens) // bs)
         cache = PagedKVCache(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim,
                              dtype=model.dtype, device=model.device)
-        meta = flat_metadata([tokens], [0], torch.arange(nb)[None, :], bs, model.device)
-        hidden = model(meta, cache.layers,
+        kernels = self.kernels
+        meta = flat_metadata([tokens], [0], torch.arange(nb)[None, :], bs, model.device,
+                             kernels.attention.paged_max_tokens)
+        hidden = model(meta, cache.layers, kernels,
                        rows=torch.tensor(positions, dtype=torch.long, device=model.device))
         return entries_from_logits(model.logits(hidden), [prompt[p + 1] for p in positions], k)
 

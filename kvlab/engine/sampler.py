@@ -1,6 +1,7 @@
-"""The parameters a request samples with (:class:`SamplingParams`, validated when made) and the
-sampler that applies them (:func:`sample`). Each row draws from its request's own seeded
-``torch.Generator``, never depending on the rest of the batch; reported log-probabilities are
+"""The sampler: one token per row of the step's logits (:func:`sample`), with the parameters of
+each row's request (:class:`~kvlab.core.sampling_params.SamplingParams`). Each row draws from its
+request's own seeded ``torch.Generator``, never depending on the rest of the batch; reported
+log-probabilities are
 the raw ``log_softmax(logits)``, before penalties, temperature, top-k and top-p (vLLM's
 default). Order, as vLLM's sampler: min-tokens mask, penalties, then greedy or temperature,
 top-k, top-p and the draw.
@@ -8,148 +9,15 @@ top-k, top-p and the draw.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
 
-from .detokenizer import check_stop
-from .structured_outputs.params import StructuredOutputsParams, check_structured_outputs
+from kvlab.core.sampling_params import MAX_SEED, SamplingParams
 
-__all__ = ["MAX_SEED", "MIN_TEMPERATURE", "RequestOutputKind", "SampleResult", "SamplerState",
-           "SamplingParams", "filter_logits", "is_real", "penalize", "sample"]
-
-MIN_TEMPERATURE = 1e-5   # below it, greedy (vLLM's rule): a tinier divisor overflows float32
-MAX_SEED = 2**64 - 1      # torch generators take a 64-bit unsigned seed
-
-
-def _count(value: object, least: int) -> bool:
-    """An int >= ``least`` that is not a bool (``True`` is an int, never a meaningful count)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
-def _check(ok: bool, name: str, expected: str, value: object) -> None:
-    if not ok:
-        raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")
-
-
-def is_real(value: object) -> bool:
-    """A finite ``int`` or ``float``, not a ``bool`` (no NaN, no infinity, no int beyond float)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int beyond float range
-        return False
-
-
-class RequestOutputKind(Enum):   # vLLM's: each output has all tokens so far, or the new ones
-    CUMULATIVE, DELTA = 0, 1
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick each next token, and when to stop (vLLM's names and meanings).
-
-    ``max_tokens`` (>= 1); ``temperature`` (0, or below ``MIN_TEMPERATURE``: greedy); ``top_k``
-    (0 or -1: all); ``top_p`` in (0, 1], after top-k and temperature, always keeping the most
-    likely token; ``seed`` in ``0 .. 2**64-1``: the request's own stream (sample ``i`` of ``n``
-    uses ``seed + i``; None: from the engine's seed and arrival order); ``stop_token_ids`` (kept
-    in the output; stored as a tuple); ``ignore_eos``; ``n`` samples sharing the prompt's blocks;
-    ``logprobs=k``: per token the k most likely and the sampled one, raw (``prompt_logprobs=k``:
-    the same per prompt token after the first); ``structured_outputs``: exactly one of
-    ``{"json"|"regex"|"choice"|"grammar": ...}``, as ``StructuredOutputsParams`` (the request
-    ends when its grammar does). Penalties (OpenAI's and vLLM's): ``presence_penalty`` and
-    ``frequency_penalty`` in [-2, 2] subtract, per token already generated, once and per
-    occurrence; ``repetition_penalty`` > 0 divides positive (multiplies negative) logits of
-    tokens in the prompt or the output; ``min_tokens``: EOS and the stop ids are masked until
-    that many tokens were generated; ``stop``: strings the text ends before (the match is
-    excluded, ``stop_reason`` is the string); ``output_kind=DELTA``: each output only the new
-    tokens. A bad value raises ``ValueError`` naming ``SamplingParams.<field>``; any accepted
-    value samples without error."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: Sequence[int] = ()
-    ignore_eos: bool = False
-    n: int = 1
-    logprobs: int | None = None
-    structured_outputs: StructuredOutputsParams | dict | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    prompt_logprobs: int | None = None
-    stop: str | Sequence[str] = ()
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-
-    def __post_init__(self) -> None:
-        t, p, s, stops = self.temperature, self.top_p, self.seed, self.stop_token_ids
-        _check(_count(self.max_tokens, 1), "max_tokens", "an int >= 1", self.max_tokens)
-        _check(is_real(t) and t >= 0, "temperature", "a finite number >= 0", t)
-        object.__setattr__(self, "temperature", float(t))
-        _check(_count(self.top_k, -1), "top_k", "an int >= 1, or 0/-1 for all", self.top_k)
-        _check(is_real(p) and 0 < p <= 1, "top_p", "a number in (0, 1]", p)
-        object.__setattr__(self, "top_p", float(p))
-        _check(s is None or (_count(s, 0) and s <= MAX_SEED), "seed",
-               "None or an int in 0..2**64-1", s)
-        _check(isinstance(stops, Iterable) and not isinstance(stops, (str, bytes, Mapping)),
-               "stop_token_ids", "a sequence of token ids", stops)
-        stops = tuple(stops)  # materialise once: checking would exhaust an iterator
-        _check(all(_count(i, 0) for i in stops), "stop_token_ids", "token ids >= 0", stops)
-        object.__setattr__(self, "stop_token_ids", stops)
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
-        _check(_count(self.n, 1), "n", "an int >= 1", self.n)
-        _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
-               "a RequestOutputKind", self.output_kind)
-        for name in ("logprobs", "prompt_logprobs"):
-            _check(getattr(self, name) is None or _count(getattr(self, name), 0), name,
-                   "None or an int >= 0", getattr(self, name))
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            _check(is_real(v) and -2 <= v <= 2, name, "a number in [-2, 2]", v)
-            object.__setattr__(self, name, float(v))
-        rp = self.repetition_penalty
-        _check(is_real(rp) and rp > 0, "repetition_penalty", "a finite number > 0", rp)
-        object.__setattr__(self, "repetition_penalty", float(rp))
-        _check(_count(self.min_tokens, 0) and self.min_tokens <= self.max_tokens, "min_tokens",
-               f"an int in 0..max_tokens ({self.max_tokens})", self.min_tokens)
-        if self.stop != ():   # a str or strings, stored as a tuple (kvlab.engine.stop_strings)
-            object.__setattr__(self, "stop", check_stop(self.stop, "SamplingParams.stop"))
-        if self.structured_outputs is not None:
-            object.__setattr__(self, "structured_outputs",
-                               check_structured_outputs(self.structured_outputs))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < MIN_TEMPERATURE
-
-    @property
-    def uses_top_k(self) -> bool:
-        return self.top_k > 0
-
-    @property
-    def uses_top_p(self) -> bool:
-        return self.top_p < 1.0
-
-    @property
-    def penalized(self) -> bool:
-        """Whether a penalty or ``min_tokens`` changes the logits (the sampler keeps history)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.min_tokens
-                    or self.repetition_penalty != 1.0)
-
-    def check_vocab(self, vocab_size: int) -> None:
-        """ValueError when a stop token id is outside the model's vocabulary."""
-        bad = [s for s in self.stop_token_ids if s >= vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids {bad} outside vocabulary of "
-                             f"{vocab_size} tokens")
+__all__ = ["RowParams", "SampleResult", "SamplerState", "filter_logits", "penalize", "sample"]
 
 
 @dataclass
@@ -168,8 +36,7 @@ class SamplerState:
     def create(cls, params: SamplingParams, seed: int, device: torch.device | str = "cpu",
                prompt_ids: Sequence[int] = (), stop_ids: Sequence[int] = ()) -> SamplerState:
         """``seed`` (an int) is taken modulo ``2**64``, so derived seeds never overflow."""
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"SamplerState.create: seed must be an int, got {seed!r}")
+        assert type(seed) is int, f"seed must be an int, got {seed!r}"
         gen = None
         if not params.greedy:
             gen = torch.Generator(device=device)
@@ -188,26 +55,47 @@ class SampleResult:
     top_logprobs: list[dict[int, float] | None]
 
 
-def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+@dataclass(frozen=True)
+class RowParams:
+    """The filter parameters of a batch of random rows as tensors (the runner's input batch
+    keeps them per row): ``temperature [S]`` and ``top_p [S]`` (1: off) in float64, cast to the
+    logits' dtype where used, ``top_k [S]`` (0: all tokens), and whether any row uses top-k or
+    top-p."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    filtered: bool
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu"
+           ) -> RowParams:
+        f64 = torch.float64
+        return cls(torch.tensor([p.temperature for p in params], dtype=f64, device=device),
+                   torch.tensor([max(p.top_k, 0) for p in params], device=device),
+                   torch.tensor([p.top_p for p in params], dtype=f64, device=device),
+                   any(p.uses_top_k or p.uses_top_p for p in params))
+
+
+def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams] | RowParams
+                  ) -> torch.Tensor:
     """Temperature-scaled logits of non-greedy rows with tokens outside each row's top-k / top-p
     set at -inf (a row without top-k/top-p is unaffected by the others)."""
-    assert not any(p.greedy for p in params), "greedy rows take the argmax"
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
-                         device=logits.device)
-    scaled = logits / temps[:, None]
-    if not any(p.uses_top_k or p.uses_top_p for p in params):
+    if not isinstance(params, RowParams):
+        assert not any(p.greedy for p in params), "greedy rows take the argmax"
+        params = RowParams.of(params, logits.device)
+    scaled = logits / params.temperature.to(logits.dtype)[:, None]
+    if not params.filtered:
         return scaled
     vocab = logits.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    # top-k: a k larger than the vocabulary keeps everything (and must not overflow a tensor)
-    ks = torch.tensor([min(p.top_k, vocab) if p.uses_top_k else vocab for p in params],
-                      device=logits.device)
+    # top-k: 0 keeps everything, as does a k larger than the vocabulary
+    ks = torch.where(params.top_k > 0, params.top_k.clamp(max=vocab), vocab)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
     # top-p: drop a token once the mass strictly before it reaches top_p. Rows without top-p
     # compare against +inf (drop nothing, even where float cumsums round up to 1).
-    ps = torch.tensor([p.top_p if p.uses_top_p else float("inf") for p in params],
-                      dtype=logits.dtype, device=logits.device)
+    ps = torch.where(params.top_p < 1.0, params.top_p, float("inf")).to(logits.dtype)
     probs = sorted_logits.softmax(-1)
     drop = probs.cumsum(-1) - probs >= ps[:, None]
     drop[:, 0] = False  # the most likely token always survives (a tiny top_p rounds to 0)
@@ -257,8 +145,10 @@ def _race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> 
     return probs.div_(noise).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> SampleResult:
-    """Pick one token per row of ``logits: [S, V]`` (float32) for ``states[i]``."""
+def sample(logits: torch.Tensor, states: Sequence[SamplerState],
+           rows: RowParams | None = None) -> SampleResult:
+    """Pick one token per row of ``logits: [S, V]`` (float32) for ``states[i]``; ``rows``: the
+    rows' filter parameters as tensors, where the caller keeps them (else built here)."""
     assert logits.shape[0] == len(states), (logits.shape, len(states))
     logprobs = torch.log_softmax(logits, dim=-1)
     logits = penalize(logits, states)
@@ -266,7 +156,12 @@ def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> SampleResult
     random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
-        probs = filter_logits(logits[idx], [states[i].params for i in random_rows]).softmax(-1)
+        if rows is None:
+            picked = [states[i].params for i in random_rows]
+        else:
+            picked = RowParams(rows.temperature[idx], rows.top_k[idx], rows.top_p[idx],
+                               rows.filtered)
+        probs = filter_logits(logits[idx], picked).softmax(-1)
         tokens[idx] = _race(probs, [states[i].generator for i in random_rows])
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     token_list = tokens.tolist()

@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvlab.core.engine_core import SchedulerOutput
-
-    from .attention import AttentionMetadata
+    from kvlab.core.step_records import SchedulerOutput
+    from kvlab.engine.attention_metadata import AttentionMetadata
 
 __all__ = ["BatchEntry", "EngineSnapshot", "RequestView", "StepTrace", "take_snapshot"]
 
@@ -114,16 +113,18 @@ def take_snapshot(engine: Any, *, include_finished: bool = False) -> EngineSnaps
             tokens = trace.sampled.get(c.request_id, ())
             batch.append(BatchEntry(c.request_id, c.start_pos, c.num_tokens, c.is_prefill,
                                     c.sample, slots, tokens[0] if tokens else None))
-    ks = kv.snapshot()
+    pool, cache = kv.pool, kv.prefix_cache
     st = engine.stats
     stats = {
         "steps": st.steps, "prompt_tokens": st.prompt_tokens,
         "cached_prompt_tokens": st.cached_prompt_tokens, "generated_tokens": st.generated_tokens,
         "finished_requests": st.finished_requests, "prefix_hit_rate": st.prefix_hit_rate,
-        "free_blocks": ks.free_blocks, "cached_blocks": ks.cached_blocks,
+        "free_blocks": pool.num_free(),
+        "cached_blocks": cache.num_cached_blocks() if cache is not None else 0,
     }
     return EngineSnapshot(
         step=0 if out is None else out.step, block_size=bs, num_blocks=engine.num_blocks,
         requests=tuple(views), last_batch=tuple(batch),
         last_copies=() if out is None else tuple(out.copies),
-        block_states=tuple(ks.block_states), refcounts=tuple(ks.refcounts), stats=stats)
+        block_states=tuple(pool.state(b) for b in range(pool.num_blocks)),
+        refcounts=tuple(pool.refcount(b) for b in range(pool.num_blocks)), stats=stats)

@@ -21,8 +21,7 @@ from dataclasses import replace
 
 from kvlab.core.engine_core import StepResult
 from kvlab.core.request import RuntimeRequest
-
-from .detokenizer import TextStream
+from kvlab.engine.detokenizer import TextStream
 
 __all__ = ["StopStrings"]
 

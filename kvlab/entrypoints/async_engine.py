@@ -31,11 +31,10 @@ import threading
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
+from kvlab.core.sampling_params import RequestOutputKind, SamplingParams
 from kvlab.engine.llm_engine import LLMEngine, Prompt
 from kvlab.engine.outputs import RequestOutput
-from kvlab.engine.sampler import RequestOutputKind, SamplingParams
-
-from .server_metrics import ServerMetrics
+from kvlab.entrypoints.server_metrics import ServerMetrics
 
 __all__ = ["AsyncEngine", "ChoiceDelta", "RequestStream", "StreamDelta"]
 

@@ -10,7 +10,7 @@ Example, against a vLLM server (the same command works for kvlab's and SGLang's)
 Arrivals are open-loop (Poisson, or gamma with ``--burstiness``). Lengths come from kvlab's
 workload generators (``fixed:N``, ``uniform:LO,HI``, ``lognormal:MEDIAN,SIGMA``) or from a JSONL
 ``--dataset``. The summary table follows vLLM's ``benchmark_serving``; goodput, SLO attainment
-and failures by kind follow :mod:`kvlab.slo`. ``--result-json`` writes the report and
+and failures by kind follow :mod:`kvlab.labs.slo`. ``--result-json`` writes the report and
 every request's record; ``--scrape-metrics`` adds the server's own ``/metrics`` deltas. Token
 counts come from the server's ``usage`` (``stream_options.include_usage``). When more than half
 the requests fail (client cancels aside) the exit status is 2 and the server's first error is
@@ -26,10 +26,9 @@ import math
 import sys
 from pathlib import Path
 
-from kvlab.slo import SLO, GoodputReport, evaluate_slo
-
-from .load_client import LoadConfig, plan_requests, run_load
-from .prometheus import parse_metrics
+from kvlab.entrypoints.load_client import LoadConfig, plan_requests, run_load
+from kvlab.entrypoints.prometheus import parse_metrics
+from kvlab.labs.slo import SLO, GoodputReport, evaluate_slo
 
 __all__ = ["failure_message", "format_summary", "length_dist", "main", "scrape_metrics"]
 

@@ -12,12 +12,12 @@ and timed on the client's monotonic clock:
   tokens too come from ``usage``, else the number of token ids sent);
 * **E2E**: from sending to the end of the stream.
 
-Failures are classified (:class:`~kvlab.slo.FailureKind`) and never enter latency
+Failures are classified (:class:`~kvlab.labs.slo.FailureKind`) and never enter latency
 statistics: HTTP 429/503 are admission rejects; any other non-2xx answer or broken connection
 is an HTTP error; a request not done within ``request_timeout`` is a timeout; a stream the
 client abandons on purpose (``abandon_fraction``) or that ends with ``finish_reason "abort"``
 is a cancel; ``finish_reason "error"`` or an error event is an engine error. Results are
-:class:`~kvlab.slo.LatencyRecord` objects for :func:`~kvlab.slo.evaluate_slo`.
+:class:`~kvlab.labs.slo.LatencyRecord` objects for :func:`~kvlab.labs.slo.evaluate_slo`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvlab.slo import FailureKind, LatencyRecord
+from kvlab.labs.slo import FailureKind, LatencyRecord
 
 __all__ = ["LoadConfig", "PlannedRequest", "gamma_arrivals", "plan_requests", "run_load"]
 

@@ -30,8 +30,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvlab.engine.detokenizer import check_stop
-from kvlab.engine.sampler import SamplingParams
+from kvlab.core.sampling_params import SamplingParams, check_stop
 
 __all__ = ["APIError", "ParsedRequest", "chat_prompt", "error_body", "json_object",
            "parse_request"]

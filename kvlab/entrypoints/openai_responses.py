@@ -2,7 +2,8 @@
 
 The engine reports, per generated token, a dict ``token id -> log-probability`` holding the ``k``
 most likely tokens in rank order and then the sampled token if it is not among them (raw
-``log_softmax`` of the logits, :class:`~kvlab.engine.sampler.SamplingParams`). This module names
+``log_softmax`` of the logits, :class:`~kvlab.core.sampling_params.SamplingParams`). This module
+names
 those ids and shapes them as the two OpenAI APIs do (the shapes vLLM builds in
 ``vllm/entrypoints/openai/serving_completion.py`` ``_create_completion_logprobs``, read at
 commit 00463e6, and ``serving_chat.py`` ``_create_chat_logprobs``, read at commit 003fe59):
@@ -69,7 +70,7 @@ def _is_byte_level(decoder: dict | None) -> bool:
 
 class TokenNames:
     """Token id -> its text and its bytes (see the module docstring). ``tokenizer``: kvlab's
-    :class:`~kvlab.engine.llm_engine.Tokenizer` (decode, get_vocab, decoder_config,
+    :class:`~kvlab.engine.tokenizer.Tokenizer` (decode, get_vocab, decoder_config,
     special_token_ids). Both lookups are cached per id."""
 
     def __init__(self, tokenizer: Any) -> None:

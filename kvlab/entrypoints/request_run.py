@@ -18,13 +18,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvlab.core.sampling_params import SamplingParams
 from kvlab.engine.detokenizer import IncrementalDetokenizer, TextStream
-from kvlab.engine.sampler import SamplingParams
 from kvlab.engine.structured_outputs.grammar import GrammarError
-
-from .async_engine import AsyncEngine, RequestStream, StreamDelta
-from .openai_protocol import APIError, ParsedRequest
-from .openai_responses import TokenLogprob
+from kvlab.entrypoints.async_engine import AsyncEngine, RequestStream, StreamDelta
+from kvlab.entrypoints.openai_protocol import APIError, ParsedRequest
+from kvlab.entrypoints.openai_responses import TokenLogprob
 
 __all__ = ["ChoiceText", "Event", "RequestRun", "Work", "prepare"]
 

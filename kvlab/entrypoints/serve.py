@@ -44,13 +44,12 @@ from starlette.routing import Route
 
 from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
-
-from .async_engine import MAX_BACKLOG_TOKENS, AsyncEngine, RequestStream
-from .openai_protocol import APIError, ParsedRequest, error_body, parse_request
-from .openai_responses import TokenNames, choice, logprobs_body
-from .request_run import Event, RequestRun, prepare
-from .tokenization import detokenize, tokenize, tokenizer_info
-from .uvicorn_server import HEADER_TIMEOUT, h11_with_header_deadline
+from kvlab.entrypoints.async_engine import MAX_BACKLOG_TOKENS, AsyncEngine, RequestStream
+from kvlab.entrypoints.openai_protocol import APIError, ParsedRequest, error_body, parse_request
+from kvlab.entrypoints.openai_responses import TokenNames, choice, logprobs_body
+from kvlab.entrypoints.request_run import Event, RequestRun, prepare
+from kvlab.entrypoints.tokenization import detokenize, tokenize, tokenizer_info
+from kvlab.entrypoints.uvicorn_server import HEADER_TIMEOUT, h11_with_header_deadline
 
 __all__ = ["BODY_TIMEOUT", "MAX_BODY_BYTES", "build_app", "main"]
 

@@ -19,8 +19,7 @@ import time
 from typing import Any
 
 from kvlab.engine.outputs import RequestOutput
-
-from .prometheus import Histogram, MetricFamily, render
+from kvlab.entrypoints.prometheus import Histogram, MetricFamily, render
 
 __all__ = ["ServerMetrics"]
 

@@ -29,8 +29,7 @@ import json
 from typing import Any
 
 from kvlab.engine.llm_engine import LLMEngine
-
-from .openai_protocol import APIError, chat_prompt, json_object
+from kvlab.entrypoints.openai_protocol import APIError, chat_prompt, json_object
 
 __all__ = ["CHAT_TEMPLATE", "detokenize", "tokenize", "tokenizer_info"]
 

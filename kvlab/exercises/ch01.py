@@ -3,7 +3,7 @@ where the KV traffic overtakes the weights, the TP rule, a TP/dtype design for L
 a capacity estimate to debug.
 
 A check with one right answer compares against its sealed truth (``_common.sealed``; the
-instructor edition computes it with :mod:`kvlab.capacity` and the roofline cost model under the
+instructor edition computes it with :mod:`kvlab.labs.capacity` and the roofline cost model under the
 assumptions stated here). Design and debug checks evaluate the reader's own choice with
 kvlab. Each raises ``AssertionError`` saying what is wrong (a numeric answer: only too high
 or too low) without printing the expected value.
@@ -11,11 +11,10 @@ or too low) without printing the expected value.
 
 from __future__ import annotations
 
-from kvlab.capacity import DTYPE_BYTES, GiB, kv_heads_per_rank, plan_capacity
-from kvlab.capacity.catalog import get_gpu, get_model
+from kvlab.exercises._common import require_answer, sealed
+from kvlab.labs.capacity import DTYPE_BYTES, GiB, kv_heads_per_rank, plan_capacity
 from kvlab.reference import kv_bytes
-
-from ._common import require_answer, sealed
+from kvlab.sim.catalog import get_gpu, get_model
 
 #: The cache of :func:`check_kv_bytes_per_token` (exercise 1).
 KV_TOKEN_CASE = {"model": "Llama-3.1-405B", "kv_dtype": "int4", "scale_group": 32,

@@ -2,7 +2,7 @@
 predict what a smaller arena changes, design a block size.
 
 A check with one right answer compares against its sealed truth (``_common.sealed``; the
-instructor edition computes it with :mod:`kvlab.core.paging` or the fragmentation simulation);
+instructor edition computes it with :mod:`kvlab.labs.paging` or the fragmentation simulation);
 the debug checks run the reader's case against the reference. Each raises ``AssertionError``
 saying what is wrong without printing the expected answer.
 """
@@ -12,9 +12,8 @@ from __future__ import annotations
 import itertools
 import operator
 
+from kvlab.exercises._common import require_answer, sealed
 from kvlab.reference import physical_slot
-
-from ._common import require_answer, sealed
 
 #: Request lengths (tokens) of :func:`check_tail_waste`.
 TAIL_LENGTHS = (1, 15, 16, 17, 100, 1000, 2047)
@@ -45,7 +44,7 @@ def blocks_to_add(num_tokens: int, new_tokens: int, num_blocks: int,
 
 
 def _blocks_to_add_truth(num_tokens: int, new_tokens: int, block_size: int) -> int:
-    """What :class:`~kvlab.core.paging.BlockTable` takes: whole blocks for the new total."""
+    """What :class:`~kvlab.labs.paging.BlockTable` takes: whole blocks for the new total."""
     return -(-(num_tokens + new_tokens) // block_size) - (-(-num_tokens // block_size))
 
 

@@ -14,9 +14,8 @@ import random
 
 from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.exercises._common import require_answer, sealed
 from kvlab.reference import BlockAllocator
-
-from ._common import require_answer, sealed
 
 #: Parallel sampling of :func:`check_sampling_blocks` (exercise 2): one prompt, five samples
 #: that stop after different numbers of tokens (one output length per sample).

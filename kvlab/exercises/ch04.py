@@ -13,8 +13,7 @@ import random
 from collections.abc import Sequence
 
 from kvlab.core.kv_cache_manager import KVCacheManager
-
-from ._common import require_answer, sealed
+from kvlab.exercises._common import require_answer, sealed
 
 #: Exercise 1: a conversation's first turn, then its second turn sent as one prompt.
 CONVERSATION = {"prompt_tokens": 40, "output_tokens": 24, "new_tokens": 10, "block_size": 16}

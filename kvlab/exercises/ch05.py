@@ -3,7 +3,7 @@ debug a recovery planner, and design a crash test.
 
 A check with one right answer compares against its sealed truth (``_common.sealed``; the
 instructor edition computes it on a real scheduler); the debug and design checks evaluate the
-reader's choice with :mod:`kvlab.core.request` / :mod:`kvlab.recovery`. Each raises
+reader's choice with :mod:`kvlab.core.request` / :mod:`kvlab.labs.recovery`. Each raises
 ``AssertionError`` saying what is wrong (too high or too low, that a named request is not the
 one), never the answer.
 """
@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import contextlib
 
-from kvlab.core.event_log import EventLog, SimulatedCrash
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import RUNNING_STATUSES, FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.recovery import RecoveryPlan, plan_recovery, recover, replay
-from kvlab.recovery.replay import met_stop
+from kvlab.exercises._common import require_answer, sealed
+from kvlab.labs.invariants import check_scheduler
+from kvlab.labs.recovery import RecoveryPlan, plan_recovery, recover, replay
+from kvlab.labs.recovery.event_log import EventLog, SimulatedCrash
+from kvlab.labs.recovery.replay import met_stop
 from kvlab.sim.tokens import drive
-
-from ._common import require_answer, sealed
 
 S = RequestStatus
 
@@ -130,7 +130,7 @@ def check_abort_prediction(path, finish_reason, preemptions) -> str:
 def preemptions_with(num_blocks: int) -> int:
     """Preemptions in the tight run on a pool of ``num_blocks`` blocks."""
     sched = tight_scheduler(num_blocks)
-    drive(sched, arrivals=tight_arrivals(), check=True)
+    drive(sched, arrivals=tight_arrivals(), check=check_scheduler)
     return sum(r.num_preemptions for r in sched.requests())
 
 
@@ -176,7 +176,7 @@ def _require_crash_point(crash_at) -> None:
 
 def compact_plan(state, tables) -> RecoveryPlan:
     """A shorter recovery planner with the signature of
-    :func:`kvlab.recovery.plan_recovery`: ``state`` from ``replay``, ``tables`` mapping
+    :func:`kvlab.labs.recovery.plan_recovery`: ``state`` from ``replay``, ``tables`` mapping
     the id of every table the manager holds to its number of slots."""
     resume, requeue, finish, free = [], [], [], []
     for rid, entry in state.items():
@@ -262,7 +262,7 @@ def _grade_recovery(crash_at: int, events, kv, config) -> str:
     end, and require that recovery both finished a request and resumed another."""
     recovered, report = recover(events, kv,
                                 lambda kv, lg: ProductionScheduler(kv, config, log=lg))
-    drive(recovered, check=True)
+    drive(recovered, check=check_scheduler)
     if not report.finished:
         raise AssertionError(f"crashing before event {crash_at}, recovery finishes no request "
                              "whose last token had already met its stop rule.")

@@ -19,10 +19,10 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler, default_order_key
 from kvlab.core.request import RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.exercises._common import require_answer, sealed
+from kvlab.labs.invariants import check_scheduler
 from kvlab.reference import Phase
 from kvlab.sim.tokens import drive
-
-from ._common import require_answer, sealed
 
 #: The requests of :func:`check_batch`, in the order ``build_batch`` sees them.
 BATCH_REQUESTS = (
@@ -110,7 +110,7 @@ def deadline_workload() -> list[RuntimeRequest]:
 
 def run_deadline(scheduler) -> dict[str, RuntimeRequest]:
     """Run :func:`deadline_workload` through ``scheduler``; deadlines are in steps."""
-    drive(scheduler, arrivals={1: deadline_workload()}, check=True, max_steps=500)
+    drive(scheduler, arrivals={1: deadline_workload()}, check=check_scheduler, max_steps=500)
     return {r.request_id: r for r in scheduler.requests()}
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 
-from ._common import require_answer, sealed
+from kvlab.exercises._common import require_answer, sealed
 
 
 def check_slot_mapping(fn) -> str:
@@ -26,7 +26,7 @@ def check_slot_mapping(fn) -> str:
     require_answer(fn, "your slot-mapping function")
     if not callable(fn):
         raise AssertionError("pass a function (block_table, start_pos, num_tokens, block_size)")
-    from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata
+    from kvlab.engine.attention_metadata import ChunkSpec, build_metadata
 
     rng = random.Random(7)
     for trial in range(200):
@@ -57,7 +57,8 @@ def check_top_p(fn) -> str:
         raise AssertionError("pass a function (probs, top_p) -> set of kept token ids")
     import torch
 
-    from kvlab.engine.sampler import SamplingParams, filter_logits
+    from kvlab.core.sampling_params import SamplingParams
+    from kvlab.engine.sampler import filter_logits
 
     rng = random.Random(11)
     for trial in range(100):
@@ -123,9 +124,10 @@ def check_logprob_temperature(letter) -> str:
 
 def suspect_attention_step(q, k, v, k_cache, v_cache, meta, scale):
     """Exercise 1: a layer's attention step, as a colleague rewrote it."""
-    from kvlab.engine.attention import paged_attention, write_kv
+    from kvlab.engine.attention_torch import TorchAttention
+    from kvlab.engine.kv_cache import write_kv
 
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    out = TorchAttention().attend(q, k, v, k_cache, v_cache, meta, scale)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     return out
 
@@ -135,8 +137,8 @@ def _attention_outputs(step, start_pos: int, num_tokens: int):
     chunk's prefix (written by "earlier steps") and random values everywhere else."""
     import torch
 
-    from kvlab.engine.attention import write_kv
-    from kvlab.engine.chunk_metadata import ChunkSpec, build_metadata
+    from kvlab.engine.attention_metadata import ChunkSpec, build_metadata
+    from kvlab.engine.kv_cache import write_kv
 
     gen = torch.Generator().manual_seed(5)
     block_size, kv_heads, heads, dim = 4, 2, 4, 8
@@ -157,18 +159,21 @@ def _attention_outputs(step, start_pos: int, num_tokens: int):
 
 
 def correct_attention_step(q, k, v, k_cache, v_cache, meta, scale):
-    """The layer's attention step as kvlab's model runs it (``engine/model.py``)."""
-    from kvlab.engine.attention import paged_attention, write_kv
+    """The layer's attention step as kvlab's backends run it (``AttentionBackend.forward``:
+    store, then attend)."""
+    from kvlab.engine.attention_torch import TorchAttention
+    from kvlab.engine.kv_cache import write_kv
 
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    return TorchAttention().attend(q, k, v, k_cache, v_cache, meta, scale)
 
 
 def check_suspect_chunk(start_pos, num_tokens) -> str:
     """Exercise 1: a chunk (``start_pos``, ``num_tokens``) on which
     :func:`suspect_attention_step` computes a different attention output from the engine's
-    layer step. Both run the torch path of :func:`~kvlab.engine.attention.paged_attention`
-    (no compiled op), on a fresh random layer whose cache holds the chunk's prefix."""
+    layer step. Both run the torch backend
+    (:class:`~kvlab.engine.attention_torch.TorchAttention`), on a fresh random layer whose cache
+    holds the chunk's prefix."""
     import torch
 
     require_answer(start_pos, "start_pos")

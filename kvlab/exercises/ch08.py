@@ -10,9 +10,8 @@ without printing the expected value, the right option or the method.
 
 from __future__ import annotations
 
+from kvlab.exercises._common import require_answer, sealed
 from kvlab.reference import effective_bits
-
-from ._common import require_answer, sealed
 
 #: Exercise 1: one group of 4-bit weights spanning [ZP_MIN, ZP_MAX] (largest magnitude ZP_MAX).
 BOUND_BITS, ZP_MIN, ZP_MAX = 4, -0.12, 0.42

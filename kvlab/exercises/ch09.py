@@ -14,7 +14,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 
-from ._common import require_answer, sealed
+from kvlab.exercises._common import require_answer, sealed
 
 __all__ = ["CONTEXT_CHOICES", "DESIGN", "PREDICT", "check_context_effect",
            "check_deployment_k", "check_emitted_pmf", "check_fixed_step",

@@ -1,7 +1,7 @@
 """Chapter 10 exercises: transfer arithmetic, classifying damaged entries, a crash-safe install.
 
 A check with one right answer compares against its sealed truth (``_common.sealed``; the
-instructor edition computes it with :mod:`kvlab.capacity` and :mod:`kvlab.disagg`); the design
+instructor edition computes it with :mod:`kvlab.labs.capacity` and :mod:`kvlab.disagg`); the design
 and debug checks run the reader's order or case on kvlab's own code (the install journal's
 recovery). Each raises ``AssertionError`` saying what is wrong (too high / too low, that some
 kind is wrong, which crash breaks which rule) without printing the answer.
@@ -25,8 +25,7 @@ from kvlab.disagg.entry import (
 )
 from kvlab.disagg.install_journal import InstallJournal, recover_installs
 from kvlab.disagg.transfer_faults import Fault, FaultSchedule, TransferFaultInjector
-
-from ._common import require_answer, sealed
+from kvlab.exercises._common import require_answer, sealed
 
 # ------------------------------------------------------------------ 1. arithmetic
 TRANSFER_MODEL, TRANSFER_TOKENS, TRANSFER_LINK = "Llama-3-70B", 4096, "InfiniBand NDR 400G"
@@ -39,7 +38,7 @@ def check_transfer_ms(answer) -> str:
     """``answer``: milliseconds for one GPU to ship its share of the FP8 prefill KV of a
     :data:`TRANSFER_TOKENS`-token prompt of :data:`TRANSFER_MODEL` at tensor parallelism
     :data:`TRANSFER_TP`, over its own :data:`TRANSFER_LINK` port (nominal bandwidth plus the
-    link's latency, ``kvlab.capacity.transfer_cost.LINKS``). Within 2 %; a wrong answer is told
+    link's latency, ``kvlab.labs.capacity.transfer_cost.LINKS``). Within 2 %; a wrong answer is told
     only its direction."""
     require_answer(answer, "milliseconds")
     got = float(answer)

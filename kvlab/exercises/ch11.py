@@ -22,12 +22,11 @@ import numbers
 from collections.abc import Sequence
 
 from kvlab.core.scheduler_config import SchedulerConfig
+from kvlab.exercises._common import require_answer, sealed
+from kvlab.labs.serving import chunk_sweep, run_colocated
+from kvlab.labs.slo import SLO, LatencyRecord, evaluate_slo
 from kvlab.sim.costmodel import RooflineCostModel
-from kvlab.sim.serving import chunk_sweep, run_colocated
 from kvlab.sim.workload import RequestSpec, lognormal, make_workload
-from kvlab.slo import SLO, LatencyRecord, evaluate_slo
-
-from ._common import require_answer, sealed
 
 #: Llama-3-8B on one H100, at 60% of peak FLOP/s and 80% of peak bandwidth (the pure roofline
 #: is a bound no kernel reaches).

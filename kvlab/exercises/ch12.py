@@ -2,7 +2,7 @@
 strikes, and a checker for a new invariant.
 
 A check with one right answer compares against its sealed truth (``_common.sealed``; the
-instructor edition computes it by running the fault lab, :mod:`kvlab.sim.fault_lab`); the
+instructor edition computes it by running the fault lab, :mod:`kvlab.labs.chaos.fault_lab`); the
 checker exercise runs the reader's checker on the engine. Each raises ``AssertionError`` saying
 what is wrong (which implementation, at which step) without printing the answer.
 """
@@ -14,16 +14,15 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.core.engine_core import EngineCore, SchedulerOutput
-from kvlab.core.interfaces import StepObserver
+from kvlab.core.engine_core import EngineCore, StepObserver
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.sim.chaos import ChaosExecutor
-from kvlab.sim.fault_lab import Mutation
-
-from ._common import require_answer, sealed
+from kvlab.core.step_records import SchedulerOutput
+from kvlab.exercises._common import require_answer, sealed
+from kvlab.labs.chaos.fault_lab import Mutation
+from kvlab.labs.chaos.soak import ChaosExecutor
 
 
 # ------------------------------------------------------------------ 1. which invariant

@@ -4,10 +4,9 @@ decoder layer's small float32 ops (RMSNorm, RoPE in place, SiLU-and-mul) in one 
 
 The decode op walks each row's block table straight through the cache with a float32 softmax
 instead of gathering the blocks first, as the torch path does
-(``benchmarks/bench_decode_attention.py`` measures both). :func:`decode_op` hands a runner the
-compiled op once, at construction (through :func:`kvlab.kernels.row_kernel`); the engine calls
-it every step with no Python in between, and finds the chunk op in :data:`CHUNK_OPS` by one
-lookup; the layer ops of :data:`FUSED_OPS` are bound into a model once.
+(``benchmarks/bench_decode_attention.py`` measures both). :func:`compiled` hands out the
+loaded build; the engine's CPU attention backend (:mod:`kvlab.engine.attention_cpu`) and CPU
+layer ops (:mod:`kvlab.engine.ops`) call its functions every step with no Python in between.
 :func:`decode_attention` and :func:`chunk_attention` are the checked entry points (tests,
 benchmarks): the kernels read raw memory, so they validate every index first.
 
@@ -38,14 +37,13 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_OPS", "DTYPES", "FUSED_OPS", "available", "build_error", "build_name",
-           "chunk_attention", "decode_attention", "decode_op"]
+__all__ = ["DTYPES", "available", "build_error", "build_name", "chunk_attention", "compiled",
+           "decode_attention"]
 
 #: what the kernel computes in (it accumulates in float32, so float64 stays on the torch path)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -57,15 +55,6 @@ _FLAGS = {  # the vector extensions of torch's CPU capability levels
     "AVX2": ["-mavx2", "-mfma"],
 }
 _lock = threading.Lock()
-#: the compiled chunk op (:func:`chunk_attention`'s, unchecked) keyed by the row op
-#: :func:`decode_op` handed out from the same build: the engine's attention finds it with one
-#: lookup, no call into this module
-CHUNK_OPS: dict[Callable[..., None], Callable[..., None]] = {}
-#: dtype -> the compiled build, whose ``rms_norm(x, weight, eps)``, ``rope_(x, cos, sin)`` (in
-#: place) and ``silu_and_mul(gate_up)`` a decoder layer calls in place of its torch ops (the
-#: engine build binds them, ``kvlab.engine.fused_ops.compiled_cpu_ops``); filled when the build
-#: loads (float32 only), empty where it did not
-FUSED_OPS: dict[torch.dtype, Any] = {}
 _module: Any = None
 _error: str | None = None
 
@@ -184,7 +173,6 @@ def available() -> bool:
         if _module is None and _error is None:
             try:
                 _module = _build()
-                FUSED_OPS[torch.float32] = _module
             except Exception as error:  # no compiler, no ninja, a read-only cache, ...
                 _error = f"{type(error).__name__}: {error}"
                 warnings.warn(f"kvlab: the CPU attention kernel could not be built ({_error}); "
@@ -192,15 +180,14 @@ def available() -> bool:
     return _module is not None
 
 
-def decode_op(device: torch.device | str, dtype: torch.dtype) -> Callable[..., None] | None:
-    """The compiled op for attention on ``device`` in ``dtype``, or None where it cannot run
-    (not the CPU, a dtype outside :data:`DTYPES`, switched off or not built). It is called as
-    ``op(out, q, k_cache, v_cache, tables, lens, scale)`` with the contract of
-    :func:`decode_attention` (contiguous tensors, ``out`` written in place) and checks nothing."""
-    if torch.device(device).type != "cpu" or dtype not in DTYPES or not available():
-        return None
-    CHUNK_OPS[_module.decode_attention] = _module.chunk_attention
-    return _module.decode_attention
+def compiled() -> Any | None:
+    """The loaded build (building it on first use), or None where there is none
+    (``KVLAB_CPU_ATTENTION=0``, or the build failed). Its functions check nothing: ``
+    decode_attention(out, q, k_cache, v_cache, tables, lens, scale)`` and ``chunk_attention(out,
+    q, k_cache, v_cache, tables, query_start, start_pos, chunks, scale)`` with the contracts of
+    the checked entry points below (float32, bfloat16 or float16), and the float32 layer ops
+    ``rms_norm(x, weight, eps)``, ``rope_(x, cos, sin)`` (in place), ``silu_and_mul(gate_up)``."""
+    return _module if available() else None
 
 
 def build_error() -> str | None:

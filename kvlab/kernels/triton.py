@@ -1,9 +1,9 @@
 """Triton kernels for the CUDA path: paged decode attention and the KV store.
 
-Both read the metadata :func:`kvlab.engine.attention.flat_metadata` builds, unchanged:
+Both read the metadata :func:`kvlab.engine.attention_metadata.flat_metadata` builds, unchanged:
 
 - :func:`store_kv` writes ``k, v: [N, KV, D]`` at flat slots ``slot_mapping: [N]`` (what
-  :func:`~kvlab.engine.attention.write_kv` does with ``index_copy_``): one program per token.
+  :func:`~kvlab.engine.kv_cache.write_kv` does with ``index_copy_``): one program per token.
 - :func:`decode_attention` attends rows of one query token each through their block tables
   (``meta.paged_tables``); each row's context length is its position + 1. One program per
   (row, KV head, split) walks its share of the row's blocks straight from the cache (no
@@ -14,8 +14,8 @@ Both read the metadata :func:`kvlab.engine.attention.flat_metadata` builds, unch
   second kernel merges the splits' partial results by log-sum-exp. The output is in the
   query dtype.
 
-:func:`available` says whether Triton can run here; :mod:`kvlab.engine.attention` selects
-these kernels automatically for CUDA tensors and keeps its torch code everywhere else. The
+:func:`available` says whether Triton can run here; the engine selects these kernels for CUDA
+(:class:`kvlab.engine.attention_triton.TritonAttention`) and keeps its torch code elsewhere. The
 kernels also run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set before
 Triton is imported), which is how the tests check them against the torch path.
 """
@@ -148,7 +148,7 @@ def _p2(n: int) -> int:
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Triton version of :func:`kvlab.engine.attention.write_kv` (same arguments, in place)."""
+    """Triton version of :func:`kvlab.engine.kv_cache.write_kv` (same arguments, in place)."""
     _, store, _, _ = _kernels()
     n = k.shape[0]
     if n == 0:
@@ -219,6 +219,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def row_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                   scale: float) -> None:
-    """:func:`decode_attention` in the engine's row-kernel form
-    (:data:`kvlab.engine.attention.RowKernel`): row ``r`` attends ``lens[r]`` positions."""
+    """:func:`decode_attention` in the form of the engine's backends
+    (``AttentionBackend.attend_rows``): row ``r`` attends ``lens[r]`` positions, into ``out``."""
     decode_attention(q, k_cache, v_cache, tables, lens - 1, scale, out=out)

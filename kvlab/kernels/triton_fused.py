@@ -11,12 +11,12 @@ torch launches several):
   ``cos, sin: [N, D // 2]``.
 
 Each computes in float32 and rounds to the input dtype where the torch path
-(:func:`kvlab.engine.model.rms_norm`, :func:`~kvlab.engine.model.apply_rope`, ``F.silu(g) *
+(:func:`kvlab.engine.ops.rms_norm`, :func:`~kvlab.engine.ops.apply_rope`, ``F.silu(g) *
 u``) rounds, so in float32 they agree to a few ulps and in bfloat16 to one rounding (the sums'
 order differs). One program per token row. They run on CPU tensors under Triton's interpreter
-(``TRITON_INTERPRET=1``, set before Triton is imported): ``kvlab.engine.fused_parity`` checks
-them there and on a GPU. As :class:`kvlab.engine.fused_ops.TritonOps` they are a decoder layer's
-ops table (``add_rms_norm``'s contract: ``TorchOps.add_rms_norm`` in ``kvlab.engine.model``).
+(``TRITON_INTERPRET=1``, set before Triton is imported): ``kvlab.labs.parity.fused`` checks
+them there and on a GPU. As :class:`kvlab.engine.ops.TritonLayerOps` they are a decoder layer's
+small ops (``add_rms_norm``'s contract: ``LayerOps.add_rms_norm`` in ``kvlab.engine.ops``).
 """
 
 from __future__ import annotations

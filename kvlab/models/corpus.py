@@ -24,8 +24,8 @@ from __future__ import annotations
 import random
 import re
 
-from .vale_documents import SYSTEM_PROMPT, Writer, generate_document, qa_pair
-from .vale_world import Person, Town, World, build_world
+from kvlab.models.vale_documents import SYSTEM_PROMPT, Writer, generate_document, qa_pair
+from kvlab.models.vale_world import Person, Town, World, build_world
 
 __all__ = [
     "CORPUS_SEED",

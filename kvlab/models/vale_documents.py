@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from .vale_world import (
+from kvlab.models.vale_world import (
     ANIMAL_SOUNDS,
     ANIMALS,
     COLORS,

@@ -23,7 +23,8 @@ rule  module                   names                                      produc
 10    ``rule10_goodput``       ``goodput``
 ====  =======================  =========================================  ==================
 
-Rule 11 (invariants under fault injection) has no listing: :mod:`kvlab.core.invariants` and the
+Rule 11 (invariants under fault injection) has no listing: :mod:`kvlab.labs.invariants.structural`
+and the
 property tests check it.
 
 Importing this package never imports torch. ``quantize_groups`` imports torch on its first
@@ -34,16 +35,15 @@ Nothing here imports :mod:`kvlab.core`: the reference is the bottom layer.
 from __future__ import annotations
 
 from kvlab._lazy import lazy_exports
-
-from .rule01_capacity import kv_bytes
-from .rule02_paging import physical_slot
-from .rule03_refcount import BlockAllocator
-from .rule04_prefix import PrefixCache
-from .rule05_request import ALLOWED, Phase, Request
-from .rule06_batching import build_batch
-from .rule07_quantization import dequantize_groups, effective_bits, quantize_groups
-from .rule09_disagg import REQUIRED_KV_FIELDS, validate_kv_descriptor
-from .rule10_goodput import goodput
+from kvlab.reference.rule01_capacity import kv_bytes
+from kvlab.reference.rule02_paging import physical_slot
+from kvlab.reference.rule03_refcount import BlockAllocator
+from kvlab.reference.rule04_prefix import PrefixCache
+from kvlab.reference.rule05_request import ALLOWED, Phase, Request
+from kvlab.reference.rule06_batching import build_batch
+from kvlab.reference.rule07_quantization import dequantize_groups, effective_bits, quantize_groups
+from kvlab.reference.rule09_disagg import REQUIRED_KV_FIELDS, validate_kv_descriptor
+from kvlab.reference.rule10_goodput import goodput
 
 # name -> module defining it, imported on first attribute access (the module imports torch)
 _LAZY = {

@@ -3,7 +3,7 @@
 ``M_KV = 2 · L · B · T · A_kv · D · s`` — the 2 counts K and V; L layers, B sequences,
 T tokens each, A_kv KV heads, D head dimension, s bytes per element. The per-rank size may be
 divided by the TP size only when the cache really is sharded by TP rank. The capacity planner
-built on it is :mod:`kvlab.capacity`.
+built on it is :mod:`kvlab.labs.capacity`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Position ``t`` lives in logical block ``t // q`` at physical slot ``q · table[t // q] + t % q``.
 A page table keeps a sequence logically contiguous while its blocks are scattered; by itself
 it provides neither prefix sharing nor eviction. The production page tables (a growing
-per-request table, vectorised slot mappings) are in :mod:`kvlab.core.paging`.
+per-request table, vectorised slot mappings) are in :mod:`kvlab.labs.paging`.
 """
 
 from __future__ import annotations

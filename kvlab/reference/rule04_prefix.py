@@ -3,7 +3,7 @@
 A key binds an immutable compatibility ``scope`` (model/weights version, tokenizer/template,
 adapter, RoPE, dtype/layout/quantisation schema, security domain, ...) to the exact token ids.
 A hit requires the scope to match exactly; the production radix tree keeps that contract.
-Its production twin is :class:`kvlab.core.token_trie.TokenTrie`; the engine's block-granular
+Its production twin is :class:`kvlab.labs.token_trie.TokenTrie`; the engine's block-granular
 prefix cache is :class:`kvlab.core.radix_cache.RadixCache`.
 """
 

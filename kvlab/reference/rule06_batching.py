@@ -8,7 +8,7 @@ admission, ageing, priorities, KV budgets, cache affinity and an overload policy
 
 from __future__ import annotations
 
-from .rule05_request import Phase
+from kvlab.reference.rule05_request import Phase
 
 __all__ = ["build_batch"]
 

@@ -6,11 +6,11 @@ workloads (:mod:`.workload`). :mod:`.static_batching` is the request-level basel
 comparison; :mod:`.tokens` is a deterministic stand-in for a model used by tests and chapters.
 """
 
-from .costmodel import RooflineCostModel, StepCost
-from .executor import RequestRecord, SimClock, SimResult, StepRecord, simulate
-from .static_batching import StaticBatchScheduler
-from .tokens import drive, greedy_tokens, hash_token
-from .workload import (
+from kvlab.sim.costmodel import RooflineCostModel, StepCost
+from kvlab.sim.executor import RequestRecord, SimClock, SimResult, StepRecord, simulate
+from kvlab.sim.static_batching import StaticBatchScheduler
+from kvlab.sim.tokens import drive, greedy_tokens, hash_token
+from kvlab.sim.workload import (
     RequestSpec,
     fixed,
     lognormal,

@@ -37,9 +37,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvlab.capacity import dtype_bytes
-from kvlab.capacity.catalog import GPUSpec, ModelShape, get_gpu, get_model
-from kvlab.core.engine_core import ScheduledChunk
+from kvlab.core.step_records import ScheduledChunk
+from kvlab.sim.catalog import GPUSpec, ModelShape, dtype_bytes, get_gpu, get_model
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ class StepCost:
 
 @dataclass(frozen=True)
 class RooflineCostModel:
-    """Step time of ``model`` on ``gpu`` (names from :mod:`kvlab.capacity.catalog`) in ``dtype``.
+    """Step time of ``model`` on ``gpu`` (names from :mod:`kvlab.sim.catalog`) in ``dtype``.
 
     ``overhead_s``: fixed cost per step (default 0.5 ms, an assumption, not a measurement).
     ``compute_efficiency`` / ``bandwidth_efficiency``: the fraction of peak reached (default 1:
@@ -168,7 +167,7 @@ class RooflineCostModel:
         (slots a static batch computes for requests that already finished).
 
         A chunk's lookahead slots are verified in this step's forward, so a chunk costs its
-        :attr:`~kvlab.core.engine_core.ScheduledChunk.num_query_tokens` (tokens plus
+        :attr:`~kvlab.core.step_records.ScheduledChunk.num_query_tokens` (tokens plus
         lookahead) and, when it samples, ``num_lookahead + 1`` LM-head rows.
         """
         work = [(c.num_query_tokens, c.start_pos, (c.num_lookahead + 1) if c.sample else 0)

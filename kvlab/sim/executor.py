@@ -18,11 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.core.engine_core import EngineCore, ModelOutput, SchedulerOutput
+from kvlab.core.engine_core import EngineCore
 from kvlab.core.request import RequestStatus, RuntimeRequest
-
-from .costmodel import RooflineCostModel, StepCost
-from .workload import RequestSpec, to_request
+from kvlab.core.step_records import ModelOutput, SchedulerOutput
+from kvlab.sim.costmodel import RooflineCostModel, StepCost
+from kvlab.sim.workload import RequestSpec, to_request
 
 
 class SimClock:

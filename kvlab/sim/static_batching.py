@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvlab.core.engine_core import SchedulerOutput
 from kvlab.core.request import RequestStatus
 from kvlab.core.scheduler import SchedulerBase, StepPlan
+from kvlab.core.step_records import SchedulerOutput
 
 S = RequestStatus
 

@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.core.engine_core import EngineCore, SchedulerOutput
+from kvlab.core.engine_core import EngineCore
 from kvlab.core.request import RuntimeRequest
-
-from .executor import CostModelExecutor
+from kvlab.core.step_records import SchedulerOutput
+from kvlab.sim.executor import CostModelExecutor
 
 _MASK = (1 << 64) - 1
 
@@ -63,7 +63,7 @@ def drive(
     max_steps: int = 100_000,
     arrivals: dict[int, list[RuntimeRequest]] | None = None,
     aborts: dict[int, list[str]] | None = None,
-    check: bool = False,
+    check: Callable[[Any], None] | None = None,
     on_step: Callable[[SchedulerOutput], None] | None = None,
 ) -> DriveResult:
     """Run ``scheduler`` until nothing is left, on the engine's own loop
@@ -71,7 +71,8 @@ def drive(
     :class:`~kvlab.sim.executor.CostModelExecutor` producing ``token_fn``'s tokens).
 
     ``arrivals[s]`` / ``aborts[s]`` are added / aborted just before step ``s`` (1-based) is
-    scheduled. ``check`` runs ``check_invariants`` after every step. Ended requests stay in the
+    scheduled. ``check(scheduler)`` runs after every step (e.g.
+    :func:`kvlab.labs.invariants.check_scheduler`). Ended requests stay in the
     scheduler's registry for inspection. RuntimeError if ``max_steps`` is exceeded.
     """
     arrivals = dict(arrivals or {})
@@ -94,6 +95,6 @@ def drive(
         result.ended.append([r.request_id for r in done.ended])
         if on_step is not None:
             on_step(done.output)
-        if check:
-            scheduler.check_invariants()
+        if check is not None:
+            check(scheduler)
     return result

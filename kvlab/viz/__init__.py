@@ -8,9 +8,8 @@ Chapter figures load on first use, so ``from kvlab.viz import setup_notebook`` s
 from __future__ import annotations
 
 from kvlab._lazy import lazy_exports
-
-from .notebook import setup_notebook
-from .style import (
+from kvlab.viz.notebook import setup_notebook
+from kvlab.viz.style import (
     BLOCK_STATE_COLORS,
     BLOCK_STATE_ORDER,
     PHASE_COLORS,

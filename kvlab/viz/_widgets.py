@@ -97,7 +97,7 @@ def figure_widget(
 def _box_class() -> type:
     import ipywidgets as w
 
-    from .kernel_free import FALLBACK_TEXT, export_enabled
+    from kvlab.viz.kernel_free import FALLBACK_TEXT, export_enabled
 
     class ChapterBox(w.VBox):
         """A VBox whose display bundle adds a text fallback and, on export, a kernel-free twin."""

@@ -1,6 +1,6 @@
 """Chapter 3 figures: the KV pool coloured by block state, with refcounts, step by step.
 
-* :func:`pool_figure` — pure: a :class:`~kvlab.core.kv_snapshot.KVSnapshot` in, a Figure out. The
+* :func:`pool_figure` — pure: a :class:`~kvlab.labs.kv_snapshot.KVSnapshot` in, a Figure out. The
   pool is drawn one cell per physical block, coloured by state (free / exclusive / shared /
   cached / pending copy), with its refcount; below it, every request's block table.
 * :func:`fork_scenario` — a scripted run of a real :class:`KVCacheManager`: parallel sampling
@@ -19,11 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.core.kv_snapshot import KVSnapshot
-
-from ._widgets import figure_widget
-from .kernel_free import COLUMN_PX, CSS_DPI
-from .style import (
+from kvlab.labs.invariants import check_kv_manager
+from kvlab.labs.kv_snapshot import KVSnapshot, snapshot_of
+from kvlab.viz._widgets import figure_widget
+from kvlab.viz.kernel_free import COLUMN_PX, CSS_DPI
+from kvlab.viz.style import (
     BLOCK_STATE_COLORS,
     BLOCK_STATE_LABELS,
     BLOCK_STATE_ORDER,
@@ -134,19 +134,19 @@ def fork_scenario(*, n: int = 3, num_blocks: int = 12, block_size: int = 4,
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
     scope = ("demo-model", "tenant-a")
     prompt = list(range(100, 100 + prompt_len))
-    steps: list[tuple[str, KVSnapshot]] = [("empty pool", kv.snapshot())]
+    steps: list[tuple[str, KVSnapshot]] = [("empty pool", snapshot_of(kv))]
     kv.admit("p", scope, prompt, prompt_len)
     steps.append((f"admit p: {prompt_len} prompt tokens in {kv.blocks_for(prompt_len)} blocks",
-                  kv.snapshot()))
+                  snapshot_of(kv)))
     if enable_prefix_caching:
         kv.commit("p", prompt)
         steps.append(("prefill done: full blocks cached (the cache is an owner, rc=2)",
-                      kv.snapshot()))
+                      snapshot_of(kv)))
     seqs = ["p"] + [f"s{i}" for i in range(1, n)]
     for child in seqs[1:]:
         kv.fork("p", child)
     children = "child" if n == 2 else "children"
-    steps.append((f"fork {n - 1} {children} for n={n}: every block shared", kv.snapshot()))
+    steps.append((f"fork {n - 1} {children} for n={n}: every block shared", snapshot_of(kv)))
     tokens = {rid: list(prompt) for rid in seqs}
     pending = []
     sample = {rid: 1000 * k for k, rid in enumerate(seqs)}  # each sequence samples its own
@@ -155,16 +155,16 @@ def fork_scenario(*, n: int = 3, num_blocks: int = 12, block_size: int = 4,
         tokens[rid].append(sample[rid] + len(tokens[rid]))
     steps.append((f"first token: copy-on-write of the partial block, copies {pending}"
                   if pending else "first token: nothing shared is written, no copy",
-                  kv.snapshot()))
+                  snapshot_of(kv)))
     if abort_mid_copy:
         victim = seqs.pop()
         kv.free(victim)
         steps.append((f"{victim} aborted mid-copy: its copy target stays fenced, not free",
-                      kv.snapshot()))
+                      snapshot_of(kv)))
     kv.complete_copies(pending)
     steps.append(("copies complete: fences lifted"
                   + (", the aborted copy's block freed" if abort_mid_copy else ""),
-                  kv.snapshot()))
+                  snapshot_of(kv)))
     for _ in range(decode_steps):
         for rid in seqs:
             length = len(tokens[rid])
@@ -172,19 +172,19 @@ def fork_scenario(*, n: int = 3, num_blocks: int = 12, block_size: int = 4,
             tokens[rid].append(sample[rid] + length)
             if enable_prefix_caching:
                 kv.commit(rid, tokens[rid])
-    steps.append((f"{decode_steps} decode steps: private tails grow", kv.snapshot()))
+    steps.append((f"{decode_steps} decode steps: private tails grow", snapshot_of(kv)))
     if len(seqs) > 1 and not abort_mid_copy:
         kv.free(seqs[-1])
         steps.append((f"{seqs[-1]} finishes: its private blocks freed"
                       + (", its cached ones stay" if enable_prefix_caching else ""),
-                      kv.snapshot()))
+                      snapshot_of(kv)))
         seqs.pop()
     for rid in seqs:
         kv.free(rid)
     steps.append(("all finish: " + ("cached blocks evictable, everything else free"
                                     if enable_prefix_caching else "every block free"),
-                  kv.snapshot()))
-    kv.check_invariants()
+                  snapshot_of(kv)))
+    check_kv_manager(kv)
     return steps
 
 
@@ -245,7 +245,7 @@ def fork_explorer(*, n: int = 3, prompt_len: int = 10, block_size: int = 4,
 
 def fork_kernel_free(*, prompt_len: int = 10, block_size: int = 4, start: int = 3):
     """The explorer without a kernel: :data:`FORK_GRID` x every step, precomputed."""
-    from .kernel_free import dropdown, slider, static_widget
+    from kvlab.viz.kernel_free import dropdown, slider, static_widget
 
     runs = {(k, a): fork_scenario(n=k, prompt_len=prompt_len, block_size=block_size,
                                   abort_mid_copy=a,
@@ -300,7 +300,7 @@ class RefcountView:
 
     def kernel_free(self):
         """Every step precomputed, switched by a plain range slider."""
-        from .kernel_free import slider, static_widget
+        from kvlab.viz.kernel_free import slider, static_widget
 
         return static_widget(
             self.figure,

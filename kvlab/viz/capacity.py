@@ -1,6 +1,6 @@
 """Chapter 1 figures: where one GPU's memory goes, and how many requests its KV pool holds.
 
-``capacity_figure(plan)`` is pure (a :class:`~kvlab.capacity.CapacityPlan` in, a new
+``capacity_figure(plan)`` is pure (a :class:`~kvlab.labs.capacity.CapacityPlan` in, a new
 Figure out); ``capacity_explorer()`` is the ipywidgets wrapper that re-plans on every change.
 """
 
@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlab.capacity import DTYPE_BYTES, CapacityPlan, GiB, plan_capacity
-from kvlab.capacity.catalog import GPUS, MODELS, get_gpu, get_model
-
-from ._widgets import figure_widget
-from .style import BLOCK_STATE_COLORS, INK, MUTED, PHASE_COLORS, REQUEST_PALETTE
+from kvlab.labs.capacity import DTYPE_BYTES, CapacityPlan, GiB, plan_capacity
+from kvlab.sim.catalog import GPUS, MODELS, get_gpu, get_model
+from kvlab.viz._widgets import figure_widget
+from kvlab.viz.style import BLOCK_STATE_COLORS, INK, MUTED, PHASE_COLORS, REQUEST_PALETTE
 
 #: Colour of each memory use in :func:`capacity_figure` (taken from the book's palette).
 MEMORY_COLORS: dict[str, str] = {
@@ -145,7 +144,7 @@ def capacity_kernel_free(model: str = "Llama-3-8B", gpu: str = "H100-80GB SXM", 
                          reserve_gib: float = 4.0):
     """The explorer without a kernel: :data:`KERNEL_FREE_GRID` precomputed (the other controls
     fixed at the explorer's defaults), each frame with its plan summary beneath."""
-    from .kernel_free import dropdown, slider, static_widget
+    from kvlab.viz.kernel_free import dropdown, slider, static_widget
 
     def plan(model, gpu, kv_dtype, tp) -> CapacityPlan:
         return plan_capacity(get_model(model), get_gpu(gpu), kv_dtype=kv_dtype,

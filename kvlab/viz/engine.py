@@ -12,8 +12,8 @@ The snapshot is read by attribute only (duck typing), so this module never impor
 
 from __future__ import annotations
 
-from ._widgets import chapter_box, figure_output
-from .style import (
+from kvlab.viz._widgets import chapter_box, figure_output
+from kvlab.viz.style import (
     BLOCK_STATE_COLORS,
     BLOCK_STATE_LABELS,
     BLOCK_STATE_ORDER,
@@ -181,7 +181,7 @@ class EngineStepper:
 
     def kernel_free(self, max_steps: int = 12):
         """The current snapshot and up to ``max_steps`` more, stepped on ``replay()``'s copy."""
-        from .kernel_free import slider, static_widget
+        from kvlab.viz.kernel_free import slider, static_widget
 
         if self.replay is None:
             raise ValueError("EngineStepper.kernel_free needs replay= (a fresh-engine factory)")

@@ -1,7 +1,7 @@
 """Goodput and SLO attainment against request rate: the figure and its widget (chapter 11).
 
 The input is precomputed: for each serving set-up, the request rates tried and, per rate, the
-:class:`~kvlab.slo.LatencyRecord` list one run produced (from the simulator or the load
+:class:`~kvlab.labs.slo.LatencyRecord` list one run produced (from the simulator or the load
 client). Changing the SLO only re-evaluates those records, so the widget answers instantly.
 
 Goodput per run is counted over the window in which the load was offered (from the start of
@@ -9,7 +9,7 @@ the run to its last arrival, ``evaluate_slo(..., window_s="arrivals")``): the dr
 last arrival is left out, so a run's goodput is its attainment times the rate it was offered,
 never more than that rate. A deployment's capacity in DistServe's sense (its *goodput* in the
 paper) is the highest offered rate per GPU whose attainment still reaches the target (90%),
-read off the curve by :func:`~kvlab.sim.serving.rate_at_attainment`.
+read off the curve by :func:`~kvlab.labs.serving.rate_at_attainment`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvlab.slo import SLO, LatencyRecord, evaluate_slo
-
-from .style import request_color
+from kvlab.labs.slo import SLO, LatencyRecord, evaluate_slo
+from kvlab.viz.style import request_color
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
@@ -52,7 +51,7 @@ def goodput_figure(curves: Curves, slo: SLO, *, rate: float | None = None,
     curves. Rates and goodput are per GPU when ``gpus`` gives each set-up's GPU count."""
     import matplotlib.pyplot as plt
 
-    from kvlab.sim.serving import rate_at_attainment
+    from kvlab.labs.serving import rate_at_attainment
 
     # constrained layout makes room for the shared legend under the panels, off the curves
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.5, 4.0), layout="constrained")
@@ -115,7 +114,7 @@ def goodput_explorer(curves: Curves, *, ttft_ms: float = 200.0, tpot_ms: float =
     set-up's attainment and goodput at the chosen rate."""
     import ipywidgets as w
 
-    from ._widgets import figure_widget
+    from kvlab.viz._widgets import figure_widget
 
     rates = sorted({r / (gpus[name] if gpus else 1) for name, (rs, _) in curves.items()
                     for r in rs})
@@ -177,7 +176,7 @@ def goodput_kernel_free(curves: Curves, *, ttft_ms: float = 200.0, tpot_ms: floa
                         target: float = 0.9):
     """The explorer without a kernel: :data:`KERNEL_FREE_GRID` (plus the initial objectives)
     precomputed, the rate marker fixed at ``rate``, every rate's numbers under each frame."""
-    from .kernel_free import slider, static_widget
+    from kvlab.viz.kernel_free import slider, static_widget
 
     def values(name: str, start: float) -> tuple[float, ...]:
         return tuple(sorted({*KERNEL_FREE_GRID[name], float(start)}))

@@ -1,6 +1,6 @@
 """Chapter 12's figures: the fault lab (which invariant catches which bug) and the chaos soak.
 
-:func:`lab_figure` draws one :func:`kvlab.sim.fault_lab.run_lab` trace: the block pool at a
+:func:`lab_figure` draws one :func:`kvlab.labs.chaos.fault_lab.run_lab` trace: the block pool at a
 chosen step (the culprit block outlined) above a grid of the nine invariants by step (each
 check that held, the one that broke, the steps a fault struck). :class:`FaultLab` is the widget
 (implementation, fault, step) with a kernel-free twin; :func:`chaos_figure` draws the soak's
@@ -13,7 +13,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from .style import BLOCK_STATE_COLORS, BLOCK_STATE_LABELS, BLOCK_STATE_ORDER, INK, MUTED
+from kvlab.viz.style import BLOCK_STATE_COLORS, BLOCK_STATE_LABELS, BLOCK_STATE_ORDER, INK, MUTED
 
 __all__ = ["FaultLab", "chaos_figure", "lab_figure"]
 
@@ -24,7 +24,7 @@ _WITHHELD = "#495057"
 
 @functools.lru_cache(maxsize=128)
 def _trace(implementation: str, fault: str):
-    from kvlab.sim.fault_lab import run_lab
+    from kvlab.labs.chaos.fault_lab import run_lab
 
     return run_lab(implementation, fault)
 
@@ -113,7 +113,7 @@ class FaultLab:
 
     def __init__(self, implementation: str = "cache ignores the tenant",
                  fault: str = "alloc_refusal") -> None:
-        from kvlab.sim.fault_lab import LAB_FAULTS, MUTATIONS
+        from kvlab.labs.chaos.fault_lab import LAB_FAULTS, MUTATIONS
 
         if implementation not in MUTATIONS or fault not in LAB_FAULTS:
             raise ValueError(f"unknown implementation or fault: {implementation!r}, {fault!r}")
@@ -133,9 +133,8 @@ class FaultLab:
     def widget(self):
         import ipywidgets as w
 
-        from kvlab.sim.fault_lab import LAB_FAULTS, MUTATIONS
-
-        from ._widgets import figure_widget
+        from kvlab.labs.chaos.fault_lab import LAB_FAULTS, MUTATIONS
+        from kvlab.viz._widgets import figure_widget
 
         impl = w.Dropdown(options=list(MUTATIONS), value=self.implementation,
                           description="implementation", style={"description_width": "initial"})
@@ -149,9 +148,8 @@ class FaultLab:
 
     def kernel_free(self):
         """Every implementation x four faults, each at the run's last step."""
-        from kvlab.sim.fault_lab import MUTATIONS
-
-        from .kernel_free import dropdown, static_widget
+        from kvlab.labs.chaos.fault_lab import MUTATIONS
+        from kvlab.viz.kernel_free import dropdown, static_widget
 
         faults = ("none", "alloc_refusal", "executor_error", "abort_storm")
         return static_widget(

@@ -15,8 +15,8 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ._widgets import chapter_box, figure_output
-from .style import INK, MUTED
+from kvlab.viz._widgets import chapter_box, figure_output
+from kvlab.viz.style import INK, MUTED
 
 _STATE_POS = {
     "waiting": (0.0, 1.0), "running": (2.1, 1.0),
@@ -36,7 +36,7 @@ def state_diagram_figure(transitions: dict, holds_kv: dict[str, bool],
     (no way out) get a double border. ``highlight``: status names to outline in red."""
     from matplotlib.patches import FancyBboxPatch
 
-    from .style import BLOCK_STATE_COLORS
+    from kvlab.viz.style import BLOCK_STATE_COLORS
 
     unknown = set(transitions) - set(_STATE_POS)
     if unknown:
@@ -116,8 +116,8 @@ class RecoverySnapshot:
 def recovery_snapshot(crash_at: int, events: Sequence, held: dict[str, bool],
                       report) -> RecoverySnapshot:
     """Build a snapshot from the durable ``events``, which requests the KV manager ``held``
-    *before* recovery, and the :class:`~kvlab.recovery.RecoveryReport`."""
-    from kvlab.recovery import replay
+    *before* recovery, and the :class:`~kvlab.labs.recovery.RecoveryReport`."""
+    from kvlab.labs.recovery import replay
 
     decisions: dict[str, str] = {}
     for what, ids in (("resume", report.resumed), ("requeue", report.requeued),
@@ -133,7 +133,7 @@ def recovery_snapshot(crash_at: int, events: Sequence, held: dict[str, bool],
 
 
 def event_text(event) -> str:
-    """A short human-readable line for a :class:`~kvlab.core.event_log.Event`."""
+    """A short human-readable line for a :class:`~kvlab.labs.recovery.event_log.Event`."""
     d = event.data
     if event.kind == "transition":
         what = f"{d[0]} -> {d[1]}" + (f" ({d[2]})" if d[2] else "")
@@ -155,7 +155,7 @@ _DECISION_COLORS = {"resume": "#009e73", "requeue": "#e69f00", "free orphan": "#
 def recovery_figure(snapshot: RecoverySnapshot) -> Figure:
     """One row per request: logged status (filled if it is a running status, i.e. may hold
     KV), whether the manager held KV at the crash, and recovery's decision."""
-    from .style import BLOCK_STATE_COLORS
+    from kvlab.viz.style import BLOCK_STATE_COLORS
 
     rows = snapshot.rows
     fig, ax = plt.subplots(figsize=(9.0, 1.2 + 0.42 * max(len(rows), 1)))
@@ -212,7 +212,7 @@ class RecoveryExplorer:
 
     def kernel_free(self, max_frames: int = 16):
         """About ``max_frames`` crash points precomputed (evenly spread, the default included)."""
-        from .kernel_free import slider, spread, static_widget
+        from kvlab.viz.kernel_free import slider, spread, static_widget
 
         keep = spread(self.slider.max + 1, max_frames, include=[self.slider.value])
         return static_widget(lambda k: recovery_figure(self.snapshot(k)),
@@ -220,7 +220,7 @@ class RecoveryExplorer:
                              default={"k": self.slider.value}, title="recovery after a crash")
 
     def snapshot(self, k: int | None = None) -> RecoverySnapshot:
-        from kvlab.recovery import recover
+        from kvlab.labs.recovery import recover
 
         k = self.slider.value if k is None else k
         events, kv = self.crash(k)

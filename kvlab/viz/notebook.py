@@ -6,7 +6,7 @@ import os
 import random
 import sys
 
-from .style import use_style
+from kvlab.viz.style import use_style
 
 
 def setup_notebook(seed: int = 0, torch_threads: int = 1) -> None:

@@ -3,7 +3,7 @@
 * :func:`block_table_figure` — each request's logical blocks, the physical block each maps to,
   and the physical pool coloured by owner (shared blocks marked).
 * :func:`waste_figure` — stacked bars of used / reserved / over-reserved / internal /
-  external / free memory per allocation policy (a :mod:`kvlab.fragmentation` result).
+  external / free memory per allocation policy (a :mod:`kvlab.labs.fragmentation` result).
 * :func:`waste_timeline_figure` — the same categories over the steps of one run.
 * :class:`BlockTableView` — an ipywidgets playground over a real ``BlockTable`` and allocator.
 
@@ -18,11 +18,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from kvlab.core.block_pool import OutOfBlocks
-from kvlab.fragmentation import CATEGORIES, WasteReport
-
-from ._widgets import chapter_box, figure_output
-from .blocks import text_scale
-from .style import (
+from kvlab.labs.fragmentation import CATEGORIES, WasteReport
+from kvlab.viz._widgets import chapter_box, figure_output
+from kvlab.viz.blocks import text_scale
+from kvlab.viz.style import (
     BLOCK_STATE_COLORS,
     INK,
     MUTED,
@@ -194,7 +193,7 @@ def waste_figure(
     """Stacked bars, one per policy, of the waste categories (percent of the arena).
 
     ``reports`` maps a policy name to a :class:`WasteReport` or to a ``{category: fraction}``
-    dict covering :data:`~kvlab.fragmentation.CATEGORIES`. Each bar is labelled with its
+    dict covering :data:`~kvlab.labs.fragmentation.CATEGORIES`. Each bar is labelled with its
     token-state share; when ``paper`` gives a token-state percentage for a policy, a black
     diamond marks it for comparison. Pure; one axes, one patch per (policy, category) with
     a non-zero share.
@@ -269,7 +268,7 @@ class BlockTableView:
     """Interactive page tables over a real allocator: add requests, append tokens, finish.
 
     Holds a :class:`kvlab.reference.BlockAllocator` of ``num_blocks`` blocks and one
-    :class:`kvlab.core.paging.BlockTable` per request; each button press calls the real
+    :class:`kvlab.labs.paging.BlockTable` per request; each button press calls the real
     methods and redraws :func:`block_table_figure` from a snapshot. Out-of-memory shows the
     allocator's error and changes nothing (``append_tokens`` is all-or-nothing).
     """
@@ -302,7 +301,7 @@ class BlockTableView:
         self.history.append((what, self.snapshot()))
 
     def add_request(self, prompt_tokens: int) -> str:
-        from kvlab.core.paging import BlockTable
+        from kvlab.labs.paging import BlockTable
 
         rid = f"r{self._next}"
         table = BlockTable(self.block_size, self.allocator)
@@ -322,7 +321,7 @@ class BlockTableView:
 
     def kernel_free(self, max_frames: int = 24):
         """A slider over :attr:`history` (the actions taken so far), opening at the latest."""
-        from .kernel_free import slider, spread, static_widget
+        from kvlab.viz.kernel_free import slider, spread, static_widget
 
         n = len(self.history)
         keep = spread(n, max_frames)

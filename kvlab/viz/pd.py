@@ -5,10 +5,10 @@ outcome on the consumer's KV pool.
   consumer's decision and action) in, a Figure out. Producer lane on the left, consumer lane on
   the right; an arrow per entry labelled with its fault; the consumer's decision in a box
   coloured by action (install / recompute / fail / discard).
-* :func:`fault_run_figure` — pure: a :class:`~kvlab.engine.kv_transfer.demo.FaultRun` in: the
+* :func:`fault_run_figure` — pure: a :class:`~kvlab.labs.pd.demo.FaultRun` in: the
   consumer's pool right after its decision (chapter 3's :func:`~kvlab.viz.blocks.pool_figure`).
 * :func:`fault_explorer` — a dropdown of faults and a button that runs one through a live
-  :class:`~kvlab.engine.kv_transfer.demo.PDDemo` (thin ipywidgets glue); its kernel-free twin
+  :class:`~kvlab.labs.pd.demo.PDDemo` (thin ipywidgets glue); its kernel-free twin
   :func:`fault_kernel_free` runs every fault once on a fresh pair.
 """
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._widgets import chapter_box, figure_output
-from .blocks import pool_figure
-from .style import INK, MUTED
+from kvlab.viz._widgets import chapter_box, figure_output
+from kvlab.viz.blocks import pool_figure
+from kvlab.viz.style import INK, MUTED
 
 ACTION_COLORS = {"install": "#009e73", "recompute": "#e69f00", "fail": "#c44e52",
                  "discard": "#868e96", "wait": "#56b4e9"}
@@ -95,7 +95,7 @@ def fault_explorer(demo: Any, faults: Sequence[str] | None = None, *,
     """
     import ipywidgets as w
 
-    from kvlab.engine.kv_transfer.demo import DEMO_FAULTS
+    from kvlab.labs.pd.demo import DEMO_FAULTS
 
     options = list(faults or DEMO_FAULTS)
     choice = w.Dropdown(options=options, value="none" if "none" in options else options[0],
@@ -122,7 +122,7 @@ def fault_kernel_free(demo: Any, faults: Sequence[str], *, first: str = "none"):
     """The explorer without a kernel: ``first``, then every other fault of ``faults``, run in
     that order on ``demo`` (a fresh PDDemo, as if each were chosen and run in turn), one frame
     each with its caption."""
-    from .kernel_free import dropdown, static_widget
+    from kvlab.viz.kernel_free import dropdown, static_widget
 
     if first not in faults:
         raise ValueError(f"first={first!r} is not one of the faults {list(faults)}")

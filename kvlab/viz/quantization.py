@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._widgets import figure_widget
-from .style import INK, MUTED, PHASE_COLORS, REQUEST_PALETTE
+from kvlab.viz._widgets import figure_widget
+from kvlab.viz.style import INK, MUTED, PHASE_COLORS, REQUEST_PALETTE
 
 
 def example_row(outlier: float = 12.0, n: int = 256, seed: int = 0):
@@ -137,7 +137,7 @@ def quantization_kernel_free(outlier: float = 12.0, *, bits: int = 4, group_size
                              symmetric: bool = True):
     """The explorer without a kernel: :data:`KERNEL_FREE_GRID` precomputed for one row (outlier
     ``outlier`` sigma), the explorer's default first, each frame with its bytes line."""
-    from .kernel_free import dropdown, slider, static_widget
+    from kvlab.viz.kernel_free import dropdown, slider, static_widget
 
     row = example_row(outlier)
     grid = KERNEL_FREE_GRID

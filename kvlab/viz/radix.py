@@ -1,6 +1,6 @@
 """Chapter 4 figures: the radix prefix tree with a hit path highlighted, and hit-rate curves.
 
-* :func:`radix_figure` — pure: a :class:`~kvlab.core.kv_snapshot.RadixSnapshot` (a scope's tree) in,
+* :func:`radix_figure` — pure: a :class:`~kvlab.labs.kv_snapshot.RadixSnapshot` (a scope's tree) in,
   a Figure out. One box per cached block (its tokens and physical block id), laid out root to
   leaves left to right; locked nodes (in use by a request) are drawn as *shared*, unlocked
   ones as *cached, evictable*; the blocks in ``highlight`` (a lookup's hit path) get a thick
@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from kvlab.core.kv_snapshot import RadixSnapshot
-
-from ._widgets import figure_widget
-from .style import BLOCK_STATE_COLORS, INK, MUTED
+from kvlab.labs.kv_snapshot import RadixSnapshot
+from kvlab.viz._widgets import figure_widget
+from kvlab.viz.style import BLOCK_STATE_COLORS, INK, MUTED
 
 
 def _chunk_label(chunk: tuple, max_tokens: int) -> str:
@@ -162,7 +161,7 @@ class RadixView:
 
     def kernel_free(self):
         """Every lookup precomputed, switched by a plain dropdown."""
-        from .kernel_free import dropdown, static_widget
+        from kvlab.viz.kernel_free import dropdown, static_widget
 
         return static_widget(self.figure, {"label": dropdown(self.lookups, label="lookup")},
                              default={"label": self.start}, title="radix tree lookups")

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ._widgets import figure_widget
-from .style import request_color
+from kvlab.viz._widgets import figure_widget
+from kvlab.viz.style import request_color
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
-    from kvlab.engine.spec_decode.acceptance import AcceptanceData
+    from kvlab.labs.speculation.acceptance import AcceptanceData
     from kvlab.sim.costmodel import SpecStepCost
 
 __all__ = ["AcceptanceView", "acceptance_caption", "acceptance_figure", "speedup_figure"]
@@ -108,7 +108,7 @@ def acceptance_caption(data: AcceptanceData) -> str:
 
 class AcceptanceView:
     """Sliders for k and temperature, a method menu and a prompt box over a live engine
-    (:func:`~kvlab.engine.spec_decode.acceptance.run_acceptance`); any change re-runs and
+    (:func:`~kvlab.labs.speculation.acceptance.run_acceptance`); any change re-runs and
     redraws :func:`acceptance_figure`. Its kernel-free twin (:meth:`kernel_free`) precomputes
     :data:`KERNEL_FREE_GRID` for the initial prompt."""
 
@@ -136,7 +136,7 @@ class AcceptanceView:
              engines: dict | None = None) -> AcceptanceData:
         """The run for these settings (computed once per settings, then remembered); ``engines``
         is passed to ``run_acceptance`` (None: its shared engine cache)."""
-        from kvlab.engine.spec_decode.acceptance import run_acceptance
+        from kvlab.labs.speculation.acceptance import run_acceptance
 
         key = (k, round(float(temperature), 6), method, prompt)
         if key not in self._runs:
@@ -148,7 +148,7 @@ class AcceptanceView:
         """:data:`KERNEL_FREE_GRID` (plus the initial settings) precomputed for the initial
         prompt, each frame captioned with its alpha and mean tokens per verification. The frames
         run on engines of their own, so the shared ones (and later cells) are unaffected."""
-        from .kernel_free import dropdown, slider, static_widget
+        from kvlab.viz.kernel_free import dropdown, slider, static_widget
 
         own: dict = {}
 

@@ -113,7 +113,7 @@ def figure_output_png(fig) -> tuple[str, dict[str, int]]:
     (:func:`kvlab.viz.kernel_free.render_figure`). Returns IPython's ``(base64, metadata)``."""
     import base64
 
-    from .kernel_free import render_figure
+    from kvlab.viz.kernel_free import render_figure
 
     shot = render_figure(fig, colors=256, close=False, tight=True)
     return (base64.b64encode(shot.png).decode(), {"width": shot.width, "height": shot.height})

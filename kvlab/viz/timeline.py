@@ -18,8 +18,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from ._widgets import chapter_box, figure_output
-from .style import INK, MUTED, PHASE_COLORS, request_color
+from kvlab.viz._widgets import chapter_box, figure_output
+from kvlab.viz.style import INK, MUTED, PHASE_COLORS, request_color
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ class BatchTimeline:
 
     def kernel_free(self, max_frames: int = 16):
         """About ``max_frames`` steps precomputed (evenly spread, the default one included)."""
-        from .kernel_free import slider, spread, static_widget
+        from kvlab.viz.kernel_free import slider, spread, static_widget
 
         keep = spread(len(self.steps), max_frames, include=[self.slider.value])
         return static_widget(self.figure,

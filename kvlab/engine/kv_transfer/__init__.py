@@ -16,10 +16,13 @@ from kvlab.disagg.channel import EntryExporter
 from kvlab.disagg.entry import Delivery
 from kvlab.disagg.remote_kv_scheduler import RemoteKVPolicy, RemoteKVScheduler
 from kvlab.disagg.transfer_faults import TransferFaultInjector
-
-from .config import KV_CONNECTORS, KV_ROLES, KVTransferConfig
-from .connectors import InProcessChannel, SharedStorageConnector, TcpConnector
-from .payload import KVPayloadCodec, engine_model_fields
+from kvlab.engine.kv_transfer.config import KV_CONNECTORS, KV_ROLES, KVTransferConfig
+from kvlab.engine.kv_transfer.connectors import (
+    InProcessChannel,
+    SharedStorageConnector,
+    TcpConnector,
+)
+from kvlab.engine.kv_transfer.payload import KVPayloadCodec, engine_model_fields
 
 __all__ = ["KV_CONNECTORS", "KV_ROLES", "InProcessChannel", "KVPayloadCodec", "KVTransfer",
            "KVTransferConfig", "SharedStorageConnector", "TcpConnector", "engine_model_fields"]

@@ -16,8 +16,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from kvlab.disagg.entry import LAYOUT, Delivery
-
-from ..kv_cache import PagedKVCache
+from kvlab.engine.kv_cache import PagedKVCache
 
 __all__ = ["KVPayloadCodec", "engine_model_fields", "rope_string"]
 

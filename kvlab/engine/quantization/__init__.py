@@ -9,12 +9,19 @@ cache, pre-quantized checkpoints and the five-fact report.
 - :mod:`.report`: :class:`QuantizationReport`.
 """
 
-from .checkpoint_io import load_quantized, save_quantized
-from .formats import PackedWeight, QuantConfig, dequantize, pack_int4, quantize, unpack_int4
-from .kv_cache import QuantizedPagedKVCache, dequantize_kv, quantize_kv
-from .linear import KernelLog, QuantizedLinear
-from .report import QuantizationReport, build_report
-from .setup import EngineQuantization
+from kvlab.engine.quantization.checkpoint_io import load_quantized, save_quantized
+from kvlab.engine.quantization.formats import (
+    PackedWeight,
+    QuantConfig,
+    dequantize,
+    pack_int4,
+    quantize,
+    unpack_int4,
+)
+from kvlab.engine.quantization.kv_cache import QuantizedPagedKVCache, dequantize_kv, quantize_kv
+from kvlab.engine.quantization.linear import KernelLog, QuantizedLinear
+from kvlab.engine.quantization.report import QuantizationReport, build_report
+from kvlab.engine.quantization.setup import EngineQuantization
 
 __all__ = [
     "EngineQuantization",

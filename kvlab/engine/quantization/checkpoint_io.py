@@ -30,11 +30,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from ..checkpoint import CheckpointError, LoadedCheckpoint
-from ..config import ConfigError, ModelConfig, parse_token_ids
-from ..model import LlamaModel
-from .formats import PackedWeight, QuantConfig
-from .linear import KernelLog, QuantizedLinear
+from kvlab.engine.checkpoint import CheckpointError, LoadedCheckpoint
+from kvlab.engine.config import ConfigError, ModelConfig, parse_token_ids
+from kvlab.engine.model import LlamaModel
+from kvlab.engine.quantization.formats import PackedWeight, QuantConfig
+from kvlab.engine.quantization.linear import KernelLog, QuantizedLinear
 
 __all__ = ["FORMAT", "is_quantized_dir", "load_quantized", "quantized_linear_names",
            "save_quantized"]

@@ -5,12 +5,13 @@ holding fp8 e4m3 bit patterns: CPU torch cannot ``index_copy_`` float8 tensors) 
 ``scales: [layers, 2, num_blocks, block_size, kv_heads]`` fp16. Why per token and head:
 :mod:`kvlab.core.kv_dtype`.
 
-Attention: each layer's ``layers[l]`` is ``(QuantizedKVLayer, None)``; the decoder layer calls
-:meth:`QuantizedKVLayer.write_and_attend`, which quantizes the new K/V into their slots, then
-dequantizes only the blocks this step reads into a compact float buffer and runs the ordinary
-:func:`~kvlab.engine.attention.paged_attention` over it with block ids remapped (computed once
-per step, shared by all layers). The float copy is transient and the size of the step's
-working set, never of the whole cache.
+Attention: each ``layers[l]`` is a :class:`QuantizedKVLayer`, a
+:class:`~kvlab.engine.kv_cache.KVLayer` like a plain cache's: :meth:`~QuantizedKVLayer.write`
+quantizes the new K/V into their slots, :meth:`~QuantizedKVLayer.view` dequantizes only the
+blocks this step reads into a compact float buffer with block ids remapped (computed once per
+step, shared by all layers), and the engine's attention backend runs over that. The float copy
+is transient and the size of the step's working set, never of the whole cache. Its reads are
+rounded (``exact`` is False), so a fresh prompt attends its own new K/V, as over a plain cache.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from collections.abc import Sequence
 import torch
 
 from kvlab.core.kv_dtype import KVDtypeSpec
-
-from ..attention import AttentionMetadata, paged_attention
-from ..kv_cache import copy_indices
+from kvlab.engine.attention_metadata import AttentionMetadata
+from kvlab.engine.kv_cache import copy_indices
 
 __all__ = ["QuantizedKVLayer", "QuantizedPagedKVCache", "dequantize_kv", "quantize_kv"]
 
@@ -76,8 +76,7 @@ class QuantizedPagedKVCache:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         self.data = torch.zeros(shape, dtype=payload, device=device)
         self.scales = torch.zeros(shape[:-1], dtype=torch.float16, device=device)
-        self.layers: list[tuple[QuantizedKVLayer, None]] = [
-            (QuantizedKVLayer(self, i), None) for i in range(num_layers)]
+        self.layers = [QuantizedKVLayer(self, i) for i in range(num_layers)]
         self._step: tuple[AttentionMetadata, AttentionMetadata, torch.Tensor] | None = None
 
     @property
@@ -108,19 +107,17 @@ class QuantizedPagedKVCache:
             1, dtype=torch.long, device=dev)
         remap = torch.zeros(self.num_blocks, dtype=torch.long, device=dev)
         remap[blocks] = torch.arange(blocks.numel(), device=dev)
-        # a fresh prompt attends its own unrounded K/V (as a fresh prompt does over a plain
-        # cache); the compiled chunk op reads every chunk back from the cache, so a step with
-        # one runs its attention on the torch path
-        fresh = any(meta.start_pos[s] == 0 for s in meta.dense)
         small = dataclasses.replace(meta, block_tables=remap[meta.block_tables],
-                                    paged_tables=remap[meta.paged_tables],
-                                    kernel=None if fresh else meta.kernel)
+                                    paged_tables=remap[meta.paged_tables])
         self._step = (meta, small, blocks)
         return small, blocks
 
 
 class QuantizedKVLayer:
-    """One layer's view of a :class:`QuantizedPagedKVCache`."""
+    """One layer of a :class:`QuantizedPagedKVCache`, a :class:`~kvlab.engine.kv_cache.KVLayer`
+    whose reads are rounded."""
+
+    exact = False
 
     def __init__(self, cache: QuantizedPagedKVCache, layer: int):
         self.cache, self.layer = cache, layer
@@ -140,10 +137,9 @@ class QuantizedKVLayer:
         return dequantize_kv(c.data[self.layer, which][blocks],
                              c.scales[self.layer, which][blocks], c.spec, c.compute_dtype)
 
-    def write_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Store the step's new K/V, then paged attention over the dequantized blocks."""
-        self.write(k, v, meta.slot_mapping)
+    def view(self, meta: AttentionMetadata
+             ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's blocks dequantized (``[len, block_size, kv, D]``, K and V) and ``meta``
+        with its tables remapped onto them."""
         small, blocks = self.cache.compact(meta)
-        return paged_attention(q, k, v, self.read_blocks(0, blocks), self.read_blocks(1, blocks),
-                               small, scale)
+        return self.read_blocks(0, blocks), self.read_blocks(1, blocks), small

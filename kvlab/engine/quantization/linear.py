@@ -32,7 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .formats import PackedWeight, QuantConfig, dequantize, integer_values, quantize
+from kvlab.engine.quantization.formats import (
+    PackedWeight,
+    QuantConfig,
+    dequantize,
+    integer_values,
+    quantize,
+)
 
 __all__ = ["KernelLog", "QuantizedLinear", "kernel_for"]
 

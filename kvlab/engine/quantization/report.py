@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .checkpoint_io import quantized_linear_names
-from .linear import QuantizedLinear
-from .setup import EngineQuantization
+from kvlab.engine.quantization.checkpoint_io import quantized_linear_names
+from kvlab.engine.quantization.linear import QuantizedLinear
+from kvlab.engine.quantization.setup import EngineQuantization
 
 __all__ = ["QuantizationReport", "build_report"]
 

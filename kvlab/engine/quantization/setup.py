@@ -20,14 +20,17 @@ import torch
 from safetensors import safe_open
 
 from kvlab.core.kv_dtype import KVDtypeSpec, kv_bytes_per_token, kv_dtype_spec
-
-from ..checkpoint import LoadedCheckpoint, load_checkpoint, resolve_model_path
-from ..config import ModelConfig
-from ..kv_cache import PagedKVCache
-from .checkpoint_io import load_quantized, quantization_config_of, quantized_linear_names
-from .formats import QuantConfig
-from .kv_cache import QuantizedPagedKVCache
-from .linear import KernelLog, QuantizedLinear
+from kvlab.engine.checkpoint import LoadedCheckpoint, load_checkpoint, resolve_model_path
+from kvlab.engine.config import ModelConfig
+from kvlab.engine.kv_cache import PagedKVCache
+from kvlab.engine.quantization.checkpoint_io import (
+    load_quantized,
+    quantization_config_of,
+    quantized_linear_names,
+)
+from kvlab.engine.quantization.formats import QuantConfig
+from kvlab.engine.quantization.kv_cache import QuantizedPagedKVCache
+from kvlab.engine.quantization.linear import KernelLog, QuantizedLinear
 
 __all__ = ["EngineQuantization"]
 

@@ -12,12 +12,12 @@ The scheduler's half (lookahead slots, multi-token results, rollback of block ta
 torch-free, in :mod:`kvlab.core.spec_plan`.
 """
 
-from .config import SpeculativeConfig
-from .executor import SpecExecutor, SpecStepInfo
-from .metrics import SpecDecodeMetrics, SpecRecord
-from .proposers import DraftModelProposer, NgramProposer, ngram_lookup
-from .setup import Speculator
-from .verifier import Verdict, processed_probs, verify
+from kvlab.engine.spec_decode.config import SpeculativeConfig
+from kvlab.engine.spec_decode.executor import SpecExecutor, SpecStepInfo
+from kvlab.engine.spec_decode.metrics import SpecDecodeMetrics, SpecRecord
+from kvlab.engine.spec_decode.proposers import DraftModelProposer, NgramProposer, ngram_lookup
+from kvlab.engine.spec_decode.setup import Speculator
+from kvlab.engine.spec_decode.verifier import Verdict, processed_probs, verify
 
 __all__ = ["DraftModelProposer", "NgramProposer", "SpecDecodeMetrics", "SpecExecutor",
            "SpecRecord", "SpecStepInfo", "SpeculativeConfig", "Speculator", "Verdict",

@@ -21,25 +21,31 @@ with zero drafts, so one request's tokens depend on its seed alone.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from kvlab.core.engine_core import ModelOutput, SchedulerOutput
 from kvlab.core.request import RequestStatus, RuntimeRequest
 from kvlab.core.spec_plan import stop_cut
-
-from ..chunk_metadata import ChunkSpec, build_metadata
-from ..kv_cache import PagedKVCache
-from ..model import LlamaModel
-from ..model_runner import ModelRunner, StepInfo
-from ..sampler import SamplerState
-from .grammar import GrammarCursor
-from .metrics import SpecDecodeMetrics
-from .proposers import DraftModelProposer, NgramProposer, Proposal, RowContext
-from .rng import TARGET, position_generator
-from .verifier import processed_probs, verify
+from kvlab.core.step_records import ModelOutput, SchedulerOutput
+from kvlab.engine.attention_metadata import ChunkSpec, build_metadata
+from kvlab.engine.kv_cache import PagedKVCache
+from kvlab.engine.model import LlamaModel
+from kvlab.engine.model_runner import ModelRunner, StepInfo
+from kvlab.engine.ops import Kernels
+from kvlab.engine.sampler import SamplerState
+from kvlab.engine.spec_decode.grammar import GrammarCursor
+from kvlab.engine.spec_decode.metrics import SpecDecodeMetrics
+from kvlab.engine.spec_decode.proposers import (
+    DraftModelProposer,
+    NgramProposer,
+    Proposal,
+    RowContext,
+)
+from kvlab.engine.spec_decode.rng import TARGET, position_generator
+from kvlab.engine.spec_decode.verifier import processed_probs, verify
+from kvlab.engine.structured_outputs.manager import StructuredOutputManager
 
 __all__ = ["SpecExecutor", "SpecStepInfo", "grammar_of"]
 
@@ -59,48 +65,50 @@ class SpecStepInfo(StepInfo):
 
 class SpecExecutor(ModelRunner):
     """Executor of a speculating engine: ``model`` over ``cache``, drafts from ``proposer``.
-    Sampler states as :class:`ModelRunner`'s; ``requests``: its own copy of each request, sent
-    once at :meth:`add_request` and extended by the tokens it emits (the proposers read the
-    context, the stop cut its stop conditions), so it never reads the scheduler's."""
+    Sampler states as :class:`ModelRunner`'s; ``contexts``: its own copy of each request, made
+    from the scheduler output's :class:`~kvlab.core.step_records.NewRequest` and extended by the
+    tokens it emits (the proposers read the context, the stop cut its stop conditions), so it
+    never reads the scheduler's."""
 
-    def __init__(self, model: LlamaModel, cache: PagedKVCache,
-                 proposer: DraftModelProposer | NgramProposer,
-                 metrics: SpecDecodeMetrics) -> None:
-        super().__init__(model, cache)
-        self.requests: dict[str, RuntimeRequest] = {}
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, kernels: Kernels,
+                 proposer: DraftModelProposer | NgramProposer, metrics: SpecDecodeMetrics,
+                 structured_outputs: StructuredOutputManager | None = None,
+                 eos_token_ids: Sequence[int] = ()) -> None:
+        super().__init__(model, cache, kernels, structured_outputs, eos_token_ids)
+        self.contexts: dict[str, RuntimeRequest] = {}
         self.proposer, self.metrics = proposer, metrics
 
-    def add_request(self, request: RuntimeRequest, sampler: SamplerState) -> None:
-        super().add_request(request, sampler)
-        self.requests[request.request_id] = replace(
-            request, output_token_ids=list(request.output_token_ids), status=RequestStatus.RUNNING)
-
-    def remove_requests(self, request_ids: Iterable[str]) -> None:
-        request_ids = list(request_ids)
-        super().remove_requests(request_ids)
-        for rid in request_ids:
-            self.requests.pop(rid, None)
+    def update_requests(self, output: SchedulerOutput) -> None:
+        super().update_requests(output)
+        for rid in output.finished_ids:
+            self.contexts.pop(rid, None)
+        for new in output.new_requests:
+            self.contexts[new.request_id] = RuntimeRequest(
+                new.request_id, new.prompt_token_ids, new.max_tokens,
+                stop_token_ids=new.stop_token_ids, eos_token_id=new.eos_token_id,
+                ignore_eos=new.ignore_eos, max_model_len=new.max_model_len,
+                output_token_ids=list(new.output_token_ids), status=RequestStatus.RUNNING)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         t0 = time.perf_counter()
         chunks = output.chunks
+        self.update_requests(output)
         sampling = [i for i, c in enumerate(chunks) if c.sample]
         rows: dict[str, RowContext] = {}
         for i in sampling:
-            request = self.requests[chunks[i].request_id]
-            state = self.samplers[request.request_id]
+            request = self.contexts[chunks[i].request_id]
+            state = self.requests[request.request_id]
             seed = state.generator.initial_seed() if state.generator is not None else None
             rows[request.request_id] = RowContext(request.all_token_ids, state.params, seed,
                                                   grammar_of(state))
-        self.input_batch.remove(output.preempted)
-        self.input_batch.apply(chunks)
+        self.input_batch.apply(chunks, self.requests)
         tables = {c.request_id: self.input_batch.table(c.request_id) for c in chunks}
         self.cache.copy_blocks(output.copies)
         self.proposer.copy_blocks(output.copies)
         t1 = time.perf_counter()
         proposals: dict[str, Proposal] = {}
-        if any(c.num_lookahead for c in chunks):
+        if chunks:     # the draft model writes its KV of every chunk, drafts or not
             proposals = self.proposer.propose(chunks, rows, tables)
         self._sync()
         t2 = time.perf_counter()
@@ -109,13 +117,15 @@ class SpecExecutor(ModelRunner):
         drafts = {rid: p.tokens for rid, p in proposals.items()}
         specs = [ChunkSpec(c.token_ids + drafts.get(c.request_id, ()), c.start_pos,
                            tables[c.request_id]) for c in chunks]
-        meta = build_metadata(specs, self.block_size, self.device, self.kernel)
+        meta = build_metadata(specs, self.block_size, self.device,
+                              self.kernels.attention.paged_max_tokens)
         picked: list[int] = []
         for i in sampling:
             n = len(drafts.get(chunks[i].request_id, ())) + 1
             picked.extend(range(meta.last_row[i] - n + 1, meta.last_row[i] + 1))
         index = torch.tensor(picked, dtype=torch.long, device=self.device)
-        logits = self.model.logits(self.model(meta, self.cache.layers, rows=index))
+        logits = self.model.logits(self.model(meta, self.cache.layers, self.kernels,
+                                              rows=index))
         self._sync()
         t3 = time.perf_counter()
         sampled, logprobs, tops, spec = self._verify(output.step, chunks, sampling, rows,
@@ -161,8 +171,8 @@ class SpecExecutor(ModelRunner):
                 return None if seed is None else position_generator(seed, first + j, TARGET)
 
             verdict = verify(p, prop.tokens, None if prop.q is None else prop.q.cpu(), gens)
-            tokens = verdict.tokens[:stop_cut(self.requests[rid], verdict.tokens)]
-            self.requests[rid].output_token_ids.extend(tokens)
+            tokens = verdict.tokens[:stop_cut(self.contexts[rid], verdict.tokens)]
+            self.contexts[rid].output_token_ids.extend(tokens)
             if ctx.constraint is not None:
                 ctx.constraint.commit(tokens)
             if c.num_lookahead:

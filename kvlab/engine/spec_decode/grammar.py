@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..structured_outputs.bitmask import allocate_bitmask, unpack_bitmask
+from kvlab.engine.structured_outputs.bitmask import allocate_bitmask, unpack_bitmask
 
 __all__ = ["GrammarCursor"]
 

@@ -21,14 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.core.engine_core import ScheduledChunk
-from kvlab.kernels import row_kernel
-
-from ..chunk_metadata import ChunkSpec, build_metadata
-from ..kv_cache import PagedKVCache
-from ..model import LlamaModel
-from .rng import DRAFT, position_generator
-from .verifier import processed_probs
+from kvlab.core.step_records import ScheduledChunk
+from kvlab.engine.attention_metadata import ChunkSpec, build_metadata
+from kvlab.engine.kv_cache import PagedKVCache
+from kvlab.engine.model import LlamaModel
+from kvlab.engine.ops import Kernels
+from kvlab.engine.spec_decode.rng import DRAFT, position_generator
+from kvlab.engine.spec_decode.verifier import processed_probs
 
 __all__ = ["DraftModelProposer", "NgramProposer", "Proposal", "RowContext", "ngram_lookup"]
 
@@ -97,23 +96,26 @@ class NgramProposer:
 class DraftModelProposer:
     """A draft model over its own paged KV (same block tables as the target's)."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
+                 kernels: Kernels) -> None:
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                   cfg.head_dim, dtype=model.dtype, device=model.device)
-        self.kernel = row_kernel(model.device, model.dtype)
+        self.kernels = kernels
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write copies of the step, applied to the draft cache too."""
         self.cache.copy_blocks(copies)
 
     def _run(self, specs: list[ChunkSpec], rows: list[int]) -> torch.Tensor:
-        meta = build_metadata(specs, self.block_size, self.model.device, self.kernel)
+        meta = build_metadata(specs, self.block_size, self.model.device,
+                              self.kernels.attention.paged_max_tokens)
         picked = torch.tensor([meta.last_row[i] for i in rows], dtype=torch.long,
                               device=self.model.device)
-        return self.model.logits(self.model(meta, self.cache.layers, rows=picked))
+        return self.model.logits(self.model(meta, self.cache.layers, self.kernels,
+                                            rows=picked))
 
     def _draw(self, logits: torch.Tensor, ctxs: list[RowContext], positions: list[int]
               ) -> list[tuple[int, torch.Tensor]]:
@@ -138,12 +140,16 @@ class DraftModelProposer:
     def propose(self, chunks: Sequence[ScheduledChunk], rows: dict[str, RowContext],
                 tables: Mapping[str, Sequence[int]]) -> dict[str, Proposal]:
         """Drafts for the chunks with lookahead; ``tables``: each chunk's block table (the
-        draft cache has the target's geometry, so the same tables address it)."""
+        draft cache has the target's geometry, so the same tables address it). The draft runs
+        over every chunk the target runs, prefills too, so its cache holds what later drafts
+        read; a step without lookahead runs that forward alone."""
         if not chunks:
             return {}
         spec = [i for i, c in enumerate(chunks) if c.num_lookahead]
         logits = self._run([ChunkSpec(c.token_ids, c.start_pos, tables[c.request_id])
                             for c in chunks], spec)
+        if not spec:
+            return {}
         drafts: dict[str, list[int]] = {chunks[i].request_id: [] for i in spec}
         qs: dict[str, list[torch.Tensor]] = {chunks[i].request_id: [] for i in spec}
 

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..checkpoint import LoadedCheckpoint, load_checkpoint, tokenizer_hash
-from ..config import ModelConfig
-from ..kv_cache import PagedKVCache
-from ..model import LlamaModel
-from ..model_runner import ModelRunner
-from .config import SpeculativeConfig
-from .executor import SpecExecutor
-from .metrics import SpecDecodeMetrics
-from .proposers import DraftModelProposer, NgramProposer
+from kvlab.engine.checkpoint import LoadedCheckpoint, load_checkpoint, tokenizer_hash
+from kvlab.engine.config import ModelConfig
+from kvlab.engine.kv_cache import PagedKVCache
+from kvlab.engine.model import LlamaModel
+from kvlab.engine.model_runner import ModelRunner
+from kvlab.engine.ops import Kernels
+from kvlab.engine.spec_decode.config import SpeculativeConfig
+from kvlab.engine.spec_decode.executor import SpecExecutor
+from kvlab.engine.spec_decode.metrics import SpecDecodeMetrics
+from kvlab.engine.spec_decode.proposers import DraftModelProposer, NgramProposer
+from kvlab.engine.structured_outputs.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
-    from ..llm_engine import Tokenizer
+    from kvlab.engine.tokenizer import Tokenizer
 
 __all__ = ["Speculator"]
 
@@ -68,21 +71,26 @@ class Speculator:
 
     @staticmethod
     def make_executor(speculator: Speculator | None, model: LlamaModel, cache: PagedKVCache,
-                      max_model_len: int) -> SpecExecutor | ModelRunner:
+                      max_model_len: int, kernels: Kernels,
+                      structured_outputs: StructuredOutputManager,
+                      eos_token_ids: Sequence[int]) -> SpecExecutor | ModelRunner:
         """The engine's executor: :class:`ModelRunner` without a speculator, else a
         :class:`SpecExecutor` whose draft cache gets the target cache's geometry."""
         if speculator is None:
-            return ModelRunner(model, cache)
-        return speculator.executor(model, cache, max_model_len)
+            return ModelRunner(model, cache, kernels, structured_outputs, eos_token_ids)
+        return speculator.executor(model, cache, max_model_len, kernels, structured_outputs,
+                                   eos_token_ids)
 
-    def executor(self, model: LlamaModel, cache: PagedKVCache,
-                 max_model_len: int) -> SpecExecutor:
+    def executor(self, model: LlamaModel, cache: PagedKVCache, max_model_len: int,
+                 kernels: Kernels, structured_outputs: StructuredOutputManager,
+                 eos_token_ids: Sequence[int]) -> SpecExecutor:
         """A :class:`SpecExecutor` for this config."""
         cfg = self.config
         if self.draft is not None:
             self.draft.model.prepare_rope(max_model_len)
             proposer: DraftModelProposer | NgramProposer = DraftModelProposer(
-                self.draft.model, cache.num_blocks, cache.block_size)
+                self.draft.model, cache.num_blocks, cache.block_size, kernels)
         else:
             proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-        return SpecExecutor(model, cache, proposer, self.metrics)
+        return SpecExecutor(model, cache, kernels, proposer, self.metrics, structured_outputs,
+                            eos_token_ids)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.engine.sampler import SamplingParams, filter_logits
+from kvlab.core.sampling_params import SamplingParams
+from kvlab.engine.sampler import filter_logits
 
 __all__ = ["Verdict", "processed_probs", "verify"]
 

@@ -3,7 +3,8 @@
 ``SamplingParams(structured_outputs={"json": schema} | {"regex": r} | {"choice": [...]} |
 {"grammar": ebnf})`` constrains a request's output to a formal language. The engine
 
-1. validates the shape in ``SamplingParams`` (:mod:`.params`), and compiles it against the
+1. validates the shape in ``SamplingParams`` (:mod:`kvlab.core.sampling_params`), and compiles it
+   against the
    model's vocabulary at ``add_request`` (:class:`GrammarCompiler`, cached; a bad pattern raises
    :class:`GrammarError` before anything is queued);
 2. gives every sequence (each of the ``n`` samples) its own :class:`GrammarState`, kept in
@@ -17,14 +18,18 @@ and only rebuilds their KV, so the grammar state, which has accepted exactly tho
 stays valid; no replay is needed. :meth:`GrammarState.rebuild` replays tokens where a state
 must be rebuilt from scratch; :meth:`GrammarState.rollback` undoes rejected speculative tokens.
 
-Names from :mod:`.params` load eagerly (no torch, no xgrammar); the rest on first use.
+The parameter (:class:`~kvlab.core.sampling_params.StructuredOutputsParams`) loads eagerly (no
+torch, no xgrammar); the rest on first use.
 """
 
 from __future__ import annotations
 
 from kvlab._lazy import lazy_exports
-
-from .params import KINDS, StructuredOutputsParams, check_structured_outputs
+from kvlab.core.sampling_params import (
+    KINDS,
+    StructuredOutputsParams,
+    check_structured_outputs,
+)
 
 _LAZY = {
     "GrammarCompiler": ".grammar",

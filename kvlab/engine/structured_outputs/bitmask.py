@@ -13,17 +13,24 @@ xgrammar is imported only when a batch holds a grammar row.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from ..sampler import SampleResult, SamplerState, sample
-
-if TYPE_CHECKING:
-    from .grammar import GrammarState
+from kvlab.engine.sampler import SampleResult, SamplerState, sample
 
 __all__ = ["allocate_bitmask", "apply_bitmask", "apply_token_bitmask", "sample_with_grammars",
            "unpack_bitmask"]
+
+
+class GrammarMask(Protocol):
+    """What masking needs of a grammar state
+    (:class:`~kvlab.engine.structured_outputs.grammar.GrammarState` is one)."""
+
+    vocab_size: int
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None: ...
+    def accept_token(self, token: int) -> bool: ...
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
@@ -51,7 +58,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int],
-                        states: Sequence[GrammarState]) -> None:
+                        states: Sequence[GrammarMask]) -> None:
     """Mask ``logits[rows[j]]`` with ``states[j]``'s allowed next tokens, in place, batched (one
     bitmask, one masking call). Other rows are untouched. ValueError on mismatched lengths or a
     grammar compiled for another vocabulary width."""

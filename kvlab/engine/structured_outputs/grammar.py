@@ -2,7 +2,7 @@
 state (backed by xgrammar, the library vLLM and SGLang use).
 
 - :class:`GrammarCompiler` builds xgrammar's ``TokenizerInfo`` from a kvlab
-  :class:`~kvlab.engine.llm_engine.Tokenizer` (its byte-level / sentencepiece encoding read from
+  :class:`~kvlab.engine.tokenizer.Tokenizer` (its byte-level / sentencepiece encoding read from
   ``tokenizer.json``'s decoder; special tokens such as BOS never match text; the model's EOS ids
   are the grammar's stop tokens) and compiles :class:`StructuredOutputsParams`, caching the
   result (LRU, thread-safe). A pattern, schema or grammar that does not compile raises
@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 import xgrammar as xgr
 
-from .params import StructuredOutputsParams
+from kvlab.core.sampling_params import StructuredOutputsParams
+from kvlab.engine.structured_outputs.bitmask import allocate_bitmask, unpack_bitmask
 
 if TYPE_CHECKING:
-    from ..llm_engine import Tokenizer
+    from kvlab.engine.tokenizer import Tokenizer
 
 __all__ = ["GrammarCompiler", "GrammarError", "GrammarState", "choice_ebnf", "vocab_type"]
 
@@ -198,7 +199,6 @@ class GrammarState:
 
     def allowed_token_ids(self) -> list[int]:
         """The token ids allowed next, ascending (slow path for tests, widgets, references)."""
-        from .bitmask import allocate_bitmask, unpack_bitmask
 
         bitmask = allocate_bitmask(1, self.vocab_size)
         self.fill_bitmask(bitmask, 0)

@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from ..sampler import SamplingParams
+from kvlab.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from ..llm_engine import Tokenizer
-    from .grammar import GrammarCompiler, GrammarState
+    from kvlab.engine.structured_outputs.grammar import GrammarCompiler, GrammarState
+    from kvlab.engine.tokenizer import Tokenizer
 
 __all__ = ["StructuredOutputManager"]
 
@@ -42,7 +42,7 @@ class StructuredOutputManager:
             if not self.stop_token_ids:
                 raise ValueError("SamplingParams.structured_outputs needs an EOS token to end "
                                  "the grammar (the model config names none)")
-            from .grammar import GrammarCompiler
+            from kvlab.engine.structured_outputs.grammar import GrammarCompiler
 
             self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
                                              self.stop_token_ids)
