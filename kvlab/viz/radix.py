@@ -100,9 +100,11 @@ def radix_figure(tree: RadixSnapshot, highlight: Iterable[int] = (), *,
                Patch(facecolor="white", edgecolor=INK, linewidth=2.4, label="hit path")]
     ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.02), ncol=3,
               fontsize=_TEXT_PT, frameon=False, handlelength=1.2, columnspacing=0.9)
-    ax.text(0.12, height - 0.12, title or f"radix tree: {len(tree.nodes)} cached blocks of "
-                                         f"{tree.block_size} tokens",
-            ha="left", va="top", fontsize=9, fontweight="bold", color=INK)
+    # a suptitle, not axes text: it is what the figure's alt text is made from
+    fig.suptitle(title or f"radix tree: {len(tree.nodes)} cached blocks of "
+                          f"{tree.block_size} tokens",
+                 x=0.12 / width, y=1 - 0.12 / height, ha="left", va="top", fontsize=9,
+                 fontweight="bold", color=INK)
     return fig
 
 
