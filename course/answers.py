@@ -664,6 +664,7 @@ def _ch04():
 cases("ch04.prefill_tokens", _ch04().PREFILL_CASES,
       lambda **case: list(saved_prefill(**case)))
 
+
 @truth("ch04.request_order.target")
 def _request_order_target() -> Truth:
     return _number(_ch04().prefill_for_order(longest_prefix_first_order()))
