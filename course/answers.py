@@ -55,6 +55,13 @@ def _number(value: float) -> Truth:
     return Truth(int(value) if value.is_integer() else value, number=value)
 
 
+def cases(key: str, inputs, answer: Callable[..., object]) -> None:
+    """Register one truth per case of a reader's function: ``answer(**inputs[i])`` sealed
+    under ``f"{key}.{i}"`` (what ``_common.failing_cases`` compares with)."""
+    for i, case in enumerate(inputs):
+        truth(f"{key}.{i}")(lambda case=case: Truth(answer(**case)))
+
+
 # --- chapter 1: capacity -----------------------------------------------------------------------
 
 def _ch01():
@@ -216,34 +223,69 @@ def _abort_run():
     return rid, sched, log
 
 
-@truth("ch05.abort.path")
-def _abort_path() -> Truth:
-    rid, _, log = _abort_run()
+@truth("ch05.abort")
+def _abort() -> Truth:
+    """The aborted request's statuses, its finish reason, the run's preemptions: together."""
+    rid, sched, log = _abort_run()
     path = ["waiting"] + [e.data[1] for e in log.events
                           if e.request_id == rid and e.kind == "transition"]
-    return Truth(path)
+    return Truth([path, sched.get_request(rid).finish_reason.value,
+                  sum(r.num_preemptions for r in sched.requests())])
 
 
-@truth("ch05.abort.reason")
-def _abort_reason() -> Truth:
-    rid, sched, _ = _abort_run()
-    return Truth(sched.get_request(rid).finish_reason.value)
+def _tight_finishes(num_blocks: int, **config) -> tuple[int, bool]:
+    """(preemptions, whether every request finished) of the tight run on ``num_blocks``."""
+    from kvlab.core.request import RequestStatus
+    from kvlab.exercises import ch05
+    from kvlab.sim.tokens import drive
+
+    sched = ch05.tight_scheduler(num_blocks, **config)
+    drive(sched, arrivals=ch05.tight_arrivals(), check=check_scheduler)
+    return (sum(r.num_preemptions for r in sched.requests()),
+            all(r.status == RequestStatus.FINISHED for r in sched.requests()))
 
 
-@truth("ch05.abort.preemptions")
-def _abort_preemptions() -> Truth:
-    _, sched, _ = _abort_run()
-    return _number(sum(r.num_preemptions for r in sched.requests()))
+@truth("ch05.pool_sizes")
+def _pool_sizes() -> Truth:
+    """(KV tokens a request holds when it ends, the smallest pool without preemption under the
+    tight run's watermark admission, the smallest on which reserve admission finishes all)."""
+    from kvlab.exercises import ch05
+    from kvlab.sim.tokens import drive
+
+    sched = ch05.tight_scheduler(64)
+    drive(sched, arrivals=ch05.tight_arrivals(), check=check_scheduler)
+    at_end = {r.num_computed_tokens for r in sched.requests()}
+    assert len(at_end) == 1, "the tight run's requests no longer end alike: rewrite exercise 2"
+    watermark = next(n for n in range(1, 64) if _tight_finishes(n) == (0, True))
+    reserve = next(n for n in range(1, 64) if _tight_finishes(n, admission="reserve")[1])
+    assert _tight_finishes(reserve, admission="reserve")[0] == 0   # reserve never preempts
+    return Truth([at_end.pop(), watermark, reserve])
 
 
-@truth("ch05.no_preemption_blocks")
-def _no_preemption_blocks() -> Truth:
+def crash_points(spec) -> list[int]:
+    """The crash points of ``spec``'s run at which recovery, with the manager surviving, both
+    finishes a request and resumes another (recovery run at every point)."""
+    from kvlab.labs.recovery import recover
+    from kvlab.sim.tokens import drive
+
+    points = []
+    for k in range(len(spec.events())):
+        events, kv = spec.crashed(k)
+        recovered, report = recover(events, kv, spec.scheduler)
+        drive(recovered, check=check_scheduler)
+        if report.finished and report.resumed:
+            points.append(k)
+    return points
+
+
+def _ch05():
     from kvlab.exercises import ch05
 
-    blocks = 4
-    while ch05.preemptions_with(blocks) > 0:
-        blocks += 1
-    return _number(blocks)
+    return ch05
+
+
+cases("ch05.crash_points", [{"spec": spec} for spec in _ch05().CRASH_TEST_RUNS],
+      crash_points)
 
 
 # --- chapter 7: the engine, end to end ----------------------------------------------------------
@@ -604,9 +646,14 @@ def longest_prefix_first_order() -> list[str]:
 
 @truth("ch04.conversation_hit.tokens")
 def _conversation_tokens() -> Truth:
+    """(tokens of turn one with KV, tokens turn two finds cached), checked together."""
     from kvlab.exercises import ch04
 
-    return _number(conversation_hit(**ch04.CONVERSATION))
+    c = ch04.CONVERSATION
+    # every token but the last sampled one went through the model: the prompt in the
+    # prefill, each generated token as the input of the next decode step
+    with_kv = c["prompt_tokens"] + c["output_tokens"] - 1
+    return Truth([with_kv, conversation_hit(**c)])
 
 
 @truth("ch04.conversation_hit.reason")
@@ -635,15 +682,14 @@ def _conversation_reason() -> Truth:
     })
 
 
-truth("ch04.saved_prefill.without")(
-    lambda: _number(saved_prefill(**_ch04().FEW_SHOT)[0]))
-truth("ch04.saved_prefill.with")(lambda: _number(saved_prefill(**_ch04().FEW_SHOT)[1]))
-
-
 def _ch04():
     from kvlab.exercises import ch04
 
     return ch04
+
+
+cases("ch04.prefill_tokens", _ch04().PREFILL_CASES,
+      lambda **case: list(saved_prefill(**case)))
 
 
 @truth("ch04.request_order.target")
@@ -668,7 +714,6 @@ def _batch_truth() -> list:
 
 
 truth("ch06.batch")(lambda: Truth(_batch_truth()))
-truth("ch06.batch.tokens")(lambda: _number(sum(n for _, n in _batch_truth())))
 
 
 def doc_ttft_behind_decodes(chats: int, left: int, doc: int, budget: int, prefill_chunk: int,
@@ -706,7 +751,8 @@ def doc_ttft_behind_decodes(chats: int, left: int, doc: int, budget: int, prefil
     raise AssertionError("the document never got its first token")  # pragma: no cover
 
 
-truth("ch06.doc_ttft")(lambda: _number(doc_ttft_behind_decodes(**_ch06().DOC_BEHIND_DECODES)))
+cases("ch06.doc_ttft", _ch06().DOC_CASES,
+      lambda **case: doc_ttft_behind_decodes(**case, max_num_seqs=64, arrive=3))
 
 
 @truth("ch06.chunk_design")

@@ -225,6 +225,15 @@ def sealed(key: str) -> Sealed:
                        "--write` (instructor edition)") from None
 
 
+def failing_cases(fn, key: str, cases) -> list[int]:
+    """Indices of ``cases`` (keyword dicts) on which the reader's ``fn(**case)`` is not the
+    truth sealed under ``f"{key}.{i}"``: a check of a reader's function against cases whose
+    answers the package does not hold. Whatever ``fn`` raises propagates (it is about the
+    reader's code)."""
+    return [i for i, case in enumerate(cases)
+            if not sealed(f"{key}.{i}").is_answer(fn(**case))]
+
+
 @functools.cache
 def _sealed_table() -> dict[str, list]:
     """``sealed_answers.json`` (package data written by ``tools/seal_answers.py``)."""
