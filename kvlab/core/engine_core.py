@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvlab.core.interfaces import Executor, Scheduler
@@ -58,17 +60,24 @@ class StepResult:
 class EngineCore:
     """The step loop over a :class:`Scheduler` and an :class:`Executor`. ``forget_ended``:
     drop each request from the scheduler's registry once reported (memory follows the live
-    requests); drivers that inspect requests after the run pass False."""
+    requests); drivers that inspect requests after the run pass False.
+
+    ``overlap`` (the scheduler's ``async_scheduling``): the executor runs each step in a
+    worker thread, and :meth:`step` plans step n+1 while step n executes, then applies step
+    n's output; the executor must read nothing but the scheduler's outputs. Chapter 7."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor, *,
-                 forget_ended: bool = True) -> None:
+                 forget_ended: bool = True, overlap: bool = False) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.forget_ended = forget_ended
+        self.overlap = overlap
         self.lock = threading.RLock()
         self._stepping = False
         self._late_aborts: list[str] = []
         self.observers: list[StepObserver] = []
+        self._pipeline: deque[tuple[SchedulerOutput, Future[ModelOutput], float]] = deque()
+        self._worker = ThreadPoolExecutor(1, "kvlab-step") if overlap else None
 
     def add_observer(self, observer: StepObserver) -> None:
         """Register an observer (see the module docstring); called in registration order."""
@@ -85,7 +94,8 @@ class EngineCore:
         """Cancel a request. Idempotent; None for an unknown id. During a step the abort is
         applied when the step ends, and the request is returned as it is now."""
         with self.lock:
-            if self._stepping:
+            if self._stepping or any(c.request_id == request_id for o, _, _ in self._pipeline
+                                     for c in o.chunks):
                 request = self.scheduler.find_request(request_id)
                 if request is not None and request_id not in self._late_aborts:
                     self._late_aborts.append(request_id)
@@ -101,6 +111,8 @@ class EngineCore:
     def step(self) -> StepResult:
         """Schedule, execute, update (see the module docstring). EngineBusy if a step is
         already running; the executor's exception, after its step was failed, if it raises."""
+        if self.overlap:
+            return self._step_overlapped()
         with self.lock:
             if self._stepping:
                 raise EngineBusy("step() is already running in another thread: one thread "
@@ -147,14 +159,87 @@ class EngineCore:
                 observer.after_step(self, step_result)
         return step_result
 
+    def _step_overlapped(self) -> StepResult:
+        """Overlap mode's step: make sure a step is executing, plan the next one while it runs,
+        then wait for the oldest and apply it (step n's update meets step n+1's execution)."""
+        with self.lock:
+            if self._stepping:
+                raise EngineBusy("step() is already running in another thread: one thread "
+                                 "steps the engine; others may only add and abort requests")
+            self._stepping = True
+            try:
+                if not self._pipeline:
+                    self._launch()
+                if self.scheduler.has_unfinished_requests():
+                    self._launch()
+            except BaseException:
+                self._stepping = False
+                raise
+        output, future, schedule_s = self._pipeline.popleft()
+        try:
+            result = future.result()
+            if output.copies:
+                deferred = [o.defer_copies(self, output) for o in self.observers]
+                if not any(deferred):
+                    self.scheduler.complete_copies(output.copies)
+        except BaseException as error:
+            with self.lock:
+                self._fail(output, error)
+                while self._pipeline:    # a step planned on a failed one fails with it
+                    later, fut, _ = self._pipeline.popleft()
+                    if fut.exception() is None and later.copies:
+                        self.scheduler.complete_copies(later.copies)
+                    self._fail(later, error)
+                self._end_step()
+            raise
+        with self.lock:
+            try:
+                t1 = time.perf_counter()
+                try:
+                    ended = self.scheduler.update_from_output(output, result.sampled)
+                except ValueError as error:
+                    self.scheduler.fail_step(output, f"step {output.step}: bad executor "
+                                                     f"output: {error}")
+                    raise
+                update_s = time.perf_counter() - t1
+                self._forget(ended)
+            finally:
+                aborted = self._end_step()
+            step_result = StepResult(output, result, ended, aborted, schedule_s, update_s)
+            for observer in self.observers:
+                observer.after_step(self, step_result)
+        return step_result
+
+    def _launch(self) -> None:
+        """Plan a step and hand it to the worker (steps run in the order planned)."""
+        assert self._worker is not None
+        t0 = time.perf_counter()
+        output = self.scheduler.schedule()
+        schedule_s = time.perf_counter() - t0
+        for observer in self.observers:
+            observer.before_execute(self, output)
+        self._pipeline.append((output, self._worker.submit(self.executor.execute, output),
+                               schedule_s))
+
+    def _fail(self, output: SchedulerOutput, error: BaseException) -> None:
+        self.scheduler.fail_step(output,
+                                 f"step {output.step} failed: {type(error).__name__}: {error}")
+        for observer in self.observers:
+            observer.after_failed_step(self, output, error)
+
     def _end_step(self) -> list[RuntimeRequest]:
-        """Apply the aborts that arrived during the step; the next step may start."""
-        aborted = []
+        """Apply the aborts that arrived during the step (those of requests in a step still
+        executing wait for it); the next step may start."""
+        aborted, waiting = [], []
+        busy = {c.request_id for o, _, _ in self._pipeline for c in o.chunks}
         for rid in self._late_aborts:
+            if rid in busy:
+                waiting.append(rid)
+                continue
             request = self.scheduler.abort_request(rid)
             if request is not None and request.status is RequestStatus.CANCELLED:
                 aborted.append(request)
-        self._late_aborts = []
+        self._late_aborts = waiting
         self._stepping = False
         self._forget(aborted)
         return aborted

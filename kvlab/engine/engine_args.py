@@ -71,7 +71,9 @@ class EngineArgs:
     ``QuantConfig``), ``quantization_group_size``, ``kv_cache_dtype`` (``"auto"``, ``"int8"``,
     ``"fp8_e4m3"``): :mod:`kvlab.engine.quantization`. ``enforce_eager`` (vLLM's name): no
     CUDA graphs; by default an engine on CUDA captures its decode forward
-    (:mod:`kvlab.engine.cuda_graphs`). The spec's invariants after every step are an observer
+    (:mod:`kvlab.engine.cuda_graphs`). ``async_scheduling`` (vLLM's name): plan step n+1 while
+    step n executes (:class:`~kvlab.core.engine_core.EngineCore`'s overlap mode; not with
+    speculative decoding or KV transfer). The spec's invariants after every step are an observer
     attached from outside: :func:`kvlab.labs.invariants.check_every_step`.
     """
 
@@ -96,6 +98,7 @@ class EngineArgs:
     quantization_group_size: int = 64
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         check_engine_args(self)
@@ -118,6 +121,8 @@ class EngineArgs:
         ap.add_argument("--device", default=None)
         ap.add_argument("--dtype", default=None)
         ap.add_argument("--seed", type=int, default=0)
+        ap.add_argument("--async-scheduling", action="store_true",
+                        help="plan each step while the previous one executes (overlap)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -137,7 +142,8 @@ class EngineArgs:
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
                    enable_prefix_caching=not args.no_enable_prefix_caching, device=args.device,
-                   dtype=args.dtype, seed=args.seed, scheduler=scheduler)
+                   dtype=args.dtype, seed=args.seed, scheduler=scheduler,
+                   async_scheduling=args.async_scheduling)
 
 
 def check_engine_args(args: EngineArgs) -> None:
@@ -161,7 +167,7 @@ def check_engine_args(args: EngineArgs) -> None:
         check_positive_int(name, getattr(args, name), optional=True)
     if not is_int(seed) or not 0 <= seed < SEED_MOD:
         raise ValueError(f"LLMEngine: seed must be an int in [0, 2**64), got {seed!r}")
-    for name in ("enable_prefix_caching", "enforce_eager"):
+    for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
         if not isinstance(getattr(args, name), bool):
             raise ValueError(f"LLMEngine: {name} must be a bool, got {getattr(args, name)!r}")
     if isinstance(scheduler, str) and scheduler not in ("baseline", "production"):
@@ -169,6 +175,13 @@ def check_engine_args(args: EngineArgs) -> None:
                          "'production' or a factory (kv, SchedulerConfig) -> Scheduler")
     if not isinstance(scheduler, str) and not callable(scheduler):
         raise TypeError(f"LLMEngine: scheduler must be a name or a factory, got {scheduler!r}")
+    if args.async_scheduling and args.speculative_config is not None:
+        raise ValueError("LLMEngine: async_scheduling is not supported with speculative "
+                         "decoding in kvlab (its executor plans drafts from the tokens of the "
+                         "step before)")
+    if args.async_scheduling and args.kv_transfer_config is not None:
+        raise ValueError("LLMEngine: async_scheduling is not supported with "
+                         "kv_transfer_config (the transfer protocol runs between steps)")
     if not isinstance(security_domain, str) or not security_domain:
         raise ValueError(f"LLMEngine: security_domain must be a non-empty str, "
                          f"got {security_domain!r}")

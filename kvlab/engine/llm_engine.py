@@ -73,7 +73,7 @@ class LLMEngine:
         self.executor = p.executor
         self.eos_token_ids = p.eos_token_ids
         self.structured_outputs = p.structured_outputs
-        self.core = EngineCore(self.scheduler, self.executor)
+        self.core = EngineCore(self.scheduler, self.executor, overlap=args.async_scheduling)
         self._arrivals = 0
         self._scopes: dict[str, tuple] = {}   # security domain -> prefix-cache scope
         self._ending: dict[str, tuple[str, ...]] = {}   # aborted request id -> its sample ids

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.core.step_records import ModelOutput, NewRequest, SchedulerOutput
+from kvlab.core.request import PLACEHOLDER
+from kvlab.core.step_records import ModelOutput, NewRequest, ScheduledChunk, SchedulerOutput
 from kvlab.engine.attention_metadata import AttentionMetadata
 from kvlab.engine.input_batch import InputBatch
 from kvlab.engine.kv_cache import PagedKVCache
@@ -62,6 +63,10 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         self.input_batch = InputBatch(self.block_size, self.device)
         self.requests: dict[str, SamplerState] = {}
+        # overlap scheduling: the tokens the last step sampled, on the device, and each
+        # request's row among them (a placeholder in the next step's inputs reads its row)
+        self._last_tokens: torch.Tensor | None = None
+        self._last_row: dict[str, int] = {}
         self.scorer = None   # a PromptScorer once a request asks for prompt logprobs
         self.graphs = None   # CUDA-graph decode (engine/cuda_graphs.py), set at engine build
 
@@ -108,6 +113,8 @@ class ModelRunner:
         self.input_batch.apply(chunks, self.requests)
         meta = (self.input_batch.build(chunks, kernels.attention.paged_max_tokens) if chunks
                 else None)
+        if meta is not None:
+            self._fill_placeholders(chunks, meta)
         sampling = [i for i, c in enumerate(chunks) if c.sample]
         ids = [chunks[i].request_id for i in sampling]
         t1 = time.perf_counter()
@@ -135,6 +142,9 @@ class ModelRunner:
             else:
                 picked = sample(logits, states, filters)
         t3 = time.perf_counter()
+        if picked is not None:
+            self._last_tokens, self._last_row = picked.tokens, {rid: i for i, rid in
+                                                               enumerate(ids)}
         info = StepInfo(meta, ids, tuple(logits.shape), t1 - t0, t2 - t1, t3 - t2,
                         self.scorer and self.scorer.take())
         if picked is None:
@@ -143,6 +153,19 @@ class ModelRunner:
             {rid: (t,) for rid, t in zip(ids, picked.token_ids, strict=True)}, t3 - t0, info,
             {rid: [lp] for rid, lp in zip(ids, picked.logprobs, strict=True)},
             {rid: [top] for rid, top in zip(ids, picked.top_logprobs, strict=True)})
+
+    def _fill_placeholders(self, chunks: Sequence[ScheduledChunk],
+                           meta: AttentionMetadata) -> None:
+        """Overlap scheduling: a decode planned while its request's previous token was being
+        sampled carries a placeholder; put that token in its place, device to device."""
+        fill = [(meta.query_start[i] + j, self._last_row[c.request_id])
+                for i, c in enumerate(chunks) for j, t in enumerate(c.token_ids)
+                if t == PLACEHOLDER]
+        if fill:
+            assert self._last_tokens is not None, "a placeholder before any sampled token"
+            rows, src = (torch.tensor(x, dtype=torch.long, device=self.device)
+                         for x in zip(*fill, strict=True))
+            meta.input_ids.index_copy_(0, rows, self._last_tokens.index_select(0, src))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
