@@ -17,6 +17,7 @@ it fails, or the success message; each encrypted under its option).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -170,16 +171,10 @@ def _ch03():
     return ch03
 
 
-@truth("ch03.sampling_blocks.with")
-def _sampling_with() -> Truth:
+@truth("ch03.sampling_blocks")
+def _sampling_blocks() -> Truth:
     ch03 = _ch03()
-    return _number(ch03._sampling_blocks(**ch03.SAMPLING)[0])
-
-
-@truth("ch03.sampling_blocks.without")
-def _sampling_without() -> Truth:
-    ch03 = _ch03()
-    return _number(ch03._sampling_blocks(**ch03.SAMPLING)[1])
+    return Truth(list(ch03._sampling_blocks(**ch03.SAMPLING)))
 
 
 @truth("ch03.double_release")
@@ -217,7 +212,7 @@ _DOUBLE_RELEASE_NOTES = {
 @truth("ch03.write_order.copies")
 def _write_order_copies() -> Truth:
     ch03 = _ch03()
-    return _number(ch03.write_order_outcome(**ch03.WRITE_ORDER)[0])
+    return Truth(ch03.write_order_outcome(**ch03.WRITE_ORDER)[0])
 
 
 @truth("ch03.write_order.in_place")
@@ -232,7 +227,7 @@ def _max_samples() -> Truth:
     n = 1
     while ch03.samples_fit(n + 1, **ch03.SAMPLES_DESIGN):
         n += 1
-    return _number(n)
+    return Truth(n)
 
 
 # --- chapter 5: the request state machine ------------------------------------------------------
@@ -481,8 +476,8 @@ def _tail_waste(lengths, block_size: int) -> int:
     return sum(-(-n // block_size) * block_size - n for n in lengths)
 
 
-truth("ch02.tail_waste.16")(lambda: _number(_tail_waste(_ch02().TAIL_LENGTHS, 16)))
-truth("ch02.tail_waste.256")(lambda: _number(_tail_waste(_ch02().TAIL_LENGTHS, 256)))
+truth("ch02.tail_waste.16")(lambda: Truth(_tail_waste(_ch02().TAIL_LENGTHS, 16)))
+truth("ch02.tail_waste.256")(lambda: Truth(_tail_waste(_ch02().TAIL_LENGTHS, 256)))
 
 
 def _ch02_slots() -> list[int]:
@@ -493,7 +488,7 @@ def _ch02_slots() -> list[int]:
 
 truth("ch02.slot_mapping")(lambda: Truth(_ch02_slots()))
 for _i in range(sum(len(p) for p in _ch02().BATCH["positions"])):   # one seal per token
-    truth(f"ch02.slot_mapping.{_i}")(lambda i=_i: _number(_ch02_slots()[i]))
+    truth(f"ch02.slot_mapping.{_i}")(lambda i=_i: Truth(_ch02_slots()[i]))
 
 
 def _paged_run(requests: int, seed: int, arena_tokens: int, block_size: int,
@@ -504,6 +499,18 @@ def _paged_run(requests: int, seed: int, arena_tokens: int, block_size: int,
     workload = sharegpt_like_workload(requests, seed=seed, prompt_mean=prompt_mean,
                                       output_mean=output_mean)
     return simulate(workload, "paged", arena_tokens, block_size=block_size)
+
+
+def _pct(share: float) -> float:
+    """A share as chapter 2's exercises ask for it: percent, rounded to one decimal."""
+    return round(100 * share, 1)
+
+
+@truth("ch02.smaller_arena.run")
+def _smaller_arena_run() -> Truth:
+    d = _ch02().ARENA_PREDICT
+    small = _paged_run(d["requests"], d["seed"], d["smaller_arena"], d["block_size"])
+    return Truth([round(small.mean_running, 1), _pct(small.token_states)])
 
 
 @truth("ch02.smaller_arena")
@@ -543,13 +550,26 @@ def _smaller_arena() -> Truth:
     return Truth(answer, notes=notes)
 
 
+@functools.cache
+def _block_design_shares() -> dict[int, float]:
+    """Token-state share of the exercise's workload at each block size (one run per size)."""
+    d = _ch02().BLOCK_DESIGN
+    return {q: _paged_run(d["requests"], d["seed"], d["arena_tokens"], q, d["prompt_mean"],
+                          d["output_mean"]).token_states
+            for q in d["block_sizes"]}
+
+
 @truth("ch02.block_size_design")
 def _block_size_design() -> Truth:
     d = _ch02().BLOCK_DESIGN
-    good = [q for q in d["block_sizes"]
-            if _paged_run(d["requests"], d["seed"], d["arena_tokens"], q, d["prompt_mean"],
-                          d["output_mean"]).token_states >= d["min_token_states"]]
-    return _number(max(good))
+    shares = _block_design_shares()
+    return Truth(max(q for q in d["block_sizes"][:-1] if shares[q] >= d["min_token_states"]))
+
+
+for _q in _ch02().BLOCK_DESIGN["block_sizes"][:-1]:   # the shares at q and 2q, per size
+    truth(f"ch02.block_size_design.shares.{_q}")(
+        lambda q=_q: Truth([_pct(_block_design_shares()[q]),
+                            _pct(_block_design_shares()[2 * q])]))
 
 
 # --- chapter 4: prefix reuse --------------------------------------------------------------------
