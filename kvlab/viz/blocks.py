@@ -96,7 +96,6 @@ def pool_figure(snapshot: KVSnapshot, *, per_row: int = 12, title: str | None = 
     margin = 1.2 if phone else 2.2                 # cells of room left of the tables
     if phone:
         fig_width = PHONE_CELL_IN * (width + margin) + 0.15
-        k = 1.0
         sizes = {"id": PHONE_FONT_PT, "rc": PHONE_FONT_PT, "label": PHONE_FONT_PT + 1,
                  "cell": PHONE_FONT_PT, "legend": PHONE_FONT_PT, "title": PHONE_FONT_PT + 1}
         fig_height = PHONE_CELL_IN * (height + 0.6) + 1.2
@@ -117,8 +116,8 @@ def pool_figure(snapshot: KVSnapshot, *, per_row: int = 12, title: str | None = 
                 color="white" if dark else INK)
         if snapshot.refcounts[b]:
             ax.text(x + 0.46, y + (0.26 if phone else 0.34), f"rc={snapshot.refcounts[b]}",
-                    ha="center",
-                    va="center", fontsize=sizes["rc"], color="white" if dark else INK)
+                    ha="center", va="center", fontsize=sizes["rc"],
+                    color="white" if dark else INK)
     top = -rows - 0.6
     for r, rid in enumerate(rids):
         y = top - r

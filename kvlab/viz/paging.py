@@ -436,22 +436,24 @@ def block_table_scenario(prompt_len: int, block_size: int,
     return view, note
 
 
+def explorer_figure(prompt_len: int, block_size: int):
+    """The figure of :func:`block_table_scenario` with its note under the title."""
+    view, note = block_table_scenario(prompt_len, block_size)
+    return view.figure(note=note)
+
+
 def block_table_explorer(prompt_len: int = 10, block_size: int = 4):
     """Chapter 2's widget: move the new request's prompt length and the block size, and see
     where :func:`block_table_scenario`'s blocks land (kernel-free twin:
     :func:`block_table_kernel_free`)."""
     import ipywidgets as w
 
-    def draw(prompt_len, block_size):
-        view, note = block_table_scenario(prompt_len, block_size)
-        return view.figure(note=note)
-
     controls = {
         "prompt_len": w.IntSlider(value=prompt_len, min=1, max=32, description="new prompt"),
         "block_size": w.Dropdown(options=list(EXPLORER_BLOCK_SIZES), value=block_size,
                                  description="block size"),
     }
-    return figure_widget(controls, draw, header=[w.HBox(list(controls.values()))],
+    return figure_widget(controls, explorer_figure, header=[w.HBox(list(controls.values()))],
                          what="block-table explorer (prompt length, block size)",
                          kernel_free=lambda: block_table_kernel_free(prompt_len, block_size))
 
@@ -461,12 +463,8 @@ def block_table_kernel_free(prompt_len: int = 10, block_size: int = 4):
     :data:`EXPLORER_BLOCK_SIZES` precomputed."""
     from .kernel_free import dropdown, slider, static_widget
 
-    def draw(prompt_len, block_size):
-        view, note = block_table_scenario(prompt_len, block_size)
-        return view.figure(note=note)
-
     return static_widget(
-        draw,
+        explorer_figure,
         {"prompt_len": slider(EXPLORER_PROMPTS, label="new prompt (tokens)"),
          "block_size": dropdown(EXPLORER_BLOCK_SIZES, label="block size")},
         default={"prompt_len": prompt_len, "block_size": block_size},
