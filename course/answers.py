@@ -338,15 +338,27 @@ def _deployment_k() -> Truth:
 
 # --- chapter 10: prefill/decode disaggregation --------------------------------------------------
 
-@truth("ch10.transfer_ms")
-def _transfer_ms() -> Truth:
+def _transfer_bytes() -> float:
     from kvlab.capacity.catalog import get_model
-    from kvlab.capacity.transfer_cost import LINKS, kv_transfer_bytes, transfer_seconds
+    from kvlab.capacity.transfer_cost import kv_transfer_bytes
     from kvlab.exercises import ch10
 
-    nbytes = kv_transfer_bytes(get_model(ch10.TRANSFER_MODEL), ch10.TRANSFER_TOKENS,
-                               ch10.TRANSFER_ELEMENT_BYTES) / ch10.TRANSFER_TP
-    ms = 1e3 * transfer_seconds(nbytes, LINKS[ch10.TRANSFER_LINK])
+    return kv_transfer_bytes(get_model(ch10.TRANSFER_MODEL), ch10.TRANSFER_TOKENS,
+                             ch10.TRANSFER_ELEMENT_BYTES) / ch10.TRANSFER_TP
+
+
+@truth("ch10.transfer_mb")
+def _transfer_mb() -> Truth:
+    mb = _transfer_bytes() / 1e6
+    return Truth(round(mb, 6), number=mb)
+
+
+@truth("ch10.transfer_ms")
+def _transfer_ms() -> Truth:
+    from kvlab.capacity.transfer_cost import LINKS, transfer_seconds
+    from kvlab.exercises import ch10
+
+    ms = 1e3 * transfer_seconds(_transfer_bytes(), LINKS[ch10.TRANSFER_LINK])
     return Truth(round(ms, 6), number=ms)
 
 

@@ -1,10 +1,11 @@
-"""Chapter 10 exercises: transfer arithmetic, classifying damaged entries, a crash-safe install.
+"""Chapter 10 exercises: transfer arithmetic, classifying damaged entries, a crash-safe install,
+forging past a colleague's check.
 
 A check with one right answer compares against its sealed truth (``_common.sealed``; the
 instructor edition computes it with :mod:`kvlab.capacity` and :mod:`kvlab.disagg`); the design
-and debug checks run the reader's order or case on kvlab's own code (the install journal's
-recovery). Each raises ``AssertionError`` saying what is wrong (too high / too low, that some
-kind is wrong, which crash breaks which rule) without printing the answer.
+and debug checks run the reader's order or entry on kvlab's own code (the install journal's
+recovery, the consumer's check). Each raises ``AssertionError`` naming the concept to revisit
+(which check, which crash breaks which rule), never a direction or the answer.
 """
 
 from __future__ import annotations
@@ -35,21 +36,32 @@ TRANSFER_MODEL, TRANSFER_TOKENS, TRANSFER_LINK = "Llama-3-70B", 4096, "InfiniBan
 TRANSFER_ELEMENT_BYTES, TRANSFER_TP = 1.0, 4
 
 
-def check_transfer_ms(answer) -> str:
-    """``answer``: milliseconds for one GPU to ship its share of the FP8 prefill KV of a
-    :data:`TRANSFER_TOKENS`-token prompt of :data:`TRANSFER_MODEL` at tensor parallelism
-    :data:`TRANSFER_TP`, over its own :data:`TRANSFER_LINK` port (nominal bandwidth plus the
-    link's latency, ``kvlab.capacity.transfer_cost.LINKS``). Within 2 %; a wrong answer is told
-    only its direction."""
-    require_answer(answer, "milliseconds")
-    got = float(answer)
-    if not got > 0 or got != got:
-        raise AssertionError("give a positive number of milliseconds")
-    truth = sealed("ch10.transfer_ms")
-    way = truth.direction(got, tolerance=0.02 * truth.value())
-    if way:
-        raise AssertionError(f"{got:.3g} ms is {way}")
-    return f"Correct: {truth.value():.2f} ms."
+def check_transfer(megabytes, ms) -> str:
+    """``megabytes``: the bytes (in units of 10^6) one GPU sends, its share of the FP8 prefill
+    KV of a :data:`TRANSFER_TOKENS`-token prompt of :data:`TRANSFER_MODEL` at tensor
+    parallelism :data:`TRANSFER_TP`; ``ms``: the milliseconds that takes over its own
+    :data:`TRANSFER_LINK` port (nominal bandwidth plus the link's latency,
+    ``kvlab.capacity.transfer_cost.LINKS``). Both within 2 %, the bytes judged first; a wrong
+    value is told which concept to revisit, never its direction."""
+    require_answer(megabytes, "megabytes one GPU sends")
+    require_answer(ms, "milliseconds")
+    got = {}
+    for name, value in (("megabytes", megabytes), ("ms", ms)):
+        try:
+            got[name] = float(value)
+        except (TypeError, ValueError):
+            raise AssertionError(f"{name}: give a number, got {value!r}") from None
+        if not got[name] > 0 or got[name] == float("inf"):
+            raise AssertionError(f"{name}: give a positive, finite number")
+    truth_mb, truth_ms = sealed("ch10.transfer_mb").value(), sealed("ch10.transfer_ms").value()
+    if abs(got["megabytes"] - truth_mb) > 0.02 * truth_mb:
+        raise AssertionError("the bytes are not right: revisit chapter 1's KV bytes (what is "
+                             "stored per token, in which format) and what tensor parallelism "
+                             "divides among the GPUs")
+    if abs(got["ms"] - truth_ms) > 0.02 * truth_ms:
+        raise AssertionError("the bytes are right, the time is not: revisit what a transfer "
+                             "over a link costs, and the units of its bandwidth")
+    return f"Correct: {truth_mb:.1f} MB per GPU, {truth_ms:.2f} ms."
 
 
 # ------------------------------------------------------------------ 2. classify entries
@@ -191,17 +203,19 @@ def check_install_order(order) -> str:
 
 
 # ------------------------------------------------------------------ 5. debug: a colleague's check
-#: The damage of exercise 5, one entry each (the fault kinds of ``kvlab.disagg.transfer_faults``
-#: that change a single entry's bytes).
-DAMAGE_KINDS = ("truncate", "corrupt_payload", "corrupt_descriptor", "stale_model_version",
-                "security_domain", "layers", "kv_heads", "dtype", "rope")
+def consumer_expectation() -> dict:
+    """What the consumer of exercise 5 expects for its request ``p-1`` of ``tenant-a``: its
+    model's fields, the prompt's hash and the tenant (``check_delivery``'s ``expected``)."""
+    desc = make_descriptor("p-1", _PROMPT, "tenant-a", _FIELDS)
+    return {k: v for k, v in desc.items() if k != "request_id"}
 
 
-def damaged_entries() -> tuple[dict[str, Delivery], dict]:
-    """``({fault kind: the entry as the consumer receives it}, the consumer's expectation)``
-    for every kind of :data:`DAMAGE_KINDS`."""
-    entries, expected = _damaged(DAMAGE_KINDS)
-    return dict(zip(DAMAGE_KINDS, entries, strict=True)), expected
+def sound_entry() -> Delivery:
+    """The entry the producer sent for that request, as the consumer receives it: every check
+    installs it."""
+    payload = bytes(range(256)) * 8
+    desc = make_descriptor("p-1", _PROMPT, "tenant-a", _FIELDS)
+    return decode_frame(encode_frame(make_header(desc, 64, payload), payload))
 
 
 def colleague_check(delivery: Delivery, expected: dict) -> str | None:
@@ -224,17 +238,30 @@ def colleague_check(delivery: Delivery, expected: dict) -> str | None:
     return None
 
 
-def check_colleague(kind) -> str:
-    """``kind``: the fault kind of :func:`damaged_entries` whose entry :func:`colleague_check`
-    installs although :func:`~kvlab.disagg.entry.check_delivery` refuses it."""
-    require_answer(kind, "a fault kind from DAMAGE_KINDS")
-    if kind not in DAMAGE_KINDS:
-        raise AssertionError(f"choose one of {DAMAGE_KINDS}")
-    entries, expected = damaged_entries()
-    verdict = colleague_check(entries[kind], expected)
-    if verdict is not None:
-        raise AssertionError(f"the colleague's check refuses the {kind!r} entry too (it "
-                             f"records {verdict!r})")
-    assert check_delivery(entries[kind], expected) is not None
-    return ("Correct: that entry would be installed. Say which line of colleague_check lets "
-            "it through, and what a reader of the installed KV would see.")
+def check_forgery(delivery) -> str:
+    """``delivery``: an entry you built (a :class:`~kvlab.disagg.entry.Delivery`, e.g.
+    ``decode_frame(encode_frame(header, payload))``) that :func:`colleague_check` installs for
+    :func:`consumer_expectation` although :func:`~kvlab.disagg.entry.check_delivery` refuses
+    it. Graded by running both checks on it."""
+    require_answer(delivery, "an entry (a Delivery) you built")
+    if not isinstance(delivery, Delivery):
+        raise AssertionError("pass a kvlab.disagg.entry.Delivery: decode_frame(encode_frame("
+                             "header, payload)) makes one from a header and a payload")
+    expected = consumer_expectation()
+    try:
+        theirs = colleague_check(delivery, expected)
+    except Exception as error:   # a crash is a refusal, whatever it is
+        raise AssertionError(f"colleague_check crashes on this entry ({type(error).__name__}): "
+                             "a crash installs nothing; build a well-formed entry") from None
+    if theirs is not None:
+        raise AssertionError(f"colleague_check refuses this entry (it records {theirs!r}): to "
+                             "get through, an entry must pass every comparison the colleague's "
+                             "function makes; set what it compares against what check_delivery "
+                             "compares")
+    ours = check_delivery(delivery, expected)
+    if ours is None:
+        raise AssertionError("check_delivery installs this entry too: it is sound for this "
+                             "request; build one that only the colleague's check would install")
+    return (f"Correct: colleague_check installs it; check_delivery records {ours!r}. You "
+            "sealed it yourself, so the seal was no obstacle. Now say which line lets it "
+            "through, and what a request decoding on that KV would risk.")
