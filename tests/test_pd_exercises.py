@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab.disagg.entry import check_delivery
-from kvlab.exercises._common import NotYetAnswered
+from kvlab.exercises._common import NotYetAnswered, forget_predictions
 from kvlab.exercises.ch10 import (
     INSTALL_STEPS,
     check_classification,
@@ -13,6 +13,13 @@ from kvlab.exercises.ch10 import (
     check_transfer,
     classify_entries,
 )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_session():
+    forget_predictions()       # each test starts a session with no prediction recorded
+    yield
+    forget_predictions()
 
 
 def test_transfer_pair_is_judged_together_without_a_direction():
@@ -49,6 +56,7 @@ def test_classification():
     two_wrong = [truth[1], truth[0], *truth[2:]]
     messages = set()
     for answer in (one_wrong, two_wrong):
+        forget_predictions()
         with pytest.raises(AssertionError, match="not every kind is right") as err:
             check_classification(answer)
         messages.add(str(err.value))
@@ -57,6 +65,9 @@ def test_classification():
             assert kind not in str(err.value)
     # one wrong and two wrong read the same: no count to search entry by entry
     assert len(messages) == 1
+    # and the prediction is graded once: the truth after it is not graded
+    assert "not right" in check_classification(truth)
+    forget_predictions()
     with pytest.raises(AssertionError, match="not a kind"):
         check_classification(["checksum", *truth[1:]])
     with pytest.raises(AssertionError, match="installs none"):

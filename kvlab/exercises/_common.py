@@ -23,6 +23,7 @@ matters runs through the course's hidden tests.
 from __future__ import annotations
 
 import base64
+import copy
 import functools
 import hashlib
 import json
@@ -80,6 +81,39 @@ def try_check(check, *args, **kwargs) -> str:
         raise WrongAnswer(str(verdict) or "the answer does not pass the check.") from None
     print(message)
     return message
+
+
+# --- predictions ---------------------------------------------------------------------------------
+
+#: Prediction exercises answered in this session: key -> (canonical form, the answer as given).
+_PREDICTIONS: dict[str, tuple[str, object]] = {}
+
+
+def first_prediction(key: str, answer) -> tuple[object, bool]:
+    """For a prediction exercise, whose answer is small enough to find by trying: record
+    ``answer`` as the prediction for ``key`` unless one was recorded in this session (this
+    process), and return ``(the recorded prediction, whether answer differs from it)``. The
+    check grades the recorded prediction only, so trying answers one after another learns
+    nothing. Record an answer only after checking its form (a malformed answer is not a
+    prediction). :func:`forget_predictions` clears the record (tests)."""
+    text = canonical(answer)
+    if key not in _PREDICTIONS:
+        _PREDICTIONS[key] = (text, copy.deepcopy(answer))
+    first_text, first = _PREDICTIONS[key]
+    return first, text != first_text
+
+
+def forget_predictions() -> None:
+    """Forget every recorded prediction (a fresh session)."""
+    _PREDICTIONS.clear()
+
+
+def graded_once(first, right: bool) -> str:
+    """The answer to a changed prediction: what was recorded and whether it was right, nothing
+    about the new answer."""
+    return (f"Your prediction, recorded when you first answered, was {first!r}; a prediction is "
+            f"graded once, so a later answer changes nothing. It was "
+            f"{'right' if right else 'not right'}.")
 
 
 # --- sealed answers -----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from kvlab.disagg.entry import (
 from kvlab.disagg.install_journal import InstallJournal, recover_installs
 from kvlab.disagg.transfer_faults import Fault, FaultSchedule, TransferFaultInjector
 
-from ._common import require_answer, sealed
+from ._common import first_prediction, graded_once, require_answer, sealed
 
 # ------------------------------------------------------------------ 1. arithmetic
 TRANSFER_MODEL, TRANSFER_TOKENS, TRANSFER_LINK = "Llama-3-70B", 4096, "InfiniBand NDR 400G"
@@ -91,7 +91,8 @@ def classify_entries() -> tuple[list[Delivery], dict]:
 
 def check_classification(answer) -> str:
     """``answer``: for each entry of :func:`classify_entries`, in order, the kind the consumer
-    records (one of ``kvlab.disagg.entry.REJECT_KINDS``, or None to install it)."""
+    records (one of ``kvlab.disagg.entry.REJECT_KINDS``, or None to install it). A prediction:
+    graded once per session (``_common.first_prediction``)."""
     require_answer(answer, "a list of five kinds")
     got = list(answer)
     if len(got) != len(_FAULTS):
@@ -103,10 +104,16 @@ def check_classification(answer) -> str:
     if None in got:
         raise AssertionError("every one of these entries was damaged; the consumer installs "
                              "none of them")
-    if not sealed("ch10.classification").is_answer(got):   # no count: a count would grade
-        # entry by entry
+    # graded as a whole (a count would grade entry by entry) and once: the first answer is the
+    # prediction, so trying the kinds one after another learns nothing
+    first, changed = first_prediction("ch10.classification", got)
+    right = sealed("ch10.classification").is_answer(first)
+    if changed:
+        return graded_once(first, right)
+    if not right:
         raise AssertionError("not every kind is right: for each entry, ask which check runs "
-                             "first and whether that check can see what the fault changed")
+                             "first and whether that check can see what the fault changed; "
+                             "then run check_delivery on the entries to see")
     return "Correct: every damaged entry is refused, each for its own reason."
 
 
