@@ -119,6 +119,8 @@ def test_arrival_window_counts_one_cohort_completed_by_its_end() -> None:
     assert rep.output_tokens == 28                              # of the completed ones only
     assert (rep.finished, rep.met) == (10, 8)                   # attainment: every request
     assert rep.attainment == pytest.approx(0.8)
+    # counted by arrival: r0..r6 and r9 met the SLO, whenever they completed
+    assert rep.goodput_by_arrival == pytest.approx(8 / 9) == rep.attainment * rep.offered
     drained = evaluate_slo(recs, SLO(e2e=1.0))                  # the default counts them all
     assert drained.completed == 10 and drained.throughput == pytest.approx(10 / 11)
 
@@ -133,6 +135,7 @@ def test_goodput_le_throughput_le_offered_over_the_arrival_window(seed: int) -> 
         warmup = 0.0                       # an empty (or zero-length) window is refused
     rep = evaluate_slo(recs, slo, window_s="arrivals", warmup_s=warmup)
     assert rep.goodput <= rep.throughput <= rep.offered
+    assert rep.goodput <= rep.goodput_by_arrival <= rep.offered
     ends = warmup + rep.window_s
     kept = [r for r in recs if r.arrival >= warmup and r.finished and r.end <= ends]
     assert rep.completed == len(kept)

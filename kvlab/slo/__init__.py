@@ -205,6 +205,14 @@ class GoodputReport:
         return (self.met if self.completed_met is None else self.completed_met) / self.window_s
 
     @property
+    def goodput_by_arrival(self) -> float:
+        """Requests per second of the window that arrived in it and met the SLO, whenever they
+        completed: attainment x offered rate. Free of the in-flight requests that ``goodput``
+        loses at the window's end, but not a completion rate: compare it with the offered rate,
+        never with ``throughput``."""
+        return self.met / self.window_s
+
+    @property
     def throughput(self) -> float:
         """Requests per second completed within the window (whether or not they met the SLO)."""
         return (self.finished if self.completed is None else self.completed) / self.window_s
