@@ -86,6 +86,11 @@ def test_check_bug_invariants_grades_by_running_the_bugs():
     again = check_bug_invariants(truth)
     assert "not right" in again and "Correct" not in again
     assert str(one_wrong) in again           # the recorded prediction, not the new answer
+    # a right answer locks nothing: a worked solution run first leaves the reader's turn
+    forget_predictions()
+    assert check_bug_invariants(truth).startswith("Correct")
+    with pytest.raises(AssertionError, match="not every bug"):
+        check_bug_invariants(one_wrong)
     with pytest.raises(AssertionError, match="missing"):
         check_bug_invariants({"A": 1})
     with pytest.raises(AssertionError, match="from 1 to 9"):

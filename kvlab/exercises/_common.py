@@ -85,22 +85,25 @@ def try_check(check, *args, **kwargs) -> str:
 
 # --- predictions ---------------------------------------------------------------------------------
 
-#: Prediction exercises answered in this session: key -> (canonical form, the answer as given).
+#: Wrong predictions recorded in this session: exercise key -> (canonical form, the answer).
 _PREDICTIONS: dict[str, tuple[str, object]] = {}
 
 
-def first_prediction(key: str, answer) -> tuple[object, bool]:
-    """For a prediction exercise, whose answer is small enough to find by trying: record
-    ``answer`` as the prediction for ``key`` unless one was recorded in this session (this
-    process), and return ``(the recorded prediction, whether answer differs from it)``. The
-    check grades the recorded prediction only, so trying answers one after another learns
-    nothing. Record an answer only after checking its form (a malformed answer is not a
-    prediction). :func:`forget_predictions` clears the record (tests)."""
+def earlier_prediction(key: str, answer, right: bool):
+    """For a prediction exercise, whose answers are few enough to find by trying: the wrong
+    prediction recorded for ``key`` earlier in this session (this process) that ``answer``
+    differs from, or None when ``answer`` is to be graded itself. A wrong ``answer`` is recorded
+    when none is; a right one locks nothing (a worked solution run before the reader answers
+    must not take the reader's turn). So after a wrong prediction, every other answer gets the
+    same reply, and trying them one after another learns nothing. Call it only with an answer
+    of the right form. :func:`forget_predictions` clears the record (tests)."""
     text = canonical(answer)
-    if key not in _PREDICTIONS:
+    if key in _PREDICTIONS:
+        first_text, first = _PREDICTIONS[key]
+        return None if text == first_text else first
+    if not right:
         _PREDICTIONS[key] = (text, copy.deepcopy(answer))
-    first_text, first = _PREDICTIONS[key]
-    return first, text != first_text
+    return None
 
 
 def forget_predictions() -> None:
@@ -108,12 +111,12 @@ def forget_predictions() -> None:
     _PREDICTIONS.clear()
 
 
-def graded_once(first, right: bool) -> str:
-    """The answer to a changed prediction: what was recorded and whether it was right, nothing
-    about the new answer."""
-    return (f"Your prediction, recorded when you first answered, was {first!r}; a prediction is "
-            f"graded once, so a later answer changes nothing. It was "
-            f"{'right' if right else 'not right'}.")
+def graded_once(first) -> str:
+    """The reply to an answer given after a wrong prediction: the prediction stands, and
+    nothing is said about the new answer."""
+    return (f"Your prediction, recorded when you first answered, was {first!r}, and it was not "
+            "right; a prediction is graded once, so a later answer is not graded. Now run the "
+            "experiment and work out why it was not.")
 
 
 # --- sealed answers -----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from kvlab.disagg.entry import (
 from kvlab.disagg.install_journal import InstallJournal, recover_installs
 from kvlab.disagg.transfer_faults import Fault, FaultSchedule, TransferFaultInjector
 
-from ._common import first_prediction, graded_once, require_answer, sealed
+from ._common import earlier_prediction, graded_once, require_answer, sealed
 
 # ------------------------------------------------------------------ 1. arithmetic
 TRANSFER_MODEL, TRANSFER_TOKENS, TRANSFER_LINK = "Llama-3-70B", 4096, "InfiniBand NDR 400G"
@@ -92,7 +92,7 @@ def classify_entries() -> tuple[list[Delivery], dict]:
 def check_classification(answer) -> str:
     """``answer``: for each entry of :func:`classify_entries`, in order, the kind the consumer
     records (one of ``kvlab.disagg.entry.REJECT_KINDS``, or None to install it). A prediction:
-    graded once per session (``_common.first_prediction``)."""
+    graded once per session (``_common.earlier_prediction``)."""
     require_answer(answer, "a list of five kinds")
     got = list(answer)
     if len(got) != len(_FAULTS):
@@ -106,10 +106,10 @@ def check_classification(answer) -> str:
                              "none of them")
     # graded as a whole (a count would grade entry by entry) and once: the first answer is the
     # prediction, so trying the kinds one after another learns nothing
-    first, changed = first_prediction("ch10.classification", got)
-    right = sealed("ch10.classification").is_answer(first)
-    if changed:
-        return graded_once(first, right)
+    right = sealed("ch10.classification").is_answer(got)
+    earlier = earlier_prediction("ch10.classification", got, right)
+    if earlier is not None:
+        return graded_once(earlier)
     if not right:
         raise AssertionError("not every kind is right: for each entry, ask which check runs "
                              "first and whether that check can see what the fault changed; "

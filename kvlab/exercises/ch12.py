@@ -4,7 +4,7 @@ strikes, a checker for a new invariant, and how often a seeded schedule crashes.
 A check with one right answer compares against its sealed truth (``_common.sealed``; the
 instructor edition computes it by running the fault lab, :mod:`kvlab.sim.fault_lab`). The two
 predictions (exercises 1 and 2) have few possible answers, so each is graded once per session
-(``_common.first_prediction``): the first answer given is the prediction, and trying others
+(``_common.earlier_prediction``): the first answer given is the prediction, and trying others
 after it learns nothing. The checker and the derivation are functions the check runs, on the
 engine and on cases the reader does not see. Each raises ``AssertionError`` naming the concept
 to revisit, never a direction or the answer.
@@ -26,7 +26,7 @@ from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.sim.chaos import ChaosExecutor
 from kvlab.sim.fault_lab import Mutation
 
-from ._common import first_prediction, graded_once, require_answer, sealed
+from ._common import earlier_prediction, graded_once, require_answer, sealed
 
 
 # ------------------------------------------------------------------ 1. which invariant
@@ -88,10 +88,10 @@ def check_bug_invariants(answer) -> str:
     answer = {k: answer[k] for k in sorted(BUGS)}
     # graded as a whole (naming the wrong bugs would let each be found by trying 1..9), and
     # once: the first answer is the prediction
-    first, changed = first_prediction("ch12.bug_invariants", answer)
-    right = sealed("ch12.bug_invariants").is_answer(first)
-    if changed:
-        return graded_once(first, right)
+    right = sealed("ch12.bug_invariants").is_answer(answer)
+    earlier = earlier_prediction("ch12.bug_invariants", answer, right)
+    if earlier is not None:
+        return graded_once(earlier)
     if not right:
         raise AssertionError("not every bug is caught by the invariant you named: for each, "
                              "ask what state the bug leaves wrong, and which check looks at "
@@ -112,10 +112,11 @@ def check_fault_moves_catch(invariant) -> str:
     if isinstance(invariant, bool) or not isinstance(invariant, int) or not 1 <= invariant <= 9:
         raise AssertionError(f"an invariant is a number from 1 to 9, got {invariant!r}")
     truth = sealed("ch12.fault_moves_catch")
-    first, changed = first_prediction("ch12.fault_moves_catch", invariant)
-    if changed:
-        return graded_once(first, truth.is_answer(first))
-    if not truth.is_answer(invariant):
+    right = truth.is_answer(invariant)
+    earlier = earlier_prediction("ch12.fault_moves_catch", invariant, right)
+    if earlier is not None:
+        return graded_once(earlier)
+    if not right:
         raise AssertionError(f"invariant {invariant} is not the first to report this run: "
                              "revisit what the fault does to the requests running when it "
                              "strikes, then read the trace")
