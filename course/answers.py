@@ -439,15 +439,27 @@ def _deployment_k() -> Truth:
 
 # --- chapter 10: prefill/decode disaggregation --------------------------------------------------
 
+def _transfer_bytes() -> float:
+    from kvlab.exercises import ch10
+    from kvlab.labs.capacity.transfer_cost import kv_transfer_bytes
+    from kvlab.sim.catalog import get_model
+
+    return kv_transfer_bytes(get_model(ch10.TRANSFER_MODEL), ch10.TRANSFER_TOKENS,
+                             ch10.TRANSFER_ELEMENT_BYTES) / ch10.TRANSFER_TP
+
+
+@truth("ch10.transfer_mb")
+def _transfer_mb() -> Truth:
+    mb = _transfer_bytes() / 1e6
+    return Truth(round(mb, 6), number=mb)
+
+
 @truth("ch10.transfer_ms")
 def _transfer_ms() -> Truth:
     from kvlab.exercises import ch10
-    from kvlab.labs.capacity.transfer_cost import LINKS, kv_transfer_bytes, transfer_seconds
-    from kvlab.sim.catalog import get_model
+    from kvlab.labs.capacity.transfer_cost import LINKS, transfer_seconds
 
-    nbytes = kv_transfer_bytes(get_model(ch10.TRANSFER_MODEL), ch10.TRANSFER_TOKENS,
-                               ch10.TRANSFER_ELEMENT_BYTES) / ch10.TRANSFER_TP
-    ms = 1e3 * transfer_seconds(nbytes, LINKS[ch10.TRANSFER_LINK])
+    ms = 1e3 * transfer_seconds(_transfer_bytes(), LINKS[ch10.TRANSFER_LINK])
     return Truth(round(ms, 6), number=ms)
 
 
@@ -518,17 +530,27 @@ def _fault_moves_catch() -> Truth:
     return Truth(trace.caught, reveal={"violation": str(trace.violation)})
 
 
-@truth("ch12.expected_crashes")
-def _expected_crashes() -> Truth:
-    """Expected ``crash`` records of a seeded schedule: a step draws a fault with probability
-    ``rate``, its kind uniform over ``STEP_FAULTS``; a kind at the ``update`` or ``recover``
-    point comes with the crash it needs (``StepFaultSchedule.from_seed``)."""
-    from kvlab.exercises import ch12
+def expected_crash_records(steps: int, rate: float, kinds) -> float:
+    """Mean ``crash`` records of ``StepFaultSchedule.from_seed(seed, steps, rate=rate,
+    kinds=kinds)`` over seeds: a step draws a fault with probability ``rate``, its kind uniform
+    over ``kinds``; a ``crash`` leaves one record, and a kind at the ``recover`` point comes
+    with the crash it needs (one record too)."""
     from kvlab.labs.faults.step_faults import STEP_FAULTS
 
-    crashing = sum(point in ("update", "recover") for point in STEP_FAULTS.values())
-    value = ch12.DERIVE["steps"] * ch12.DERIVE["rate"] * crashing / len(STEP_FAULTS)
-    return Truth(round(value, 9), number=value)
+    crashing = sum(STEP_FAULTS[k] in ("update", "recover") for k in kinds)
+    return steps * rate * crashing / len(kinds)
+
+
+def _register_expected_crashes() -> None:
+    from kvlab.exercises import ch12
+
+    for i, case in enumerate(ch12._crash_cases()):
+        value = expected_crash_records(*case)
+        truth(f"ch12.expected_crashes.{i}")(
+            lambda value=value: Truth(round(value, 9), number=value))
+
+
+_register_expected_crashes()
 
 
 # --- chapter 2: page tables ---------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 from kvlab.core.sampling_params import SamplingParams
 from kvlab.core.step_records import ScheduledChunk
 from kvlab.engine.attention_metadata import AttentionMetadata, flat_metadata
-from kvlab.engine.sampler import RowParams, SamplerState
+from kvlab.engine.sampler import RowParams, SamplerState, row_top_k
 
 __all__ = ["InputBatch"]
 
@@ -104,7 +104,7 @@ class InputBatch:
 
     def _set_params(self, row: int, p: SamplingParams) -> None:
         self.temperature[row] = p.temperature
-        self.top_k[row] = max(p.top_k, 0)
+        self.top_k[row] = row_top_k(p)
         self.top_p[row] = p.top_p
         if p.uses_top_k or p.uses_top_p:
             self._filtered.add(row)

@@ -72,9 +72,15 @@ class RowParams:
            ) -> RowParams:
         f64 = torch.float64
         return cls(torch.tensor([p.temperature for p in params], dtype=f64, device=device),
-                   torch.tensor([max(p.top_k, 0) for p in params], device=device),
+                   torch.tensor([row_top_k(p) for p in params], device=device),
                    torch.tensor([p.top_p for p in params], dtype=f64, device=device),
                    any(p.uses_top_k or p.uses_top_p for p in params))
+
+
+def row_top_k(p: SamplingParams) -> int:
+    """``top_k`` as a row stores it: 0 for all tokens, a k beyond any vocabulary capped so it
+    fits an int64 (it keeps every token either way)."""
+    return min(max(p.top_k, 0), 2**62)
 
 
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams] | RowParams
