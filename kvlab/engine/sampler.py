@@ -3,7 +3,7 @@ sampler that applies them (:func:`sample`). Each row draws from its request's ow
 ``torch.Generator``, never depending on the rest of the batch; reported log-probabilities are
 the raw ``log_softmax(logits)``, before penalties, temperature, top-k and top-p (vLLM's
 default). Order, as vLLM's sampler: min-tokens mask, penalties, then greedy or temperature,
-top-k, top-p and the draw.
+min-p, top-k, top-p and the draw.
 """
 
 from __future__ import annotations
@@ -54,10 +54,12 @@ class RequestOutputKind(Enum):   # vLLM's: each output has all tokens so far, or
 class SamplingParams:
     """How to pick each next token, and when to stop (vLLM's names and meanings).
 
-    ``max_tokens`` (>= 1); ``temperature`` (0, or below ``MIN_TEMPERATURE``: greedy); ``top_k``
-    (0 or -1: all); ``top_p`` in (0, 1], after top-k and temperature, always keeping the most
-    likely token; ``seed`` in ``0 .. 2**64-1``: the request's own stream (sample ``i`` of ``n``
-    uses ``seed + i``; None: from the engine's seed and arrival order); ``stop_token_ids`` (kept
+    ``max_tokens`` (>= 1); ``temperature`` (0, or below ``MIN_TEMPERATURE``: greedy); ``min_p``
+    in [0, 1]: after temperature, drop tokens less likely than ``min_p`` times the most likely
+    one (0: off; greedy ignores it); ``top_k`` (0 or -1: all); ``top_p`` in (0, 1], after
+    min-p, top-k and temperature, always keeping the most likely token; ``seed`` in
+    ``0 .. 2**64-1``: the request's own stream (sample ``i`` of ``n`` uses ``seed + i``; None:
+    from the engine's seed and arrival order); ``stop_token_ids`` (kept
     in the output; stored as a tuple); ``ignore_eos``; ``n`` samples sharing the prompt's blocks;
     ``logprobs=k``: per token the k most likely and the sampled one, raw (``prompt_logprobs=k``:
     the same per prompt token after the first); ``structured_outputs``: exactly one of
@@ -88,6 +90,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     stop: str | Sequence[str] = ()
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         t, p, s, stops = self.temperature, self.top_p, self.seed, self.stop_token_ids
@@ -97,6 +100,9 @@ class SamplingParams:
         _check(_count(self.top_k, -1), "top_k", "an int >= 1, or 0/-1 for all", self.top_k)
         _check(is_real(p) and 0 < p <= 1, "top_p", "a number in (0, 1]", p)
         object.__setattr__(self, "top_p", float(p))
+        _check(is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]",
+               self.min_p)
+        object.__setattr__(self, "min_p", float(self.min_p))
         _check(s is None or (_count(s, 0) and s <= MAX_SEED), "seed",
                "None or an int in 0..2**64-1", s)
         _check(isinstance(stops, Iterable) and not isinstance(stops, (str, bytes, Mapping)),
@@ -137,6 +143,10 @@ class SamplingParams:
     @property
     def uses_top_p(self) -> bool:
         return self.top_p < 1.0
+
+    @property
+    def uses_min_p(self) -> bool:
+        return self.min_p > 0.0
 
     @property
     def penalized(self) -> bool:
@@ -189,12 +199,19 @@ class SampleResult:
 
 
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature-scaled logits of non-greedy rows with tokens outside each row's top-k / top-p
-    set at -inf (a row without top-k/top-p is unaffected by the others)."""
+    """Temperature-scaled logits of non-greedy rows with tokens outside each row's min-p, top-k
+    and top-p sets at -inf, in vLLM's order (min-p on the scaled distribution first; a row
+    without a filter is unaffected by the others)."""
     assert not any(p.greedy for p in params), "greedy rows take the argmax"
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
                          device=logits.device)
     scaled = logits / temps[:, None]
+    if any(p.uses_min_p for p in params):
+        # min-p (vLLM's MinPLogitsProcessor): p(token) < min_p * max p; 0 drops nothing
+        mins = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+        probs = scaled.softmax(-1)
+        scaled = scaled.masked_fill(probs < probs.amax(-1, keepdim=True) * mins[:, None],
+                                    float("-inf"))
     if not any(p.uses_top_k or p.uses_top_p for p in params):
         return scaled
     vocab = logits.shape[-1]
