@@ -7,6 +7,7 @@ A bad request raises, naming the problem, and changes nothing.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -65,9 +66,11 @@ class Tokenizer:
         self.hash, self.path = tokenizer_hash(file), file
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. Encoded through ``encode_batch``, which releases the GIL while
+        it works (``encode`` holds it: a long text would stall every other Python thread)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -78,6 +81,12 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         """Token string (its own encoding: ``Ġthe``, ``▁the``, ``<0x0A>``) -> id, added ones too."""
         return self._tok.get_vocab(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The longest token string of the vocabulary: no token covers more characters of a
+        text, so a text longer than ``n * max_chars_per_token`` has more than ``n`` tokens."""
+        return max(len(s) for s in self.get_vocab())
 
     @property
     def special_token_ids(self) -> tuple[int, ...]:
@@ -204,8 +213,6 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the context: "
                              f"max_model_len={self.max_model_len} leaves no room to generate")
-        if params.n > self.args.max_num_seqs:
-            raise ValueError(f"n={params.n} samples exceed max_num_seqs={self.args.max_num_seqs}")
         longest = min(len(ids) + params.max_tokens, self.max_model_len) - 1  # last token: no KV
         if (blocks := -(-longest // self.block_size)) > self.num_blocks:
             raise ValueError(f"request needs up to {longest} tokens of KV ({blocks} blocks) but "
