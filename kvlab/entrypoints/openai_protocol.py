@@ -123,9 +123,10 @@ REFUSED = {
     "repetition_detection": _null, "watermarking": _falsy, "return_token_ids": _falsy,
     "return_tokens_as_token_ids": _falsy, "priority": _falsy,
 }
-#: chat only: vLLM's chat ``echo`` (repeat the last message), another template, the prompt text
-CHAT_REFUSED = {**REFUSED, "echo": _falsy, "chat_template": _null,
-                "return_prompt_text": _falsy}
+#: on chat, less the completions-only fields, plus vLLM's chat ``echo`` (repeat the last
+#: message), another template, and the rendered prompt text
+CHAT_REFUSED = {**{k: v for k, v in REFUSED.items() if k not in ("suffix", "prompt_embeds")},
+                "echo": _falsy, "chat_template": _null, "return_prompt_text": _falsy}
 #: most alternatives per token that ``logprobs`` / ``top_logprobs`` may ask for (OpenAI's chat
 #: limit and vLLM's default ``max_logprobs``)
 MAX_LOGPROBS = 20
