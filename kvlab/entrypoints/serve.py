@@ -18,7 +18,11 @@ string, and abort its engine request once every sample has ended; ``echo``) and 
 :mod:`~kvlab.entrypoints.openai_responses` shapes as OpenAI does. A streamed chunk carries one
 choice.
 
-Errors are OpenAI's error object (:mod:`kvlab.entrypoints.openai_protocol`) and never stop the
+Request fields are vLLM 0.32's: a field kvlab does not use is ignored, as vLLM ignores it, and
+named in the ``x-kvlab-ignored-fields`` response header; one that would change the answer and
+that kvlab cannot honour is a 400 naming it (:mod:`kvlab.entrypoints.openai_protocol`). Chat
+prompts are rendered by the checkpoint's Jinja chat template
+(:mod:`kvlab.entrypoints.chat_template`). Errors are OpenAI's error object and never stop the
 server. A client that disconnects has its request aborted and its KV freed; one that reads too
 slowly is aborted once it owes ``max_backlog_tokens`` tokens. A request refused at admission
 (``--max-waiting`` requests already queued) is answered 503.
