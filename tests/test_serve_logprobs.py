@@ -63,7 +63,7 @@ def vllm_name(tok, token_id: int, before: list[int]) -> str:
     ctx_all = before[-4:]
     for n in range(1, len(ctx_all) + 1):
         ctx = ctx_all[-n:]
-        full = tok.decode(ctx + [token_id])
+        full = tok.decode([*ctx, token_id])
         if full.endswith(REPLACEMENT):
             continue
         clean = len(ctx)
