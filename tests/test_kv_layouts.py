@@ -387,3 +387,21 @@ def test_pages_groups_and_window_blocks_match_vllm():
                     KVGroup("sliding", (0,), 1, group.block_size, 1.0, group.window)
                     .blocks_per_request(tokens, in_flight) for in_flight, tokens in
                     case["admissions"]]
+
+
+def test_committed_benchmark_results_are_what_the_planner_plans(monkeypatch):
+    import importlib.util
+    import sys
+
+    benchmarks = ROOT / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))        # the script imports _results
+    spec = importlib.util.spec_from_file_location("bench_kv_layouts",
+                                                  benchmarks / "bench_kv_layouts.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    sys.modules.pop("_results", None)
+    stored = json.loads((benchmarks / "results" / "kv_layouts.json").read_text())
+    assert stored["requests_per_gpu"] == bench.requests_rows()
+    assert stored["mla_vs_gqa"] == bench.mla_rows()
+    assert stored["mla_vs_gqa"]["deepseek_v3_mla_bytes_per_token"] == 61 * 576 * 2
+    assert round(bench.gpt_oss_weight_bytes() / GiB, 2) == 60.77
