@@ -62,6 +62,10 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def _positive_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -229,18 +233,23 @@ class LayoutPlan:
 
     def summary(self) -> str:
         """A few readable lines: the groups, the pool and what it holds."""
-        kinds = ", ".join(f"{g.kind}{'' if g.window is None else f'({g.window})'} "
-                          f"x{len(g.layers)}" for g in self.groups)
-        lines = [f"{self.model} on {self.gpu} (TP={self.tp}, DP={self.dp}), KV {self.kv_dtype}, "
-                 f"block {self.block_size} tokens" + ("" if self.windows else ", no windows"),
-                 f"  groups: {kinds} (slots {self.groups[0].slots}, "
-                 f"{self.padding_slots} padding)",
+        kinds: dict[str, int] = {}
+        for g in self.groups:
+            name = g.kind if g.window is None else f"{g.kind}({g.window})"
+            kinds[name] = kinds.get(name, 0) + 1
+        groups = ", ".join(f"{n} {name}" for name, n in kinds.items())
+        lines = [f"{self.model} on {self.gpu} (TP={self.tp}, DP={self.dp})",
+                 f"  KV {self.kv_dtype}, blocks of {self.block_size} tokens"
+                 + ("" if self.windows else ", no windows"),
+                 f"  {_count(len(self.groups), 'group')} of {self.groups[0].slots} layer slots: "
+                 f"{groups}; {self.padding_slots} padding",
                  f"  KV budget {self.kv_budget_bytes / GiB:.2f} GiB -> {self.num_blocks:,} "
                  f"blocks of {self.block_bytes / 2**20:.2f} MiB"]
         if self.fits:
             lines.append(f"  {self.blocks_per_request():,} blocks per {self.context_len:,}-token "
-                         f"request -> {self.max_requests:,} requests per replica, "
-                         f"{self.deployment_requests:,} on {self.tp * self.dp} GPU(s)")
+                         f"request -> {self.max_requests:,} per replica")
+            lines.append(f"  {_count(self.deployment_requests, 'request')} on "
+                         f"{_count(self.tp * self.dp, 'GPU')}")
         else:
             lines.append("  does not fit: no KV block after weights and reserve")
         return "\n".join(lines)
