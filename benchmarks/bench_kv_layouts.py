@@ -67,6 +67,7 @@ def requests_rows() -> list[dict]:
                                        windows=windows)
                     key = "windowed" if windows else "no_window"
                     row[key] = {"requests": plan.max_requests, "num_blocks": plan.num_blocks,
+                                "token_capacity": plan.token_capacity,
                                 "block_mib": round(plan.block_bytes / 2**20, 4),
                                 "blocks_per_request": plan.blocks_per_request(),
                                 "groups": len(plan.groups),

@@ -231,6 +231,8 @@ def test_a_uniform_model_plans_as_chapter_one_does(tp, kv_dtype, context):
     assert plan.num_blocks == uniform.num_blocks
     assert plan.max_requests == uniform.max_requests
     assert plan.kv_bytes_per_request() == uniform.blocks_per_request * uniform.block_bytes
+    if context % 16 == 0:
+        assert plan.token_capacity == uniform.token_capacity
 
 
 GEMMA_WEIGHTS = 27_432_406_640 * 2      # google/gemma-3-27b-it safetensors, bf16
@@ -250,6 +252,7 @@ def test_gemma3_groups_pad_52_sliding_layers_to_60_slots():
     budget = 0.9 * H100.cuda_total_bytes - GEMMA_WEIGHTS - 4 * GiB
     assert plan.num_blocks == math.floor(budget / (10 * page))
     assert plan.max_requests == plan.num_blocks // (6 * 65 + 2048)
+    assert plan.token_capacity == int(plan.num_blocks / (6 * 65 + 2048) * 32768)
     flat = plan_layout(shipped_layout("gemma-3-27b-it"), H100, weight_bytes=GEMMA_WEIGHTS,
                        context_len=32768, reserve_bytes=4 * GiB, windows=False)
     assert [(g.kind, len(g.layers)) for g in flat.groups] == [("full", 62)]

@@ -221,6 +221,18 @@ class LayoutPlan:
         return self.num_blocks // self.blocks_per_request()
 
     @property
+    def max_concurrency(self) -> float:
+        """``num_blocks / blocks_per_request``: vLLM's "maximum concurrency" (fractional)."""
+        return self.num_blocks / self.blocks_per_request()
+
+    @property
+    def token_capacity(self) -> int:
+        """Tokens the pool holds, counted as vLLM counts them for any layout
+        (``get_kv_cache_capacity``: maximum concurrency × tokens per request). For one group of
+        full layers it is ``num_blocks × block_size`` when the context fills whole blocks."""
+        return int(self.max_concurrency * self.context_len)
+
+    @property
     def deployment_requests(self) -> int:
         """Requests the ``tp × dp`` GPUs hold at once: one pool's worth per replica."""
         return self.dp * self.max_requests
@@ -247,7 +259,8 @@ class LayoutPlan:
                  f"blocks of {self.block_bytes / 2**20:.2f} MiB"]
         if self.fits:
             lines.append(f"  {self.blocks_per_request():,} blocks per {self.context_len:,}-token "
-                         f"request -> {self.max_requests:,} per replica")
+                         f"request -> {self.max_requests:,} per replica "
+                         f"({self.token_capacity:,} tokens)")
             lines.append(f"  {_count(self.deployment_requests, 'request')} on "
                          f"{_count(self.tp * self.dp, 'GPU')}")
         else:
