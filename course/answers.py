@@ -981,3 +981,82 @@ def _report_fact() -> Truth:
         "kernels_executed": "Right: the kernel that ran sets what a step costs, and no other "
                             "field names it; read it before you read tokens/s.",
     })
+
+
+# --- chapter 14: KV beyond one layout -----------------------------------------------------------
+
+def _ch14():
+    from kvlab.exercises import ch14
+
+    return ch14
+
+
+@truth("ch14.full_layer_bytes")
+def _full_layer_bytes() -> Truth:
+    from kvlab.labs.capacity.hf_config import shipped_layout
+    from kvlab.labs.capacity.hybrid_plan import token_bytes
+
+    c = _ch14().FULL_TP_CASE
+    layout = shipped_layout(c["model"])
+    return _number(sum(token_bytes(layer, c["kv_dtype"], c["tp"]) for layer in layout.layers
+                       if layer.kind == "full"))
+
+
+def _gpt_oss_plan():
+    from kvlab.labs.capacity.hf_config import shipped_layout
+    from kvlab.labs.capacity.hybrid_plan import plan_layout
+    from kvlab.sim.catalog import get_gpu
+
+    c = _ch14().GPT_OSS_CASE
+    return plan_layout(shipped_layout(c["model"]), get_gpu(c["gpu"]),
+                       weight_bytes=c["weight_bytes"], kv_dtype=c["kv_dtype"],
+                       context_len=c["context_len"], block_size=c["block_size"],
+                       in_flight_tokens=c["in_flight_tokens"], reserve_bytes=c["reserve_bytes"],
+                       gpu_memory_utilization=c["gpu_memory_utilization"])
+
+
+@truth("ch14.gpt_oss_pool.block_bytes")
+def _gpt_oss_block_bytes() -> Truth:
+    return _number(_gpt_oss_plan().block_bytes)
+
+
+@truth("ch14.gpt_oss_pool.fit")
+def _gpt_oss_fit() -> Truth:
+    plan = _gpt_oss_plan()
+    return Truth([plan.blocks_per_request(), plan.max_requests])
+
+
+def _qwen35_state_layer():
+    from kvlab.labs.capacity.hf_config import layout_from_hf_config
+
+    fields = _ch14().QWEN35_4B
+    cfg = {"model_type": "qwen3_5", "text_config": {
+        **fields, "num_hidden_layers": 4, "full_attention_interval": 4,
+        "num_attention_heads": 16}}
+    return layout_from_hf_config(cfg).layers   # three gated-DeltaNet layers, one full
+
+
+@truth("ch14.hybrid_block.state")
+def _hybrid_state() -> Truth:
+    c = _ch14().HYBRID_CASE
+    return _number(_qwen35_state_layer()[0].state_bytes(c["tp"]))
+
+
+@truth("ch14.hybrid_block.token")
+def _hybrid_token() -> Truth:
+    from kvlab.labs.capacity.hybrid_plan import token_bytes
+
+    c = _ch14().HYBRID_CASE
+    return _number(token_bytes(_qwen35_state_layer()[3], c["kv_dtype"], c["tp"]))
+
+
+@truth("ch14.hybrid_block.block")
+def _hybrid_block() -> Truth:
+    from kvlab.labs.capacity.hybrid_plan import hybrid_block_size, token_bytes
+
+    c = _ch14().HYBRID_CASE
+    layers = _qwen35_state_layer()
+    return _number(hybrid_block_size(token_bytes(layers[3], c["kv_dtype"], c["tp"]),
+                                     layers[0].state_bytes(c["tp"]),
+                                     block_size=c["block_size"],
+                                     kernel_block=c["kernel_block"]))
