@@ -72,38 +72,67 @@ def _ch01():
     return ch01, plan_capacity, get_gpu, get_model
 
 
-@truth("ch01.kv_bytes_per_token")
-def _kv_bytes_per_token() -> Truth:
+def _kv_token_plan():
     ch01, plan_capacity, _, get_model = _ch01()
     c = ch01.KV_TOKEN_CASE
-    plan = plan_capacity(get_model(c["model"]), 10**15, kv_dtype=c["kv_dtype"], tp=c["tp"],
+    return plan_capacity(get_model(c["model"]), 10**15, kv_dtype=c["kv_dtype"], tp=c["tp"],
                          scale_group=c["scale_group"], scale_bytes=c["scale_bytes"])
-    return _number(plan.kv_bytes_per_token)
 
 
-def _h100_max_requests(kv_dtype: str) -> Truth:
+@truth("ch01.kv_bytes_per_token.element")
+def _kv_element_bytes() -> Truth:
+    return Truth(_kv_token_plan().kv_element_bytes)
+
+
+@truth("ch01.kv_bytes_per_token")
+def _kv_bytes_per_token() -> Truth:
+    plan = _kv_token_plan()
+    return Truth([plan.kv_element_bytes, plan.kv_bytes_per_token])
+
+
+def _h100_plan(kv_dtype: str):
     ch01, plan_capacity, get_gpu, get_model = _ch01()
     a = ch01.H100_ASSUMPTIONS
-    plan = plan_capacity(get_model(a["model"]), get_gpu(a["gpu"]), kv_dtype=kv_dtype,
+    return plan_capacity(get_model(a["model"]), get_gpu(a["gpu"]), kv_dtype=kv_dtype,
                          context_len=a["context_len"], block_size=a["block_size"],
                          gpu_memory_utilization=a["gpu_memory_utilization"],
                          reserve_bytes=a["reserve_bytes"], weight_dtype=a["weight_dtype"])
-    return _number(plan.max_requests)
 
 
-truth("ch01.max_requests_h100.bf16")(lambda: _h100_max_requests("bf16"))
-truth("ch01.max_requests_h100.fp8")(lambda: _h100_max_requests("fp8"))
+@truth("ch01.max_requests_h100.blocks")
+def _h100_blocks() -> Truth:
+    return Truth(_h100_plan("bf16").num_blocks)
+
+
+@truth("ch01.max_requests_h100")
+def _h100_max_requests() -> Truth:
+    bf16, fp8 = _h100_plan("bf16"), _h100_plan("fp8")
+    return Truth([bf16.num_blocks, bf16.max_requests, fp8.max_requests])
+
+
+def _overtake():
+    """(the cost model, the context) of chapter 1's exercise 3."""
+    from kvlab.exercises import ch01
+    from kvlab.sim.costmodel import RooflineCostModel
+
+    c = ch01.OVERTAKE_CASE
+    return RooflineCostModel.named(c["model"], c["gpu"], dtype=c["dtype"]), c["context_len"]
+
+
+@truth("ch01.kv_overtakes_weights.request_bytes")
+def _overtake_request_bytes() -> Truth:
+    cm, context = _overtake()
+    one = cm.cost([(1, context - 1, True)])     # one token at the last position
+    return Truth(int(one.bytes - cm.weight_bytes))
 
 
 @truth("ch01.kv_overtakes_weights")
 def _kv_overtakes_weights() -> Truth:
-    from kvlab.sim.costmodel import RooflineCostModel
-
-    cm = RooflineCostModel.named("Llama-3-8B", "H100-80GB SXM")
+    cm, context = _overtake()
     batch = 1
-    while cm.cost([(1, 4095, True)] * batch).bytes - cm.weight_bytes < cm.weight_bytes:
+    while cm.cost([(1, context - 1, True)] * batch).bytes - cm.weight_bytes < cm.weight_bytes:
         batch += 1
-    return _number(batch)
+    return Truth([_overtake_request_bytes().answer, batch])
 
 
 def _tp_kv_per_rank(index: int) -> Truth:
@@ -111,27 +140,36 @@ def _tp_kv_per_rank(index: int) -> Truth:
     c = ch01.TP_RANK_CASE
     plan = plan_capacity(get_model(c["model"]), 10**15, tp=c["tp"][index],
                          kv_dtype=c["kv_dtype"])
-    return _number(int(plan.kv_bytes_per_token))
+    return Truth(int(plan.kv_bytes_per_token))
 
 
 truth("ch01.tp_kv_per_rank.first")(lambda: _tp_kv_per_rank(0))
 truth("ch01.tp_kv_per_rank.second")(lambda: _tp_kv_per_rank(1))
 
 
-@truth("ch01.tp_design.min_tp")
-def _tp_design_min_tp() -> Truth:
-    from kvlab.labs.capacity import DTYPE_BYTES
-
+def fewest_gpus(model: str, gpu: str, context_len: int, min_requests: int,
+                reserve_bytes: float):
+    """Chapter 1's exercise 5 rule: the smallest TP, then the first KV dtype in the exercise's
+    order, whose plan holds ``min_requests``; None when no choice does."""
     ch01, plan_capacity, get_gpu, get_model = _ch01()
-    d = ch01.TP_DESIGN
-    dtypes = [x for x in DTYPE_BYTES if x != "fp32"]
-    for tp in d["tp_choices"]:
-        if any(plan_capacity(get_model(d["model"]), get_gpu(d["gpu"]), tp=tp, kv_dtype=x,
-                             context_len=d["context_len"],
-                             reserve_bytes=d["reserve_bytes"]).max_requests
-               >= d["min_requests"] for x in dtypes):
-            return _number(tp)
-    raise AssertionError("no TP choice holds the requirement: the exercise is unsolvable")
+    for tp in ch01.TP_CHOICES:
+        for kv_dtype in ch01.KV_CHOICES:
+            plan = plan_capacity(get_model(model), get_gpu(gpu), tp=tp, kv_dtype=kv_dtype,
+                                 context_len=context_len, reserve_bytes=reserve_bytes)
+            if plan.max_requests >= min_requests:
+                return tp, kv_dtype
+    return None
+
+
+def _tp_design_case(index: int) -> Truth:
+    from kvlab.exercises import ch01
+
+    choice = fewest_gpus(**ch01.TP_DESIGN_CASES[index])
+    return Truth(None if choice is None else list(choice))
+
+
+for _i in range(len(_ch01()[0].TP_DESIGN_CASES)):   # one seal per requirement
+    truth(f"ch01.tp_design.case{_i}")(lambda i=_i: _tp_design_case(i))
 
 
 # --- chapter 3: reference counts and copy-on-write ---------------------------------------------
@@ -142,16 +180,10 @@ def _ch03():
     return ch03
 
 
-@truth("ch03.sampling_blocks.with")
-def _sampling_with() -> Truth:
+@truth("ch03.sampling_blocks")
+def _sampling_blocks() -> Truth:
     ch03 = _ch03()
-    return _number(ch03._sampling_blocks(**ch03.SAMPLING)[0])
-
-
-@truth("ch03.sampling_blocks.without")
-def _sampling_without() -> Truth:
-    ch03 = _ch03()
-    return _number(ch03._sampling_blocks(**ch03.SAMPLING)[1])
+    return Truth(list(ch03._sampling_blocks(**ch03.SAMPLING)))
 
 
 @truth("ch03.double_release")
@@ -189,7 +221,7 @@ _DOUBLE_RELEASE_NOTES = {
 @truth("ch03.write_order.copies")
 def _write_order_copies() -> Truth:
     ch03 = _ch03()
-    return _number(ch03.write_order_outcome(**ch03.WRITE_ORDER)[0])
+    return Truth(ch03.write_order_outcome(**ch03.WRITE_ORDER)[0])
 
 
 @truth("ch03.write_order.in_place")
@@ -204,7 +236,7 @@ def _max_samples() -> Truth:
     n = 1
     while ch03.samples_fit(n + 1, **ch03.SAMPLES_DESIGN):
         n += 1
-    return _number(n)
+    return Truth(n)
 
 
 # --- chapter 5: the request state machine ------------------------------------------------------
@@ -407,15 +439,27 @@ def _deployment_k() -> Truth:
 
 # --- chapter 10: prefill/decode disaggregation --------------------------------------------------
 
+def _transfer_bytes() -> float:
+    from kvlab.exercises import ch10
+    from kvlab.labs.capacity.transfer_cost import kv_transfer_bytes
+    from kvlab.sim.catalog import get_model
+
+    return kv_transfer_bytes(get_model(ch10.TRANSFER_MODEL), ch10.TRANSFER_TOKENS,
+                             ch10.TRANSFER_ELEMENT_BYTES) / ch10.TRANSFER_TP
+
+
+@truth("ch10.transfer_mb")
+def _transfer_mb() -> Truth:
+    mb = _transfer_bytes() / 1e6
+    return Truth(round(mb, 6), number=mb)
+
+
 @truth("ch10.transfer_ms")
 def _transfer_ms() -> Truth:
     from kvlab.exercises import ch10
-    from kvlab.labs.capacity.transfer_cost import LINKS, kv_transfer_bytes, transfer_seconds
-    from kvlab.sim.catalog import get_model
+    from kvlab.labs.capacity.transfer_cost import LINKS, transfer_seconds
 
-    nbytes = kv_transfer_bytes(get_model(ch10.TRANSFER_MODEL), ch10.TRANSFER_TOKENS,
-                               ch10.TRANSFER_ELEMENT_BYTES) / ch10.TRANSFER_TP
-    ms = 1e3 * transfer_seconds(nbytes, LINKS[ch10.TRANSFER_LINK])
+    ms = 1e3 * transfer_seconds(_transfer_bytes(), LINKS[ch10.TRANSFER_LINK])
     return Truth(round(ms, 6), number=ms)
 
 
@@ -486,17 +530,27 @@ def _fault_moves_catch() -> Truth:
     return Truth(trace.caught, reveal={"violation": str(trace.violation)})
 
 
-@truth("ch12.expected_crashes")
-def _expected_crashes() -> Truth:
-    """Expected ``crash`` records of a seeded schedule: a step draws a fault with probability
-    ``rate``, its kind uniform over ``STEP_FAULTS``; a kind at the ``update`` or ``recover``
-    point comes with the crash it needs (``StepFaultSchedule.from_seed``)."""
-    from kvlab.exercises import ch12
+def expected_crash_records(steps: int, rate: float, kinds) -> float:
+    """Mean ``crash`` records of ``StepFaultSchedule.from_seed(seed, steps, rate=rate,
+    kinds=kinds)`` over seeds: a step draws a fault with probability ``rate``, its kind uniform
+    over ``kinds``; a ``crash`` leaves one record, and a kind at the ``recover`` point comes
+    with the crash it needs (one record too)."""
     from kvlab.labs.faults.step_faults import STEP_FAULTS
 
-    crashing = sum(point in ("update", "recover") for point in STEP_FAULTS.values())
-    value = ch12.DERIVE["steps"] * ch12.DERIVE["rate"] * crashing / len(STEP_FAULTS)
-    return Truth(round(value, 9), number=value)
+    crashing = sum(STEP_FAULTS[k] in ("update", "recover") for k in kinds)
+    return steps * rate * crashing / len(kinds)
+
+
+def _register_expected_crashes() -> None:
+    from kvlab.exercises import ch12
+
+    for i, case in enumerate(ch12._crash_cases()):
+        value = expected_crash_records(*case)
+        truth(f"ch12.expected_crashes.{i}")(
+            lambda value=value: Truth(round(value, 9), number=value))
+
+
+_register_expected_crashes()
 
 
 # --- chapter 2: page tables ---------------------------------------------------------------------
@@ -512,8 +566,8 @@ def _tail_waste(lengths, block_size: int) -> int:
     return sum(-(-n // block_size) * block_size - n for n in lengths)
 
 
-truth("ch02.tail_waste.16")(lambda: _number(_tail_waste(_ch02().TAIL_LENGTHS, 16)))
-truth("ch02.tail_waste.256")(lambda: _number(_tail_waste(_ch02().TAIL_LENGTHS, 256)))
+truth("ch02.tail_waste.16")(lambda: Truth(_tail_waste(_ch02().TAIL_LENGTHS, 16)))
+truth("ch02.tail_waste.256")(lambda: Truth(_tail_waste(_ch02().TAIL_LENGTHS, 256)))
 
 
 def _ch02_slots() -> list[int]:
@@ -524,7 +578,7 @@ def _ch02_slots() -> list[int]:
 
 truth("ch02.slot_mapping")(lambda: Truth(_ch02_slots()))
 for _i in range(sum(len(p) for p in _ch02().BATCH["positions"])):   # one seal per token
-    truth(f"ch02.slot_mapping.{_i}")(lambda i=_i: _number(_ch02_slots()[i]))
+    truth(f"ch02.slot_mapping.{_i}")(lambda i=_i: Truth(_ch02_slots()[i]))
 
 
 def _paged_run(requests: int, seed: int, arena_tokens: int, block_size: int,
@@ -535,6 +589,18 @@ def _paged_run(requests: int, seed: int, arena_tokens: int, block_size: int,
     workload = sharegpt_like_workload(requests, seed=seed, prompt_mean=prompt_mean,
                                       output_mean=output_mean)
     return simulate(workload, "paged", arena_tokens, block_size=block_size)
+
+
+def _pct(share: float) -> float:
+    """A share as chapter 2's exercises ask for it: percent, rounded to one decimal."""
+    return round(100 * share, 1)
+
+
+@truth("ch02.smaller_arena.run")
+def _smaller_arena_run() -> Truth:
+    d = _ch02().ARENA_PREDICT
+    small = _paged_run(d["requests"], d["seed"], d["smaller_arena"], d["block_size"])
+    return Truth([round(small.mean_running, 1), _pct(small.token_states)])
 
 
 @truth("ch02.smaller_arena")
@@ -574,13 +640,26 @@ def _smaller_arena() -> Truth:
     return Truth(answer, notes=notes)
 
 
+@functools.cache
+def _block_design_shares() -> dict[int, float]:
+    """Token-state share of the exercise's workload at each block size (one run per size)."""
+    d = _ch02().BLOCK_DESIGN
+    return {q: _paged_run(d["requests"], d["seed"], d["arena_tokens"], q, d["prompt_mean"],
+                          d["output_mean"]).token_states
+            for q in d["block_sizes"]}
+
+
 @truth("ch02.block_size_design")
 def _block_size_design() -> Truth:
     d = _ch02().BLOCK_DESIGN
-    good = [q for q in d["block_sizes"]
-            if _paged_run(d["requests"], d["seed"], d["arena_tokens"], q, d["prompt_mean"],
-                          d["output_mean"]).token_states >= d["min_token_states"]]
-    return _number(max(good))
+    shares = _block_design_shares()
+    return Truth(max(q for q in d["block_sizes"][:-1] if shares[q] >= d["min_token_states"]))
+
+
+for _q in _ch02().BLOCK_DESIGN["block_sizes"][:-1]:   # the shares at q and 2q, per size
+    truth(f"ch02.block_size_design.shares.{_q}")(
+        lambda q=_q: Truth([_pct(_block_design_shares()[q]),
+                            _pct(_block_design_shares()[2 * q])]))
 
 
 # --- chapter 4: prefix reuse --------------------------------------------------------------------
@@ -902,3 +981,82 @@ def _report_fact() -> Truth:
         "kernels_executed": "Right: the kernel that ran sets what a step costs, and no other "
                             "field names it; read it before you read tokens/s.",
     })
+
+
+# --- chapter 14: KV beyond one layout -----------------------------------------------------------
+
+def _ch14():
+    from kvlab.exercises import ch14
+
+    return ch14
+
+
+@truth("ch14.full_layer_bytes")
+def _full_layer_bytes() -> Truth:
+    from kvlab.labs.capacity.hf_config import shipped_layout
+    from kvlab.labs.capacity.hybrid_plan import token_bytes
+
+    c = _ch14().FULL_TP_CASE
+    layout = shipped_layout(c["model"])
+    return _number(sum(token_bytes(layer, c["kv_dtype"], c["tp"]) for layer in layout.layers
+                       if layer.kind == "full"))
+
+
+def _gpt_oss_plan():
+    from kvlab.labs.capacity.hf_config import shipped_layout
+    from kvlab.labs.capacity.hybrid_plan import plan_layout
+    from kvlab.sim.catalog import get_gpu
+
+    c = _ch14().GPT_OSS_CASE
+    return plan_layout(shipped_layout(c["model"]), get_gpu(c["gpu"]),
+                       weight_bytes=c["weight_bytes"], kv_dtype=c["kv_dtype"],
+                       context_len=c["context_len"], block_size=c["block_size"],
+                       in_flight_tokens=c["in_flight_tokens"], reserve_bytes=c["reserve_bytes"],
+                       gpu_memory_utilization=c["gpu_memory_utilization"])
+
+
+@truth("ch14.gpt_oss_pool.block_bytes")
+def _gpt_oss_block_bytes() -> Truth:
+    return _number(_gpt_oss_plan().block_bytes)
+
+
+@truth("ch14.gpt_oss_pool.fit")
+def _gpt_oss_fit() -> Truth:
+    plan = _gpt_oss_plan()
+    return Truth([plan.blocks_per_request(), plan.max_requests])
+
+
+def _qwen35_state_layer():
+    from kvlab.labs.capacity.hf_config import layout_from_hf_config
+
+    fields = _ch14().QWEN35_4B
+    cfg = {"model_type": "qwen3_5", "text_config": {
+        **fields, "num_hidden_layers": 4, "full_attention_interval": 4,
+        "num_attention_heads": 16}}
+    return layout_from_hf_config(cfg).layers   # three gated-DeltaNet layers, one full
+
+
+@truth("ch14.hybrid_block.state")
+def _hybrid_state() -> Truth:
+    c = _ch14().HYBRID_CASE
+    return _number(_qwen35_state_layer()[0].state_bytes(c["tp"]))
+
+
+@truth("ch14.hybrid_block.token")
+def _hybrid_token() -> Truth:
+    from kvlab.labs.capacity.hybrid_plan import token_bytes
+
+    c = _ch14().HYBRID_CASE
+    return _number(token_bytes(_qwen35_state_layer()[3], c["kv_dtype"], c["tp"]))
+
+
+@truth("ch14.hybrid_block.block")
+def _hybrid_block() -> Truth:
+    from kvlab.labs.capacity.hybrid_plan import hybrid_block_size, token_bytes
+
+    c = _ch14().HYBRID_CASE
+    layers = _qwen35_state_layer()
+    return _number(hybrid_block_size(token_bytes(layers[3], c["kv_dtype"], c["tp"]),
+                                     layers[0].state_bytes(c["tp"]),
+                                     block_size=c["block_size"],
+                                     kernel_block=c["kernel_block"]))

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 AUTO = "02-page-tables"
 MANUAL = "10-pd-disaggregation"
-# bob's submission: one exercise right, one wrong (its answer one token too high), rest blank
+# bob's submission: one exercise right, one wrong (its answer one slot off), rest blank
 RIGHT_FOR_BOB, WRONG_FOR_BOB = "check_slot_mapping", "check_tail_waste"
 WRONG_EDIT = "waste_16 = waste_16 + 1"
 
@@ -85,11 +85,14 @@ def test_source_marks_answers_tests_and_points(course):
     assert all(e.check and e.mapped for e in exercises), "every answer comes from the solution"
     source = _notebook(root, "source", AUTO)
     graded = [c.metadata["nbgrader"] for c in source.cells if "nbgrader" in c.metadata]
-    tests = [g for g in graded if g["grade"]]
-    answers = [g for g in graded if g["solution"]]
+    tests = [g for g in graded if g["grade"] and not g["solution"]]
+    answers = [g for g in graded if g["solution"] and not g["grade"]]
+    written = [g for g in graded if g["grade"] and g["solution"]]   # reasoning, by hand
     assert len(tests) == len(answers) == len(exercises)
-    assert all(g["locked"] and not g["solution"] and g["points"] > 0 for g in tests)
+    assert all(g["locked"] and g["points"] > 0 for g in tests)
     assert [g["points"] for g in tests] == [e.points for e in exercises]
+    assert [g["points"] for g in written] == [e.written_points for e in exercises
+                                              if e.written_points]
     # no demo cell is graded: only the exercises' cells carry nbgrader metadata
     demo = [c for c in source.cells if "check_kv_manager(kv)" in c.source]
     assert all("nbgrader" not in c.metadata for c in demo)
@@ -168,12 +171,14 @@ def test_autograde_scores_a_right_and_a_wrong_submission(course):
         _ok(api.autograde(AUTO, student))
 
     points = {e.number: e.points for e in built[AUTO]}
+    written = sum(e.written_points for e in built[AUTO])     # reasoning, graded by hand later
     with Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
-        assert gb.find_assignment(AUTO).max_score == sum(points.values())
+        assert gb.find_assignment(AUTO).max_score == sum(points.values()) + written
         alice, bob = (gb.find_submission(AUTO, s) for s in ("alice", "bob"))
         assert alice.score == sum(points.values())
         assert bob.score == points[number[RIGHT_FOR_BOB]]
-        bob_grades = {g.name: g.score for g in bob.notebooks[0].grades}
+        bob_grades = {g.name: g.score for g in bob.notebooks[0].grades
+                      if g.name.endswith("-test")}
         assert bob_grades == {f"{AUTO}-ex{n}-test": (p if n == number[RIGHT_FOR_BOB] else 0)
                               for n, p in points.items()}
 
@@ -182,7 +187,7 @@ def test_autograde_scores_a_right_and_a_wrong_submission(course):
                   == f"{AUTO}-ex{number[WRONG_FOR_BOB]}-test")
     (error,) = [o for o in failed.outputs if o.output_type == "error"]
     assert error.ename == "WrongAnswer" and len(error.traceback) == 1
-    assert "too high" in error.evalue
+    assert "not right: revisit" in error.evalue and "too" not in error.evalue   # no direction
     # bob's unanswered exercises printed the hint first, then failed the hidden test
     left = min(set(number.values()) - {number[RIGHT_FOR_BOB], number[WRONG_FOR_BOB]})
     unanswered = next(c for c in graded.cells if c.metadata.get("nbgrader", {}).get("grade_id")

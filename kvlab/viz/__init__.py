@@ -35,6 +35,7 @@ _LAZY = {
     **dict.fromkeys(["engine_step_figure", "EngineStepper"], ".engine"),
     **dict.fromkeys(["quantization_figure", "quantization_explorer"], ".quantization"),
     **dict.fromkeys(["acceptance_figure", "AcceptanceView"], ".spec"),
+    **dict.fromkeys(["layer_map_figure", "layer_map_explorer"], ".kv_layouts"),
 }
 
 

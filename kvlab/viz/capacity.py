@@ -29,7 +29,7 @@ MEMORY_LABELS: dict[str, str] = {
     "headroom": "kept back (1 - utilization)",
 }
 
-#: Context lengths on the x axis of the right-hand panel (tokens).
+#: Context lengths on the x axis of the lower panel (tokens).
 CONTEXTS = tuple(2**k for k in range(9, 18))     # 512 .. 131072
 
 
@@ -40,18 +40,19 @@ def max_requests_curve(plan: CapacityPlan, contexts=CONTEXTS) -> np.ndarray:
 
 
 def capacity_figure(plan: CapacityPlan, contexts=CONTEXTS):
-    """Left: one GPU's memory split by use (GiB). Right: max concurrent requests vs context.
+    """Top: one GPU's memory split by use (GiB). Bottom: max concurrent requests vs context.
 
-    Pure: a new Figure with two axes. The left axis holds one horizontal bar segment per
-    non-zero part of :meth:`CapacityPlan.breakdown` (labelled for the legend); a plan that
-    does not fit shows the weights and reserve overflowing the GPU, marked by a vertical line
-    at the GPU's capacity. The right axis plots :func:`max_requests_curve` on a log-2 x axis
-    and marks the plan's own ``context_len``.
+    Pure: a new Figure with two axes, stacked so that the figure fits a phone's column (4.4
+    inches wide, no text under 9 points). The top axis holds one horizontal bar segment per
+    non-zero part of :meth:`CapacityPlan.breakdown` (labelled for the legend beneath it); a
+    plan that does not fit shows the weights and reserve overflowing the GPU, marked by a
+    vertical line at the GPU's capacity. The bottom axis plots :func:`max_requests_curve` on a
+    log-2 x axis and marks the plan's own ``context_len``.
     """
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.0, 3.6),
-                                  gridspec_kw={"width_ratios": [1.5, 1.0]})
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(4.4, 6.0),
+                                  gridspec_kw={"height_ratios": [0.5, 1.4]})
     left = 0.0
     for part, value in plan.breakdown().items():
         if value <= 0:
@@ -59,7 +60,7 @@ def capacity_figure(plan: CapacityPlan, contexts=CONTEXTS):
         width = value / GiB
         ax.barh(0, width, left=left, height=0.55, color=MEMORY_COLORS[part], edgecolor=INK,
                 linewidth=0.6, label=f"{MEMORY_LABELS[part]}: {width:.1f} GiB")
-        if width > 0.07 * plan.gpu_memory_bytes / GiB:
+        if width > 0.12 * plan.gpu_memory_bytes / GiB:
             ax.text(left + width / 2, 0, f"{width:.1f}", ha="center", va="center",
                     fontsize=9, color="white" if part in ("weights", "kv_cache") else INK)
         left += width
@@ -69,10 +70,10 @@ def capacity_figure(plan: CapacityPlan, contexts=CONTEXTS):
     ax.set_yticks([])
     ax.set_xlabel("GiB per GPU")
     status = (f"{plan.num_blocks:,} blocks = {plan.token_capacity:,} tokens" if plan.fits
-              else f"does not fit: short by {-plan.kv_budget_bytes / GiB:.1f} GiB")
-    ax.set_title(f"{plan.model} on {plan.gpu}, TP={plan.tp}, KV {plan.kv_dtype}\n{status}",
+              else f"does not fit, {-plan.kv_budget_bytes / GiB:.1f} GiB short")
+    ax.set_title(f"{plan.model} on {plan.gpu}, TP={plan.tp}\nKV {plan.kv_dtype}: {status}",
                  loc="left", fontsize=10)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=2, fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(-0.02, -0.6), ncol=1, fontsize=9)
 
     counts = max_requests_curve(plan, contexts)
     positive = counts > 0
@@ -82,6 +83,8 @@ def capacity_figure(plan: CapacityPlan, contexts=CONTEXTS):
     ax2.set_yscale("log")
     ax2.set_xlim(min(contexts) / 1.3, max(contexts) * 1.3)
     ax2.set_ylim(0.7, max(2.0, float(counts.max()) * 1.5))
+    ax2.set_xticks([2**k for k in (9, 11, 13, 15, 17)],
+                   ["512", "2k", "8k", "32k", "128k"])
     ax2.axvline(plan.context_len, color=MUTED, linestyle=":")
     ax2.annotate(f"{plan.max_requests:,} at {plan.context_len:,}",
                  xy=(plan.context_len, max(plan.max_requests, 0.8)), xytext=(6, 8),
@@ -89,7 +92,7 @@ def capacity_figure(plan: CapacityPlan, contexts=CONTEXTS):
     ax2.set_xlabel("context length (tokens)")
     ax2.set_ylabel("concurrent requests")
     ax2.set_title("requests that fit at once", loc="left", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(pad=0.4, h_pad=0.6)
     return fig
 
 
