@@ -71,6 +71,16 @@ class StepPlan:
 S = RequestStatus
 
 
+def _drop_placeholders(request: RuntimeRequest) -> None:
+    """Overlap mode, a request that ends: forget the outputs still in flight (their tokens
+    are discarded) and the computed tokens planned on them (its last token has no KV, as in
+    the synchronous engine)."""
+    if request.num_output_placeholders:
+        del request.output_token_ids[-request.num_output_placeholders:]
+        request.num_output_placeholders = 0
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+
+
 class SchedulerBase:
     """Request registry, queues, KV bookkeeping and output handling shared by both policies."""
 
@@ -172,11 +182,14 @@ class SchedulerBase:
 
     def abort_request(self, request_id: str) -> RuntimeRequest | None:
         """Cancel a request and free its KV (idempotent; None for an unknown id). RuntimeError
-        for a request in the step in flight: the runner may still read its KV."""
+        for a request in the step in flight: the runner may still read its KV. With
+        ``async_scheduling`` that is allowed: the executor runs steps one at a time in order,
+        so a later step is the first that can reuse the blocks; the token in flight is
+        dropped."""
         request = self._requests.get(request_id)
         if request is None or request.status.is_terminal:
             return request
-        if request_id in self._inflight_ids:
+        if request_id in self._inflight_ids and not self.config.async_scheduling:
             raise RuntimeError(f"abort_request({request_id!r}) during the step that runs it: "
                                "abort after update_from_output() or fail_step()")
         in_queue = self.waiting if request.status in WAITING_STATUSES else self.running
@@ -184,6 +197,7 @@ class SchedulerBase:
         in_queue.remove(request_id)
         self.lifecycle.release(request, self.kv)
         self._executor_drops(request_id)
+        _drop_placeholders(request)
         return request
 
     def schedule(self) -> SchedulerOutput:
@@ -236,7 +250,8 @@ class SchedulerBase:
             if output.is_empty and not sampled:
                 ended, self._ended = self._ended, []
                 return ended
-            raise ValueError(f"output of step {output.step} is not the oldest step in flight")
+            raise ValueError(f"output of step {output.step} is not the step in flight (with "
+                             "overlap: the oldest)")
         tokens = check_sampled(output, sampled)   # speculative chunks answer a tuple
         if self.config.async_scheduling:
             return self._update_overlapped(output, tokens)
@@ -278,7 +293,7 @@ class SchedulerBase:
         ended: list[RuntimeRequest] = []
         for chunk in output.chunks:
             request = self._requests[chunk.request_id]
-            if request.status.is_terminal:         # it ended while this step ran
+            if request.status.is_terminal:         # aborted or failed while this step ran
                 continue
             reason = None
             if chunk.sample:
@@ -287,16 +302,14 @@ class SchedulerBase:
                 request.output_token_ids[i] = tokens[chunk.request_id][0]
                 request.num_output_placeholders -= 1
                 if request.first_token_step is None:
-                    request.first_token_step = self._step
+                    request.first_token_step = output.step
                 reason = stop_reason(request, i + 1)
             done = chunk.start_pos + chunk.num_tokens     # KV written, tokens known
             rid = request.request_id
             if request.status is S.RUNNING and self.kv.needs_commit(rid, done):
                 self.kv.commit(rid, request.token_slice(0, done))
             if reason is not None:
-                del request.output_token_ids[i + 1:]
-                request.num_output_placeholders = 0
-                request.num_computed_tokens = min(request.num_computed_tokens, done)
+                _drop_placeholders(request)        # the step after samples past the end
                 self.lifecycle.finish(request, reason)
                 self.running.remove(rid)
                 self.lifecycle.release(request, self.kv)
@@ -342,8 +355,8 @@ class SchedulerBase:
         release their KV once; the next ``update_from_output()`` reports them. The executor may
         not have seen the step, so the next output repeats its finished ids."""
         if not self._inflight or output is not self._inflight[0]:
-            raise ValueError(f"fail_step: output of step {output.step} is not the oldest step "
-                             "in flight")
+            raise ValueError(f"fail_step: output of step {output.step} is not the step in "
+                             "flight (with overlap: the oldest)")
         if not isinstance(message, str):
             raise TypeError(f"fail_step: message must be a str, got {message!r}")
         if output.copies:
@@ -356,6 +369,7 @@ class SchedulerBase:
             request = self._requests[rid]
             if request.status.is_terminal:      # ended in a step that overlapped this one
                 continue
+            _drop_placeholders(request)
             self.lifecycle.fail(request, message)
             self.running.remove(rid)
             self.lifecycle.release(request, self.kv)
