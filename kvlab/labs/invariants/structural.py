@@ -36,7 +36,7 @@ from typing import Any
 
 from kvlab.core.block_pool import CACHE_OWNER, BlockPool
 from kvlab.core.radix_cache import RadixCache
-from kvlab.core.request import RUNNING_STATUSES, WAITING_STATUSES
+from kvlab.core.request import PLACEHOLDER, RUNNING_STATUSES, WAITING_STATUSES
 from kvlab.disagg.remote_kv_scheduler import RemoteKVScheduler
 from kvlab.labs.kv_snapshot import radix_nodes
 
@@ -311,4 +311,11 @@ def check_scheduler(scheduler: Any) -> None:
             f"{rid}: num_computed_tokens out of range"
         assert len(request.output_token_ids) <= request.max_tokens, \
             f"{rid}: more outputs than max_tokens"
+        in_flight = request.num_output_placeholders   # (overlap scheduling)
+        assert request.output_token_ids.count(PLACEHOLDER) == in_flight and all(
+            t == PLACEHOLDER for t in request.output_token_ids[len(request.output_token_ids)
+                                                              - in_flight:]), \
+            f"{rid}: placeholders other than its last {in_flight} outputs"
+        assert not in_flight or rid in scheduler.inflight_ids, \
+            f"{rid}: {in_flight} placeholder outputs but no step in flight"
     check_kv_manager(scheduler.kv)
