@@ -67,8 +67,8 @@ def measure(size: str, model: Path, vocab: int, repeats: int, seed: int,
     out = {"startup": {n: e.ready for n, e in engines.items()}, "workloads": {}}
     ok = True
     for w, r in runs.items():
-        ref = r["sync"][0]["outputs"]
-        same = all(x["outputs"] == ref for v in r.values() for x in v)
+        same = all(x["outputs"] == ref["outputs"] for v in r.values()      # run by run
+                   for x, ref in zip(v, r["sync"], strict=True))
         ok &= same
         b = {v: best(x) for v, x in r.items()}
         s = b["sync"]

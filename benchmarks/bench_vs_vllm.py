@@ -222,7 +222,8 @@ def compare(size: str, model: Path, workloads: dict, threads: int, repeats: int,
     out = {"startup": {name: e.ready for name, e in engines.items()}, "workloads": {}}
     for w, r in runs.items():
         ref = r["vllm"][0]["outputs"]
-        same = all(a["outputs"] == ref for runs_ in r.values() for a in runs_)
+        same = all(x["outputs"] == ref_run["outputs"] for runs_ in r.values()   # run by run
+                   for x, ref_run in zip(runs_, r["vllm"], strict=True))
         exact = sum(a == b for a, b in zip(r["kvlab"][0]["outputs"], ref, strict=True))
         k, ka, v = best(r["kvlab"]), best(r["kvlab_async"]), best(r["vllm"])
         phases = min(r["kvlab"], key=lambda x: x["cpu_s"]).get("phases_s")
