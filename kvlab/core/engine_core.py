@@ -270,6 +270,10 @@ class EngineCore:
                 for observer in self.observers:
                     observer.after_failed_step(self, output, error)
 
+    def has_steps_in_flight(self) -> bool:
+        """Overlap mode: whether a step handed to the executor is still to be applied."""
+        return bool(self._pipeline)
+
     def wait_executed(self) -> None:
         """Overlap mode: return once the executor has run every step handed to it (their
         outputs not yet applied), so that its state may be read; at once otherwise."""

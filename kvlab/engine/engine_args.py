@@ -175,13 +175,15 @@ def check_engine_args(args: EngineArgs) -> None:
                          "'production' or a factory (kv, SchedulerConfig) -> Scheduler")
     if not isinstance(scheduler, str) and not callable(scheduler):
         raise TypeError(f"LLMEngine: scheduler must be a name or a factory, got {scheduler!r}")
+    # vLLM 0.32 overlaps EAGLE/MTP, draft-model and GPU n-gram speculation and refuses the
+    # rest (vllm/config/vllm.py, VllmConfig.__post_init__); kvlab refuses both of its methods
     if args.async_scheduling and args.speculative_config is not None:
-        raise ValueError("LLMEngine: async_scheduling is not supported with speculative "
-                         "decoding in kvlab (its executor plans drafts from the tokens of the "
-                         "step before)")
+        raise ValueError("LLMEngine: async_scheduling=True is not supported with "
+                         "speculative_config: kvlab plans each step's draft slots from the "
+                         "tokens accepted in the step before, which overlap does not know yet")
     if args.async_scheduling and args.kv_transfer_config is not None:
-        raise ValueError("LLMEngine: async_scheduling is not supported with "
-                         "kv_transfer_config (the transfer protocol runs between steps)")
+        raise ValueError("LLMEngine: async_scheduling=True is not supported with "
+                         "kv_transfer_config: kvlab's transfer protocol runs between steps")
     if not isinstance(security_domain, str) or not security_domain:
         raise ValueError(f"LLMEngine: security_domain must be a non-empty str, "
                          f"got {security_domain!r}")

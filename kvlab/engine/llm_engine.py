@@ -224,7 +224,10 @@ class LLMEngine:
             return out
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.outputs.requests) or bool(self.outputs.undelivered)
+        """Requests unfinished or outputs undelivered (overlap: or a step still to apply, so a
+        loop over :meth:`step` ends with nothing left of the requests it ran)."""
+        return (bool(self.outputs.requests) or bool(self.outputs.undelivered)
+                or self.core.has_steps_in_flight())
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is in use: unfinished here, or its samples still ending."""
