@@ -12,7 +12,16 @@ from kvlab.capacity import DTYPE_BYTES, CapacityPlan, GiB, plan_capacity
 from kvlab.capacity.catalog import GPUS, MODELS, get_gpu, get_model
 
 from ._widgets import figure_widget
-from .style import BLOCK_STATE_COLORS, INK, MUTED, PHASE_COLORS, REQUEST_PALETTE
+from .style import (
+    BLOCK_STATE_COLORS,
+    INK,
+    MUTED,
+    PHASE_COLORS,
+    PHONE,
+    REQUEST_PALETTE,
+    layout,
+    phone_aware,
+)
 
 #: Colour of each memory use in :func:`capacity_figure` (taken from the book's palette).
 MEMORY_COLORS: dict[str, str] = {
@@ -40,19 +49,26 @@ def max_requests_curve(plan: CapacityPlan, contexts=CONTEXTS) -> np.ndarray:
     return plan.num_blocks // blocks
 
 
+@phone_aware
 def capacity_figure(plan: CapacityPlan, contexts=CONTEXTS):
     """Left: one GPU's memory split by use (GiB). Right: max concurrent requests vs context.
 
-    Pure: a new Figure with two axes. The left axis holds one horizontal bar segment per
-    non-zero part of :meth:`CapacityPlan.breakdown` (labelled for the legend); a plan that
-    does not fit shows the weights and reserve overflowing the GPU, marked by a vertical line
-    at the GPU's capacity. The right axis plots :func:`max_requests_curve` on a log-2 x axis
+    Pure: a new Figure with two axes (stacked, memory above, in a phone's layout). The left
+    axis holds one horizontal bar segment per non-zero part of
+    :meth:`CapacityPlan.breakdown` (labelled for the legend); a plan that does not fit
+    shows the weights and reserve overflowing the GPU, marked by a vertical line at the GPU's
+    capacity. The right axis plots :func:`max_requests_curve` on a log-2 x axis
     and marks the plan's own ``context_len``.
     """
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.0, 3.6),
-                                  gridspec_kw={"width_ratios": [1.5, 1.0]})
+    phone = layout().phone
+    if phone:
+        fig, (ax, ax2) = plt.subplots(2, 1, figsize=(PHONE.width_in, 6.4),
+                                      gridspec_kw={"height_ratios": [0.6, 1.0]})
+    else:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.0, 3.6),
+                                      gridspec_kw={"width_ratios": [1.5, 1.0]})
     left = 0.0
     for part, value in plan.breakdown().items():
         if value <= 0:
@@ -71,9 +87,10 @@ def capacity_figure(plan: CapacityPlan, contexts=CONTEXTS):
     ax.set_xlabel("GiB per GPU")
     status = (f"{plan.num_blocks:,} blocks = {plan.token_capacity:,} tokens" if plan.fits
               else f"does not fit: short by {-plan.kv_budget_bytes / GiB:.1f} GiB")
-    ax.set_title(f"{plan.model} on {plan.gpu}, TP={plan.tp}, KV {plan.kv_dtype}\n{status}",
-                 loc="left", fontsize=10)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=2, fontsize=8)
+    where = f"{plan.model} on {plan.gpu}," + ("\n" if phone else " ")
+    ax.set_title(f"{where}TP={plan.tp}, KV {plan.kv_dtype}\n{status}", loc="left", fontsize=10)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.5 if phone else -0.28),
+              ncol=1 if phone else 2, fontsize=8)
 
     counts = max_requests_curve(plan, contexts)
     positive = counts > 0
