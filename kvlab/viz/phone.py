@@ -29,6 +29,8 @@ from .style import PHONE, phone_layout
 MIN_PANEL_IN = 1.05
 #: Gap, in pixels, two tick labels keep before every other one is hidden.
 TICK_GAP_PX = 3.0
+#: Where a figure legend goes on a phone: under the panels.
+OUTSIDE = "outside lower center"
 
 
 @dataclass(frozen=True)
@@ -70,12 +72,11 @@ def fit_phone(fig, width_in: float = PHONE.width_in) -> Fit:
     renderer = _draw(fig)
     _move_side_legends(fig, renderer)
     renderer = _draw(fig)
-    for _ in range(3):
+    for _ in range(5):  # legends and titles first: until they settle, the panels are squeezed
         changed = _narrow_legends(fig, renderer)
         changed |= _wrap_texts(fig, renderer)
-        changed |= _thin_ticks(fig, renderer)
         changed |= _grow_flat_panels(fig, panels, renderer)
-        if not changed:
+        if not changed and not _thin_ticks(fig, renderer):
             break
         renderer = _draw(fig)
     return _check(fig, renderer, panels, before)
@@ -136,42 +137,74 @@ def _move_side_legends(fig, renderer) -> None:
     for legend in list(fig.legends):
         handles, labels, title, size = _legend_entries(legend)
         legend.remove()
-        fig.legend(handles, labels, title=title, fontsize=size, loc="outside lower center",
-                   ncols=len(labels))
+        fig.legend(handles, labels, title=title, fontsize=size, loc=OUTSIDE,
+                   ncols=len(labels)).kvlab_outside = True
+
+
+def _legend_again(legend, ncols: int) -> None:
+    """Draw ``legend`` again, where it was, in ``ncols`` columns (a legend lays out its
+    columns once, when it is made). Call it after a draw: the anchor is read back from it."""
+    handles, labels, title, size = _legend_entries(legend)
+    parent = legend.parent
+    if getattr(legend, "kvlab_outside", False):
+        legend.remove()
+        parent.legend(handles, labels, title=title, fontsize=size, loc=OUTSIDE,
+                      ncols=ncols).kvlab_outside = True
+        return
+    frame = parent.transAxes if hasattr(parent, "transAxes") else parent.transFigure
+    anchor = legend.get_bbox_to_anchor()
+    (x0, y0), (x1, y1) = frame.inverted().transform([(anchor.x0, anchor.y0),
+                                                      (anchor.x1, anchor.y1)])
+    where = legend._loc                     # matplotlib keeps no public getter
+    legend.remove()
+    parent.legend(handles, labels, title=title, fontsize=size, ncols=ncols, loc=where,
+                  bbox_to_anchor=(x0, y0, x1 - x0, y1 - y0), borderaxespad=legend.borderaxespad,
+                  frameon=legend.get_frame_on())
 
 
 def _narrow_legends(fig, renderer) -> bool:
-    """The most columns that keep each legend within the figure's width."""
+    """Fewer columns for a legend wider than the figure: as many as its measured column
+    width leaves room for."""
     changed = False
-    width = fig.bbox.width - 4
+    room = fig.bbox.width - 8
     for legend in [*fig.legends, *(ax.get_legend() for ax in fig.axes)]:
         if legend is None or not legend.get_visible():
             continue
-        if legend.get_window_extent(renderer).width <= width:
+        width = legend.get_window_extent(renderer).width
+        ncols = getattr(legend, "_ncols", 1)   # matplotlib keeps no public getter
+        if width <= room or ncols <= 1:
             continue
-        for ncols in range(len(legend.get_texts()) - 1, 0, -1):
-            legend.set_ncols(ncols)
-            if legend.get_window_extent(renderer).width <= width:
-                break
+        _legend_again(legend, max(1, min(ncols - 1, math.floor(ncols * room / width))))
         changed = True
     return changed
 
 
 def _wrap_texts(fig, renderer) -> bool:
-    """Wrap a title, label or figure text wider than the figure onto more lines."""
+    """Wrap a title, label or figure text that runs past the figure's edges onto more
+    lines (a left-aligned title keeps its start: it wraps within the room right of it).
+    Legends are narrowed by :func:`_narrow_legends` instead."""
     from matplotlib.text import Text
 
     changed = False
-    width = fig.bbox.width * 0.96
+    frame = fig.bbox
+    legends = [leg for leg in [*fig.legends, *(ax.get_legend() for ax in fig.axes)] if leg]
+    entries = {id(t) for leg in legends for t in [*leg.get_texts(), leg.get_title()]}
     for text in fig.findobj(Text):
         content = text.get_text()
-        if not text.get_visible() or not content.strip() or "$" in content:
+        if (id(text) in entries or not text.get_visible() or not content.strip()
+                or "$" in content):
             continue
         box = text.get_window_extent(renderer)
-        if box.width <= width or len(content) < 12:
+        if (box.x0 >= frame.x0 - 1 and box.x1 <= frame.x1 + 1) or len(content) < 12:
             continue
+        if text.get_horizontalalignment() == "left":
+            room = frame.x1 - 4 - max(box.x0, frame.x0 + 2)
+        elif text.get_horizontalalignment() == "right":
+            room = min(box.x1, frame.x1) - 4 - frame.x0
+        else:
+            room = frame.width * 0.96
         longest = max(len(line) for line in content.splitlines())
-        chars = max(8, math.floor(longest * width / box.width * 0.95))
+        chars = max(8, math.floor(longest * max(room, 1) / box.width * 0.95))
         wrapped = "\n".join(textwrap.fill(line, chars) for line in content.splitlines())
         if wrapped != content:
             text.set_text(wrapped)
@@ -196,12 +229,17 @@ def _drawn_tick_labels(axis, renderer, horizontal: bool):
 
 
 def _thin_ticks(fig, renderer) -> bool:
-    """Keep every other x tick label where neighbours touch (every third, ... if needed)."""
-    from matplotlib.ticker import FuncFormatter
+    """Keep every other numeric x tick label where neighbours touch (every third, ... if
+    needed). Named ticks (categories) are all kept: hiding one would hide what it names."""
+    from matplotlib.category import StrCategoryFormatter
+    from matplotlib.ticker import FixedFormatter, FuncFormatter
 
     changed = False
     for ax in fig.axes:
-        if not ax.get_visible():
+        named = isinstance(getattr(ax.xaxis.get_major_formatter(), "kvlab_original",
+                                   ax.xaxis.get_major_formatter()),
+                           FixedFormatter | StrCategoryFormatter)
+        if not ax.get_visible() or named:
             continue
         labels = sorted(_drawn_tick_labels(ax.xaxis, renderer, True), key=lambda lb: lb[1].x0)
         crowded = any(b.x0 - a.x1 < TICK_GAP_PX for (_, a), (_, b) in itertools.pairwise(labels))
