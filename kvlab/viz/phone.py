@@ -11,7 +11,7 @@ best: a block table wraps its rows, a tree narrows its levels). Any other figure
 place by :func:`fit_phone`: its panels stacked in one column, legends beside an axes moved
 under it and legends under a figure given fewer columns, long titles wrapped, crowded tick
 labels thinned. Then the result is checked: every text inside the figure, no two texts
-overlapping that did not overlap before, no panel squeezed flat. A figure that fails (a
+overlapping, no panel squeezed narrow. A figure that fails (a
 diagram whose boxes are placed by hand) has no phone variant: the site shows it scaled to the
 screen, says so, and opens it full size on tap.
 """
@@ -61,8 +61,6 @@ def phone_variant(fig):
 def fit_phone(fig, width_in: float = PHONE.width_in) -> Fit:
     """Re-lay ``fig`` in place to be ``width_in`` inches wide (see the module docstring) and
     say whether the result is readable. The figure is changed even when it is not."""
-    renderer = _draw(fig)
-    before = _overlaps(_texts(fig, renderer))
     panels = [ax for ax in fig.axes if ax.get_visible() and ax.get_subplotspec() is not None]
     height = _stack(fig, panels)
     fig.set_size_inches(width_in, height)
@@ -70,6 +68,8 @@ def fit_phone(fig, width_in: float = PHONE.width_in) -> Fit:
             "ConstrainedLayoutEngine":
         fig.set_layout_engine("constrained")
     renderer = _draw(fig)
+    if _wrap_texts(fig, renderer):   # before legends go under their axes' (longer) labels
+        renderer = _draw(fig)
     _move_side_legends(fig, renderer)
     renderer = _draw(fig)
     for _ in range(5):  # legends and titles first: until they settle, the panels are squeezed
@@ -79,7 +79,7 @@ def fit_phone(fig, width_in: float = PHONE.width_in) -> Fit:
         if not changed and not _thin_ticks(fig, renderer):
             break
         renderer = _draw(fig)
-    return _check(fig, renderer, panels, before)
+    return _check(fig, renderer, panels)
 
 
 def _draw(fig):
@@ -181,7 +181,8 @@ def _narrow_legends(fig, renderer) -> bool:
 
 def _wrap_texts(fig, renderer) -> bool:
     """Wrap a title, label or figure text that runs past the figure's edges onto more
-    lines (a left-aligned title keeps its start: it wraps within the room right of it).
+    lines (a left-aligned title keeps its start: it wraps within the room right of it; a
+    centred one keeps its centre).
     Legends are narrowed by :func:`_narrow_legends` instead."""
     from matplotlib.text import Text
 
@@ -201,8 +202,9 @@ def _wrap_texts(fig, renderer) -> bool:
             room = frame.x1 - 4 - max(box.x0, frame.x0 + 2)
         elif text.get_horizontalalignment() == "right":
             room = min(box.x1, frame.x1) - 4 - frame.x0
-        else:
-            room = frame.width * 0.96
+        else:                            # centred on its axes, not on the figure
+            centre = (box.x0 + box.x1) / 2
+            room = 2 * min(centre - frame.x0, frame.x1 - centre) - 8
         longest = max(len(line) for line in content.splitlines())
         chars = max(8, math.floor(longest * max(room, 1) / box.width * 0.95))
         wrapped = "\n".join(textwrap.fill(line, chars) for line in content.splitlines())
@@ -310,15 +312,15 @@ def _overlaps(texts) -> set[tuple[int, int]]:
     return pairs
 
 
-def _check(fig, renderer, panels, before) -> Fit:
+def _check(fig, renderer, panels) -> Fit:
     texts = _texts(fig, renderer)
     frame = fig.bbox
     for _, box in texts:
         if box.x0 < frame.x0 - 2 or box.x1 > frame.x1 + 2:
             return Fit(False, "a text runs past the figure's edge")
-    new = _overlaps(texts) - before
-    if new:
-        return Fit(False, f"{len(new)} pairs of texts overlap")
+    overlaps = _overlaps(texts)
+    if overlaps:
+        return Fit(False, f"{len(overlaps)} pairs of texts overlap")
     if panels and min(ax.bbox.width for ax in panels) < 0.35 * frame.width:
         return Fit(False, "a panel is squeezed narrow")
     return Fit(True)
