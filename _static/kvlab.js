@@ -55,3 +55,27 @@
     });
   };
 })();
+
+/* An inline formula wider than its paragraph's column (on a phone) is scaled down to fit it:
+ * MathJax's HTML output is sized in em, so a smaller font size shrinks the whole formula. */
+(function () {
+  "use strict";
+  function fitMath() {
+    var formulas = document.querySelectorAll("span.math > mjx-container");
+    for (var i = 0; i < formulas.length; i++) {
+      var m = formulas[i], line = m.parentElement.parentElement;
+      m.style.fontSize = "";
+      var room = line ? line.clientWidth : 0, width = m.getBoundingClientRect().width;
+      if (room > 0 && width > room) m.style.fontSize = Math.floor(100 * room / width) + "%";
+    }
+  }
+  function whenTypeset(tries) {
+    if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+      MathJax.startup.promise.then(fitMath);
+      window.addEventListener("resize", fitMath);
+    } else if (tries > 0 && document.querySelector("span.math")) {
+      setTimeout(function () { whenTypeset(tries - 1); }, 100);
+    }
+  }
+  window.addEventListener("load", function () { whenTypeset(100); });
+})();

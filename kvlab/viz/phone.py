@@ -83,7 +83,11 @@ def fit_phone(fig, width_in: float = PHONE.width_in) -> Fit:
 
 
 def _draw(fig):
-    fig.canvas.draw()
+    import warnings
+
+    with warnings.catch_warnings():   # a layout that collapses is what _check reports
+        warnings.filterwarnings("ignore", "constrained_layout not applied", UserWarning)
+        fig.canvas.draw()
     return fig.canvas.get_renderer()
 
 
