@@ -327,10 +327,12 @@ def render_screens(fig, *, column_px: int = COLUMN_PX, colors: int = 96, tight: 
     phone_fig, fit = phone_variant(source)
     small = (render_figure(phone_fig, column_px=PHONE_PX, colors=colors, close=False,
                            tight=tight) if fit.ok else None)
+    if small is not None and small.width > PHONE_PX + 2:   # drawn past its edges: no fit
+        small = None
     for drawn in {id(f): f for f in (phone_fig, source, fig)}.values():
         if drawn is not fig or not keep:
             plt.close(drawn)
-    return Screens(wide, small, fit.ok)
+    return Screens(wide, small, small is not None)
 
 
 @dataclass
