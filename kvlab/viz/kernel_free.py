@@ -327,7 +327,9 @@ def render_screens(fig, *, column_px: int = COLUMN_PX, colors: int = 96, tight: 
     phone_fig, fit = phone_variant(source)
     small = (render_figure(phone_fig, column_px=PHONE_PX, colors=colors, close=False,
                            tight=tight) if fit.ok else None)
-    if small is not None and small.width > PHONE_PX + 2:   # drawn past its edges: no fit
+    # drawn past its edges (a tight crop wider than the phone's column): it is shown scaled
+    # to the column, which must keep its smallest text at 9 px and more
+    if small is not None and small.min_text_css_px * min(1.0, PHONE_PX / small.width) < 9.25:
         small = None
     for drawn in {id(f): f for f in (phone_fig, source, fig)}.values():
         if drawn is not fig or not keep:
