@@ -406,3 +406,5 @@ def test_search_text_and_icon_subset():
     assert out.count("@font-face") == 2                        # solid and brands
     assert "Font Awesome 6 Free" in out and "Font Awesome 6 Brands" in out
     assert len(out) < 20_000                                   # two glyphs, not thousands
+    trimmed = kvlab_site.drop_unused_icon_rules("a{b:c}" + css, {"fa-bars"})
+    assert trimmed == 'a{b:c}.fa-bars:before,.fa-navicon:before{content:"\\f0c9"}'
