@@ -96,11 +96,17 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class _QuietServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], ConnectionError):   # a load the browser dropped
+            super().handle_error(request, client_address)
+
+
 @contextlib.contextmanager
 def serve(root: Path) -> Iterator[str]:
     """Serve ``root`` on a free local port; yields its base URL (``http://127.0.0.1:PORT/``)."""
     handler = functools.partial(_QuietHandler, directory=str(root))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = _QuietServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -144,11 +150,16 @@ def start_browser(width: int = 1280, height: int = 900):
     return driver
 
 
+_REDIRECT = re.compile(r'<meta http-equiv="Refresh"', re.I)
+
+
 def pages(root: Path) -> list[str]:
-    """Every HTML page of the build, relative to ``root`` (Sphinx's own folders excluded)."""
+    """Every HTML page of the build, relative to ``root`` (Sphinx's own folders excluded, and
+    pages that only redirect to another: the book's ``index.html``)."""
     skip = ("_static", "_sources", "_images", "_panels_static")
     return sorted(str(p.relative_to(root)) for p in root.rglob("*.html")
-                  if p.relative_to(root).parts[0] not in skip)
+                  if p.relative_to(root).parts[0] not in skip
+                  and not (p.stat().st_size < 2000 and _REDIRECT.search(p.read_text())))
 
 
 # Waits for MathJax (when the page loads it), opens every collapsed cell (<details>: solutions
@@ -157,11 +168,11 @@ _INSPECT = """
 const done = arguments[arguments.length - 1];
 const [clip, unwrapped, figures, minText] = arguments;
 // MathJax's loader starts its components after the page loads: wait until every formula is
-// drawn (or one fails, or 15 s pass), then for MathJax's own startup to finish
+// drawn (or one fails, or 30 s pass), then for MathJax's own startup to finish
 const drawn = () => [...document.querySelectorAll('.math, span.math, div.math')]
   .every(el => el.querySelector('mjx-container')) || !!document.querySelector('mjx-merror');
 const started = new Promise(resolve => {
-  const until = Date.now() + 15000;
+  const until = Date.now() + 30000;
   (function poll() {
     if (drawn() || Date.now() > until) resolve(); else setTimeout(poll, 50);
   })();
@@ -301,7 +312,7 @@ Promise.race([ready, timeout]).catch(() => null).then(async () => { try {
       problem = problem || 'declares no text size (re-render it with kvlab.viz)';
     } else {
       const css = px * r.width / img.naturalWidth;
-      if (css < minText && zoomShown) out.zoomed += 1;
+      if (css < minText && zoomShown) { out.zoomed += 1; if (!problem) continue; }
       else if (css < minText)
         problem = problem || ('smallest text ' + css.toFixed(1) + ' px as displayed');
     }
@@ -464,10 +475,6 @@ def check_page(driver, base: str, page: str, width: int = 1280,
     driver.get_log("browser")
     driver.get_log("performance")
     driver.get(base + page)
-    if driver.execute_script("return !!document.querySelector('meta[http-equiv=Refresh i]')"):
-        # a redirect page (the book's index.html): inspect the page it leads to once loaded
-        _wait_until(lambda: driver.current_url != base + page, 5.0)
-        _wait_until(lambda: driver.execute_script("return document.readyState") == "complete")
     seen = driver.execute_async_script(_INSPECT, CLIPPABLE, UNWRAPPED, FIGURES, MIN_TEXT_CSS_PX)
     loaded = driver.get_log("performance")   # what the page loaded until its math was drawn
     if "error" in seen:
@@ -663,7 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     for width in widths:
         visible, fitting, zoomed = report.figures(width)
         print(f"site-check: at {width}px {fitting} of {visible} visible figures and frames fit "
-              f"legibly" + (f", {zoomed} shown small with a tap-to-open note" if zoomed else ""))
+              f"legibly" + (f", {zoomed} have no layout that fits and say so (a tap opens "
+                            "them full size)" if zoomed else ""))
     sizes = [row.get("bytes", 0) for row in first.values()]
     if sizes:
         print(f"site-check: a first visit downloads {sum(sizes) / len(sizes) / 1e6:.2f} MB a "
