@@ -61,11 +61,12 @@ def phone_variant(fig):
 def fit_phone(fig, width_in: float = PHONE.width_in) -> Fit:
     """Re-lay ``fig`` in place to be ``width_in`` inches wide (see the module docstring) and
     say whether the result is readable. The figure is changed even when it is not."""
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
+
     panels = [ax for ax in fig.axes if ax.get_visible() and ax.get_subplotspec() is not None]
     height = _stack(fig, panels)
     fig.set_size_inches(width_in, height)
-    if fig.get_layout_engine() is None or type(fig.get_layout_engine()).__name__ != \
-            "ConstrainedLayoutEngine":
+    if not isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine):
         fig.set_layout_engine("constrained")
     renderer = _draw(fig)
     if _wrap_texts(fig, renderer):   # before legends go under their axes' (longer) labels
