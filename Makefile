@@ -74,9 +74,12 @@ browser:
 	  else echo "site-check needs chromium and chromium-driver (apt-get install)"; exit 1; fi; }
 
 # The built site in a real browser at 1280 and 390 px: console errors, failed or external
-# requests, unrendered math, broken images, boxes cut off sideways, wrapped code lines, figure
-# text under 9 px, figures without alt text, ☰ / contents buttons that open nothing, widget
-# outputs without their kernel-free twin, visible nbval markers, duplicate figures, dead widgets.
+# requests, unrendered math, broken images, boxes cut off sideways, wrapped code lines, figures
+# or widget frames wider than the screen or with text under 9 px as displayed, figures without
+# alt text, ☰ / contents buttons that open nothing, a contents drawer that a pick or Esc does
+# not close, widget outputs without their kernel-free twin, visible nbval markers, duplicate
+# figures, dead widgets; then the search page opened from disk (file://). It reports how many
+# figures fit at each width and what a first visit to each page downloads (--weights: per page).
 site-check: venv browser book
 	$(PY) tools/site_check.py _build/html
 
