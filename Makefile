@@ -50,7 +50,9 @@ book: venv
 # unmodified and saves unchanged) and MyST rendered by jupyterlab-myst. The committed notebooks
 # are trusted first, so their widgets and kernel-free twins render; kernels export the twins
 # (KVLAB_KERNEL_FREE=1), so a chapter run and saved in Lab keeps what the site shows. The server
-# reads .jupyter/jupyter_server_config.py (a chapter opens unmodified under any Python version).
+# reads .jupyter/jupyter_server_config.py (a chapter opens unmodified under any Python version),
+# which loads the book's Lab extension (.jupyter/labextensions/kvlab-solutions: running a cell
+# keeps an unopened solution collapsed, outputs included, and so does the save after it).
 LAB_SETTINGS := $(CURDIR)/.jupyter/lab/settings
 lab: venv
 	$(VENV)/bin/jupyter trust notebooks/*.ipynb
@@ -83,7 +85,8 @@ site-check: venv browser book
 # A chapter in JupyterLab started as `make lab` starts it (tools/lab_check.py): the .md opens as a
 # notebook, MyST renders (admonitions, citations, no raw roles), numbers in prose show as numbers,
 # the .md and the .ipynb open unmodified and save unchanged, solutions are collapsed and
-# labelled, Run All + save keeps the widgets' twins.
+# labelled, Run All + save keeps the widgets' twins and every solution collapsed with its
+# outputs hidden (about 3 minutes on 2 busy cores).
 lab-check: venv browser
 	$(PY) tools/lab_check.py notebooks/04-prefix-reuse.md
 

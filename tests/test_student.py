@@ -202,3 +202,43 @@ def test_lab_check_compares_notebooks_as_lab_saves_them():
     shipped = json.loads((ROOT / ".jupyter/lab/settings/overrides.json").read_text())
     assert settings["@jupyterlab/notebook-extension:tracker"] == {"windowingMode": "none"}
     assert shipped["@jupyter-widgets/jupyterlab-manager:plugin"] == {"saveState": False}
+
+
+def test_lab_check_finds_a_solution_run_all_expanded_or_saved_open():
+    import lab_check
+
+    def cell(tags, jupyter=None, outputs=1):
+        meta = {"tags": tags, **({"jupyter": jupyter} if jupyter else {})}
+        return {"cell_type": "code", "metadata": meta, "source": "",
+                "outputs": [{"output_type": "stream", "text": "x"}] * outputs}
+
+    closed = {"source_hidden": True, "outputs_hidden": True}
+    nb = {"cells": [cell([]), cell(["hide-cell"], closed), cell(["solution"], closed)]}
+    lab = [{"index": 1, "inputHidden": True, "outputHidden": True, "outputs": 1, "shown": 0},
+           {"index": 2, "inputHidden": True, "outputHidden": True, "outputs": 1, "shown": 0}]
+    assert lab_check.solutions_kept_collapsed(lab, nb) == []
+    # what JupyterLab alone does: a run shows the outputs, and the save drops outputs_hidden
+    ran_open = [dict(lab[0], outputHidden=False, shown=1), lab[1]]
+    saved_open = {"cells": [nb["cells"][0], cell(["hide-cell"], {"source_hidden": True}),
+                            nb["cells"][2]]}
+    assert lab_check.solutions_kept_collapsed(ran_open, saved_open) == [
+        "after Run All, the outputs of solution cells [1] are shown",
+        "saved after Run All, solution cells [1] lost jupyter.source_hidden/outputs_hidden "
+        "(they would open expanded)"]
+    unrun = {"cells": [nb["cells"][0], nb["cells"][1], cell(["solution"], closed, outputs=0)]}
+    assert lab_check.solutions_kept_collapsed(lab, unrun) == [
+        "solution cells [2] have no output after Run All (did they run?)"]
+
+
+def test_the_lab_extension_that_keeps_solutions_collapsed_is_on_labs_path():
+    """``make lab`` and Binder read .jupyter/jupyter_server_config.py, which puts the book's
+    Lab extension on the server's extension path; its package names a file that exists."""
+    from traitlets.config.loader import PyFileConfigLoader
+
+    folder = ROOT / ".jupyter"
+    config = PyFileConfigLoader("jupyter_server_config.py", path=str(folder)).load_config()
+    (path,) = config.LabApp.extra_labextensions_path
+    package = json.loads((Path(path) / "kvlab-solutions" / "package.json").read_text())
+    entry = Path(path) / "kvlab-solutions" / package["jupyterlab"]["_build"]["load"]
+    assert Path(path) == folder / "labextensions" and entry.is_file()
+    assert "NotebookActions.executionScheduled" in entry.read_text()
