@@ -9,7 +9,7 @@ NB_SOURCES := $(sort $(wildcard notebooks/[0-9][0-9]-*.md))
 NB_TIMEOUT ?= 300
 
 .PHONY: venv test lint unit nbval book lab notebooks notebook bench clean site-check lab-check \
-	browser student toolchain course book-student seal
+	browser student toolchain course book-student seal pdf
 
 venv: $(VENV)/.installed
 
@@ -30,7 +30,7 @@ nbval: venv toolchain
 	$(PY) -m pytest -p no:randomly --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=$(NB_TIMEOUT) notebooks/
 
-test: lint unit nbval site-check
+test: lint unit nbval pdf site-check
 
 # Re-generate every .ipynb from its .md source and execute it (outputs are committed).
 notebooks: venv
@@ -44,6 +44,18 @@ notebook: venv
 book: venv
 	$(VENV)/bin/jupyter-book build . --config book.yml --toc toc.yml -W -n --keep-going
 	@echo "The book: $(CURDIR)/_build/html/index.html"
+
+# The whole book as one PDF, offline: _build/pdf/kvlab.pdf (tools/book_pdf.py). Jupyter Book's
+# single-page build, printed by headless Chromium (MathJax and every figure come from the build)
+# and checked (every page of the table of contents bookmarked, its title on the page the
+# bookmark opens, figures present); then the site is built again with the PDF copied in and
+# linked from its navigation (_ext/kvlab_pdf.py). About 6-8 minutes on 2 busy cores.
+pdf: venv browser
+	$(VENV)/bin/jupyter-book build . --config book.yml --toc toc.yml --builder singlehtml \
+		-W -n --keep-going
+	$(PY) tools/book_pdf.py _build/singlehtml --out _build/pdf/kvlab.pdf
+	@$(MAKE) --no-print-directory book
+	@echo "The book as a PDF: $(CURDIR)/_build/pdf/kvlab.pdf (on the site: _build/html/kvlab.pdf)"
 
 # JupyterLab with the book's settings (.jupyter/lab/settings/overrides.json: chapters' .md
 # sources open as notebooks; Lab does not rewrite the stored widget state, so a chapter opens
@@ -90,7 +102,8 @@ site-check: venv browser book
 lab-check: venv browser
 	$(PY) tools/lab_check.py notebooks/04-prefix-reuse.md
 
-# Every chapter without its solution cells, into student/ (git-ignored).
+# Every chapter without its solution cells, into student/ (git-ignored); text that holds only
+# beside the solutions (cells tagged edition-book) is replaced by the student edition's.
 student: venv
 	$(PY) tools/student.py --out student
 
@@ -107,7 +120,8 @@ seal: venv
 	$(PY) tools/seal_answers.py --write
 
 # The site without solutions (for a term with open exercise sets): the book's sources with every
-# solution cell removed (tools/student.py --site), built as `make book` builds the book.
+# solution cell removed and the student edition's text (tools/student.py --site), built as
+# `make book` builds the book.
 book-student: venv
 	$(PY) tools/student.py --site _build/student-src
 	$(VENV)/bin/jupyter-book build _build/student-src --config $(CURDIR)/_build/student-src/book.yml \

@@ -46,7 +46,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from student import SOLUTION_LABEL, chapter_sources, is_solution  # noqa: E402
+from student import (  # noqa: E402
+    SOLUTION_LABEL,
+    chapter_sources,
+    in_student_edition,
+    is_solution,
+)
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
@@ -228,6 +233,9 @@ def instructor_notebook(source: Path):
     import nbformat
 
     nb = jupytext.read(source)
+    # an assignment is a student's edition: text that holds only beside the worked solutions
+    # is replaced as in `make student`
+    nb.cells = [c for c in map(in_student_edition, nb.cells) if c is not None]
     start = next((i for i, c in enumerate(nb.cells)
                   if c.cell_type == "markdown" and _EXERCISES.search(c.source)), len(nb.cells))
     stem, rubrics = source.stem, _rubrics()
