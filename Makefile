@@ -108,8 +108,10 @@ student: venv
 	$(PY) tools/student.py --out student
 
 # The nbgrader course (tools/course.py): course/source/<chapter>/ instructor sources with solution
-# markers, autograded test cells with points, hand-graded cells; course/answer-key.md. Then, in
-# course/: nbgrader generate_assignment 04-prefix-reuse (see course/README.md).
+# markers, autograded test cells with points, hand-graded answers with their rubric in a task
+# cell's mark scheme; course/answer-key.md; course/exchange/, the exchange nbgrader_config.py
+# names. Then, in course/: generate, release, collect, autograde, feedback without a hub, as
+# course/README.md gives them.
 course: venv
 	$(PY) tools/seal_answers.py --check
 	$(PY) tools/course.py --out course

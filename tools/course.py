@@ -152,20 +152,20 @@ def _meta(grade_id: str, *, solution: bool, grade: bool, locked: bool, points: i
     return meta
 
 
-def _hand_graded(grade_id: str, points: int, rubric: str, answer: str = "", *,
+def _hand_graded(exercise_id: str, part: str, points: int, rubric: str, answer: str = "", *,
                  code: bool = False) -> list:
     """The cells of an answer graded by hand, worth ``points``: where the student answers (a
     markdown cell, or a code cell whose solution region holds the instructor's ``answer``),
-    then a locked nbgrader *task* cell that carries the points and, between the mark-scheme
-    markers, ``rubric`` (with the model answer). ``nbgrader generate_assignment`` removes the
-    mark scheme from the student version; ``autograde`` puts the locked cell back as it was, so
-    the formgrader shows the rubric right under the student's answer (and so does the feedback,
-    once released)."""
+    then a locked nbgrader *task* cell (grade id ``<exercise_id>-<part>``) that carries the
+    points and, between the mark-scheme markers, ``rubric`` (with the model answer).
+    ``nbgrader generate_assignment`` removes the mark scheme from the student version;
+    ``autograde`` puts the locked cell back as it was, so the formgrader shows the rubric right
+    under the student's answer (and so does the feedback, once released)."""
     import nbformat
 
     if code:
         cell = nbformat.v4.new_code_cell(f"{BEGIN}\n{answer}\n{END}")
-        cell.metadata["nbgrader"] = _meta(f"{grade_id}-answer", solution=True, grade=False,
+        cell.metadata["nbgrader"] = _meta(f"{exercise_id}-answer", solution=True, grade=False,
                                           locked=False)
     else:   # a plain cell: its text is the student's, and nothing of the instructor's is in it
         cell = nbformat.v4.new_markdown_cell(ANSWER_HERE)
@@ -173,8 +173,8 @@ def _hand_graded(grade_id: str, points: int, rubric: str, answer: str = "", *,
         f"**Graded by hand: {points} point{'s' * (points != 1)}.** Your answer goes in the cell "
         "above; the grader marks it against the course's rubric.\n\n"
         f"{BEGIN_MARKS}\n{rubric.strip()}\n{END_MARKS}")
-    task.metadata["nbgrader"] = _meta(grade_id, solution=False, grade=False, locked=True,
-                                      points=points, task=True)
+    task.metadata["nbgrader"] = _meta(f"{exercise_id}-{part}", solution=False, grade=False,
+                                      locked=True, points=points, task=True)
     return [cell, task]
 
 
@@ -256,7 +256,8 @@ def instructor_notebook(source: Path):
         marks = rubric.text if rubric else ""
         if answer and (rubric is None or answer.strip() != rubric.model):
             marks += f"\n\n**The chapter's worked solution.**\n\n{_as_markdown(answer, code)}"
-        return _hand_graded(f"{stem}-ex{ex.number}-task", ex.points, marks, answer, code=code)
+        return _hand_graded(f"{stem}-ex{ex.number}", "task", ex.points, marks, answer,
+                            code=code)
 
     i = 0
     while i < len(nb.cells):
@@ -321,7 +322,7 @@ def instructor_notebook(source: Path):
             rubric = rubrics.get((stem, number))
             if rubric is not None and rubric.written:   # the reasoning it also asks for
                 ex.written_points = rubric.criteria
-                cells += _hand_graded(f"{gid}-written", rubric.criteria, rubric.text)
+                cells += _hand_graded(gid, "written", rubric.criteria, rubric.text)
             exercises.append(ex)
             answered = True
             i += 2 if solution else 1
