@@ -412,8 +412,12 @@ def _run_all_and_save(driver, copy: Path, timeout: float, stored: dict,
     """Step 6: Run All in Lab, save, and look at the saved widget outputs and at the values
     the kernel computed for the ``{eval}`` roles."""
     started = time.monotonic()
-    ran = driver.execute_async_script(_RUN_ALL)
     deadline = started + 10 * timeout
+    # the command's promise settles when every cell has run: a long chapter on a busy machine
+    # outlasts the script timeout and the driver's 120 s HTTP timeout
+    driver.set_script_timeout(10 * timeout)
+    driver.command_executor.client_config.timeout = 10 * timeout
+    ran = driver.execute_async_script(_RUN_ALL)
     time.sleep(5)
     while driver.execute_script(_BUSY) and time.monotonic() < deadline:
         time.sleep(2)
