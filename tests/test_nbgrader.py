@@ -5,8 +5,11 @@ autograded with its ``autograde`` (nbgrader's API, as its command line calls it)
 every exercise with the chapter's own worked solution, bob answers one exercise right, one wrong
 and leaves the rest unanswered. The gradebook must give alice every point and bob exactly the
 points of his right answer; the student version
-must hold no solution, no hidden test and no output. Chapter 10 checks the hand-graded answer
-cell of an open-ended exercise. (About a minute: nbgrader executes each submission.)
+must hold no solution, no hidden test and no output. Chapter 10 checks the answers graded by
+hand (an answer cell, then a task cell whose mark scheme holds the rubric). Chapter 4 goes
+through the teacher's workflow without JupyterHub on nbgrader's command line, with a student
+carol: release, fetch, submit, collect, autograde, the formgrader's page, feedback. (A few
+minutes: nbgrader executes each submission.)
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 AUTO = "02-page-tables"
 MANUAL = "10-pd-disaggregation"
+WORKFLOW = "04-prefix-reuse"   # two written parts graded by hand; runs in seconds
 # bob's submission: one exercise right, one wrong (its answer one token too high), rest blank
 RIGHT_FOR_BOB, WRONG_FOR_BOB = "check_slot_mapping", "check_tail_waste"
 WRONG_EDIT = "waste_16 = waste_16 + 1"
@@ -62,7 +66,7 @@ def course(tmp_path_factory):
     import course as builder
 
     root = tmp_path_factory.mktemp("course")
-    built = dict((s.stem, ex) for s, ex in builder.write_course(root, ["02", "10"]))
+    built = dict((s.stem, ex) for s, ex in builder.write_course(root, ["02", "04", "10"]))
     # nbgrader runs the `alembic` script of its environment to create the gradebook
     path = os.environ["PATH"]
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{path}"
@@ -289,10 +293,10 @@ def _nbgrader(*args: str, cwd: Path, home: Path) -> str:
 
 def test_teacher_workflow_without_a_hub_on_one_machine(course, tmp_path):
     """course/README.md's workflow without JupyterHub, command for command: the teacher
-    releases chapter 10 into the exchange that nbgrader_config.py names; a student (carol, in
-    her own folder) fetches it, answers, submits; the teacher collects, autogrades, grades the
-    written answers in the formgrader (whose page shows each rubric under carol's answer),
-    generates and releases feedback; carol fetches it."""
+    generates chapter 4's assignment and releases it into the exchange that nbgrader_config.py
+    names; a student (carol, in her own folder) fetches it, answers, submits; the teacher
+    collects, autogrades, grades the written answers in the formgrader (whose page shows each
+    rubric under carol's answer), generates and releases feedback; carol fetches it."""
     from nbconvert.exporters import HTMLExporter
     from nbgrader.api import Gradebook
     from nbgrader.server_extensions.formgrader import handlers
@@ -304,14 +308,15 @@ def test_teacher_workflow_without_a_hub_on_one_machine(course, tmp_path):
     teacher, carol = root, tmp_path / "carol"
     carol.mkdir()
     as_carol = ["--course", "kvlab", f"--Exchange.root={exchange}"]
-    _nbgrader("release_assignment", MANUAL, cwd=teacher, home=tmp_path)
-    assert MANUAL in _nbgrader("list", *as_carol, cwd=carol, home=carol)
-    _nbgrader("fetch_assignment", MANUAL, *as_carol, cwd=carol, home=carol)
+    _nbgrader("generate_assignment", WORKFLOW, cwd=teacher, home=tmp_path)
+    _nbgrader("release_assignment", WORKFLOW, cwd=teacher, home=tmp_path)
+    assert WORKFLOW in _nbgrader("list", *as_carol, cwd=carol, home=carol)
+    _nbgrader("fetch_assignment", WORKFLOW, *as_carol, cwd=carol, home=carol)
 
     # carol answers: the worked solutions where a check grades, her own words elsewhere
-    path = carol / MANUAL / f"{MANUAL}.ipynb"
+    path = carol / WORKFLOW / f"{WORKFLOW}.ipynb"
     nb = nbformat.read(path, as_version=4)
-    source = _notebook(root, "source", MANUAL)
+    source = _notebook(root, "source", WORKFLOW)
     solutions = {c.metadata["nbgrader"]["grade_id"]: _strip_markers(c.source)
                  for c in source.cells if c.metadata.get("nbgrader", {}).get("solution")}
     tasks = []
@@ -323,44 +328,44 @@ def test_teacher_workflow_without_a_hub_on_one_machine(course, tmp_path):
             tasks.append(meta["grade_id"])
             nb.cells[i - 1].source = f"carol's answer for {meta['grade_id']}"
     nbformat.write(nb, path)
-    _nbgrader("submit", MANUAL, *as_carol, "--student", "carol", cwd=carol, home=carol)
+    _nbgrader("submit", WORKFLOW, *as_carol, "--student", "carol", cwd=carol, home=carol)
 
-    assert "carol" in _nbgrader("collect", MANUAL, cwd=teacher, home=tmp_path)
-    _nbgrader("autograde", MANUAL, "--create", cwd=teacher, home=tmp_path)
-    auto = sum(e.points for e in built[MANUAL] if e.check)
-    by_hand = {f"{MANUAL}-ex{e.number}-task": e.points for e in built[MANUAL] if not e.check}
-    by_hand |= {f"{MANUAL}-ex{e.number}-written": e.written_points for e in built[MANUAL]
+    assert "carol" in _nbgrader("collect", WORKFLOW, cwd=teacher, home=tmp_path)
+    _nbgrader("autograde", WORKFLOW, "--create", cwd=teacher, home=tmp_path)
+    auto = sum(e.points for e in built[WORKFLOW] if e.check)
+    by_hand = {f"{WORKFLOW}-ex{e.number}-task": e.points for e in built[WORKFLOW] if not e.check}
+    by_hand |= {f"{WORKFLOW}-ex{e.number}-written": e.written_points for e in built[WORKFLOW]
                 if e.written_points}
     assert sorted(tasks) == sorted(by_hand) and len(tasks) == 2
     with Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
-        submission = gb.find_submission(MANUAL, "carol")
+        submission = gb.find_submission(WORKFLOW, "carol")
         assert submission.score == auto and submission.needs_manual_grade
         assert submission.max_score == auto + sum(by_hand.values())
 
     # the formgrader's page of carol's submission, as its handler renders it
-    graded = root / "autograded" / "carol" / MANUAL / f"{MANUAL}.ipynb"
+    graded = root / "autograded" / "carol" / WORKFLOW / f"{WORKFLOW}.ipynb"
     exporter = HTMLExporter(template_name="formgrade",
                             extra_template_basedirs=[handlers.template_path])
     html, _ = exporter.from_filename(str(graded), resources={
-        "assignment_id": MANUAL, "notebook_id": MANUAL, "submission_id": "1", "index": 0,
+        "assignment_id": WORKFLOW, "notebook_id": WORKFLOW, "submission_id": "1", "index": 0,
         "total": 1, "base_url": "", "student": "carol", "last_name": None,
         "first_name": None, "notebook_path": str(graded)})
     for task in tasks:
         number = re.search(r"-ex(\d+)-", task).group(1)
         answer_at = html.index(f"carol's answer for {task}")
-        rubric_at = html.index(f"Rubric: {MANUAL} #{number}")
+        rubric_at = html.index(f"Rubric: {WORKFLOW} #{number}")
         assert answer_at < rubric_at, "the rubric shows under the student's answer"
 
     # the grader gives the hand-graded points (the formgrader writes these same fields)
     with Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
         for task, points in by_hand.items():
-            gb.find_grade(task, MANUAL, MANUAL, "carol").manual_score = points - 1
+            gb.find_grade(task, WORKFLOW, WORKFLOW, "carol").manual_score = points - 1
         gb.db.commit()
-        assert gb.find_submission(MANUAL, "carol").score == auto + sum(by_hand.values()) - 2
-    _nbgrader("generate_feedback", MANUAL, cwd=teacher, home=tmp_path)
-    _nbgrader("release_feedback", MANUAL, cwd=teacher, home=tmp_path)
-    _nbgrader("fetch_feedback", MANUAL, *as_carol, "--student", "carol", cwd=carol, home=carol)
-    (feedback,) = (carol / MANUAL / "feedback").glob(f"*/{MANUAL}.html")
+        assert gb.find_submission(WORKFLOW, "carol").score == auto + sum(by_hand.values()) - 2
+    _nbgrader("generate_feedback", WORKFLOW, cwd=teacher, home=tmp_path)
+    _nbgrader("release_feedback", WORKFLOW, cwd=teacher, home=tmp_path)
+    _nbgrader("fetch_feedback", WORKFLOW, *as_carol, "--student", "carol", cwd=carol, home=carol)
+    (feedback,) = (carol / WORKFLOW / "feedback").glob(f"*/{WORKFLOW}.html")
     text = re.sub(r"<[^>]+>|\s+", " ", feedback.read_text())
     total = auto + sum(by_hand.values())
-    assert f"{MANUAL} (Score: {float(total - 2)} / {float(total)})" in text
+    assert f"{WORKFLOW} (Score: {float(total - 2)} / {float(total)})" in text
