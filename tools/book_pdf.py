@@ -15,9 +15,8 @@ and a bookmark per heading.
 
 :func:`check_pdf` reads the PDF back (pypdf) and fails unless every page of ``toc.yml`` has
 its bookmark, its title on the page the bookmark opens, and the PDF holds figures; ``make pdf``
-runs it.
-Exit status 0 when the PDF is written and checked, 1 when a check fails, 2 when no browser can
-be started.
+runs it. Exit status 0 when the PDF is written and checked, 1 when a check fails, 2 when the
+page cannot be printed (no browser, math not typeset, an image that does not load).
 """
 
 from __future__ import annotations
