@@ -42,16 +42,16 @@ notebook: venv
 	$(PY) tools/inline_values.py $(NB)
 
 book: venv
-	$(VENV)/bin/jupyter-book build . --config book.yml --toc toc.yml -W -n --keep-going
+	$(VENV)/bin/jupyter-book build . --config book.yml --toc docs/toc.yml -W -n --keep-going
 	@echo "The book: $(CURDIR)/_build/html/index.html"
 
 # The whole book as one PDF, offline: _build/pdf/kvlab.pdf (tools/book_pdf.py). Jupyter Book's
 # single-page build, printed by headless Chromium (MathJax and every figure come from the build)
 # and checked (every page of the table of contents bookmarked, its title on the page the
 # bookmark opens, figures present); then the site is built again with the PDF copied in and
-# linked from its navigation (_ext/kvlab_pdf.py). About 6-8 minutes on 2 busy cores.
+# linked from its navigation (docs/_ext/kvlab_pdf.py). About 6-8 minutes on 2 busy cores.
 pdf: venv browser
-	$(VENV)/bin/jupyter-book build . --config book.yml --toc toc.yml --builder singlehtml \
+	$(VENV)/bin/jupyter-book build . --config book.yml --toc docs/toc.yml --builder singlehtml \
 		-W -n --keep-going
 	$(PY) tools/book_pdf.py _build/singlehtml --out _build/pdf/kvlab.pdf
 	@$(MAKE) --no-print-directory book
@@ -130,7 +130,7 @@ seal: venv
 book-student: venv
 	$(PY) tools/student.py --site _build/student-src
 	$(VENV)/bin/jupyter-book build _build/student-src --config $(CURDIR)/_build/student-src/book.yml \
-		--toc $(CURDIR)/_build/student-src/toc.yml -W -n --keep-going
+		--toc $(CURDIR)/_build/student-src/docs/toc.yml -W -n --keep-going
 	@echo "The book without solutions: $(CURDIR)/_build/student-src/_build/html/index.html"
 
 bench: venv

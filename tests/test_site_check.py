@@ -142,10 +142,10 @@ fetch('./good.html').then(r => r.text()).then(text => {{
 
 
 def _site(tmp_path: Path) -> Path:
-    shutil.copy(ROOT / "_static" / "favicon.svg", tmp_path / "favicon.svg")
-    shutil.copytree(ROOT / "_static" / "vendor" / "mathjax-3.2.2", tmp_path / "mathjax")
+    shutil.copy(ROOT / "docs" / "_static" / "favicon.svg", tmp_path / "favicon.svg")
+    shutil.copytree(ROOT / "docs" / "_static" / "vendor" / "mathjax-3.2.2", tmp_path / "mathjax")
     (tmp_path / "_static").mkdir()
-    shutil.copy(ROOT / "_static" / "kvlab.js", tmp_path / "_static" / "kvlab.js")
+    shutil.copy(ROOT / "docs" / "_static" / "kvlab.js", tmp_path / "_static" / "kvlab.js")
     (tmp_path / "_static" / "kvlab-search-pages.js").write_text(
         'window.KVLAB_SEARCH_PAGES = {"good": "<div role=\\"main\\">a good page</div>"};')
     (tmp_path / "search.html").write_text(SEARCH.format(js=KVLAB_JS))

@@ -1,12 +1,12 @@
 """The book's pages fit a phone, and its citations name one work each.
 
 * long inline code (command-line flags, CamelCase names) can break where a reader would break
-  it, and copies unchanged (``break_long_literals`` in ``_ext/kvlab_site.py``);
-* ``_static/kvlab.css`` keeps math and the previous / next links from being cut by the theme's
+  it, and copies unchanged (``break_long_literals`` in ``docs/_ext/kvlab_site.py``);
+* ``docs/_static/kvlab.css`` keeps math and the previous / next links from being cut by the theme's
   ``overflow: hidden``;
-* with the citation styles ``book.yml`` selects (``_ext/kvlab_bib.py``), no two bibliography
+* with the citation styles ``book.yml`` selects (``docs/_ext/kvlab_bib.py``), no two bibliography
   entries print the same in-text citation, each citation reads as its entry's label, and every
-  key a chapter cites is in ``references.bib``;
+  key a chapter cites is in ``docs/references.bib``;
 * in headless Chromium at 390 and 360 px (skipped without chromium, chromium-driver and
   selenium), a page with the theme's stylesheet and kvlab.css shows a long inline formula, a
   long display equation, a long flag and a long previous / next title without cutting any.
@@ -25,10 +25,10 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "_ext"))
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 sys.path.insert(0, str(ROOT / "tools"))
 
-CSS = ROOT / "_static" / "kvlab.css"
+CSS = ROOT / "docs" / "_static" / "kvlab.css"
 WBR = re.compile(r"<wbr>")
 
 
@@ -138,7 +138,7 @@ def _citations():
         "pybtex.style.formatting", settings.get("bibtex_default_style", "alpha"))()
     referencing = find_plugin("sphinxcontrib.bibtex.style.referencing",
                               settings["bibtex_reference_style"])()
-    entries = style.sort(parse_file(ROOT / "references.bib").entries.values())
+    entries = style.sort(parse_file(ROOT / "docs" / "references.bib").entries.values())
     info = SphinxReferenceInfo(None, "a", "bibliography", "id1", None, "", "")
     out = []
     for label, entry in zip(style.format_labels(entries), entries, strict=True):
@@ -177,7 +177,7 @@ def test_no_two_works_share_an_in_text_citation():
 def test_every_cited_key_is_in_the_bibliography():
     from pybtex.database import parse_file
 
-    keys = set(parse_file(ROOT / "references.bib").entries)
+    keys = set(parse_file(ROOT / "docs" / "references.bib").entries)
     cited: dict[str, set[str]] = {}
     for source in sorted((ROOT / "notebooks").glob("*.md")):
         for group in re.findall(r"\{cite(?::[a-z]+)?\}`([^`]+)`", source.read_text()):
@@ -270,7 +270,7 @@ def test_phone_widths_cut_no_math_code_or_link(tmp_path):
     shutil.copy(next(theme.rglob("styles/pydata-sphinx-theme.css")), tmp_path / "pst.css")
     shutil.copy(CSS, tmp_path / "kvlab.css")
     shutil.copy(CSS.parent / "kvlab.js", tmp_path / "kvlab.js")
-    shutil.copytree(ROOT / "_static" / "vendor" / "mathjax-3.2.2", tmp_path / "mathjax")
+    shutil.copytree(ROOT / "docs" / "_static" / "vendor" / "mathjax-3.2.2", tmp_path / "mathjax")
     body = _PAGE.format(flag=_pre("--disaggregation-decode-allocation-policy"),
                         mixin=_pre("SchedulerDisaggregationPrefillMixin._send_kv_chunk"))
     (tmp_path / "index.html").write_text(kvlab_site.break_long_literals(body))

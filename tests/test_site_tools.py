@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "_ext"))
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 
 
 def _bars(n):

@@ -1,19 +1,19 @@
 """The whole book as one PDF, offline: Jupyter Book's single-page build printed by headless
 Chromium.
 
-    jupyter-book build . --config book.yml --toc toc.yml --builder singlehtml
+    jupyter-book build . --config book.yml --toc docs/toc.yml --builder singlehtml
     python tools/book_pdf.py [_build/singlehtml] [--out _build/pdf/kvlab.pdf]   # make pdf
 
 The single-page build holds every chapter of the table of contents on one page, with the
 stored outputs: figures, tables, the first view of each widget's kernel-free twin, and math
-(MathJax from ``_static``, so nothing is fetched from the network). Chromium opens it from a
+(MathJax from ``docs/_static``, so nothing is fetched from the network). Chromium opens it from a
 local server, waits until MathJax has typeset every formula and every image has loaded, and
 prepares it for paper: each chapter starts a page, the worked solutions are printed open after
 their exercises (a PDF cannot open a collapsed cell), and the site's navigation, buttons and
 search are left out (``PRINT_CSS``). ``Page.printToPDF`` writes an A4 PDF with page numbers
 and a bookmark per heading.
 
-:func:`check_pdf` reads the PDF back (pypdf) and fails unless every page of ``toc.yml`` has
+:func:`check_pdf` reads the PDF back (pypdf) and fails unless every page of ``docs/toc.yml`` has
 its bookmark, its title on the page the bookmark opens, and the PDF holds figures; ``make pdf``
 runs it. Exit status 0 when the PDF is written and checked, 1 when a check fails, 2 when the
 page cannot be printed (no browser, math not typeset, an image that does not load).
@@ -96,7 +96,7 @@ FOOTER = ('<div style="font-size:8px; width:100%; text-align:center; color:#555"
           '<span class="pageNumber"></span> / <span class="totalPages"></span></div>')
 
 
-def chapter_titles(toc: Path = ROOT / "toc.yml") -> list[str]:
+def chapter_titles(toc: Path = ROOT / "docs" / "toc.yml") -> list[str]:
     """The first heading of every page in the book's table of contents, in order."""
     files = re.findall(r"(?:root|file):\s*(\S+)", toc.read_text())
     titles = []

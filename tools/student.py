@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOLUTION_TAGS = frozenset({"solution", "hide-cell"})
 SOLUTION_LABEL = "# Solution (try the exercise first)"
 KERNEL_DISPLAY_NAME = "Python 3 (ipykernel)"   # what `python -m ipykernel install` registers
-BOOK_INPUTS = ("book.yml", "toc.yml", "references.bib", "_static", "_ext", "_extra")
+BOOK_INPUTS = ("book.yml", "docs")   # the site's machinery and pages live in docs/
 EDITION_TAG = "edition-book"       # a cell that holds only where the solutions are
 STUDENT_TEXT = "student_edition"   # its text in the editions without them (else it goes)
 

@@ -3,7 +3,7 @@
 The book's figures are drawn for a laptop's column (up to 880 CSS px). Shrunk to a phone's
 column their text would fall far below 9 px, so every figure also gets a *phone variant*,
 at most :data:`kvlab.viz.style.PHONE` wide with its text at its point size, which the site
-serves to narrow screens (``<picture>``; :mod:`kvlab.viz.kernel_free`, ``_ext/kvlab_site.py``).
+serves to narrow screens (``<picture>``; :mod:`kvlab.viz.kernel_free`, ``docs/_ext/kvlab_site.py``).
 
 :func:`phone_variant` makes it. A figure function marked :func:`kvlab.viz.style.phone_aware`
 is simply called again inside :func:`kvlab.viz.style.phone_layout` (it knows its content
