@@ -285,9 +285,9 @@ ROWS_STEP = {"A": (40, 1), "B": (20, 12), "C": (0, 10), "D": (32, 24), "E": (0, 
 
 
 def check_paged_rows(num_paged_rows, dense_chunks) -> str:
-    """Exercise 3: for :data:`ROWS_STEP` on an engine whose runner has a paged-row op (the CPU
-    engine with its compiled kernel), how many token rows are paged rows, and which chunks
-    (letters) are dense? Compared with what ``flat_metadata`` builds."""
+    """Exercise 3: for :data:`ROWS_STEP` on an engine whose attention backend is the compiled
+    ``CpuAttention``, how many token rows are paged rows, and which chunks (letters) are dense?
+    Compared with what ``flat_metadata`` builds with that backend's ``paged_max_tokens``."""
     require_answer(num_paged_rows, "the number of paged rows")
     require_answer(dense_chunks, "the dense chunks")
     if isinstance(num_paged_rows, bool) or not isinstance(num_paged_rows, int):
@@ -311,9 +311,9 @@ def check_paged_rows(num_paged_rows, dense_chunks) -> str:
         raise AssertionError(f"{wrong} not what the runner builds for this step.")
     return (f"Correct: {num_paged_rows} paged rows and dense chunks {sorted(chosen)}. A row "
             "re-reads its whole context, so only one-token chunks and short chunks behind KV "
-            "already cached go row by row; a fresh prompt has nothing cached to read. Without "
-            "an op (the torch path) only the one-token chunks would be rows: its gather would "
-            "copy a chunk's context once per row.")
+            "already cached go row by row; a fresh prompt has nothing cached to read. With the "
+            "torch backend (paged_max_tokens 0) only the one-token chunks would be rows: its "
+            "gather would copy a chunk's context once per row.")
 
 
 # -- exercise 4: preempt, and still generate the same tokens ----------------------------------
