@@ -11,6 +11,7 @@ No test here reads a clock.
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -311,3 +312,78 @@ def test_a_decode_is_planned_on_a_placeholder_the_runner_fills():
     sync = LLM(MODEL).generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True),
                                use_tqdm=False)
     assert outs[-1].outputs[0].token_ids == sync[0].outputs[0].token_ids
+
+
+# ------------------------------------------------------------------ the server
+def test_serve_cli_with_async_scheduling_answers_as_the_synchronous_engine(pair):
+    """``kvlab serve --async-scheduling`` in its own process: a greedy completion with
+    logprobs, a seeded n=2 one and a streamed one cut by a stop string give the synchronous
+    engine's text."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab", "serve", "--port", str(port),
+                             "--async-scheduling"], cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    bodies = [dict(prompt=PROMPTS[0], max_tokens=20, temperature=0, logprobs=2),
+              dict(prompt=PROMPTS[1], max_tokens=16, temperature=1.0, seed=7, n=2),
+              dict(prompt=PROMPTS[2], max_tokens=40, temperature=0, stop=[" a"], stream=True)]
+    try:
+        deadline = time.monotonic() + 900   # a first CPU-kernel build on a loaded machine
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        answers = []
+        for body in bodies:
+            r = httpx.post(url + "/v1/completions", json={"model": MODEL, **body}, timeout=120)
+            assert r.status_code == 200, r.text
+            if body.get("stream"):
+                events = [json.loads(line[6:]) for line in r.text.splitlines()
+                          if line.startswith("data: {")]
+                text = "".join(c["text"] for e in events for c in e["choices"])
+                answers.append([(text, events[-1]["choices"][0]["finish_reason"])])
+            else:
+                answers.append([(c["text"], c["finish_reason"])
+                                for c in sorted(r.json()["choices"], key=lambda c: c["index"])])
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    sync = pair[0]
+    for body, got in zip(bodies, answers, strict=True):
+        params = SamplingParams(**{k: v for k, v in body.items()
+                                   if k in ("max_tokens", "temperature", "seed", "n", "stop")})
+        (want,) = sync.generate([body["prompt"]], params, use_tqdm=False)
+        assert got == [(c.text, c.finish_reason) for c in want.outputs]
+    assert answers[2][0][1] == "stop"
+
+
+def test_the_serve_flag_builds_an_overlapped_engine():
+    import argparse
+
+    from kvlab.entrypoints.serve import add_server_args
+
+    ap = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(ap)
+    add_server_args(ap)
+    assert EngineArgs.from_cli_args(ap.parse_args(["--async-scheduling"])).async_scheduling
+    assert not EngineArgs.from_cli_args(ap.parse_args([])).async_scheduling
+    assert LLMEngine(EngineArgs.from_cli_args(
+        ap.parse_args(["--async-scheduling", "--max-model-len", "64"]))).core.overlap

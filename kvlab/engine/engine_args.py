@@ -175,8 +175,11 @@ def check_engine_args(args: EngineArgs) -> None:
                          "'production' or a factory (kv, SchedulerConfig) -> Scheduler")
     if not isinstance(scheduler, str) and not callable(scheduler):
         raise TypeError(f"LLMEngine: scheduler must be a name or a factory, got {scheduler!r}")
-    # vLLM 0.32 overlaps EAGLE/MTP, draft-model and GPU n-gram speculation and refuses the
-    # rest (vllm/config/vllm.py, VllmConfig.__post_init__); kvlab refuses both of its methods
+    # Followed: vLLM 0.32's vllm/config/vllm.py (VllmConfig.__post_init__), which refuses
+    # async_scheduling with any speculation but EAGLE/MTP, draft-model and GPU n-gram; stop
+    # strings, logprobs and structured outputs run overlapped there (a grammar's bitmask waits
+    # for the tokens in flight: vllm/v1/core/sched/async_scheduler.py) and here (the runner
+    # advances the grammar in step order). kvlab refuses both of its speculative methods.
     if args.async_scheduling and args.speculative_config is not None:
         raise ValueError("LLMEngine: async_scheduling=True is not supported with "
                          "speculative_config: kvlab plans each step's draft slots from the "
