@@ -93,6 +93,7 @@ def _drive(engine: LLMEngine, seed: int) -> dict[str, list]:
     abort_at = {f"s{seed}r{i}": rng.randint(1, 6) for i in range(len(work))
                 if rng.random() < 0.3 and work[i][1].n == 1}
     last: dict[str, object] = {}
+    preempted = [0]
     step, i = 0, 0
     while i < len(work) or engine.has_unfinished_requests():
         while i < len(work) and arrivals[i] <= step:
@@ -100,6 +101,7 @@ def _drive(engine: LLMEngine, seed: int) -> dict[str, list]:
             i += 1
         for out in engine.step():
             last[out.request_id] = out
+            preempted[0] += out.finished and out.metrics.num_preemptions
             m = abort_at.get(out.request_id)
             if not out.finished and m is not None and len(out.outputs[0].token_ids) >= m:
                 last[out.request_id] = engine.abort_request(out.request_id)
@@ -107,6 +109,8 @@ def _drive(engine: LLMEngine, seed: int) -> dict[str, list]:
         step += 1
     assert {r for r in abort_at if last[r].outputs[0].finish_reason == "abort"}, \
         "no request was aborted: the test lost its point"
+    assert preempted[0] > 0, "no request was preempted: the test lost its point"
+    assert any(o.num_cached_tokens for o in last.values()), "no prefix was shared"
     return {rid: _seen([o]) for rid, o in last.items()}
 
 
