@@ -17,7 +17,8 @@ two threads take turns). Runs alternate between the engines; each keeps its best
 across the engines (exit status 1 after the JSON otherwise). The one-minute load average is
 recorded with every run. Wall-clock first, CPU time beside it.
 
-Run: ``python benchmarks/bench_overlap.py`` (writes benchmarks/results/overlap.json).
+Run: ``python benchmarks/bench_overlap.py`` (writes benchmarks/results/overlap.json after each
+size, ``complete: false`` until the last).
 """
 
 from __future__ import annotations
@@ -126,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         r = measure(size, model, vocab, args.repeats, args.seed, names)
         result["results"][size] = r
         ok &= r["identical_tokens"]
-    result["identical_tokens"] = ok
-    result["bench_wall_s"] = time.perf_counter() - t0
-    write_results(args.out, result)
+        result["identical_tokens"] = ok
+        result["bench_wall_s"] = time.perf_counter() - t0
+        result["complete"] = size == sizes[-1]
+        write_results(args.out, result)   # after every size: a run cut short keeps what it has
     return 0 if ok else 1
 
 
