@@ -71,6 +71,9 @@ NEUTRAL: dict[str, tuple] = {
     "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None,),
     "suffix": (None, ""), "include_stop_str_in_output": (None, False),
+    # what vllm-router adds to the bodies it forwards, at the values it sends
+    "no_stop_trim": (None, False), "skip_special_tokens": (None, True),
+    "return_hidden_states": (None, False),
 }
 #: chat only: vLLM's chat ``echo`` (repeat the last message) is not implemented
 CHAT_NEUTRAL: dict[str, tuple] = {**NEUTRAL, "echo": (None, False)}
