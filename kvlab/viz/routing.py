@@ -16,8 +16,8 @@ from kvlab.sim.routers import make_policy
 from kvlab.sim.workload import RequestSpec, to_request
 from kvlab.viz.style import INK, MUTED, REQUEST_PALETTE
 
-__all__ = ["WIDGET_POLICIES", "RouteFrame", "StreamSetup", "route_frames", "routing_explorer",
-           "routing_figure"]
+__all__ = ["POLICY_STYLE", "WIDGET_POLICIES", "RouteFrame", "StreamSetup", "route_frames",
+           "routing_explorer", "routing_figure", "scale_figure"]
 
 #: the policies the widget offers
 WIDGET_POLICIES = ("round_robin", "approx_tree", "precise_index", "dynamo_cost")
@@ -176,9 +176,9 @@ def _kernel_free(frames: dict[str, list[RouteFrame]], setup: StreamSetup, policy
                  step: int):
     from kvlab.viz.kernel_free import dropdown, slider, spread, static_widget
 
-    steps = spread(setup.n, 12)
-    if step not in steps:   # 4 policies x 12 requests: the 48 frames a widget may carry
-        steps = spread(setup.n, 11, include=(step,))
+    steps = spread(setup.n, 8)
+    if step not in steps:   # 4 policies x 8 requests: 32 frames
+        steps = spread(setup.n, 7, include=(step,))
     steps = tuple(steps)
     return static_widget(
         lambda policy, step: routing_figure(frames[policy][step], setup, policy=policy),
@@ -186,4 +186,41 @@ def _kernel_free(frames: dict[str, list[RouteFrame]], setup: StreamSetup, policy
          "step": slider(steps, label="request", labels=[str(s + 1) for s in steps])},
         default={"policy": policy, "step": step},
         caption=lambda policy, step: _caption(frames[policy][step]),
-        title="requests routed across replicas (12 of the requests precomputed)")
+        title="requests routed across replicas (8 of the requests precomputed)")
+
+
+#: colours and labels of the simulator's policies in the chapter's figures
+POLICY_STYLE = {"round_robin": ("#868e96", "round robin"),
+                "least_loaded": ("#56b4e9", "least loaded"),
+                "approx_tree": ("#e69f00", "approximate tree"),
+                "precise_index": ("#d55e00", "precise index"),
+                "dynamo_cost": ("#009e73", "Dynamo's cost")}
+
+
+def scale_figure(rows: list[dict]):
+    """The scale study (rows of :func:`kvlab.labs.routing.scale_study`): hit rate, TTFT p99 and
+    the busiest replica's share against the replica count, one line per policy; three panels
+    stacked so the figure fits a phone's column."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(3.8, 6.6), sharex=True)
+    counts = sorted({r["replicas"] for r in rows})
+    panels = (("hit_rate", "prompt tokens\ncached", 1.0),
+              ("ttft_p99_s", "TTFT p99 (ms)", 1e3),
+              ("hot_spot", "busiest replica\n/ mean", 1.0))
+    for ax, (field, label, scale) in zip(axes, panels, strict=True):
+        for policy, (color, name) in POLICY_STYLE.items():
+            ys = [next(r[field] for r in rows if r["replicas"] == n and r["policy"] == policy)
+                  * scale for n in counts]
+            ax.plot(counts, ys, marker="o", ms=3.5, color=color, label=name, lw=1.6)
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.6)
+    axes[1].set_yscale("log")
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=8, ncol=2, loc="lower left")
+    axes[-1].set_xscale("log", base=2)
+    axes[-1].set_xticks(counts, [str(n) for n in counts])
+    axes[-1].minorticks_off()
+    axes[-1].set_xlabel("replicas")
+    fig.tight_layout()
+    return fig
