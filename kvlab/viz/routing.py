@@ -9,6 +9,7 @@ request number), with a kernel-free twin that fits a phone's column.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from kvlab.sim.cluster import Replica, RoutedRecord, block_keys, simulate_cluster
@@ -68,8 +69,10 @@ def _workload(s: StreamSetup) -> list[RequestSpec]:
                            seed=s.seed)
 
 
-def route_frames(policy: str, setup: StreamSetup = StreamSetup()) -> list[RouteFrame]:
-    """One frame per request of the widget's stream under ``policy``."""
+@functools.lru_cache(maxsize=8)
+def route_frames(policy: str, setup: StreamSetup = StreamSetup()) -> tuple[RouteFrame, ...]:
+    """One frame per request of the widget's stream under ``policy`` (computed once per
+    policy and set-up)."""
     specs = _workload(setup)
     bs = setup.block_size
     tenant_keys = []
@@ -97,7 +100,7 @@ def route_frames(policy: str, setup: StreamSetup = StreamSetup()) -> list[RouteF
                                  (record.prompt_len - 1) // bs, held, other, flight,
                                  hits / total, tuple(routed)))
     assert len(frames) == len(result.records)
-    return frames
+    return tuple(frames)
 
 
 def routing_figure(frame: RouteFrame, setup: StreamSetup = StreamSetup(), *, policy: str = ""):
@@ -172,7 +175,7 @@ def _caption(frame: RouteFrame) -> str:
             f"hit rate so far {frame.hit_rate:.1%}")
 
 
-def _kernel_free(frames: dict[str, list[RouteFrame]], setup: StreamSetup, policy: str,
+def _kernel_free(frames: dict[str, tuple[RouteFrame, ...]], setup: StreamSetup, policy: str,
                  step: int):
     from kvlab.viz.kernel_free import dropdown, slider, spread, static_widget
 
