@@ -13,7 +13,11 @@ starting point. Then ``--rounds`` *adversarial* rounds, each with, at once:
   until the server has aborted them (it must, once one owes ``--max-stream-backlog`` tokens,
   and never buffer more); in the baseline the same two requests are read as they come;
 - one 10 MB request body, sent chunked (no Content-Length, so the server has to read up to its
-  limit before it can answer 413).
+  limit before it can answer 413);
+- four string prompts just under the 2 MiB body limit (two completions, two chat), a second
+  into the round: each must be a 400 ``context_length_exceeded`` refused by its length in
+  characters before it is tokenized, without stalling the streams (their largest gap between
+  chunks is in the JSON) or keeping memory.
 
 Measured: every well-behaved stream's TTFT, E2E, largest gap between chunks and whether it got
 all its tokens with ``finish_reason "length"``; the slow readers' and the big body's answers;
@@ -21,7 +25,8 @@ the server's RSS (``/proc/<pid>/status``) before, at its peak during and after e
 the server's own counters from ``/metrics`` (aborts, KV usage back at 0, nothing running).
 
 Pass criteria (exit status 1 otherwise): every well-behaved stream complete; the slow readers
-aborted with the ``client_too_slow`` error event; the big body a 413; RSS after the last round
+aborted with the ``client_too_slow`` error event; the big body a 413; the 2 MiB prompts 400s
+naming the context length; RSS after the last round
 within 10% of the start; and "on time": each adversarial round's p90 E2E of the well-behaved
 streams at most 1.5x the baseline's (a shared machine is noisy: the figures are all in the
 JSON, ``benchmarks/results/serve_load.json``). Bounded: fixed counts, and every round gives up
@@ -151,6 +156,37 @@ async def big_body(client: httpx.AsyncClient, megabytes: int) -> dict:
     return {"status": status, "code": code, "seconds": time.monotonic() - t0}
 
 
+#: a string prompt just under the 2 MiB body limit (characters; its JSON body stays under)
+BIG_PROMPT_CHARS = 2 * 1024 * 1024 - 512
+
+
+async def big_prompts(client: httpx.AsyncClient, delay: float) -> list[dict]:
+    """Four 2 MiB string prompts at once, ``delay`` seconds into the round: two completions,
+    two chat. Each must be refused (400) before it is tokenized."""
+    await asyncio.sleep(delay)
+    text = ("the shepherd mended the old stone wall " * (BIG_PROMPT_CHARS // 39 + 1)
+            )[:BIG_PROMPT_CHARS]
+    bodies = [("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 4}),
+              ("/v1/completions", {"model": MODEL, "prompt": text[1:], "max_tokens": 4}),
+              ("/v1/chat/completions", {"model": MODEL, "max_tokens": 4,
+                                        "messages": [{"role": "user", "content": text}]}),
+              ("/v1/chat/completions", {"model": MODEL, "max_tokens": 4, "messages": [
+                  {"role": "system", "content": "x"}, {"role": "user", "content": text}]})]
+
+    async def one(path: str, body: dict) -> dict:
+        t0 = time.monotonic()
+        try:
+            r = await client.post(path, content=json.dumps(body).encode(),
+                                  headers={"Content-Type": "application/json"})
+            status, code = r.status_code, r.json().get("error", {}).get("code")
+        except httpx.HTTPError as err:
+            status, code = None, repr(err)
+        return {"route": path, "status": status, "code": code,
+                "seconds": time.monotonic() - t0}
+
+    return list(await asyncio.gather(*(one(p, b) for p, b in bodies)))
+
+
 async def one_round(url: str, pid: int, n: int, max_tokens: int, adversarial: bool,
                     seed: int) -> dict:
     host, port = url.removeprefix("http://").split(":")
@@ -174,6 +210,7 @@ async def one_round(url: str, pid: int, n: int, max_tokens: int, adversarial: bo
         slow = [asyncio.create_task(slow_reader(host, int(port), k, release))
                 for k in range(2)]
         body = asyncio.create_task(big_body(client, 10)) if adversarial else None
+        prompts = asyncio.create_task(big_prompts(client, 1.0)) if adversarial else None
         plan = [(i, random.Random(seed * 1000 + i), adversarial and i % 4 == 3)
                 for i in range(n)]
         t0 = time.monotonic()
@@ -189,6 +226,7 @@ async def one_round(url: str, pid: int, n: int, max_tokens: int, adversarial: bo
         release.set()
         slow_results = [await t for t in slow]
         body_result = await body if body is not None else None
+        prompts_result = await prompts if prompts is not None else None
     stop.set()
     await sampler
     kept = [r for r, (_, _, drop) in zip(results, plan, strict=True) if not drop]
@@ -206,12 +244,13 @@ async def one_round(url: str, pid: int, n: int, max_tokens: int, adversarial: bo
         "max_gap_s": {"p50": pct([r["max_gap_s"] for r in done], .5),
                       "max": max(r["max_gap_s"] for r in done)} if done else None,
         "mean_e2e_s": statistics.fmean(e2e) if e2e else None,
-        "slow_readers": slow_results, "big_body": body_result, "rss_peak_mb": peak}
+        "slow_readers": slow_results, "big_body": body_result,
+        "big_prompts": prompts_result, "rss_peak_mb": peak}
 
 
 def server_state(url: str) -> dict:
     m = parse_metrics(httpx.get(url + "/metrics", timeout=30).text)
-    lab = (("model_name", MODEL),)
+    lab = (("engine", "0"), ("model_name", MODEL))
 
     def get(name: str, **labels: str) -> float:
         return m.get((name, tuple(sorted({**dict(lab), **labels}.items()))), 0.0)
@@ -299,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         "slow_readers_aborted": all(s["too_slow_error"] and s["done"]
                                     for r in rounds for s in r["slow_readers"]),
         "big_body_413": all(r["big_body"]["status"] == 413 for r in rounds),
+        "big_prompts_400_before_tokenizing": all(
+            p["status"] == 400 and p["code"] == "context_length_exceeded"
+            for r in rounds for p in r["big_prompts"]),
         "rss_within_10pct": last["rss_after_mb"] <= 1.10 * rss_start,
         "on_time_p90_within_1_5x": all(r["e2e_s"] is not None and baseline["e2e_s"] is not None
                                        and r["e2e_s"]["p90"] <= 1.5 * baseline["e2e_s"]["p90"]

@@ -322,6 +322,18 @@ def test_capacity_explorer_replans_on_change(capsys):
 # --- exercises -----------------------------------------------------------------------------
 
 
+#: What no ch01 check may say: the direction of an error.
+DIRECTION_WORDS = ("too high", "too low", "too many", "too few", "closer", "higher", "lower")
+
+
+def _verdict(check, *args) -> str:
+    with pytest.raises(AssertionError) as err:
+        check(*args)
+    message = str(err.value)
+    assert not any(word in message.lower() for word in DIRECTION_WORDS), message
+    return message
+
+
 def test_chapter1_exercise_checks():
     from kvlab.exercises._common import NotYetAnswered
     from kvlab.exercises.ch01 import (
@@ -333,45 +345,49 @@ def test_chapter1_exercise_checks():
     # Llama 3.1 405B, int4 + one fp16 scale per 32: 2 x 126 x 8 x 128 x (0.5 + 2/32) bytes
     truth = 2 * 126 * 8 * 128 * 0.5625
     assert truth == 145_152
-    assert "145,152" in check_kv_bytes_per_token(145_152)
-    for wrong, word in ((truth / 2, "too low"), (2 * 126 * 8 * 128 * 0.5, "too low"),
-                        (2 * 126 * 8 * 128 * 2, "too high"), (truth * 16, "too high")):
-        with pytest.raises(AssertionError) as err:
-            check_kv_bytes_per_token(wrong)
-        assert str(err.value).endswith(f"is {word}.") and "145" not in str(err.value)
+    assert "145,152" in check_kv_bytes_per_token(0.5625, 145_152)
+    assert "145,152" in check_kv_bytes_per_token(9 / 16, 145_152.0)
+    for element in (0.5, 2 / 32, 0.625):                  # the element size first
+        message = _verdict(check_kv_bytes_per_token, element, 145_152)
+        assert "per element" in message and "145" not in message
+    for wrong in (truth / 2, 2 * 126 * 8 * 128 * 0.5, truth * 16, truth + 1):
+        message = _verdict(check_kv_bytes_per_token, 0.5625, wrong)
+        assert "element size is right" in message and "145" not in message
     # Qwen2.5-7B on an H100 (79.11 GiB x 0.9 - 2 x 7,615,616,512 - 4 GiB) at 32k
     budget = 0.9 * round(79.11 * GiB) - 2 * 7_615_616_512 - 4 * GiB
     block = 2 * 28 * 16 * 4 * 128 * 2
-    bf16 = int(budget // block) // 2048
-    assert (bf16, int(budget // (block // 2)) // 2048) == (30, 60)
-    assert "30 requests" in check_max_requests_h100(30, 60)
-    with pytest.raises(AssertionError) as err:
-        check_max_requests_h100(30, 59)
-    assert str(err.value) == "fp8: 59 is too low."
-    with pytest.raises(AssertionError) as err:           # the 74.5 GiB (decimal) plan
-        check_max_requests_h100(27, 55)
-    assert "30" not in str(err.value) and "60" not in str(err.value)
-    assert "too low" in str(err.value) and "GiB" not in str(err.value)
-    with pytest.raises(AssertionError, match="bf16: 31 is too high"):
-        check_max_requests_h100(31, 60)
+    blocks = int(budget // block)
+    bf16, fp8 = blocks // 2048, int(budget // (block // 2)) // 2048
+    assert (bf16, fp8) == (30, 60)
+    assert "30 requests" in check_max_requests_h100(blocks, 30, 60)
+    for near in (blocks - 1, blocks + 1, 0):                 # the block count gates the rest
+        message = _verdict(check_max_requests_h100, near, 30, 60)
+        assert "block count is not right" in message and str(blocks) not in message
+    for pair in ((30, 59), (31, 60), (27, 55), (60, 30)):   # 27/55: the 74.5 GiB misread
+        message = _verdict(check_max_requests_h100, blocks, *pair)
+        assert "request counts are not" in message
+        assert "30" not in message and "60" not in message and "GiB" not in message
     # Qwen2.5-7B has 4 KV heads: 2 per rank at TP=2, 1 (replicated) at TP=8
     assert "28,672 and 14,336" in check_tp_kv_per_rank(28_672, 14_336)
-    for answers in ((28_672, 7_168), (57_344, 14_336), (28_672, 28_672)):
-        with pytest.raises(AssertionError) as err:
-            check_tp_kv_per_rank(*answers)
-        message = str(err.value)
-        assert "replicated" not in message and "head" not in message
-        assert "14,336" not in message.replace(f"{answers[1]:,}", "")
+    for answers, wrong in (((28_672, 7_168), "TP=8"), ((57_344, 14_336), "TP=2"),
+                           ((28_672, 28_672), "TP=8")):
+        message = _verdict(check_tp_kv_per_rank, *answers)
+        assert message.startswith(f"{wrong} is not right") and "replicated" not in message
+        assert "14,336" not in message and "28,672" not in message
     with pytest.raises(NotYetAnswered):
-        check_max_requests_h100(..., 24)
+        check_max_requests_h100(..., 24, 1)
     with pytest.raises(AssertionError, match="whole number"):
-        check_max_requests_h100(1.5, 2)
+        check_max_requests_h100(1.5, 2, 3)
     with pytest.raises(AssertionError, match="a number"):
-        check_kv_bytes_per_token("145152")
+        check_kv_bytes_per_token(0.5625, "145152")
 
 
 def test_chapter1_suspect_capacity_debug_check():
-    from kvlab.exercises.ch01 import check_suspect_counterexample, suspect_max_requests
+    from kvlab.exercises.ch01 import (
+        SUSPECT_FIX_CASES,
+        check_suspect_counterexample,
+        suspect_max_requests,
+    )
 
     # the suspect agrees with plan_capacity whenever the context is a multiple of the block size
     for name in ("Llama-3-8B", "Llama-3-70B", "Qwen2.5-7B"):
@@ -381,21 +397,40 @@ def test_chapter1_suspect_capacity_debug_check():
                                      reserve_bytes=4 * GiB)
                 assert suspect_max_requests(MODELS[name], H100, tp=tp,
                                             context_len=ctx) == plan.max_requests
+    # ... and the hidden cases would catch it: some of them are off the block size
+    assert any(suspect_max_requests(get_model(c["model"]), get_gpu(c["gpu"]),
+                                    kv_dtype=c["kv_dtype"], context_len=c["context_len"],
+                                    tp=c["tp"])
+               != plan_capacity(get_model(c["model"]), get_gpu(c["gpu"]),
+                                kv_dtype=c["kv_dtype"], context_len=c["context_len"],
+                                tp=c["tp"], reserve_bytes=4 * GiB).max_requests
+               for c in SUSPECT_FIX_CASES)
+
+    def fixed(model, gpu, *, kv_dtype="bf16", context_len=8192, tp=1, block_size=16,
+              gpu_memory_utilization=0.9, reserve_bytes=4 * GiB):
+        return plan_capacity(model, gpu, kv_dtype=kv_dtype, context_len=context_len, tp=tp,
+                             block_size=block_size, reserve_bytes=reserve_bytes,
+                             gpu_memory_utilization=gpu_memory_utilization).max_requests
+
     case = {"model": "Llama-3-8B", "gpu": "H100-80GB SXM", "kv_dtype": "bf16",
             "context_len": 1000, "tp": 1}
     plan = plan_capacity(LLAMA8, H100, context_len=1000, reserve_bytes=4 * GiB)
     assert plan.max_requests == plan.num_blocks // 63            # 1000 tokens need 63 blocks
-    message = check_suspect_counterexample(case)
+    message = check_suspect_counterexample(case, fixed)
     assert message.startswith("Correct") and f"where {plan.max_requests} fit" in message
     for word in ("block", "round", "whole", "ceil"):              # the bug stays unnamed
         assert word not in message.lower()
-    with pytest.raises(AssertionError, match="does not show") as err:
-        check_suspect_counterexample({**case, "context_len": 1024})
-    assert "block" not in str(err.value)
+    message = _verdict(check_suspect_counterexample, {**case, "context_len": 1024}, fixed)
+    assert "does not show" in message and "block" not in message
+    # the suspect itself, handed back as the repair, fails on a hidden case
+    message = _verdict(check_suspect_counterexample, case, suspect_max_requests)
+    assert "disagrees with plan_capacity" in message
+    with pytest.raises(AssertionError, match="repaired estimate as a function"):
+        check_suspect_counterexample(case, 3)
     with pytest.raises(AssertionError, match="exactly the keys"):
-        check_suspect_counterexample({"model": "Llama-3-8B"})
+        check_suspect_counterexample({"model": "Llama-3-8B"}, fixed)
     with pytest.raises(AssertionError, match="not valid"):
-        check_suspect_counterexample({**case, "gpu": "B200"})
+        check_suspect_counterexample({**case, "gpu": "B200"}, fixed)
 
 
 def test_chapter1_kv_overtakes_weights_check():
@@ -403,35 +438,54 @@ def test_chapter1_kv_overtakes_weights_check():
     from kvlab.sim.costmodel import RooflineCostModel
 
     cm = RooflineCostModel.named("Llama-3-8B", "H100-80GB SXM")
+    per_request = 4097 * 128 * 1024                 # 4,096 positions read, one written
+    assert cm.cost([(1, 4095, True)]).bytes - cm.weight_bytes == per_request
     truth = next(b for b in range(1, 200)
                  if cm.cost([(1, 4095, True)] * b).bytes >= 2 * cm.weight_bytes)
     assert truth == 30                  # 16.06e9 / (4097 x 128 KiB) = 29.9
-    assert "Correct" in check_kv_overtakes_weights(truth)
-    for wrong, word in ((truth - 1, "too low"), (1, "too low"), (truth + 1, "too high")):
-        with pytest.raises(AssertionError) as err:
-            check_kv_overtakes_weights(wrong)
-        assert str(err.value) == f"{wrong} is {word}."
+    assert "Correct" in check_kv_overtakes_weights(per_request, truth)
+    for wrong in (truth - 1, 1, truth + 1):         # bisecting the batch learns nothing
+        message = _verdict(check_kv_overtakes_weights, per_request, wrong)
+        assert "batch is not" in message and str(truth) not in message
+    for bytes_ in (4096 * 128 * 1024, per_request // 2, per_request * 32):
+        message = _verdict(check_kv_overtakes_weights, bytes_, truth)
+        assert "one request moves are not right" in message
 
 
 def test_chapter1_tp_design_check():
-    from kvlab.exercises.ch01 import check_tp_design
+    from kvlab.exercises.ch01 import KV_CHOICES, TP_CHOICES, TP_DESIGN_CASES, check_tp_design
 
     # the truth computed independently: TP=4 holds 40 x 16k only with a 1-byte (or smaller) KV
     assert plan_capacity(LLAMA70, H100, tp=4, context_len=16384,
                          reserve_bytes=4 * GiB).max_requests < 40
     assert plan_capacity(LLAMA70, H100, tp=4, kv_dtype="fp8", context_len=16384,
                          reserve_bytes=4 * GiB).max_requests >= 40
-    for dtype in ("fp8", "int8", "int4"):
-        assert "Correct" in check_tp_design(4, dtype)
-    with pytest.raises(AssertionError, match="fewer than 40") as err:
-        check_tp_design(4, "bf16")
-    assert "fp8" not in str(err.value) and "smaller element" not in str(err.value)
-    with pytest.raises(AssertionError, match="not the fewest GPUs") as err:
-        check_tp_design(8, "bf16")
-    assert "TP=4" not in str(err.value)
-    with pytest.raises(AssertionError, match="do not even fit"):
-        check_tp_design(1, "int4")
-    with pytest.raises(AssertionError, match="tp must be one of"):
-        check_tp_design(3, "bf16")
-    with pytest.raises(AssertionError, match="kv_dtype must be one of"):
-        check_tp_design(4, "fp4")
+
+    def rule(model, gpu, context_len, min_requests, reserve_bytes, order=KV_CHOICES):
+        for tp in TP_CHOICES:
+            for kv_dtype in order:
+                if plan_capacity(get_model(model), get_gpu(gpu), tp=tp, kv_dtype=kv_dtype,
+                                 context_len=context_len,
+                                 reserve_bytes=reserve_bytes).max_requests >= min_requests:
+                    return tp, kv_dtype
+        return None
+
+    answers = [rule(**c) for c in TP_DESIGN_CASES]
+    # the hidden cases exercise every branch: each dtype, several TPs, and no fit at all
+    assert answers[0] == (4, "fp8") and None in answers
+    assert {a[1] for a in answers if a} == set(KV_CHOICES)
+    assert len({a[0] for a in answers if a}) >= 4
+    message = check_tp_design(rule)
+    assert message.startswith(f"Correct on all {len(TP_DESIGN_CASES)}") and "TP=4" in message
+    # a rule that passes the printed case only, or prefers the smallest cache, or never
+    # gives up, fails on a case it was not shown
+    wrong_rules = (lambda **c: (4, "fp8"),
+                   lambda **c: rule(**c, order=tuple(reversed(KV_CHOICES))),
+                   lambda **c: rule(**c) or (16, "int4"))
+    for wrong in wrong_rules:
+        message = _verdict(check_tp_design, wrong)
+        assert "another requirement" in message or "printed" in message
+    message = _verdict(check_tp_design, lambda **c: (3, "bf16"))
+    assert "return a pair" in message
+    with pytest.raises(AssertionError, match="pass a function"):
+        check_tp_design((4, "fp8"))

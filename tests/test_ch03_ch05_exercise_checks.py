@@ -8,6 +8,7 @@ import pytest
 
 from kvlab.exercises import ch03, ch04, ch05
 from kvlab.exercises._common import NotYetAnswered
+from kvlab.labs.recovery import recover
 from kvlab.labs.recovery.event_log import EventLog
 
 
@@ -39,12 +40,13 @@ def test_check_sample_rule_messages():
     def no_sharing(num_blocks, block_size, prompt_tokens, output_tokens):
         return num_blocks // -(-(prompt_tokens + output_tokens) // block_size)
 
-    with pytest.raises(AssertionError, match="too many") as err:
-        ch03.check_sample_rule(whole_prompt_shared)
-    assert "n = 7" in str(err.value) and "n = 6" not in str(err.value)
-    with pytest.raises(AssertionError, match="too cautious") as err:
-        ch03.check_sample_rule(no_sharing)
-    assert "n = 2" in str(err.value)
+    # a rule that admits too many and one that admits too few get the same kind of verdict:
+    # the case and what to revisit, never the n, nor which way it is off
+    for wrong in (whole_prompt_shared, no_sharing):
+        with pytest.raises(AssertionError, match="is not the largest that runs") as err:
+            ch03.check_sample_rule(wrong)
+        message = str(err.value)
+        assert "n = " not in message and "too" not in message and "cautious" not in message
     # a constant right on the chapter's pool fails on another pool, naming only that pool
     with pytest.raises(AssertionError, match="for a pool of") as err:
         ch03.check_sample_rule(lambda **case: 6)
@@ -59,9 +61,9 @@ def test_check_sample_rule_messages():
 
 def test_numeric_and_order_checks_refuse_wrong_types():
     with pytest.raises(AssertionError, match="whole number"):
-        ch03.check_sampling_blocks(67, "247")
+        ch03.check_sampling_blocks(67, "247", 4)
     with pytest.raises(AssertionError, match="whole number"):
-        ch04.check_saved_prefill(12_800.0, 1_552)
+        ch04.check_conversation_hit(63.0, 48, "c")
     with pytest.raises(AssertionError, match="list of request ids"):
         ch04.check_request_order("g0q0")
     with pytest.raises(AssertionError, match="list of request ids"):
@@ -73,26 +75,17 @@ def test_numeric_and_order_checks_refuse_wrong_types():
 def test_scripted_run_crash_test():
     full = EventLog()
     ch05.scripted_run(full)
-    n = len(full.events)
+    # the crash points at which recovery finishes one request and resumes another: after
+    # q3's last record (q0, q2 still decoding), and after q0's (q2 still decoding)
     good = []
-    for k in range(n):
-        try:
-            ch05.check_crash_test(k)
-        except AssertionError as err:
-            assert str(err).startswith(f"crashing before event {k}, recovery finishes")
-        else:
+    for k in range(len(full.events)):
+        events, kv = ch05.crash_scenario(k)
+        _, report = recover(events, kv, ch05.SCRIPTED.scheduler)
+        if report.finished and report.resumed:
             good.append(k)
-    # after q3's last record (q0, q2 still decoding), and after q0's (q2 still decoding)
     assert good == [36, 40, 41]
     last = {e.request_id: e.index for e in full.events if e.kind == "progress"}
     assert last["q3"] == 35 and last["q0"] == 39
-    with pytest.raises(AssertionError, match="resumes none"):
-        ch05.check_crash_test(46)            # q2 is the only request left
-    with pytest.raises(AssertionError, match="finishes no request"):
-        ch05.check_crash_test(0)
-    for bad in (n, -1, "36", True):
-        with pytest.raises(AssertionError, match="event index"):
-            ch05.check_crash_test(bad)
     # crash_scenario keeps its default crash point and its one orphan
     events, kv = ch05.crash_scenario()
     assert len(events) == 37 and kv.has("q3")

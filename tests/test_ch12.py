@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from kvlab.exercises._common import NotYetAnswered
+from kvlab.exercises._common import NotYetAnswered, forget_predictions
 from kvlab.exercises.ch12 import (
     BUDGET_IMPLEMENTATIONS,
     BUGS,
@@ -17,6 +17,13 @@ from kvlab.exercises.ch12 import (
     run_budget,
 )
 from kvlab.labs.chaos.fault_lab import LAB_FAULTS, MUTATIONS, Mutation, run_lab
+
+
+@pytest.fixture(autouse=True)
+def _fresh_session():
+    forget_predictions()       # each test starts a session with no prediction recorded
+    yield
+    forget_predictions()
 
 
 def test_the_correct_engine_survives_every_lab_fault():
@@ -61,17 +68,29 @@ def test_check_bug_invariants_grades_by_running_the_bugs():
     truth = {k: run_lab(m, "none").caught for k, m in BUGS.items()}
     assert all(truth.values())
     assert check_bug_invariants(truth).startswith("Correct")
+    forget_predictions()
     wrong = {k: (v % 9) + 1 for k, v in truth.items()}
     with pytest.raises(AssertionError) as info:
         check_bug_invariants(wrong)
     for v in truth.values():                  # the message never gives the answer away
         assert f": {v}" not in str(info.value) and f"{v}," not in str(info.value)
+    forget_predictions()
     # one bug wrong reads like all wrong: nothing names which bugs to try again
     one_wrong = {**truth, "A": (truth["A"] % 9) + 1}
     with pytest.raises(AssertionError) as one:
         check_bug_invariants(one_wrong)
     assert str(one.value) == str(info.value)
     assert not any(f"'{k}'" in str(one.value) for k in BUGS)
+    # graded once: the right answer after a wrong prediction is not graded, and says nothing
+    # about itself
+    again = check_bug_invariants(truth)
+    assert "not right" in again and "Correct" not in again
+    assert str(one_wrong) in again           # the recorded prediction, not the new answer
+    # a right answer locks nothing: a worked solution run first leaves the reader's turn
+    forget_predictions()
+    assert check_bug_invariants(truth).startswith("Correct")
+    with pytest.raises(AssertionError, match="not every bug"):
+        check_bug_invariants(one_wrong)
     with pytest.raises(AssertionError, match="missing"):
         check_bug_invariants({"A": 1})
     with pytest.raises(AssertionError, match="from 1 to 9"):
@@ -83,7 +102,7 @@ def test_check_bug_invariants_grades_by_running_the_bugs():
     assert "def " in bug_source("C") or "class " in bug_source("C")
 
 
-def test_check_fault_moves_catch_grades_by_running_the_lab():
+def test_check_fault_moves_catch_grades_the_first_prediction_only():
     from kvlab.exercises.ch12 import FAULT_MOVES, check_fault_moves_catch
 
     mutant, fault = FAULT_MOVES["implementation"], FAULT_MOVES["fault"]
@@ -92,14 +111,20 @@ def test_check_fault_moves_catch_grades_by_running_the_lab():
     assert check_fault_moves_catch(truth).startswith("Correct")
     for wrong in range(1, 10):
         if wrong != truth:
+            forget_predictions()
             with pytest.raises(AssertionError, match="is not the first") as info:
                 check_fault_moves_catch(wrong)
             assert str(truth) not in str(info.value).replace(f"invariant {wrong}", "")
-    for bad in (0, 10, "3", True):
+    # the looping reader: after a wrong first prediction, every later answer reads the same
+    replies = {check_fault_moves_catch(n) for n in range(1, 10) if n != wrong}
+    assert len(replies) == 1 and "not right" in replies.pop()
+    forget_predictions()
+    for bad in (0, 10, "3", True):            # a malformed answer is not recorded
         with pytest.raises(AssertionError, match="from 1 to 9"):
             check_fault_moves_catch(bad)
     with pytest.raises(NotYetAnswered):
         check_fault_moves_catch(...)
+    assert check_fault_moves_catch(truth).startswith("Correct")
 
 
 def test_lab_figure_has_a_legend_for_the_pool_colours():
@@ -176,24 +201,41 @@ def test_chapter_restates_invariant_7_while_its_statement_overpromises():
     assert "RNG" not in statement and "grammar probe" in statement
 
 
-def test_expected_crashes_is_the_mean_of_seeded_schedules_and_gives_only_a_direction():
-    from kvlab.exercises.ch12 import DERIVE
-    from kvlab.labs.faults.step_faults import StepFaultSchedule
+def test_expected_crashes_runs_the_readers_function_on_cases_it_does_not_show():
+    from kvlab.exercises.ch12 import DERIVE, _crash_cases
+    from kvlab.labs.faults.step_faults import STEP_FAULTS, StepFaultSchedule
 
-    seeds = 2000
-    crashes = sum(sum(f.kind == "crash" for f in StepFaultSchedule.from_seed(
-        s, DERIVE["steps"], rate=DERIVE["rate"]).faults) for s in range(seeds)) / seeds
-    assert check_expected_crashes(crashes).startswith("Right")   # the sampled mean passes
-    for factor, word in ((0.8, "low"), (1.25, "high")):
-        with pytest.raises(AssertionError, match=f"too {word}") as err:
-            check_expected_crashes(factor * crashes)
-        assert f"{crashes:.0f}" not in str(err.value)
-    # forgetting that a damaged-log fault brings its crash is wrong
-    with pytest.raises(AssertionError, match="too low"):
-        check_expected_crashes(DERIVE["steps"] * DERIVE["rate"] / 10)
-    with pytest.raises(AssertionError, match="a number"):
-        check_expected_crashes("many")
-    with pytest.raises(AssertionError, match=">= 0"):
-        check_expected_crashes(-1)
+    def right(steps, rate, kinds):
+        crashing = sum(STEP_FAULTS[k] in ("update", "recover") for k in kinds)
+        return steps * rate * crashing / len(kinds)
+
+    # the sealed truths are what seeded schedules give on average, case by case
+    for steps, rate, kinds in _crash_cases()[:3]:
+        seeds = 1500
+        mean = sum(sum(f.kind == "crash" for f in StepFaultSchedule.from_seed(
+            s, steps, rate=rate, kinds=kinds).faults) for s in range(seeds)) / seeds
+        assert mean == pytest.approx(right(steps, rate, kinds), rel=0.08, abs=0.05)
+    assert check_expected_crashes(right).startswith("Right")
+    wrong = {
+        "only 'crash' counts": lambda steps, rate, kinds: steps * rate * ("crash" in kinds)
+        / len(kinds),
+        "every kind of STEP_FAULTS, whatever kinds says": lambda steps, rate, kinds: (
+            steps * rate * 3 / len(STEP_FAULTS)),
+        "DERIVE's number, hard-coded": lambda steps, rate, kinds: (
+            DERIVE["steps"] * DERIVE["rate"] * 3 / 10),
+        "twice for a damaged log": lambda steps, rate, kinds: steps * rate * sum(
+            {"update": 1, "recover": 2}.get(STEP_FAULTS[k], 0) for k in kinds) / len(kinds),
+    }
+    verdicts = set()
+    for name, fn in wrong.items():
+        with pytest.raises(AssertionError, match="not the expected count") as err:
+            check_expected_crashes(fn)
+        verdicts.add(str(err.value))
+        assert "too" not in str(err.value), name
+    assert len(verdicts) == 1              # no case, no direction
+    with pytest.raises(AssertionError, match="not a number"):
+        check_expected_crashes(lambda steps, rate, kinds: "many")
+    with pytest.raises(AssertionError, match="a function"):
+        check_expected_crashes(9.0)
     with pytest.raises(NotYetAnswered):
         check_expected_crashes(...)

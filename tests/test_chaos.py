@@ -41,7 +41,7 @@ def test_chaos_sweep_all_invariants_every_step():
             checks += r.checks
     assert steps >= 10_000
     assert checks >= 9 * steps
-    expected = set(STEP_FAULTS) - {"late_copy"}   # no copy-on-write without forks (see README)
+    expected = set(STEP_FAULTS) - {"late_copy"}   # no copy-on-write without forks (docs/engine.md)
     assert expected <= set(faults), expected - set(faults)
 
 
@@ -186,8 +186,11 @@ def test_invariant_6_catches_a_cache_that_ignores_the_security_domain():
         def lookup(self, scope, token_ids):
             return super().lookup(SCOPE, token_ids)
 
-        def admit(self, request_id, scope, token_ids, num_tokens):
-            return super().admit(request_id, SCOPE, token_ids, num_tokens)
+        def find_prefix(self, scope, token_ids):
+            return super().find_prefix(SCOPE, token_ids)
+
+        def admit(self, request_id, scope, token_ids, num_tokens, hit=None):
+            return super().admit(request_id, SCOPE, token_ids, num_tokens, hit)
     kv = Unscoped(32, 4)
     s = BaselineScheduler(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
                                               prefill_chunk=8))

@@ -182,3 +182,44 @@ def test_check_stop_names_the_problem():
     for bad in (5, ["a", 3], {"a": 1}, [""]):
         with pytest.raises(ValueError, match="stop"):
             check_stop(bad)
+
+
+def _reference_cut(text: str, stops: tuple[str, ...], include: bool,
+                   armed_from: int) -> tuple[str, str | None]:
+    """The answer when stop strings count only if they end past ``armed_from`` characters
+    (vLLM's min_tokens rule), cut before the match or, with ``include``, after it."""
+    hits = []
+    for s in stops:
+        at = text.find(s, max(0, armed_from - len(s) + 1))
+        if at >= 0:
+            hits.append((at + len(s), at, s))
+    if not hits:
+        return text, None
+    end, at, s = min(hits)
+    return text[:end if include else at], s
+
+
+def test_stop_strings_included_and_held_back_until_armed():
+    """``include`` keeps the match and holds nothing back; text fed unarmed (the first
+    min_tokens tokens') is never matched alone, but a match may start in it and end after."""
+    alphabet = "ab中 "
+    for seed in range(400):
+        rng = random.Random(seed)
+        stops = tuple(dict.fromkeys("".join(rng.choice(alphabet) for _ in range(
+            rng.randint(1, 3))) for _ in range(rng.randint(1, 3))))
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        include, armed_from = rng.random() < 0.5, rng.randint(0, len(text))
+        m = StopStringMatcher(list(stops), include=include)
+        sent, at = "", 0
+        while at < len(text) and m.matched is None:
+            k = rng.randint(1, 4)
+            if at < armed_from < at + k:
+                k = armed_from - at          # a delta ends where arming starts
+            sent += m.feed(text[at:at + k], armed=at >= armed_from)
+            at += k
+            if include:
+                assert m.held == ""           # nothing held back
+            want = _reference_cut(text, stops, include, armed_from)[0]
+            assert want.startswith(sent), (seed, sent, want)
+        sent += m.flush()
+        assert (sent, m.matched) == _reference_cut(text, stops, include, armed_from), seed

@@ -118,7 +118,6 @@ def test_invalid_sampling_params(kwargs, field):
         (("a#1", [1, 2]), ValueError, "may not contain"),
         (("x", [1, 2], "greedy"), TypeError, "SamplingParams"),
         (("x", [1, 2], SamplingParams(stop_token_ids=[500])), ValueError, "stop_token_ids"),
-        (("x", [1, 2], SamplingParams(max_tokens=40, n=100)), ValueError, "max_num_seqs"),
         (("x", list(range(60)), SamplingParams(max_tokens=4)), ValueError, "blocks"),
         (("x", "text"), ValueError, "no tokenizer"),
     ],

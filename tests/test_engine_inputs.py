@@ -162,8 +162,8 @@ def test_sampler_seed_is_reduced_modulo_2_64():
         a, b = SamplerState.create(p, seed), SamplerState.create(p, same)
         assert [sample(logits, [a]).token_ids for _ in range(8)] == \
                [sample(logits, [b]).token_ids for _ in range(8)]
-    with pytest.raises(TypeError, match="seed"):
-        SamplerState.create(p, 1.5)
+    with pytest.raises(ValueError, match="seed"):    # validated where it enters: the params
+        SamplingParams(temperature=1.0, seed=1.5)
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,10 @@ then does, for every cut point of a seeded run with speculation and prefix shari
 * the invariant set holds on the recovered engine (invariant 7 tolerating only the blocks
   written past the durable progress);
 * draining it, every request finishes with the tokens of the same request run alone, including
-  requests that had already finished in the lost tail and are run again (the same tokens: a
-  front end that deduplicates by request id and offset shows the client nothing twice);
+  requests that had already finished in the lost tail and are run again. The same tokens
+  because the chaos executor computes each token from the request's own context, whatever the
+  batch: a front end that deduplicates by request id and offset can rely on that here, and on a
+  real engine only where its kernels are batch-invariant (chapter 12 measures kvlab's);
 * no block is leaked.
 """
 

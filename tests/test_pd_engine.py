@@ -251,8 +251,7 @@ def test_consumer_crash_mid_install_on_the_real_engine(ckpt, tmp_path, crash_at,
     """The consumer dies before install-journal record ``crash_at`` (1: allocated, 2: written,
     3: committed — after the prefix-cache commit). Recovery says whether the blocks were
     installed; installed blocks hold exactly the producer's bytes, and no table survives."""
-    from kvlab.disagg.install_journal import recover_installs
-    from kvlab.labs.recovery.event_log import SimulatedCrash
+    from kvlab.disagg.install_journal import InstallCrash, recover_installs
 
     extra = {"shared_storage_path": str(tmp_path)}
     _produce(ckpt, "shared_storage", **extra)
@@ -262,7 +261,7 @@ def test_consumer_crash_mid_install_on_the_real_engine(ckpt, tmp_path, crash_at,
     sched.journal.crash_at = crash_at
     eng.add_request("a", PROMPTS[0], GREEDY)
     assert eng.snapshot().requests[0].status == "waiting_for_remote_kv"
-    with pytest.raises(SimulatedCrash):
+    with pytest.raises(InstallCrash):
         eng.step()
     report = recover_installs(sched.journal, eng.kv)
     (op, rec), = report.items()

@@ -5,31 +5,46 @@ from __future__ import annotations
 import pytest
 
 from kvlab.disagg.entry import check_delivery
-from kvlab.exercises._common import NotYetAnswered
+from kvlab.exercises._common import NotYetAnswered, forget_predictions
 from kvlab.exercises.ch10 import (
     INSTALL_STEPS,
     check_classification,
     check_install_order,
-    check_transfer_ms,
+    check_transfer,
     classify_entries,
 )
 
 
-def test_transfer_ms():
+@pytest.fixture(autouse=True)
+def _fresh_session():
+    forget_predictions()       # each test starts a session with no prediction recorded
+    yield
+    forget_predictions()
+
+
+def test_transfer_pair_is_judged_together_without_a_direction():
     # K and V, 80 layers, 8 KV heads of 128, 1 byte each, a quarter of the heads per GPU
-    truth = 1e3 * (10e-6 + 2 * 80 * 4096 * 8 * 128 * 1 / 4 / 50e9)
-    assert "Correct" in check_transfer_ms(truth * 1.01)
-    for wrong in (truth * 8, truth * 2, truth * 4):   # query heads; bf16; the whole model's KV
-        with pytest.raises(AssertionError, match="too high") as err:
-            check_transfer_ms(wrong)
-        assert str(err.value).endswith("too high")    # the direction, and nothing else
-        assert f"{truth:.2f}" not in str(err.value)
-    with pytest.raises(AssertionError, match="too low"):
-        check_transfer_ms(truth / 2)            # K only
+    nbytes = 2 * 80 * 4096 * 8 * 128 * 1 / 4
+    mb, ms = nbytes / 1e6, 1e3 * (10e-6 + nbytes / 50e9)
+    assert "Correct" in check_transfer(mb * 1.01, ms * 0.99)
+    verdicts = set()
+    # query heads; bf16; the whole model's KV; K only: each wrong by bytes, either way
+    for factor in (8, 2, 4, 0.5):
+        with pytest.raises(AssertionError, match="bytes are not right") as err:
+            check_transfer(mb * factor, ms * factor)
+        verdicts.add(str(err.value))
+        assert "too" not in str(err.value) and f"{ms:.2f}" not in str(err.value)
+    assert len(verdicts) == 1                   # above and below read the same
+    for wrong_ms in (ms * 8, ms / 1000, ms * 1000):   # bits for bytes; seconds; microseconds
+        with pytest.raises(AssertionError, match="time is not") as err:
+            check_transfer(mb, wrong_ms)
+        assert "too" not in str(err.value)
     with pytest.raises(AssertionError, match="positive"):
-        check_transfer_ms(-1)
+        check_transfer(-1, ms)
+    with pytest.raises(AssertionError, match="a number"):
+        check_transfer(mb, "3 ms")
     with pytest.raises(NotYetAnswered):
-        check_transfer_ms(...)
+        check_transfer(mb, ...)
 
 
 def test_classification():
@@ -41,6 +56,7 @@ def test_classification():
     two_wrong = [truth[1], truth[0], *truth[2:]]
     messages = set()
     for answer in (one_wrong, two_wrong):
+        forget_predictions()
         with pytest.raises(AssertionError, match="not every kind is right") as err:
             check_classification(answer)
         messages.add(str(err.value))
@@ -49,6 +65,9 @@ def test_classification():
             assert kind not in str(err.value)
     # one wrong and two wrong read the same: no count to search entry by entry
     assert len(messages) == 1
+    # and the prediction is graded once: the truth after it is not graded
+    assert "not right" in check_classification(truth)
+    forget_predictions()
     with pytest.raises(AssertionError, match="not a kind"):
         check_classification(["checksum", *truth[1:]])
     with pytest.raises(AssertionError, match="installs none"):
@@ -104,27 +123,44 @@ def test_install_order_accepts_every_safe_order():
         assert st["installed"] == (st["committed"] and st["written"])
 
 
-def test_colleague_check_installs_exactly_one_damaged_entry():
+def test_forgery_check_runs_both_checks_on_the_readers_entry():
+    from kvlab.disagg.entry import Delivery, decode_frame, encode_frame, seal
     from kvlab.exercises.ch10 import (
-        DAMAGE_KINDS,
-        check_colleague,
+        check_forgery,
         colleague_check,
-        damaged_entries,
+        consumer_expectation,
+        sound_entry,
     )
 
-    entries, expected = damaged_entries()
-    assert set(entries) == set(DAMAGE_KINDS)
-    assert all(check_delivery(d, expected) is not None for d in entries.values())
-    passed = [k for k, d in entries.items() if colleague_check(d, expected) is None]
-    assert len(passed) == 1
-    assert check_colleague(passed[0]).startswith("Correct")
-    for kind in DAMAGE_KINDS:
-        if kind != passed[0]:
-            with pytest.raises(AssertionError, match="refuses") as err:
-                check_colleague(kind)
-            assert passed[0] not in str(err.value)          # never names the right one
-            assert "every entry" not in str(err.value)      # nor the method
-    with pytest.raises(AssertionError, match="one of"):
-        check_colleague("checksum")
+    expected, sound = consumer_expectation(), sound_entry()
+    assert check_delivery(sound, expected) is None and colleague_check(sound, expected) is None
+
+    def resealed(**fields) -> Delivery:
+        desc = {**sound.header["descriptor"], **fields}
+        return decode_frame(encode_frame(seal({**sound.header, "descriptor": desc}),
+                                         sound.payload))
+
+    # the hole: another tenant's entry, re-sealed, gets past the colleague only
+    verdict = check_forgery(resealed(security_domain="tenant-b"))
+    assert verdict.startswith("Correct") and "security_domain" in verdict
+    # every other re-sealed field is refused by the colleague too; the message names no field
+    for field, value in (("model_version", "weights-v6"), ("rope", "theta=10000"),
+                         ("layers", 31), ("token_ids_hash", "0" * 64)):
+        with pytest.raises(AssertionError, match="colleague_check refuses") as err:
+            check_forgery(resealed(**{field: value}))
+        assert "security_domain" not in str(err.value)
+    # a changed field without a new seal, or a cut payload, is refused by both
+    unsealed = Delivery({**sound.header, "descriptor": {**sound.header["descriptor"],
+                                                        "security_domain": "tenant-b"}},
+                        sound.payload)
+    with pytest.raises(AssertionError, match="refuses"):
+        check_forgery(unsealed)
+    with pytest.raises(AssertionError, match="installs this entry too"):
+        check_forgery(sound)
+    with pytest.raises(AssertionError, match="crashes"):
+        check_forgery(Delivery(seal({k: v for k, v in sound.header.items()
+                                     if k != "payload_bytes"}), sound.payload))
+    with pytest.raises(AssertionError, match="Delivery"):
+        check_forgery("security_domain")
     with pytest.raises(NotYetAnswered):
-        check_colleague(...)
+        check_forgery(...)

@@ -196,7 +196,12 @@ def test_radix_figure_highlights_the_hit_path():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvlab.viz.radix import RadixView, hit_rate_figure, radix_figure
+    from kvlab.viz.radix import (
+        RadixLookup,
+        describe_lookup,
+        hit_rate_figure,
+        radix_figure,
+    )
 
     cache = RadixCache(block_size=2)
     cache.insert("s", [1, 2, 3, 4], [0, 1])
@@ -208,11 +213,53 @@ def test_radix_figure_highlights_the_hit_path():
     assert {"node-0", "node-1", "node-2", "node-root"} <= set(patches)
     assert patches["node-2"].get_linewidth() > patches["node-1"].get_linewidth()
     plt.close(fig)
-    view = RadixView(radix_snapshot(cache, "s"), {"q": (m.num_tokens, m.blocks)})
-    plt.close(view.figure())
-    assert view.widget() is not None
     fig = hit_rate_figure({"few-shot": {"computed_off": 10, "computed_on": 2, "hit_rate": 0.8}})
     plt.close(fig)
+    # the lookup spelled out: hits, the miss where the walk stops, the partial tail
+    found = RadixLookup(radix_snapshot(cache, "s"), (1, 2, 5, 7, 8), 2, (0,))
+    lines = describe_lookup(found).splitlines()
+    assert lines[0] == "2 of 5 tokens cached"
+    assert [line.split()[0] for line in lines[1:]] == ["hit", "miss", "+"]
+    last = describe_lookup(RadixLookup(found.tree, (1, 2, 3, 4), 2, (0,))).splitlines()
+    assert last[2].split()[0] == "last"          # the last full block holds the last token
+
+
+def test_radix_view_serves_and_looks_up_through_its_explore_function():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.viz.radix import RadixLookup, RadixView
+
+    calls = []
+
+    def explore(served, query):
+        calls.append((served, query))
+        kv = KVCacheManager(16, 2)
+        for i, (scope, tokens) in enumerate(served):
+            kv.admit(f"s{i}", scope, tokens, len(tokens))
+            kv.commit(f"s{i}", tokens)
+            kv.free(f"s{i}")
+        hit = kv.prefix_cache.match(query[0], query[1])
+        return RadixLookup(radix_snapshot(kv.prefix_cache, query[0]), query[1],
+                           hit.num_tokens, hit.blocks)
+
+    prompts = {"x": ("s", (1, 2, 3, 4, 5)), "y": ("s", (1, 2, 9, 9, 9)), "z": ("t", (1, 2, 3))}
+    view = RadixView(explore, prompts, ["x", "y"], served=["y"], lookup="x")
+    plt.close(view.figure())
+    assert calls[-1] == ((prompts["y"],), prompts["x"])          # only what is served
+    assert view.caption(["x", "y"], "x").startswith("4 of 5 tokens cached")
+    assert view.caption(["x", "y"], "z").startswith("0 of 3")    # another scope, another tree
+    assert view.widget() is not None
+    twin = view.kernel_free()
+    assert len(twin.frames) == 2 * 2 * 3                         # served on/off x lookups
+    assert len({f.png for f in twin.frames}) > 4
+    with pytest.raises(ValueError, match="unknown"):
+        RadixView(explore, prompts, ["x", "w"])
+    with pytest.raises(ValueError, match="lookup"):
+        RadixView(explore, prompts, ["x"], lookup="w")
 
 
 def _course_answers():
@@ -230,8 +277,9 @@ def test_chapter4_exercise_checks():
     from kvlab.exercises.ch04 import (
         CONVERSATION,
         FEW_SHOT,
+        PREFILL_CASES,
         check_conversation_hit,
-        check_saved_prefill,
+        check_prefill_tokens,
     )
 
     answers = _course_answers()
@@ -240,39 +288,63 @@ def test_chapter4_exercise_checks():
     # 40 + 24 tokens, the last sampled one without KV: 63 with KV, three full blocks
     assert conversation_hit(**CONVERSATION) == 48
     assert conversation_hit(40, 25, 10, 16) == 64          # one more token fills block four
-    assert "Correct" in check_conversation_hit(48, "c")
-    for wrong in ((64, "c"), (32, "c"), (48, "a"), (48, "b"), (48, "d"), (48, "z")):
+    assert "Correct" in check_conversation_hit(63, 48, "c")
+    for wrong in ((64, 48, "c"), (63, 64, "c"), (63, 32, "c"), (63, 48, "a"), (63, 48, "b"),
+                  (63, 48, "d"), (63, 48, "z"), (48, 63, "c")):
         with pytest.raises(AssertionError):
             check_conversation_hit(*wrong)
-    with pytest.raises(AssertionError, match="integer"):
-        check_conversation_hit("48", "c")
+    with pytest.raises(AssertionError, match="whole number"):
+        check_conversation_hit(63, "48", "c")
     off, on = saved_prefill(**FEW_SHOT)
     assert off == 20 * 640 and on == 640 + 19 * (640 - 592)
-    assert "Correct" in check_saved_prefill(off, on)
+
+    def rule(shared_tokens, question_tokens, requests, block_size):
+        prompt = shared_tokens + question_tokens
+        reused = shared_tokens // block_size * block_size
+        return requests * prompt, prompt + (requests - 1) * (prompt - reused)
+
+    assert "Correct" in check_prefill_tokens(rule)
+    # the rule is the KV manager's on every hidden workload, and each workload matters
+    for case in PREFILL_CASES:
+        assert list(rule(**case)) == list(saved_prefill(**case))
+
+    def no_rounding(shared_tokens, question_tokens, requests, block_size):
+        prompt = shared_tokens + question_tokens
+        return requests * prompt, prompt + (requests - 1) * question_tokens
+
+    def right_on_the_shown_case_only(**case):
+        return rule(**FEW_SHOT) if case == FEW_SHOT else (0, 0)
+
+    for wrong in (no_rounding, right_on_the_shown_case_only, lambda **case: "12800"):
+        with pytest.raises(AssertionError, match="disagrees"):
+            check_prefill_tokens(wrong)
+    with pytest.raises(AssertionError, match="pass a function"):
+        check_prefill_tokens((off, on))
 
 
 def test_chapter4_checks_do_not_print_the_answer():
-    from kvlab.exercises.ch04 import (
-        FEW_SHOT,
-        check_conversation_hit,
-        check_saved_prefill,
-    )
+    from kvlab.exercises.ch04 import check_conversation_hit, check_prefill_tokens
 
-    saved_prefill = _course_answers().saved_prefill
-
-    for wrong, direction in ((64, "too high"), (32, "too low")):
-        with pytest.raises(AssertionError, match=direction) as err:
-            check_conversation_hit(wrong, "c")
-        assert "48" not in str(err.value)
+    messages = set()
+    for wrong in ((63, 64, "c"), (63, 32, "c"), (64, 48, "c"), (62, 48, "c"), (63, 16, "c")):
+        with pytest.raises(AssertionError) as err:
+            check_conversation_hit(*wrong)
+        messages.add(str(err.value))
+    # one verdict for the pair: no direction, no number, no hint at which one is off
+    (text,) = messages
+    assert "48" not in text and "63" not in text and "too" not in text
     for letter in "abd":  # a wrong letter says why it fails, never which letter is right
         with pytest.raises(AssertionError) as err:
-            check_conversation_hit(48, letter)
+            check_conversation_hit(63, 48, letter)
         assert "(c)" not in str(err.value) and "never fed" not in str(err.value)
-    off, on = saved_prefill(**FEW_SHOT)
-    with pytest.raises(AssertionError, match=r"with: .* is too high") as err:
-        check_saved_prefill(off, on + 16)
-    assert f"{on}" not in str(err.value).replace(f"{on + 16}", "")
-    assert "block" not in str(err.value)                  # no method in the message
+
+    def close(shared_tokens, question_tokens, requests, block_size):
+        prompt = shared_tokens + question_tokens
+        return requests * prompt, prompt + (requests - 1) * (prompt - shared_tokens)
+
+    with pytest.raises(AssertionError) as err:
+        check_prefill_tokens(close)
+    assert "too" not in str(err.value) and "1552" not in str(err.value)
 
 
 def test_chapter4_block_index_debug_check():
@@ -330,9 +402,9 @@ def test_chapter4_request_order_check():
     assert prefill_for_order(longest_prefix_first_order()) == best == 768
     assert prefill_for_order(arrival) > best       # interleaved groups evict one another
     assert "Correct" in check_request_order(sorted(arrival))
-    with pytest.raises(AssertionError, match="too many") as err:
+    with pytest.raises(AssertionError, match="cache-aware order computes less") as err:
         check_request_order(arrival)
-    assert "768" not in str(err.value) and "arrival order" in str(err.value)
+    assert "768" not in str(err.value) and "too" not in str(err.value)
     with pytest.raises(AssertionError, match="exactly once"):
         check_request_order(arrival[:-1])
     with pytest.raises(AssertionError, match="exactly once"):

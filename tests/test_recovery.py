@@ -45,11 +45,11 @@ class RefusingKV(KVCacheManager):
         super().__init__(*args, **kwargs)
         self.refused = False
 
-    def admit(self, request_id, scope, token_ids, num_tokens):
+    def admit(self, request_id, scope, token_ids, num_tokens, hit=None):
         if request_id == "c" and not self.refused:
             self.refused = True
             raise OutOfBlocks("refused once (test)", 1, 0)
-        return super().admit(request_id, scope, token_ids, num_tokens)
+        return super().admit(request_id, scope, token_ids, num_tokens, hit)
 
 
 def build(cls, log, kv_cls=KVCacheManager):

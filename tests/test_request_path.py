@@ -56,8 +56,10 @@ def trace(frame, event, arg):
     if event == "call" and frame.f_code.co_filename.startswith(root):
         callee = os.path.relpath(frame.f_code.co_filename, root)
         order.setdefault(callee, len(order))
-        back = frame.f_back
-        if back is not None and back.f_code.co_filename.startswith(root):
+        back = frame.f_back     # the nearest kvlab caller (past decorators such as torch's)
+        while back is not None and not back.f_code.co_filename.startswith(root):
+            back = back.f_back
+        if back is not None:
             edges.add((os.path.relpath(back.f_code.co_filename, root), callee))
 
 sys.settrace(trace)

@@ -18,9 +18,9 @@ from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.tokenizer import Tokenizer
 from kvlab.entrypoints.async_engine import AsyncEngine
-from kvlab.entrypoints.openai_protocol import chat_prompt
+from kvlab.entrypoints.chat_template import conversation
 from kvlab.entrypoints.openai_responses import LOGPROB_FLOOR, _byte_alphabet
-from kvlab.entrypoints.serve import build_app
+from kvlab.entrypoints.serve import build_app, chat_template
 from kvlab.entrypoints.uvicorn_server import ServerThread
 
 openai = pytest.importorskip("openai")
@@ -47,6 +47,38 @@ def reference(llm, prompt, **kw):
     return llm.generate([prompt], SamplingParams(**kw))[0].outputs[0]
 
 
+def piece(tok, token_id: int) -> str:
+    """A whole token's name in logprobs: its text with special tokens kept (vLLM 0.32's
+    ``convert_ids_list_to_tokens``, ``vllm/tokenizers/detokenizer_utils.py``)."""
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def vllm_name(tok, token_id: int, before: list[int]) -> str:
+    """vLLM 0.32's name for a token after ``before`` (``LogprobsProcessor._verify_tokens`` and
+    ``_correct_decoded_token``, ``vllm/v1/engine/logprobs.py``): a text ending in U+FFFD is
+    decoded again after 1..4 of the tokens before it; the first try that ends cleanly gives the
+    text past the context's own complete characters, none gives ''."""
+    text = piece(tok, token_id)
+    if not text.endswith(REPLACEMENT):
+        return text
+    ctx_all = before[-4:]
+    for n in range(1, len(ctx_all) + 1):
+        ctx = ctx_all[-n:]
+        full = tok.decode([*ctx, token_id])
+        if full.endswith(REPLACEMENT):
+            continue
+        clean = len(ctx)
+        for j in range(len(ctx) - 1, -1, -1):
+            if tok.decode([ctx[j]]).endswith(REPLACEMENT):
+                clean = j
+            else:
+                break
+        prefix = tok.decode(ctx[:clean]) if clean else ""
+        assert full.startswith(prefix)
+        return full[len(prefix):]
+    return ""
+
+
 def complete_offsets(decode, ids) -> list[int]:
     """Where each token's text starts: the length of the text of the longest prefix before it
     that ends on a complete character."""
@@ -70,9 +102,9 @@ def test_completion_logprobs_are_the_engines_greedy_and_seeded(server, llm):
     lp = got.choices[0].logprobs
     ids = ref.token_ids
     assert got.choices[0].text == ref.text
-    assert lp.tokens == [tok.decode([t]) for t in ids]
+    assert lp.tokens == [piece(tok, t) for t in ids]
     assert lp.token_logprobs == [ref.logprobs[i][t] for i, t in enumerate(ids)]
-    assert lp.top_logprobs == [{tok.decode([t]): v for t, v in d.items()} for d in ref.logprobs]
+    assert lp.top_logprobs == [{piece(tok, t): v for t, v in d.items()} for d in ref.logprobs]
     assert lp.text_offset == complete_offsets(tok.decode, ids)
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert len(top) == 3                     # greedy: the sampled token is the best one
@@ -85,7 +117,7 @@ def test_completion_logprobs_are_the_engines_greedy_and_seeded(server, llm):
                     ignore_eos=True)
     lp = got.choices[0].logprobs
     assert got.choices[0].text == ref.text
-    assert lp.top_logprobs == [{tok.decode([t]): d[t]} for t, d in zip(ref.token_ids,
+    assert lp.top_logprobs == [{piece(tok, t): d[t]} for t, d in zip(ref.token_ids,
                                                                          ref.logprobs,
                                                                          strict=True)]
     assert sum(lp.token_logprobs) == pytest.approx(ref.cumulative_logprob, abs=1e-4)
@@ -144,8 +176,9 @@ def test_chat_logprobs_are_the_engines(server, llm):
     got = server.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10,
                                                 temperature=0, logprobs=True, top_logprobs=2,
                                                 extra_body={"ignore_eos": True})
-    ref = reference(llm, chat_prompt(MESSAGES), max_tokens=10, temperature=0, logprobs=2,
-                    ignore_eos=True)
+    text = chat_template(server.engine).render(conversation(MESSAGES)[0])
+    ref = reference(llm, tok.encode(text, add_special_tokens=False), max_tokens=10,
+                    temperature=0, logprobs=2, ignore_eos=True)
     content = got.choices[0].logprobs.content
     assert got.choices[0].message.content == ref.text
     assert [e.token for e in content] == [tok.decode([t]) for t in ref.token_ids]
@@ -203,9 +236,10 @@ def test_byte_alphabet_is_gpt2s():
 
 
 def test_token_bytes_and_offsets_across_split_characters(bytes_server):
-    """Byte-level tokens end inside CJK characters and emoji: their text reads U+FFFD, their
-    bytes are the real ones (joined they are the answer's UTF-8), and a token's text_offset is
-    where its character starts."""
+    """Byte-level tokens end inside CJK characters and emoji: each is named as vLLM 0.32 names
+    it (the token completing a character reads the character, the others ''), their bytes are
+    the real ones (joined they are the answer's UTF-8), and a token's text_offset is where its
+    character starts."""
     tok = bytes_server.tok
     prompt = tok.encode("the river 中文😀")
     ref = LLMEngine(EngineArgs(MODEL, max_model_len=256, tokenizer=tok))
@@ -224,19 +258,24 @@ def test_token_bytes_and_offsets_across_split_characters(bytes_server):
         lp, ids = comp.choices[0].logprobs, want[s].token_ids
         assert comp.choices[0].text == want[s].text
         assert lp.token_logprobs == [d[t] for t, d in zip(ids, want[s].logprobs, strict=True)]
+        assert lp.tokens == [vllm_name(tok, t, ids[:j]) for j, t in enumerate(ids)]
+        split += sum(not name and piece(tok, t).endswith(REPLACEMENT)
+                     for name, t in zip(lp.tokens, ids, strict=True))
         assert lp.text_offset == complete_offsets(tok.decode, ids)
         got = bytes_server.client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "中文😀 the river"}],
             max_tokens=24, temperature=1.0, seed=s, logprobs=True, top_logprobs=2,
             extra_body={"ignore_eos": True})
         content = got.choices[0].logprobs.content
-        raw = b"".join(bytes(e.bytes) for e in content)
+        # special tokens are named (and their bytes spelled) as '<|eos|>', as in vLLM; the
+        # content skips them (skip_special_tokens)
+        raw = b"".join(bytes(e.bytes) for e in content if e.token not in ("<|bos|>", "<|eos|>"))
         assert raw.decode("utf-8", errors="replace") == got.choices[0].message.content
         for e in content:
-            if e.token == REPLACEMENT:            # part of a character: its real bytes
-                assert e.bytes != list(REPLACEMENT.encode())
+            if e.token == "":                     # part of a character: its real bytes
+                assert e.bytes and e.bytes != list(REPLACEMENT.encode())
                 split += 1
-    assert split >= 5                            # the runs did split characters
+    assert split >= 10                           # the runs did split characters
 
 
 # ---------------------------------------------------------------- masked tokens, bad input
@@ -263,8 +302,6 @@ BAD = [
     ("/v1/completions", {"logprobs": 2.5}, "logprobs", "invalid_value"),
     ("/v1/completions", {"echo": "yes"}, "echo", "invalid_type"),
     ("/v1/completions", {"max_tokens": 0}, "max_tokens", "invalid_value"),  # only with echo
-    ("/v1/completions", {"top_logprobs": 2}, "top_logprobs",
-     "unknown_parameter"),
     ("/v1/chat/completions", {"logprobs": 3}, "logprobs", "invalid_type"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs",
      "invalid_value"),
@@ -365,12 +402,14 @@ def test_echo_with_logprobs_scores_the_prompt(server, llm, max_tokens):
     c = resp.choices[0]
     lp = c.logprobs
     total = ids + (gen.token_ids if max_tokens else [])
-    assert lp.tokens == [names.decode([t]) for t in total]
+    # the BOS reads '<|bos|>', as vLLM names an echoed prompt's first token
+    # (CompletionServing._create_completion_logprobs: tokenizer.decode(token_id))
+    assert lp.tokens == [piece(names, t) for t in total] and lp.tokens[0] == "<|bos|>"
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     for j in range(1, len(ids)):
         assert lp.token_logprobs[j] == pytest.approx(plp[j][ids[j]], abs=1e-6)
         assert lp.top_logprobs[j] == pytest.approx(
-            {names.decode([t]): v for t, v in plp[j].items()}, abs=1e-6)
+            {piece(names, t): v for t, v in plp[j].items()}, abs=1e-6)
     if max_tokens:
         assert lp.token_logprobs[-1] == pytest.approx(gen.logprobs[0][gen.token_ids[0]],
                                                       abs=1e-6)

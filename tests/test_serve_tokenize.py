@@ -4,14 +4,16 @@ lm-eval's probe for a server-side tokenizer."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
 from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.entrypoints.async_engine import AsyncEngine
-from kvlab.entrypoints.openai_protocol import chat_prompt
-from kvlab.entrypoints.serve import build_app
+from kvlab.entrypoints.chat_template import conversation
+from kvlab.entrypoints.serve import build_app, chat_template
 from kvlab.entrypoints.uvicorn_server import ServerThread
 
 MODEL = "kvlab-tiny"
@@ -32,7 +34,9 @@ def server(engine):
 
 
 def post(url: str, path: str, body) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=60)
+    # ASCII-escaped JSON: a lone surrogate travels as the text "\ud800", as clients send it
+    return httpx.post(url + path, content=json.dumps(body).encode(),
+                      headers={"content-type": "application/json"}, timeout=60)
 
 
 def test_tokenize_a_prompt_as_the_engine_does(server, engine):
@@ -65,7 +69,9 @@ def test_tokenize_chat_gives_the_tokens_chat_completions_runs(server, engine):
     r = post(server, "/tokenize", {"model": MODEL, "messages": messages})
     assert r.status_code == 200, r.text
     ids = r.json()["tokens"]
-    assert ids == engine.tokenizer.encode(chat_prompt(messages))
+    text = chat_template(engine).render(conversation(messages)[0])
+    assert ids == engine.tokenizer.encode(text, add_special_tokens=False)
+    assert ids[0] == engine.config.bos_token_id and ids[1] != ids[0]   # the template's BOS
     answer = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages,
                                                      "max_tokens": 1, "temperature": 0})
     assert answer.json()["usage"]["prompt_tokens"] == len(ids)
@@ -79,19 +85,17 @@ def test_tokenize_chat_gives_the_tokens_chat_completions_runs(server, engine):
 @pytest.mark.parametrize("path, body, status, param", [
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
-    ("/tokenize", {"prompt": "a", "truncate": 3}, 400, "truncate"),
     ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
     ("/tokenize", {"messages": [{"role": "user", "content": "a"}],
                    "continue_final_message": True}, 400, "continue_final_message"),
-    ("/tokenize", {"messages": [{"role": "user", "content": "a"}],
-                   "add_special_tokens": True}, 400, "add_special_tokens"),
     ("/tokenize", {"messages": [{"role": "wizard", "content": "a"}]}, 400, "messages"),
-    ("/tokenize", {"messages": [], "tools": []}, 400, "tools"),
+    ("/tokenize", {"messages": [], "tools": []}, 400, "messages"),
+    ("/tokenize", {"prompt": "a\ud800b"}, 400, "prompt"),
     ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
     ("/detokenize", {"tokens": [1024]}, 400, "tokens"),
     ("/detokenize", {"tokens": [True]}, 400, "tokens"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
-    ("/detokenize", {"tokens": [], "prompt": "x"}, 400, "prompt"),
+    ("/detokenize", {"prompt": "x"}, 400, "tokens"),
 ])
 def test_bad_tokenizer_requests_name_the_field(server, path, body, status, param):
     r = post(server, path, body)
@@ -112,13 +116,16 @@ def test_tokenizer_info_and_its_chat_template(server, engine):
     assert info["eos_token"] == "<|eos|>" and info["bos_token"] == "<|bos|>"
     assert info["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert engine.tokenizer.get_vocab()[info["eos_token"]] == engine.eos_token_ids[0]
+    assert info["chat_template"] == chat_template(engine).source
+    # whitespace-safe: a plain Jinja environment (no trim_blocks) renders it the same
     template = jinja2.Environment().from_string(info["chat_template"])
     for messages in ([{"role": "user", "content": "hi"}],
                      [{"role": "developer", "content": "Be kind.\nAlways."},
                       {"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
                       {"role": "user", "content": "and?"}]):
-        assert template.render(messages=messages, add_generation_prompt=True) == \
-            chat_prompt(messages)
+        assert template.render(messages=messages, add_generation_prompt=True,
+                               bos_token=info["bos_token"]) == \
+            chat_template(engine).render(conversation(messages)[0])
 
 
 def test_tokenizer_info_is_opt_in(engine):
@@ -139,3 +146,17 @@ def test_lm_eval_finds_and_uses_the_server_tokenizer(server, engine):
     assert tok.encode(TEXT) == ids and tok.decode(ids) == TEXT
     assert tok.eos_token_id == engine.eos_token_ids[0]
     assert tok.bos_token_id == engine.config.bos_token_id
+
+
+def test_tokenize_takes_vllms_chat_fields_and_ignores_unknown_ones(server, engine):
+    """vLLM 0.32 (``TokenizeChatRequest``, ``vllm/entrypoints/serve/tokenize/protocol.py``):
+    ``add_special_tokens`` (default false for chat) adds the tokenizer's BOS on top of the one
+    the template writes; fields the request model does not define are ignored, not refused."""
+    messages = [{"role": "user", "content": "hi"}]
+    plain = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    doubled = post(server, "/tokenize", {"messages": messages, "add_special_tokens": True,
+                                         "truncate": 3}).json()["tokens"]
+    bos = engine.config.bos_token_id
+    assert plain[0] == bos and plain[1] != bos and doubled == [bos, *plain]
+    r = post(server, "/tokenize", {"prompt": "a b", "frobnicate": 1})
+    assert r.status_code == 200 and r.json()["tokens"] == engine.tokenizer.encode("a b")

@@ -14,7 +14,11 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.core.step_records import ScheduledChunk
-from kvlab.sim.costmodel import RooflineCostModel, speculative_step_cost
+from kvlab.sim.costmodel import (
+    RooflineCostModel,
+    speculative_memory,
+    speculative_step_cost,
+)
 from kvlab.sim.executor import SimClock, simulate
 from kvlab.sim.static_batching import StaticBatchScheduler
 from kvlab.sim.workload import (
@@ -130,6 +134,36 @@ def test_speculative_step_cost_is_priced_from_step_cost():
         kw = {"batch": 1, "k": 4, "alpha": 0.5, "context": 10} | bad
         with pytest.raises(ValueError, match=next(iter(bad))):
             speculative_step_cost(target, draft, **kw)
+
+
+def test_speculative_memory_is_both_models_weights_and_kv_in_whole_blocks():
+    """The scenario's memory identity: weights + batch x (target + draft KV per token) x the
+    request's tokens in whole blocks, against tp x CUDA's total x 0.9."""
+    target = RooflineCostModel.named("Llama-3-70B", "H100-80GB SXM", tp=4)
+    draft = RooflineCostModel.named("Llama-3-8B", "H100-80GB SXM", tp=4)
+    mem = speculative_memory(target, draft, context=1024, k=4)
+    per_token = 2 * 80 * 8 * 128 * 2 + 2 * 32 * 8 * 128 * 2       # 70B and 8B, bf16
+    assert mem.per_request == 65 * 16 * per_token                   # 1,029 tokens -> 65 blocks
+    assert mem.weights == target.weight_bytes + draft.weight_bytes
+    assert mem.capacity == 4 * target.gpu.engine_memory_bytes * 0.9
+    b = mem.max_batch
+    assert mem.needed(b) <= mem.capacity < mem.needed(b + 1)
+    fits = speculative_step_cost(target, draft, batch=b, k=4, alpha=0.6, context=1024)
+    over = speculative_step_cost(target, draft, batch=b + 1, k=4, alpha=0.6, context=1024)
+    assert fits.fits and not over.fits and over.memory_bytes == mem.needed(b + 1)
+    # batch 16 at 32k tokens needs about 398 GB: more than four H100s hold
+    long = speculative_step_cost(target, draft, batch=16, k=4, alpha=0.6, context=32768)
+    assert not long.fits and long.memory_bytes > 395e9 > long.memory_capacity
+    assert speculative_memory(target, draft, context=32768, k=4).max_batch == 9
+    other = RooflineCostModel.named("Llama-3-8B", "H100-80GB SXM", tp=2)
+    with pytest.raises(ValueError, match="share the target's GPUs"):
+        speculative_memory(target, other, context=1024, k=4)
+    with pytest.raises(ValueError, match="share the target's GPUs"):
+        speculative_step_cost(target, other, batch=1, k=4, alpha=0.5, context=10)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        speculative_memory(target, draft, context=10, k=1, gpu_memory_utilization=0)
+    with pytest.raises(ValueError, match="block_size"):
+        speculative_memory(target, draft, context=10, k=1, block_size=0)
 
 
 def test_workload_generators():

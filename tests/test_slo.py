@@ -108,6 +108,40 @@ def test_arrival_window_leaves_out_the_final_drain() -> None:
         arrival_window(recs, 100.0)
 
 
+def test_arrival_window_counts_one_cohort_completed_by_its_end() -> None:
+    # arrivals at 0..9 s; r7 and r8 end after the last arrival (9 s): in flight, not counted
+    recs = [LatencyRecord(f"r{i}", float(i), ttft=0.1, e2e=3.0 if i in (7, 8) else 0.5,
+                          output_tokens=4) for i in range(10)]
+    rep = evaluate_slo(recs, SLO(e2e=1.0), window_s="arrivals")
+    assert rep.window_s == pytest.approx(9.0) and rep.measured == 10
+    assert (rep.completed, rep.completed_met) == (7, 7)          # r0..r6; r9 ends at 9.5
+    assert rep.throughput == pytest.approx(7 / 9) and rep.offered == pytest.approx(10 / 9)
+    assert rep.output_tokens == 28                              # of the completed ones only
+    assert (rep.finished, rep.met) == (10, 8)                   # attainment: every request
+    assert rep.attainment == pytest.approx(0.8)
+    # counted by arrival: r0..r6 and r9 met the SLO, whenever they completed
+    assert rep.goodput_by_arrival == pytest.approx(8 / 9) == rep.attainment * rep.offered
+    drained = evaluate_slo(recs, SLO(e2e=1.0))                  # the default counts them all
+    assert drained.completed == 10 and drained.throughput == pytest.approx(10 / 11)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_goodput_le_throughput_le_offered_over_the_arrival_window(seed: int) -> None:
+    rng = random.Random(seed)
+    recs = random_records(rng, rng.randint(1, 200))
+    slo = SLO(ttft=rng.uniform(0.1, 2), tpot=rng.uniform(0.01, 0.2))
+    warmup = rng.choice([0.0, rng.uniform(0, 20)])
+    if max(r.arrival for r in recs) <= warmup:
+        warmup = 0.0                       # an empty (or zero-length) window is refused
+    rep = evaluate_slo(recs, slo, window_s="arrivals", warmup_s=warmup)
+    assert rep.goodput <= rep.throughput <= rep.offered
+    assert rep.goodput <= rep.goodput_by_arrival <= rep.offered
+    ends = warmup + rep.window_s
+    kept = [r for r in recs if r.arrival >= warmup and r.finished and r.end <= ends]
+    assert rep.completed == len(kept)
+    assert rep.completed_met == sum(slo.met_by(r) for r in kept)
+
+
 def test_single_token_request_meets_tpot_vacuously() -> None:
     r = LatencyRecord("one", 0.0, ttft=0.1, e2e=0.1, output_tokens=1)
     assert SLO(tpot=0.0).met_by(r)

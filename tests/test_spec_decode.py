@@ -465,3 +465,24 @@ def test_kv_budget_pays_for_the_draft_cache():
     assert ngram.num_blocks == plain.num_blocks
     assert draft.num_blocks == budget // ((t + d) * draft.block_size)
     assert draft.executor.proposer.cache.num_blocks == draft.num_blocks
+
+
+def test_the_draft_writes_the_kv_of_every_chunk_the_target_runs():
+    """The draft reads its own cache for every position before the one it drafts from, so it
+    must write the KV of every chunk the target runs, prefills included: after a prompt's
+    prefill step the draft's cache holds the prompt, and the same greedy requests draft the
+    same on a fresh engine and on one that served them before."""
+    from kvlab.labs.speculation.acceptance import run_acceptance
+
+    eng = _llm(DRAFT, 4).engine
+    eng.add_request("a", PROMPTS[1], SamplingParams(max_tokens=8, temperature=0))
+    eng.step()                                   # the prefill step: no chunk has lookahead
+    n = eng.scheduler.find_request("a").num_computed_tokens
+    table, bs = eng.kv.block_table("a"), eng.block_size
+    draft_kv = eng.executor.proposer.cache.data
+    unwritten = [t for t in range(n) if not bool(draft_kv[0, 0, table[t // bs], t % bs].any())]
+    assert unwritten == []
+    own: dict = {}
+    first = run_acceptance("draft_model", k=4, temperature=0.0, engines=own)
+    again = run_acceptance("draft_model", k=4, temperature=0.0, engines=own)
+    assert (again.per_pos, again.mean_length) == (first.per_pos, first.mean_length)

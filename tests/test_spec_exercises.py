@@ -19,23 +19,44 @@ def _pmf(a, k):
     return [a ** (j - 1) * (1 - a) for j in range(1, k + 1)] + [a ** k]
 
 
-def test_context_effect_check_says_why_an_option_fails_never_which_is_right():
-    answers = {}
+def test_context_effect_grades_two_derived_times_before_the_direction():
+    from kvlab.sim.costmodel import speculative_step_cost
+
+    target, draft = ch09.deployment_cost_models()
+    b, k, a = ch09.PREDICT["batch"], ch09.PREDICT["k"], ch09.PREDICT["alpha"]
+    short, long = (speculative_step_cost(target, draft, batch=b, k=k, alpha=a, context=c,
+                                         draft_forwards=k) for c in ch09.PREDICT["contexts"])
+    assert short.fits and long.fits                 # the exercise's scenario is deployable
+    # the bytes alone give both times: every forward involved is memory-bound
+    grow = ch09.PREDICT["contexts"][1] - ch09.PREDICT["contexts"][0]
+    bandwidth = target.tp * target.gpu.hbm_bandwidth
+    decode_ms = 1e3 * b * grow * target.kv_bytes_per_token / bandwidth
+    draft_ms = 1e3 * k * b * grow * draft.kv_bytes_per_token / bandwidth
+    assert decode_ms == pytest.approx(1e3 * (long.decode_s - short.decode_s))
+    assert draft_ms == pytest.approx(1e3 * (long.draft_s - short.draft_s))
+    assert long.speedup < short.speedup
+    assert ch09.check_context_effect(decode_ms, draft_ms, "falls").startswith("Right")
+    # wrong directions, with the right times: the same words for both, naming neither
+    texts = {_fails(ch09.check_context_effect, decode_ms, draft_ms, o)
+             for o in ("rises", "unchanged")}
+    assert len(texts) == 1 and next(iter(texts)).startswith("no:")
+    assert "fall" not in next(iter(texts))
+    # the direction alone does not pass: every option fails while a time is wrong, with the
+    # same words (no option is singled out) and no direction of the time's error
     for option in ch09.CONTEXT_CHOICES:
-        try:
-            answers[option] = ch09.check_context_effect(option)
-        except AssertionError as err:
-            answers[option] = err
-    right = [o for o, v in answers.items() if isinstance(v, str)]
-    assert right == ["falls"]                       # the roofline's verdict at these settings
-    for option, err in answers.items():
-        if option != "falls":
-            text = str(err)
-            assert text.startswith("no:") and "falls" not in text and "fall" not in text
-    with pytest.raises(AssertionError, match="answer one of"):
-        ch09.check_context_effect("drops")
+        for off in (0.5, 2.0):
+            text = _fails(ch09.check_context_effect, decode_ms * off, draft_ms, option)
+            assert text.startswith("the decode step's extra time is not right")
+            assert "high" not in text and "low" not in text and "no:" not in text
+            text = _fails(ch09.check_context_effect, decode_ms, draft_ms * off, option)
+            assert text.startswith("the draft forwards' extra time is not right")
+    both = _fails(ch09.check_context_effect, 0.0, 0.0, "falls")
+    assert "decode step" in both and "draft forwards" in both
+    _fails(ch09.check_context_effect, decode_ms, draft_ms, "drops", match="answer one of")
+    for bad in ("6", float("nan"), float("inf")):
+        _fails(ch09.check_context_effect, bad, draft_ms, "falls", match="as a number")
     with pytest.raises(NotYetAnswered):
-        ch09.check_context_effect(...)
+        ch09.check_context_effect(decode_ms, draft_ms, ...)
 
 
 def test_emitted_pmf_check():
@@ -44,7 +65,8 @@ def test_emitted_pmf_check():
         head = [a ** j * (1 - a) for j in range(1, k + 1)]
         return [*head, 1 - sum(head)]
 
-    assert "too" in _fails(ch09.check_emitted_pmf, shifted)
+    text = _fails(ch09.check_emitted_pmf, shifted)
+    assert "revisit" in text and "high" not in text and "low" not in text
     _fails(ch09.check_emitted_pmf, lambda a, k: _pmf(a, k)[:-1], match="entries")
     _fails(ch09.check_emitted_pmf, lambda a, k: [1.0] * (k + 1), match="not a distribution")
     expected_length = lambda a, k: sum(a ** i for i in range(k + 1))
@@ -80,12 +102,12 @@ def test_fixed_step_check_catches_the_colleague_and_passes_a_fix():
 
     assert "Fixed" in ch09.check_fixed_step(fixed)
     colleague = _fails(ch09.check_fixed_step, ch09.colleague_step, match="not distributed")
-    for word in ("uniform", "same random", "reuse", "twice", "correlat"):
+    for word in ("uniform", "same random", "reuse", "twice", "correlat", "often", "rarely"):
         assert word not in colleague.lower()
     target_only = _fails(ch09.check_fixed_step,
                          lambda p, q, x, rng: rng.choices(range(len(p)), weights=p)[0],
-                         match="kept too rarely")
-    assert "follows p" in target_only
+                         match="not kept at the rule's rate")
+    assert "follows p" in target_only and "rarely" not in target_only
     _fails(ch09.check_fixed_step, lambda p, q, x, rng: 9, match="token id")
     # the colleague really is wrong: its exact output distribution differs from p
     p, q = ch09._PAIRS[0]
@@ -143,6 +165,33 @@ def test_acceptance_figure_draws_plain_data():
     assert "2 rejected drafts" in fig.axes[2].get_title()
 
 
+def test_both_alphas_are_drawn_and_the_caption_says_why_they_differ():
+    pytest.importorskip("matplotlib")
+    from kvlab.labs.speculation.acceptance import AcceptanceData
+    from kvlab.viz.spec import acceptance_caption, acceptance_figure, conditional_rates
+
+    # a first draft kept 60% of the time, later ones (once reached) more often
+    data = AcceptanceData("draft_model", 3, 0.8, (0.6, 0.5, 0.45), {"req 0": ((1, 2),)},
+                          ((0.1, 0.4),), 0.75, 2.5)
+    assert conditional_rates(data) == pytest.approx((0.6, 0.5 / 0.6, 0.9))
+    labels = [t.get_text() for t in acceptance_figure(data).axes[0].get_legend().get_texts()]
+    assert any("0.60" in t and "first position" in t for t in labels)
+    assert any("0.75" in t and "all positions" in t for t in labels)
+    caption = acceptance_caption(data)
+    assert "alpha_1 = 0.60" in caption and "alpha-hat = 0.75" in caption
+    assert "kept more often" in caption and "0.60, 0.83, 0.90" in caption
+    assert "not independent" in caption
+    same = AcceptanceData("draft_model", 2, 0.8, (0.7, 0.49), {"req 0": ((1, 2),)},
+                          ((0.1, 0.4),), 0.71, 2.2)
+    assert "hardly depends on the position" in acceptance_caption(same)
+    one = AcceptanceData("draft_model", 1, 0.8, (0.62,), {"req 0": ((1, 2),)},
+                         ((0.1, 0.4),), 0.62, 1.6)
+    assert "same estimate" in acceptance_caption(one)
+    fewer = AcceptanceData("draft_model", 2, 0.8, (0.7, 0.2), {"req 0": ((1, 2),)},
+                           ((0.1, 0.4),), 0.5, 1.9)
+    assert "kept less often" in acceptance_caption(fewer)
+
+
 def test_an_empty_ngram_panel_says_why():
     pytest.importorskip("matplotlib")
     from kvlab.labs.speculation.acceptance import AcceptanceData
@@ -166,12 +215,17 @@ def test_speedup_figure_marks_the_roof_of_each_point():
 
     target, draft = ch09.deployment_cost_models()
     curve = [speculative_step_cost(target, draft, batch=b, k=4, alpha=0.6, context=1024)
-             for b in (1, 64, 512)]
-    fig = speedup_figure({"k=4": curve})
+             for b in (1, 64, 256)]
+    fig = speedup_figure({"k=4": curve}, max_batch=300)
     ax = fig.axes[0]
     points = [ln for ln in ax.lines if ln.get_marker() == "o" and len(ln.get_xdata()) == 1]
-    assert [p.get_xdata()[0] for p in points] == [1, 64, 512]
+    assert [p.get_xdata()[0] for p in points] == [1, 64, 256]
     hollow = [p.get_markerfacecolor() == "white" for p in points]
     assert hollow == [c.verify_bound == "memory" for c in curve] == [True, True, False]
+    assert any("memory full: 300" in t.get_text() for t in ax.get_legend().get_texts())
     with pytest.raises(ValueError, match="ascend"):
         speedup_figure({"k=4": curve[::-1]})
+    # a batch whose KV does not fit the GPUs is not plotted: it is not a deployment
+    over = speculative_step_cost(target, draft, batch=512, k=4, alpha=0.6, context=1024)
+    with pytest.raises(ValueError, match="batch 512 needs"):
+        speedup_figure({"k=4": [*curve, over]})

@@ -8,7 +8,6 @@ catch what a reader sees, whatever the data."""
 from __future__ import annotations
 
 import itertools
-import json
 import re
 
 import matplotlib
@@ -34,7 +33,7 @@ from kvlab.viz.paging import BlockTableView
 from kvlab.viz.quantization import example_row, quantization_figure
 from kvlab.viz.spec import acceptance_figure
 from kvlab.viz.style import use_style
-from kvlab.viz.timeline import BatchTimeline, TimelineStep, describe_step
+from kvlab.viz.timeline import TimelineStep, describe_step
 
 
 @pytest.fixture(autouse=True)
@@ -222,27 +221,6 @@ def test_block_table_view_keeps_each_request_colour_in_every_frame():
 
 
 # ------------------------------------------------------------------ ch06 slider and caption
-
-
-def _steps():
-    return [TimelineStep(s, (("a", 1, False),) if s % 2 else (("a", 1, False), ("b", 3, True)))
-            for s in range(1, 9)]
-
-
-def test_timeline_slider_names_the_step_its_caption_describes():
-    steps = _steps()
-    widget = BatchTimeline(steps, 4, width=3)
-    for index in range(len(steps)):
-        widget.slider.value = index
-        caption = describe_step(steps[widget.slider.value], 4)
-        assert caption.startswith(f"step {widget.slider.label}:")
-    html = widget.kernel_free(max_frames=3).to_html()
-    (names,) = re.findall(r'data-kf-labels="([^"]+)"', html)
-    labels = json.loads(names.replace("&quot;", '"'))
-    captions = re.findall(r'data-kf-key="(\d+)".*?<pre class="kvlab-kf-caption">step (\d+):',
-                          html)
-    assert len(captions) == len(labels) == 3
-    assert all(labels[int(key)] == step for key, step in captions)
 
 
 def test_timeline_caption_counts_in_the_singular():

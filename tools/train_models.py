@@ -39,6 +39,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from kvlab.entrypoints.chat_template import KVLAB_CHAT_TEMPLATE  # noqa: E402
 from kvlab.models.corpus import (  # noqa: E402
     CORPUS_SEED,
     corpus_words,
@@ -290,6 +291,7 @@ def write_model_dir(out: Path, spec: ModelSpec, model: LlamaForCausalLM, tok: To
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS, "eos_token": EOS, "add_bos_token": True,
         "model_max_length": cfg["max_position_embeddings"],
+        "chat_template": KVLAB_CHAT_TEMPLATE,   # kvlab serve's chat format, with the BOS
     }, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": 0, "eos_token_id": 1, "do_sample": False, "max_new_tokens": 128,

@@ -47,10 +47,12 @@ class RequestOutputKind(Enum):   # vLLM's: each output has all tokens so far, or
 class SamplingParams:
     """How to pick each next token, and when to stop (vLLM's names and meanings).
 
-    ``max_tokens`` (>= 1); ``temperature`` (0, or below ``MIN_TEMPERATURE``: greedy); ``top_k``
-    (0 or -1: all); ``top_p`` in (0, 1], after top-k and temperature, always keeping the most
-    likely token; ``seed`` in ``0 .. 2**64-1``: the request's own stream (sample ``i`` of ``n``
-    uses ``seed + i``; None: from the engine's seed and arrival order); ``stop_token_ids`` (kept
+    ``max_tokens`` (>= 1); ``temperature`` (0, or below ``MIN_TEMPERATURE``: greedy); ``min_p``
+    in [0, 1]: after temperature, drop tokens less likely than ``min_p`` times the most likely
+    one (0: off; greedy ignores it); ``top_k`` (0 or -1: all); ``top_p`` in (0, 1], after
+    min-p, top-k and temperature, always keeping the most likely token; ``seed`` in
+    ``0 .. 2**64-1``: the request's own stream (sample ``i`` of ``n`` uses ``seed + i``; None:
+    from the engine's seed and arrival order); ``stop_token_ids`` (kept
     in the output; stored as a tuple); ``ignore_eos``; ``n`` samples sharing the prompt's blocks;
     ``logprobs=k``: per token the k most likely and the sampled one, raw (``prompt_logprobs=k``:
     the same per prompt token after the first); ``structured_outputs``: exactly one of
@@ -81,6 +83,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     stop: str | Sequence[str] = ()
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         t, p, s, stops = self.temperature, self.top_p, self.seed, self.stop_token_ids
@@ -90,6 +93,9 @@ class SamplingParams:
         _check(_count(self.top_k, -1), "top_k", "an int >= 1, or 0/-1 for all", self.top_k)
         _check(is_real(p) and 0 < p <= 1, "top_p", "a number in (0, 1]", p)
         object.__setattr__(self, "top_p", float(p))
+        _check(is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]",
+               self.min_p)
+        object.__setattr__(self, "min_p", float(self.min_p))
         _check(s is None or (_count(s, 0) and s <= MAX_SEED), "seed",
                "None or an int in 0..2**64-1", s)
         _check(isinstance(stops, Iterable) and not isinstance(stops, (str, bytes, Mapping)),
@@ -130,6 +136,15 @@ class SamplingParams:
     @property
     def uses_top_p(self) -> bool:
         return self.top_p < 1.0
+
+    @property
+    def uses_min_p(self) -> bool:
+        return self.min_p > 0.0
+
+    @property
+    def filtered(self) -> bool:
+        """Whether min-p, top-k or top-p removes tokens (a random row's filters)."""
+        return self.uses_min_p or self.uses_top_k or self.uses_top_p
 
     @property
     def penalized(self) -> bool:

@@ -275,7 +275,8 @@ class SchedulerBase:
 
     def fail_step(self, output: SchedulerOutput, message: str) -> list[RuntimeRequest]:
         """The step in flight could not run: its requests become FAILED (``message``) and
-        release their KV once; the next ``update_from_output()`` reports them."""
+        release their KV once; the next ``update_from_output()`` reports them. The executor may
+        not have seen the step, so the next output repeats its finished ids."""
         if self._inflight is None or output is not self._inflight:
             raise ValueError(f"fail_step: output of step {output.step} is not the step in flight")
         if not isinstance(message, str):
@@ -284,6 +285,7 @@ class SchedulerBase:
             still = Counter(self.kv.pending_copies()) & Counter(output.copies)
             if still:
                 self.kv.complete_copies(list(still.elements()))
+        self._finished_ids[:0] = output.finished_ids   # dropping an unknown id is a no-op
         failed: list[RuntimeRequest] = []
         for rid in [c.request_id for c in output.chunks]:
             request = self._requests[rid]

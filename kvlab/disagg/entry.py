@@ -15,8 +15,12 @@ integration (:mod:`kvlab.disagg.remote_kv_scheduler`) build on it.
   (token-major: the layout does not depend on either side's block size).
 
 The ``descriptor`` carries every field of the spec's
-:data:`~kvlab.reference.rule09_disagg.REQUIRED_KV_FIELDS` and is immutable: nothing in it may be
-changed without changing ``header_sha256``. ``token_ids_hash`` is :func:`token_ids_hash` of the
+:data:`~kvlab.reference.rule09_disagg.REQUIRED_KV_FIELDS`. ``header_sha256`` seals the header
+against accidental damage (a changed byte no longer matches); it has no key, so it does not
+authenticate: whoever can write an entry can change a field and seal it again. kvlab assumes
+that only the deployment's own producers and consumers can write to the store or the channel;
+authenticity would need a MAC or signature with a key the consumer checks, or an authenticated
+channel. ``token_ids_hash`` is :func:`token_ids_hash` of the
 exact prompt; ``model_version`` is the hash of the weights. On shared storage an entry is the
 directory ``<root>/<key>/`` holding ``descriptor.json`` (the header) and ``kv.safetensors``; on a
 stream it is one **frame**: ``b"KVLABKV1"``, the header length (4 bytes, big endian), the header,
@@ -99,7 +103,8 @@ def make_descriptor(request_id: str, token_ids: Sequence[int], security_domain: 
 
 
 def seal(header: dict[str, Any]) -> dict[str, Any]:
-    """``header`` with ``header_sha256`` recomputed over its other fields."""
+    """``header`` with ``header_sha256`` recomputed over its other fields (a checksum against
+    damage, not a signature: anyone can call this)."""
     body = {k: v for k, v in header.items() if k != "header_sha256"}
     return {**body, "header_sha256": hashlib.sha256(_canonical(body)).hexdigest()}
 

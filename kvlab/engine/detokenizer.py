@@ -79,34 +79,45 @@ class StopStringMatcher:
 
     The occurrence that is complete first (the one ending leftmost; of two ending at the same
     place, the longer) ends the text: ``matched`` is that stop string and the text from its start
-    on is dropped. This rule does not depend on how the text was cut into deltas.
+    on is dropped, or with ``include`` kept up to its end (vLLM's
+    ``include_stop_str_in_output``; nothing is then held back). This rule does not depend on how
+    the text was cut into deltas. ``feed(text, armed=False)`` passes text on without matching
+    in it (the first ``min_tokens`` tokens' text): a later occurrence must end in armed text,
+    as in vLLM (``BaseIncrementalDetokenizer.update``, ``vllm/v1/engine/detokenizer.py``).
     """
 
-    def __init__(self, stop: str | Sequence[str] | None) -> None:
+    def __init__(self, stop: str | Sequence[str] | None, include: bool = False) -> None:
         self.stop = check_stop(stop)
+        self.include = include
         self._longest = max((len(s) for s in self.stop), default=0)
-        self._held = ""
+        self._tail = ""       # the last (longest - 1) characters fed, sent or not
+        self._unsent = 0      # how many of them are held back
         self.matched: str | None = None
 
-    def feed(self, text: str) -> str:
-        """The part of ``self._held + text`` that can be sent now ('' after a match)."""
+    def feed(self, text: str, armed: bool = True) -> str:
+        """The part of the held text and ``text`` that can be sent now ('' after a match)."""
         if self.matched is not None:
             return ""
         if not self.stop:
             return text
-        buf = self._held + text
-        best: tuple[int, int, str] | None = None
-        for s in self.stop:
-            at = buf.find(s)
-            if at >= 0 and (best is None or (at + len(s), at) < best[:2]):
-                best = (at + len(s), at, s)
-        if best is not None:
-            self.matched = best[2]
-            self._held = ""
-            return buf[:best[1]]
-        keep = self._partial_tail(buf)
-        self._held = buf[len(buf) - keep:]
-        return buf[:len(buf) - keep]
+        buf = self._tail + text
+        first_unsent = len(self._tail) - self._unsent
+        if armed:
+            new_from = len(self._tail)      # an occurrence must end in ``text``
+            best: tuple[int, int, str] | None = None
+            for s in self.stop:
+                at = buf.find(s, max(0, new_from - len(s) + 1))
+                if at >= 0 and (best is None or (at + len(s), at) < best[:2]):
+                    best = (at + len(s), at, s)
+            if best is not None:
+                self.matched = best[2]
+                self._tail, self._unsent = "", 0
+                return buf[first_unsent:max(best[0] if self.include else best[1],
+                                            first_unsent)]
+        keep = 0 if self.include else min(self._partial_tail(buf), len(buf) - first_unsent)
+        self._unsent = keep
+        self._tail = buf[max(0, len(buf) - self._longest + 1):]
+        return buf[first_unsent:len(buf) - keep]
 
     def _partial_tail(self, buf: str) -> int:
         """Length of the longest tail of ``buf`` that is a proper prefix of a stop string."""
@@ -118,23 +129,28 @@ class StopStringMatcher:
 
     def flush(self) -> str:
         """At an end that is not a stop: the held-back tail (it never became a stop string)."""
-        out, self._held = self._held, ""
+        out = self.held
+        self._tail, self._unsent = "", 0
         return "" if self.matched is not None else out
 
     @property
     def held(self) -> str:
-        return self._held
+        return self._tail[len(self._tail) - self._unsent:] if self._unsent else ""
 
 
 class TextStream:
     """One sample's text: token ids in (:meth:`push`), sendable text deltas out, until a stop
     string matches (``stop_reason`` is then that string and :attr:`stopped` is True).
-    ``text`` is everything returned so far."""
+    ``text`` is everything returned so far. Stop strings are looked for only in the text of
+    tokens after the first ``min_tokens`` (vLLM's rule); ``include_stop``: the matched string
+    stays in the text."""
 
     def __init__(self, decode: Callable[[list[int]], str],
-                 stop: str | Sequence[str] | None = None) -> None:
+                 stop: str | Sequence[str] | None = None, *, min_tokens: int = 0,
+                 include_stop: bool = False) -> None:
         self.detok = IncrementalDetokenizer(decode)
-        self.matcher = StopStringMatcher(stop)
+        self.matcher = StopStringMatcher(stop, include_stop)
+        self.min_tokens = min_tokens
         self.text = ""
 
     @property
@@ -149,14 +165,25 @@ class TextStream:
     def token_ids(self) -> list[int]:
         return self.detok.token_ids
 
+    def _feed(self, new_ids: list[int]) -> str:
+        """Detokenize ``new_ids`` and match stop strings in text past ``min_tokens``."""
+        quiet = min(len(new_ids), max(0, self.min_tokens - len(self.detok.token_ids)))
+        out = ""
+        if quiet:
+            out = self.matcher.feed(self.detok.push(new_ids[:quiet]), armed=False)
+        if quiet < len(new_ids):
+            out += self.matcher.feed(self.detok.push(new_ids[quiet:]))
+        return out
+
     def push(self, new_ids: Iterable[int]) -> str:
-        out = self.matcher.feed(self.detok.push(new_ids))
+        out = self._feed(list(new_ids))
         self.text += out
         return out
 
     def finish(self) -> str:
         """The rest of the text at the sample's end (a stop string may still match in it)."""
-        out = self.matcher.feed(self.detok.flush())
+        out = self.matcher.feed(self.detok.flush(),
+                                armed=len(self.detok.token_ids) > self.min_tokens)
         out += self.matcher.flush()
         self.text += out
         return out

@@ -11,7 +11,7 @@ import torch
 from kvlab.core.sampling_params import SamplingParams
 from kvlab.core.step_records import ScheduledChunk
 from kvlab.engine.attention_metadata import AttentionMetadata, flat_metadata
-from kvlab.engine.sampler import RowParams, SamplerState
+from kvlab.engine.sampler import RowParams, SamplerState, row_top_k
 
 __all__ = ["InputBatch"]
 
@@ -19,8 +19,8 @@ __all__ = ["InputBatch"]
 class InputBatch:
     """The runner's persistent rows, one per running request (vLLM's ``InputBatch``): its block
     table, kept from the chunks' deltas alone, and its filter parameters (temperature, top-k,
-    top-p) as arrays the sampler indexes. A row is made by a request's first chunk (again after
-    a preemption) and dropped on preemption or when the request ends; the arrays grow on
+    top-p, min-p) as arrays the sampler indexes. A row is made by a request's first chunk (again
+    after a preemption) and dropped on preemption or when the request ends; the arrays grow on
     demand."""
 
     def __init__(self, block_size: int, device: torch.device | str = "cpu",
@@ -30,7 +30,8 @@ class InputBatch:
         self.temperature = torch.ones(max_rows, dtype=torch.float64)
         self.top_k = torch.zeros(max_rows, dtype=torch.long)
         self.top_p = torch.ones(max_rows, dtype=torch.float64)
-        self._filtered: set[int] = set()          # rows that use top-k or top-p
+        self.min_p = torch.zeros(max_rows, dtype=torch.float64)
+        self._filtered: set[int] = set()          # rows that use min-p, top-k or top-p
         self._row_of: dict[str, int] = {}
         self._len: dict[str, int] = {}            # table length of each row's request
         self._free = list(range(max_rows - 1, -1, -1))
@@ -62,6 +63,7 @@ class InputBatch:
         """The filter parameters of ``request_ids``' rows, in that order."""
         rows = torch.tensor([self._row_of[rid] for rid in request_ids], dtype=torch.long)
         return RowParams(self.temperature[rows], self.top_k[rows], self.top_p[rows],
+                         self.min_p[rows],
                          any(self._row_of[rid] in self._filtered for rid in request_ids))
 
     @torch.inference_mode()
@@ -86,6 +88,7 @@ class InputBatch:
             self.temperature = torch.cat((self.temperature, torch.ones(extra).double()))
             self.top_k = torch.cat((self.top_k, torch.zeros(extra, dtype=torch.long)))
             self.top_p = torch.cat((self.top_p, torch.ones(extra).double()))
+            self.min_p = torch.cat((self.min_p, torch.zeros(extra).double()))
             self._free.extend(range(grown.shape[0] - 1, old_rows - 1, -1))
         for c in chunks:
             row = self._row_of.get(c.request_id)
@@ -104,9 +107,10 @@ class InputBatch:
 
     def _set_params(self, row: int, p: SamplingParams) -> None:
         self.temperature[row] = p.temperature
-        self.top_k[row] = max(p.top_k, 0)
+        self.top_k[row] = row_top_k(p)
         self.top_p[row] = p.top_p
-        if p.uses_top_k or p.uses_top_p:
+        self.min_p[row] = p.min_p
+        if p.filtered:
             self._filtered.add(row)
 
     def build(self, chunks: Sequence[ScheduledChunk], paged_max_tokens: int = 0

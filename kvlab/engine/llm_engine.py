@@ -190,8 +190,6 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the context: "
                              f"max_model_len={self.max_model_len} leaves no room to generate")
-        if params.n > self.args.max_num_seqs:
-            raise ValueError(f"n={params.n} samples exceed max_num_seqs={self.args.max_num_seqs}")
         longest = min(len(ids) + params.max_tokens, self.max_model_len) - 1  # last token: no KV
         if (blocks := -(-longest // self.block_size)) > self.num_blocks:
             raise ValueError(f"request needs up to {longest} tokens of KV ({blocks} blocks) but "

@@ -19,7 +19,8 @@ __all__ = ["Counter", "Gauge", "Metric", "Vector", "engine_metrics"]
 
 @dataclass
 class Metric:
-    """A named metric with ``key=value`` labels (``engine`` is always "0": one engine)."""
+    """A named metric with ``key=value`` labels: vLLM's ``model_name`` (the model as given to
+    the engine, vLLM's default served name) and ``engine`` (always "0": one engine)."""
 
     name: str
     labels: dict[str, str]
@@ -57,7 +58,8 @@ def engine_metrics(engine) -> list[Metric]:
     """
     with engine.core.lock:
         st = engine.stats
-        labels = {"engine": "0"}
+        model = engine.args.model       # a name, a directory, or a LoadedCheckpoint
+        labels = {"model_name": str(getattr(model, "path", model)), "engine": "0"}
         out: list[Metric] = [
             Counter("vllm:prompt_tokens", dict(labels), st.prompt_tokens),
             Counter("vllm:generation_tokens", dict(labels), st.generated_tokens),

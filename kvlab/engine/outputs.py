@@ -182,7 +182,8 @@ class OutputProcessor:
         if state.params.stop:
             from kvlab.engine.stop_strings import StopStrings  # off the default path
             self.stops = self.stops or StopStrings(self.decode)
-            self.stops.add([s.seq_id for s in state.samples], state.params.stop)
+            self.stops.add([s.seq_id for s in state.samples], state.params.stop,
+                           state.params.min_tokens)
         for sample in state.samples:
             self.samples[sample.seq_id] = (state, sample)
 

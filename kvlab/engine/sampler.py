@@ -4,7 +4,7 @@ request's own seeded ``torch.Generator``, never depending on the rest of the bat
 log-probabilities are
 the raw ``log_softmax(logits)``, before penalties, temperature, top-k and top-p (vLLM's
 default). Order, as vLLM's sampler: min-tokens mask, penalties, then greedy or temperature,
-top-k, top-p and the draw.
+min-p, top-k, top-p and the draw.
 """
 
 from __future__ import annotations
@@ -58,13 +58,14 @@ class SampleResult:
 @dataclass(frozen=True)
 class RowParams:
     """The filter parameters of a batch of random rows as tensors (the runner's input batch
-    keeps them per row): ``temperature [S]`` and ``top_p [S]`` (1: off) in float64, cast to the
-    logits' dtype where used, ``top_k [S]`` (0: all tokens), and whether any row uses top-k or
-    top-p."""
+    keeps them per row): ``temperature [S]``, ``top_p [S]`` (1: off) and ``min_p [S]`` (0: off)
+    in float64, cast to the logits' dtype where used, ``top_k [S]`` (0: all tokens), and
+    whether any row uses min-p, top-k or top-p."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    min_p: torch.Tensor
     filtered: bool
 
     @classmethod
@@ -72,21 +73,34 @@ class RowParams:
            ) -> RowParams:
         f64 = torch.float64
         return cls(torch.tensor([p.temperature for p in params], dtype=f64, device=device),
-                   torch.tensor([max(p.top_k, 0) for p in params], device=device),
+                   torch.tensor([row_top_k(p) for p in params], device=device),
                    torch.tensor([p.top_p for p in params], dtype=f64, device=device),
-                   any(p.uses_top_k or p.uses_top_p for p in params))
+                   torch.tensor([p.min_p for p in params], dtype=f64, device=device),
+                   any(p.filtered for p in params))
+
+
+def row_top_k(p: SamplingParams) -> int:
+    """``top_k`` as a row stores it: 0 for all tokens, a k beyond any vocabulary capped so it
+    fits an int64 (it keeps every token either way)."""
+    return min(max(p.top_k, 0), 2**62)
 
 
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams] | RowParams
                   ) -> torch.Tensor:
-    """Temperature-scaled logits of non-greedy rows with tokens outside each row's top-k / top-p
-    set at -inf (a row without top-k/top-p is unaffected by the others)."""
+    """Temperature-scaled logits of non-greedy rows with tokens outside each row's min-p, top-k
+    and top-p sets at -inf, in vLLM's order (min-p on the scaled distribution first; a row
+    without a filter is unaffected by the others)."""
     if not isinstance(params, RowParams):
         assert not any(p.greedy for p in params), "greedy rows take the argmax"
         params = RowParams.of(params, logits.device)
     scaled = logits / params.temperature.to(logits.dtype)[:, None]
     if not params.filtered:
         return scaled
+    if bool((params.min_p > 0).any()):
+        # min-p (vLLM's MinPLogitsProcessor): p(token) < min_p * max p; 0 drops nothing
+        probs = scaled.softmax(-1)
+        floor = probs.amax(-1, keepdim=True) * params.min_p.to(logits.dtype)[:, None]
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
     vocab = logits.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     # top-k: 0 keeps everything, as does a k larger than the vocabulary
@@ -160,7 +174,7 @@ def sample(logits: torch.Tensor, states: Sequence[SamplerState],
             picked = [states[i].params for i in random_rows]
         else:
             picked = RowParams(rows.temperature[idx], rows.top_k[idx], rows.top_p[idx],
-                               rows.filtered)
+                               rows.min_p[idx], rows.filtered)
         probs = filter_logits(logits[idx], picked).softmax(-1)
         tokens[idx] = _race(probs, [states[i].generator for i in random_rows])
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]

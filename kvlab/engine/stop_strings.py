@@ -34,9 +34,10 @@ class StopStrings:
         self.decode = decode
         self.streams: dict[str, TextStream] = {}
 
-    def add(self, seq_ids: Sequence[str], stop: tuple[str, ...]) -> None:
+    def add(self, seq_ids: Sequence[str], stop: tuple[str, ...], min_tokens: int = 0) -> None:
+        """Follow ``seq_ids``' text; stop strings count only past ``min_tokens`` tokens."""
         for sid in seq_ids:
-            self.streams[sid] = TextStream(self.decode, stop)
+            self.streams[sid] = TextStream(self.decode, stop, min_tokens=min_tokens)
 
     def end_matched(self, result: StepResult,
                     abort: Callable[[str], RuntimeRequest | None]) -> StepResult:

@@ -3,6 +3,7 @@ that names a tokenizer in prefix-cache scopes."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -38,9 +39,11 @@ class Tokenizer:
         self.hash, self.path = tokenizer_hash(file), file
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. Encoded through ``encode_batch``, which releases the GIL while
+        it works (``encode`` holds it: a long text would stall every other Python thread)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -51,6 +54,12 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         """Token string (its own encoding: ``Ġthe``, ``▁the``, ``<0x0A>``) -> id, added ones too."""
         return self._tok.get_vocab(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The longest token string of the vocabulary: no token covers more characters of a
+        text, so a text longer than ``n * max_chars_per_token`` has more than ``n`` tokens."""
+        return max(len(s) for s in self.get_vocab())
 
     @property
     def special_token_ids(self) -> tuple[int, ...]:

@@ -203,16 +203,18 @@ class AsyncEngine:
         return self.engine.validate_request(prompt, params)
 
     def add(self, request_id: str, prompt: Prompt, params: SamplingParams,
-            loop: asyncio.AbstractEventLoop) -> RequestStream:
+            loop: asyncio.AbstractEventLoop,
+            security_domain: str | None = None) -> RequestStream:
         """Register a stream and add the request (thread-safe: call it in a worker thread so
-        the event loop never waits on the engine). Raises what :meth:`LLMEngine.add_request`
-        raises, with nothing queued."""
+        the event loop never waits on the engine). ``security_domain``: the prefix-cache
+        domain (None: the engine's). Raises what :meth:`LLMEngine.add_request` raises, with
+        nothing queued."""
         if params.output_kind is not RequestOutputKind.DELTA:
             params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         stream = RequestStream(request_id, self, loop)
         self._streams[request_id] = stream
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, security_domain=security_domain)
         except BaseException:
             self._streams.pop(request_id, None)
             raise

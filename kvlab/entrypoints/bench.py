@@ -36,10 +36,13 @@ __all__ = ["failure_message", "format_summary", "length_dist", "main", "scrape_m
 
 
 def length_dist(spec: str):
-    """``fixed:N``, ``uniform:LO,HI`` or ``lognormal:MEDIAN,SIGMA`` -> a length distribution
-    of :mod:`kvlab.sim.workload`. ValueError naming the spec otherwise."""
+    """``N`` (as ``vllm bench serve --input-len N``: every request ``N`` tokens, the same as
+    ``fixed:N``), ``fixed:N``, ``uniform:LO,HI`` or ``lognormal:MEDIAN,SIGMA`` -> a length
+    distribution of :mod:`kvlab.sim.workload`. ValueError naming the spec otherwise."""
     from kvlab.sim import workload as w
 
+    if spec.strip().isdigit():
+        spec = f"fixed:{spec.strip()}"
     kind, _, args = spec.partition(":")
     try:
         nums = [float(x) for x in args.split(",")] if args else []
@@ -51,7 +54,7 @@ def length_dist(spec: str):
             return w.lognormal(nums[0], nums[1])
     except ValueError as err:
         raise ValueError(f"length spec {spec!r}: {err}") from None
-    raise ValueError(f"length spec {spec!r}: expected fixed:N, uniform:LO,HI or "
+    raise ValueError(f"length spec {spec!r}: expected N, fixed:N, uniform:LO,HI or "
                      "lognormal:MEDIAN,SIGMA")
 
 
@@ -131,8 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests/s (inf: all at once)")
     ap.add_argument("--burstiness", type=float, default=1.0,
                     help="gamma shape of the gaps: 1 = Poisson, <1 burstier")
-    ap.add_argument("--input-len", default="uniform:32,128", help="prompt length distribution")
-    ap.add_argument("--output-len", default="uniform:16,64", help="output length distribution")
+    ap.add_argument("--input-len", default="uniform:32,128",
+                    help="prompt length: N, fixed:N, uniform:LO,HI or lognormal:MEDIAN,SIGMA")
+    ap.add_argument("--output-len", default="uniform:16,64",
+                    help="output length, in the same forms as --input-len")
     ap.add_argument("--dataset", default=None,
                     help="JSONL rows {prompt, output_len} or {prompt_len, output_len}")
     ap.add_argument("--dataset-name", choices=("random", "prefix_repetition"), default="random",

@@ -9,17 +9,36 @@ with the HTTP status the OpenAI API (and vLLM) use: 400 for a malformed or inval
 404 for an unknown model or route, 503 when the engine refused the request at admission
 (overload), 500 when it failed while running it.
 
-Accepted fields are OpenAI's plus vLLM's extensions that kvlab implements (``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``seed``, ``structured_outputs`` and the older
-``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``). Log-probabilities
-follow OpenAI's two APIs: completions take ``logprobs: int`` (0..20 alternatives per token),
-chat takes ``logprobs: bool`` and ``top_logprobs: int`` (0..20; more than 0 only with
-``logprobs: true``, as in vLLM). ``echo`` (completions) prepends the prompt; with ``logprobs`` the
-prompt's tokens are scored too (``SamplingParams.prompt_logprobs``, the first one ``null``), and
-``max_tokens: 0`` then answers the prompt alone (vLLM runs one token and drops it). A field
-OpenAI or vLLM define but kvlab does not implement (:data:`NEUTRAL`: tools, logit_bias, ...) is
-accepted only with its "off" value; otherwise, and for a field nobody defines, the answer is a
-400 naming it, so a client never believes a setting took effect when it did not.
+Fields are those of vLLM 0.32's request models (``CompletionRequest`` in
+``vllm/entrypoints/openai/completion/protocol.py``, ``ChatCompletionRequest`` in
+``vllm/entrypoints/openai/chat_completion/protocol.py``), in three kinds:
+
+- **honoured** (:data:`COMPLETION_FIELDS`, :data:`CHAT_FIELDS`): OpenAI's sampling and output
+  fields and vLLM's extensions kvlab implements: ``top_k``, ``min_p``, penalties,
+  ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``seed``, ``skip_special_tokens``,
+  ``spaces_between_special_tokens``, ``include_stop_str_in_output`` (and SGLang's
+  ``no_stop_trim``, which vllm-router sends), ``add_special_tokens``, ``cache_salt``,
+  structured outputs, and for chat ``add_generation_prompt``, ``continue_final_message``,
+  ``chat_template_kwargs`` (:mod:`~kvlab.entrypoints.chat_template`).
+- **refused unless off** (:data:`REFUSED`): fields that change the answer when set and that kvlab
+  cannot honour (``logit_bias`` with entries, ``tools`` with a ``tool_choice`` other than
+  ``"none"``, ``best_of`` above ``n``, beam search, ...): a 400 naming the field, so a client
+  never believes a setting took effect when it did not.
+- **ignored**: any other field, as vLLM ignores a field its models do not define (they allow
+  extra fields and log them: ``OpenAIBaseModel`` in ``vllm/entrypoints/serve/engine/protocol.py``),
+  and fields vLLM defines that cannot change kvlab's answer (``stream_interval``, ``priority``
+  0, ``request_id``, ...). :attr:`ParsedRequest.ignored` names them; the server logs them and
+  lists them in the ``x-kvlab-ignored-fields`` response header (vLLM only logs them, at DEBUG).
+
+Log-probabilities follow OpenAI's two APIs: completions take ``logprobs: int`` (0..20
+alternatives per token), chat takes ``logprobs: bool`` and ``top_logprobs: int`` (0..20; more
+than 0 only with ``logprobs: true``, as in vLLM). ``echo`` (completions) prepends the prompt;
+with ``logprobs`` the prompt's tokens are scored too (``SamplingParams.prompt_logprobs``, the
+first one ``null``), and ``max_tokens: 0`` then answers the prompt alone (vLLM runs one token and
+drops it). ``max_tokens`` as vLLM resolves it (``get_max_tokens`` in
+``vllm/entrypoints/serve/utils/api_utils.py``): completions default to 16 (``null`` too), chat to
+the checkpoint's ``generation_config.json`` ``max_new_tokens`` when it has one; the result is
+clamped to what fits the context, and a value above the context length itself is a 400.
 """
 
 from __future__ import annotations
@@ -27,12 +46,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvlab.core.sampling_params import SamplingParams, check_stop
+from kvlab.entrypoints.chat_template import (
+    KVLAB_CHAT_TEMPLATE,
+    ChatTemplate,
+    ChatTemplateError,
+    conversation,
+)
 
-__all__ = ["APIError", "ParsedRequest", "chat_prompt", "error_body", "json_object",
+__all__ = ["APIError", "ParsedRequest", "error_body", "generation_defaults", "json_object",
            "parse_request"]
 
 
@@ -59,50 +86,83 @@ def error_body(message: str, kind: str, param: str | None = None,
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stream",
-          "stream_options", "ignore_eos", "stop_token_ids", "stop", "user", "logprobs",
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n",
+          "stream", "stream_options", "ignore_eos", "stop_token_ids", "stop", "user", "logprobs",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-          "response_format", "structured_outputs",
-          "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
-#: fields OpenAI or vLLM define that kvlab does not implement: accepted only with the value
-#: that means "off", else a 400 naming the field
-NEUTRAL: dict[str, tuple] = {
-    "logit_bias": (None, {}), "best_of": (None, 1),
-    "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None,),
-    "suffix": (None, ""), "include_stop_str_in_output": (None, False),
-    # what vllm-router adds to the bodies it forwards, at the values it sends
-    "no_stop_trim": (None, False), "skip_special_tokens": (None, True),
-    "return_hidden_states": (None, False),
+          "response_format", "structured_outputs", "guided_json", "guided_regex",
+          "guided_choice", "guided_grammar", "skip_special_tokens",
+          "spaces_between_special_tokens", "include_stop_str_in_output", "no_stop_trim",
+          "add_special_tokens", "cache_salt"}
+#: fields kvlab honours on /v1/completions ...
+COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
+#: ... and on /v1/chat/completions (``tools``, ``documents`` and ``reasoning_effort`` reach the
+#: template, as in vLLM, and count as ignored when it does not read them)
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs",
+                        "add_generation_prompt", "continue_final_message",
+                        "chat_template_kwargs"}
+TEMPLATE_FIELDS = ("tools", "documents", "reasoning_effort")
+
+
+def _falsy(value: Any, body: dict) -> bool:
+    return not value
+
+
+def _null(value: Any, body: dict) -> bool:
+    return value is None
+
+
+def _no_more_than_n(value: Any, body: dict) -> bool:
+    n = body.get("n") if body.get("n") is not None else 1
+    return value is None or (type(value) is int and type(n) is int and value <= n)
+
+
+#: fields that change the answer and that kvlab cannot honour: ``name -> is it off?``; set, a
+#: 400 naming the field (tools and functions: :func:`_check_tools`)
+REFUSED = {
+    "logit_bias": _falsy, "best_of": _no_more_than_n, "use_beam_search": _falsy,
+    "suffix": _falsy, "truncate_prompt_tokens": _null, "allowed_token_ids": _null,
+    "bad_words": _falsy, "prompt_logprobs": _null, "logprob_token_ids": _falsy,
+    "prompt_embeds": _null, "kv_transfer_params": _null, "ec_transfer_params": _null,
+    "repetition_detection": _null, "watermarking": _falsy, "return_token_ids": _falsy,
+    "return_tokens_as_token_ids": _falsy, "priority": _falsy,
 }
-#: chat only: vLLM's chat ``echo`` (repeat the last message) is not implemented
-CHAT_NEUTRAL: dict[str, tuple] = {**NEUTRAL, "echo": (None, False)}
-COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"} | set(NEUTRAL)
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(CHAT_NEUTRAL)
+#: on chat, less the completions-only fields, plus vLLM's chat ``echo`` (repeat the last
+#: message), another template, and the rendered prompt text
+CHAT_REFUSED = {**{k: v for k, v in REFUSED.items() if k not in ("suffix", "prompt_embeds")},
+                "echo": _falsy, "chat_template": _null, "return_prompt_text": _falsy}
 #: most alternatives per token that ``logprobs`` / ``top_logprobs`` may ask for (OpenAI's chat
 #: limit and vLLM's default ``max_logprobs``)
 MAX_LOGPROBS = 20
-ROLES = ("system", "developer", "user", "assistant")
 STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex",
               "guided_choice", "guided_grammar")
-#: completions' default ``max_tokens`` when the field is absent (OpenAI's); ``null`` and chat's
-#: default mean the rest of the context (vLLM's)
+#: completions' ``max_tokens`` when absent or null (``CompletionRequest.max_tokens``)
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+#: the ``generation_config.json`` fields vLLM takes as server defaults
+#: (``ModelConfig.get_diff_sampling_param``, ``vllm/config/model.py``): file name -> field
+GENERATION_DEFAULTS = {"repetition_penalty": "repetition_penalty",
+                       "presence_penalty": "presence_penalty",
+                       "frequency_penalty": "frequency_penalty", "temperature": "temperature",
+                       "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                       "max_new_tokens": "max_tokens"}
 
 
 @dataclass
 class ParsedRequest:
     """A validated request: what to send the engine and how to answer.
 
-    ``prompts``: one entry per prompt (``/v1/completions`` takes an array); ``params`` carries
-    every sampling field; its ``max_tokens`` is replaced by :meth:`params_for` once the prompt
-    length is known when ``max_tokens`` is None (the rest of the context). ``structured_param``
-    names the field that set ``params.structured_outputs`` (for a 400 if it does not compile).
-    ``logprobs``: alternatives to report per token (completions' ``logprobs``, chat's
-    ``top_logprobs``, 0 for chat's bare ``logprobs: true``), None when not asked; it is also
-    ``params.logprobs``. ``echo``: prepend the prompt's text to each choice (completions), and
-    with ``logprobs`` its tokens' entries; ``echo_only``: ``echo`` with ``max_tokens: 0`` (the
-    engine samples one token, which the answer drops).
+    ``prompts``: one entry per prompt (``/v1/completions`` takes an array; chat has one, the
+    rendered template); ``params`` carries every sampling field, its ``max_tokens`` provisional
+    until :meth:`params_for` resolves it for the prompt's length (``max_tokens`` None: the rest
+    of the context). ``add_special_tokens``: encode string prompts with the BOS (completions'
+    default; chat's template writes its own). ``structured_param`` names the field that set
+    ``params.structured_outputs`` (for a 400 if it does not compile). ``logprobs``:
+    alternatives to report per token (completions' ``logprobs``, chat's ``top_logprobs``, 0 for
+    chat's bare ``logprobs: true``), None when not asked; it is also ``params.logprobs``.
+    ``echo``: prepend the prompt's text to each choice (completions), and with ``logprobs`` its
+    tokens' entries; ``echo_only``: ``echo`` with ``max_tokens: 0`` (the engine samples one
+    token, which the answer drops). ``skip_special_tokens`` / ``include_stop``: how each
+    choice's text is decoded and cut. ``cache_salt``: the prefix-cache domain. ``ignored``: the
+    fields that had no effect (see the module docstring).
     """
 
     chat: bool
@@ -117,29 +177,48 @@ class ParsedRequest:
     logprobs: int | None = None
     echo: bool = False
     echo_only: bool = False
+    add_special_tokens: bool = True
+    skip_special_tokens: bool = True
+    include_stop: bool = False
+    cache_salt: str | None = None
+    ignored: tuple[str, ...] = ()
 
     @property
     def prompt(self) -> str | list[int]:
         return self.prompts[0]
 
+    @property
+    def limit_param(self) -> str:
+        return "max_completion_tokens" if self.chat else "max_tokens"
+
+    def check_max_tokens(self, max_model_len: int) -> None:
+        """APIError 400 when ``max_tokens`` exceeds the context length itself (vLLM's
+        ``TokenizeParams.__post_init__``, ``vllm/renderers/params.py``); less is clamped."""
+        if self.max_tokens is not None and not self.echo_only \
+                and self.max_tokens > max_model_len:
+            raise APIError(400, f"{self.limit_param}={self.max_tokens} cannot be greater than "
+                                f"max_model_len={max_model_len}. Please request fewer output "
+                                "tokens.", param=self.limit_param, code="invalid_value")
+
     def params_for(self, prompt_len: int, max_model_len: int) -> SamplingParams:
-        """The sampling parameters for a prompt of ``prompt_len`` tokens; APIError 400 naming
-        the limit when ``max_tokens`` does not fit the context (vLLM refuses it too)."""
+        """The sampling parameters for a prompt of ``prompt_len`` tokens: ``max_tokens``
+        clamped to what fits the context (vLLM's ``get_max_tokens``); APIError 400 naming
+        ``min_tokens`` when that no longer fits."""
         room = max_model_len - prompt_len
-        param = "max_completion_tokens" if self.chat else "max_tokens"
-        if self.max_tokens is None:
-            if self.params.min_tokens > room:
-                raise APIError(400, f"min_tokens={self.params.min_tokens} is too large: the "
-                                    f"prompt of {prompt_len} tokens leaves {room} of this "
-                                    f"model's {max_model_len}", param="min_tokens",
-                               code="context_length_exceeded")
-            return dataclasses.replace(self.params, max_tokens=room)
-        if self.max_tokens > room:
-            raise APIError(400, f"{param}={self.max_tokens} is too large: this model's maximum "
-                                f"context length is {max_model_len} tokens and the prompt has "
-                                f"{prompt_len}, so at most {room} tokens can be generated",
-                           param=param, code="context_length_exceeded")
-        return self.params
+        limit = room if self.max_tokens is None or self.echo_only \
+            else min(self.max_tokens, room)
+        if self.echo_only:
+            limit = 1
+        if self.params.min_tokens > limit:
+            raise APIError(400, f"min_tokens={self.params.min_tokens} is too large: the prompt "
+                                f"of {prompt_len} tokens leaves {room} of this model's "
+                                f"{max_model_len}" + ("" if self.max_tokens is None else
+                                                      f" and {self.limit_param} is "
+                                                      f"{self.max_tokens}"),
+                           param="min_tokens", code="context_length_exceeded")
+        if limit == self.params.max_tokens:
+            return self.params
+        return dataclasses.replace(self.params, max_tokens=limit)
 
 
 def json_object(raw: bytes) -> dict:
@@ -156,62 +235,6 @@ def json_object(raw: bytes) -> dict:
         raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}",
                        code="invalid_json")
     return body
-
-
-def _check_neutral(body: dict, name: str, table: dict[str, tuple]) -> None:
-    value = body.get(name)
-    if name in body and not any(value == v and type(value) is type(v) for v in table[name]):
-        raise APIError(400, f"{name}={body[name]!r} is not supported by kvlab's server",
-                       param=name, code="unsupported_parameter")
-
-
-def _content(i: int, m: dict) -> str:
-    """The text of message ``i``: a str, a list of ``{"type": "text", "text": ...}`` parts
-    (joined with newlines, as vLLM does), or null for an assistant turn."""
-    content = m.get("content")
-    if isinstance(content, str):
-        return content
-    if content is None and m["role"] == "assistant":
-        return ""
-    if isinstance(content, list) and content:
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(400, f"messages[{i}].content[{j}]: only text parts "
-                                    f"{{\"type\": \"text\", \"text\": str}} are supported, got "
-                                    f"{kind!r}", param="messages", code="invalid_value")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise APIError(400, f"messages[{i}].content must be a string or a non-empty list of text "
-                        "parts" + (" (null only for assistant turns)" if content is None else ""),
-                   param="messages", code="invalid_value")
-
-
-def chat_prompt(messages: Any) -> str:
-    """kvlab's chat template: one ``role: content`` line per message, then ``assistant:``.
-    (kvlab's models are not chat-tuned; the template only has to be deterministic.)"""
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages must be a non-empty list of {role, content} objects",
-                       param="messages", code="invalid_value")
-    lines = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a string role",
-                           param="messages", code="invalid_value")
-        extra = sorted(set(m) - {"role", "content", "name"})
-        if extra:
-            raise APIError(400, f"messages[{i}].{extra[0]} is not supported by kvlab's server",
-                           param="messages", code="unsupported_parameter")
-        if not isinstance(m.get("name", ""), str):
-            raise APIError(400, f"messages[{i}].name must be a string, got {m['name']!r}"[:300],
-                           param="messages", code="invalid_type")
-        if m["role"] not in ROLES:
-            raise APIError(400, f"messages[{i}].role {m['role']!r} is not one of "
-                                f"{', '.join(ROLES)}", param="messages", code="invalid_value")
-        lines.append(f"{m['role']}: {_content(i, m)}")
-    return "\n".join(lines) + "\nassistant:"
 
 
 def _is_ids(x: Any) -> bool:
@@ -297,14 +320,116 @@ def _structured(body: dict) -> tuple[dict | None, str | None]:
     return {name.removeprefix("guided_"): value}, name
 
 
-def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest:
-    """Parse and validate one request body; :class:`APIError` naming the problem."""
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name} must be a boolean, got {value!r}"[:300], param=name,
+                       code="invalid_type")
+    return value
+
+
+def _check_refused(body: dict, table: dict) -> None:
+    for name, off in table.items():
+        if name in body and not off(body[name], body):
+            raise APIError(400, f"{name}={body[name]!r}"[:200] + " is not supported by kvlab's "
+                           "server (it would change the answer, and kvlab cannot honour it)",
+                           param=name, code="unsupported_parameter")
+
+
+def _check_tools(body: dict) -> None:
+    """``tools`` / ``functions`` only with ``tool_choice`` / ``function_call`` "none": kvlab
+    parses no tool calls. A missing choice with tools is vLLM's default "auto"."""
+    for items, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+        value = body.get(choice)
+        if value is None and body.get(items):
+            value = "auto"
+        if value not in (None, "none"):
+            raise APIError(400, f"{choice}={value!r}"[:200] + " is not supported by kvlab's "
+                           f"server: it parses no tool calls (send {choice}=\"none\", or no "
+                           f"{items})", param=choice, code="unsupported_parameter")
+
+
+def _stream_options(body: dict, stream: bool) -> tuple[bool, list[str]]:
+    """``(include_usage, ignored keys)`` of ``stream_options`` (vLLM's ``StreamOptions``)."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False, []
+    if not isinstance(opts, dict):
+        raise APIError(400, "stream_options must be an object {\"include_usage\": bool}",
+                       param="stream_options", code="invalid_type")
+    if opts and not stream:
+        raise APIError(400, "Stream options can only be defined when `stream=True`.",
+                       param="stream_options", code="invalid_value")
+    include = opts.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise APIError(400, f"stream_options.include_usage must be a boolean, got "
+                            f"{include!r}"[:300], param="stream_options", code="invalid_type")
+    if opts.get("continuous_usage_stats"):
+        raise APIError(400, "stream_options.continuous_usage_stats=true is not supported by "
+                            "kvlab's server (usage comes in the last chunk)",
+                       param="stream_options", code="unsupported_parameter")
+    return include, [f"stream_options.{k}" for k in sorted(set(opts) - {
+        "include_usage", "continuous_usage_stats"})]
+
+
+def _cache_salt(body: dict) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and 1 <= len(salt) <= 1024):
+        raise APIError(400, "cache_salt must be a string of 1 to 1024 characters",
+                       param="cache_salt", code="invalid_value")
+    return salt
+
+
+def _chat(body: dict, template: ChatTemplate) -> tuple[str, list[str]]:
+    """``(prompt text, ignored names)`` of a chat request: its messages rendered with
+    ``template`` and the request's template fields."""
+    try:
+        messages, ignored = conversation(body.get("messages"))
+    except ChatTemplateError as err:
+        raise APIError(400, str(err), param="messages", code="invalid_value") from None
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise APIError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs",
+                       code="invalid_type")
+    kwargs = dict(kwargs or {})
+    reads = template.variables
+    ignored += [f"chat_template_kwargs.{k}" for k in sorted(kwargs) if k not in reads]
+    extra = {}
+    for name in TEMPLATE_FIELDS:
+        if body.get(name) is not None:
+            if name in reads:
+                extra[name] = body[name]
+            else:
+                ignored.append(name)
+    if "reasoning_effort" in extra:
+        kwargs["reasoning_effort"] = extra.pop("reasoning_effort")
+    generation = _flag(body, "add_generation_prompt", True)
+    try:
+        text = template.render(messages, add_generation_prompt=generation,
+                               continue_final_message=_flag(body, "continue_final_message",
+                                                            False),
+                               tools=extra.get("tools"), documents=extra.get("documents"),
+                               kwargs=kwargs)
+    except ChatTemplateError as err:
+        param = "continue_final_message" if "continue_final_message" in str(err) else \
+            "chat_template_kwargs" if "chat_template_kwargs" in str(err) else "messages"
+        raise APIError(400, str(err), param=param, code="invalid_value") from None
+    return text, ignored
+
+
+def parse_request(raw: bytes, *, chat: bool, served_model: str,
+                  template: ChatTemplate | None = None,
+                  defaults: Mapping[str, Any] | None = None) -> ParsedRequest:
+    """Parse and validate one request body; :class:`APIError` naming the problem.
+    ``template``: the model's chat template (kvlab's when None); ``defaults``: the server's
+    default sampling fields (:func:`generation_defaults`)."""
     body = json_object(raw)
+    defaults = defaults or {}
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise APIError(400, f"Unrecognized request argument supplied: {unknown[0]}",
-                       param=unknown[0], code="unknown_parameter")
+    refused = CHAT_REFUSED if chat else REFUSED
+    ignored = sorted(set(body) - allowed - set(refused) - set(TEMPLATE_FIELDS if chat else ()))
     model = body.get("model")
     if not isinstance(model, str):
         raise APIError(400, "model is required (a string)", param="model",
@@ -315,45 +440,45 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest
     if "user" in body and not isinstance(body["user"], (str, type(None))):
         raise APIError(400, f"user must be a string, got {body['user']!r}"[:300], param="user",
                        code="invalid_type")
-    neutral = CHAT_NEUTRAL if chat else NEUTRAL
-    for name in neutral:
-        _check_neutral(body, name, neutral)
+    _check_refused(body, refused)
+    if chat:
+        _check_tools(body)
     logprobs, echo = _logprobs(body, chat)
-    prompts = [chat_prompt(body.get("messages"))] if chat else _prompts(body.get("prompt"))
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise APIError(400, f"stream must be a boolean, got {stream!r}", param="stream",
-                       code="invalid_type")
-    opts = body.get("stream_options")
-    include_usage = False
-    if opts is not None:
-        if not isinstance(opts, dict) or set(opts) - {"include_usage"} or not stream:
-            raise APIError(400, "stream_options must be {\"include_usage\": bool} and only "
-                                "with stream=true", param="stream_options", code="invalid_value")
-        include_usage = opts.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise APIError(400, f"stream_options.include_usage must be a boolean, got "
-                                f"{include_usage!r}", param="stream_options", code="invalid_type")
+    stream = _flag(body, "stream", False)
+    include_usage, more = _stream_options(body, stream)
+    ignored += more
+    if chat:
+        text, more = _chat(body, template or ChatTemplate(KVLAB_CHAT_TEMPLATE))
+        ignored += more
+        prompts: list[str | list[int]] = [text]
+    else:
+        prompts = _prompts(body.get("prompt"))
     try:
         stop = check_stop(body.get("stop"))
     except ValueError as err:
         raise APIError(400, str(err), param="stop", code="invalid_value") from None
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens, limit_param = body["max_completion_tokens"], "max_completion_tokens"
-    elif chat or "max_tokens" in body:
+    elif chat:
         max_tokens, limit_param = body.get("max_tokens"), "max_tokens"
-    else:
-        max_tokens, limit_param = COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens"
-    # max_tokens=None (the rest of the context) is resolved per prompt; until then at least
-    # min_tokens, so that the check min_tokens <= max_tokens waits for the real value
-    least = body.get("min_tokens")
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
+    else:   # completions: absent and null are 16 (vLLM's normalize_null_max_tokens)
+        max_tokens, limit_param = body.get("max_tokens"), "max_tokens"
+        if max_tokens is None:
+            max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
     echo_only = echo and max_tokens == 0 and type(max_tokens) is int
-    if echo_only:
-        max_tokens = 1       # vLLM's echo without generation: one token, dropped from the answer
-    kw: dict[str, Any] = {"max_tokens": max_tokens if max_tokens is not None else
-                          least if type(least) is int and least > 1 else 1}
-    for name in ("temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "stop_token_ids",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+    # provisional until the prompt's length is known (ParsedRequest.params_for): the value
+    # asked for, else min_tokens, so SamplingParams checks both as far as they are known
+    least = body.get("min_tokens")
+    kw: dict[str, Any] = {"max_tokens": 1 if echo_only else max_tokens if max_tokens is not None
+                          else least if type(least) is int and least > 1 else 1}
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
+        value = body.get(name, defaults.get(name))
+        if value is not None:
+            kw[name] = value
+    for name in ("seed", "n", "ignore_eos", "stop_token_ids", "min_tokens"):
         if body.get(name) is not None:
             kw[name] = body[name]
     structured, structured_param = _structured(body)
@@ -373,5 +498,23 @@ def parse_request(raw: bytes, *, chat: bool, served_model: str) -> ParsedRequest
         elif field_name == "structured_outputs":
             field_name = structured_param
         raise APIError(400, str(err), param=field_name, code="invalid_value") from None
-    return ParsedRequest(chat, model, prompts, params, max_tokens, stream, include_usage,
-                         stop, structured_param, logprobs, echo, echo_only)
+    _flag(body, "spaces_between_special_tokens", True)   # validated: see serving docs
+    include_stop = _flag(body, "include_stop_str_in_output", False) \
+        or _flag(body, "no_stop_trim", False)
+    return ParsedRequest(
+        chat, model, prompts, params, max_tokens, stream, include_usage, stop, structured_param,
+        logprobs, echo, echo_only, add_special_tokens=_flag(body, "add_special_tokens", not chat),
+        skip_special_tokens=_flag(body, "skip_special_tokens", True), include_stop=include_stop,
+        cache_salt=_cache_salt(body), ignored=tuple(sorted(set(ignored))))
+
+
+def generation_defaults(model_dir: Path) -> dict[str, Any]:
+    """The server's default sampling fields from ``model_dir/generation_config.json``, as
+    ``vllm serve`` takes them (``--generation-config auto``): the fields of
+    :data:`GENERATION_DEFAULTS` that the file sets, ``max_new_tokens`` as ``max_tokens``."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    return {ours: config[theirs] for theirs, ours in GENERATION_DEFAULTS.items()
+            if config.get(theirs) is not None}

@@ -15,10 +15,15 @@ commit 00463e6, and ``serving_chat.py`` ``_create_chat_logprobs``, read at commi
 - chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
   "bytes"}]}]}``; ``top_logprobs`` lists exactly the ``k`` most likely tokens, best first.
 
-A token's text is ``decode([id])`` (vLLM's rule; a token holding part of a multi-byte character
-reads U+FFFD). Its ``bytes`` are the token's real bytes for byte-level BPE tokenizers (GPT-2's
-byte alphabet inverted) and for sentencepiece byte-fallback tokens (``<0xE4>``), so a client can
-join them into the exact text; for other tokens they are the UTF-8 of its text. Log-probabilities
+A token's text is vLLM 0.32's (``LogprobsProcessor`` in ``vllm/v1/engine/logprobs.py``:
+``convert_ids_list_to_tokens`` then ``_verify_tokens``): ``decode([id])`` with special tokens kept
+(the BOS reads ``<|bos|>``), and a token whose text ends in U+FFFD (part of a multi-byte
+character) is decoded again after up to four of the tokens before it: the token that completes
+the character reads the whole character, the others ``''`` (``_correct_decoded_token``); the
+alternatives at a position use the same tokens before it. Its ``bytes`` (chat) are the token's
+real bytes for byte-level BPE tokenizers (GPT-2's byte alphabet inverted) and for sentencepiece
+byte-fallback tokens (``<0xE4>``), so a client can join them into the exact text (vLLM gives the
+UTF-8 of the token's text); for other tokens they are the UTF-8 of its text. Log-probabilities
 below ``-9999.0`` (``-inf`` for tokens a grammar masked) are reported as ``-9999.0``, OpenAI's
 floor: JSON has no infinity.
 """
@@ -32,19 +37,23 @@ from typing import Any
 
 __all__ = ["LOGPROB_FLOOR", "TokenLogprob", "TokenNames", "choice", "logprobs_body"]
 
+REPLACEMENT = "\ufffd"
+
 LOGPROB_FLOOR = -9999.0
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One token: its id, log-probability, the engine's top dict and where its text starts in
-    the choice's text (characters, the echoed prompt included). An echoed prompt's first token
-    has neither (``logprob`` and ``top`` None, ``null`` in the answer)."""
+    """One token: its id, log-probability, the engine's top dict, where its text starts in
+    the choice's text (characters, the echoed prompt included) and the (up to 4) tokens before
+    it, which name a token that completes a split character. An echoed prompt's first token
+    has no logprob (``logprob`` and ``top`` None, ``null`` in the answer)."""
 
     token_id: int
     logprob: float | None
     top: dict[int, float] | None
     text_offset: int
+    context: tuple[int, ...] = ()
 
 
 def _byte_alphabet() -> dict[str, int]:
@@ -82,14 +91,38 @@ class TokenNames:
         self._alphabet = _byte_alphabet() if self._byte_level else {}
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one instance per server, ids bounded
-    def text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def piece(self, token_id: int) -> str:
+        """``decode([token_id])``, special tokens kept."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def text(self, token_id: int, context: tuple[int, ...] = ()) -> str:
+        """The token's text after ``context`` (see the module docstring)."""
+        piece = self.piece(token_id)
+        if not piece.endswith(REPLACEMENT):
+            return piece
+        decode = self.tokenizer.decode
+        for n in range(1, min(len(context), 4) + 1):
+            ctx = list(context[-n:])
+            full = decode([*ctx, token_id])
+            if full.endswith(REPLACEMENT):
+                continue
+            clean = len(ctx)    # context tokens that are themselves part of the character
+            while clean and self.piece(ctx[clean - 1]).endswith(REPLACEMENT):
+                clean -= 1
+            prefix = decode(ctx[:clean]) if clean else ""
+            if full.startswith(prefix):
+                return full[len(prefix):]
+            common = 0          # a normalizer changed the prefix: cut the common part
+            while common < min(len(prefix), len(full)) and prefix[common] == full[common]:
+                common += 1
+            return full[common:]
+        return ""
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019
     def bytes(self, token_id: int) -> tuple[int, ...]:
         piece = self._pieces.get(token_id)
         if token_id in self._special or piece is None:
-            return tuple(self.text(token_id).encode("utf-8"))
+            return tuple(self.piece(token_id).encode("utf-8"))
         if self._byte_level and all(ch in self._alphabet for ch in piece):
             return tuple(self._alphabet[ch] for ch in piece)
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
@@ -97,7 +130,7 @@ class TokenNames:
                 return (int(piece[3:5], 16),)
             except ValueError:
                 pass
-        return tuple(self.text(token_id).encode("utf-8"))
+        return tuple(self.piece(token_id).encode("utf-8"))
 
 
 def _lp(value: float) -> float:
@@ -105,22 +138,23 @@ def _lp(value: float) -> float:
 
 
 def _completion_logprobs(entries: Sequence[TokenLogprob], names: TokenNames) -> dict:
-    return {"tokens": [names.text(e.token_id) for e in entries],
+    return {"tokens": [names.text(e.token_id, e.context) for e in entries],
             "token_logprobs": [None if e.logprob is None else _lp(e.logprob) for e in entries],
             "top_logprobs": [None if e.top is None else
-                             {names.text(t): _lp(v) for t, v in e.top.items()}
+                             {names.text(t, e.context): _lp(v) for t, v in e.top.items()}
                              for e in entries],
             "text_offset": [e.text_offset for e in entries]}
 
 
-def _chat_entry(token_id: int, logprob: float, names: TokenNames) -> dict:
-    return {"token": names.text(token_id), "logprob": _lp(logprob),
+def _chat_entry(token_id: int, logprob: float, names: TokenNames,
+                context: tuple[int, ...]) -> dict:
+    return {"token": names.text(token_id, context), "logprob": _lp(logprob),
             "bytes": list(names.bytes(token_id))}
 
 
 def _chat_logprobs(entries: Sequence[TokenLogprob], names: TokenNames, k: int) -> dict:
-    return {"content": [{**_chat_entry(e.token_id, e.logprob, names),
-                         "top_logprobs": [_chat_entry(t, v, names)
+    return {"content": [{**_chat_entry(e.token_id, e.logprob, names, e.context),
+                         "top_logprobs": [_chat_entry(t, v, names, e.context)
                                           for t, v in list(e.top.items())[:k]]}
                         for e in entries]}
 

@@ -38,6 +38,33 @@ class Work:
     prompt_text: str
 
 
+def _text_ids(engine, text: str, parsed: ParsedRequest, param: str) -> tuple[int, ...]:
+    """A string prompt's token ids, bounded first: a text longer than the context allows
+    characters for (its length times the longest token) is refused without tokenizing it, as
+    vLLM's ``TokenizeParams._text_len_check`` (``vllm/renderers/params.py``) does; a lone
+    surrogate (not encodable as UTF-8) is refused by name. Tokenizing releases the GIL
+    (:meth:`~kvlab.engine.llm_engine.Tokenizer.encode`)."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer.json: pass prompts as token ids",
+                       param=param, code="invalid_value")
+    limit = engine.max_model_len * tokenizer.max_chars_per_token
+    if len(text) > limit:
+        raise APIError(400, f"This model's maximum context length is {engine.max_model_len} "
+                            f"tokens. However, your prompt contains {len(text)} characters "
+                            f"(more than {limit} characters, which is the upper bound for "
+                            f"{engine.max_model_len} input tokens). Please reduce the length "
+                            "of the input prompt.", param=param, code="context_length_exceeded")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise APIError(400, f"the {param} text has a lone surrogate "
+                            f"(U+{ord(text[err.start]):04X}) at character {err.start}: it is not "
+                            "valid Unicode, so it cannot be tokenized", param=param,
+                       code="invalid_value") from None
+    return tuple(tokenizer.encode(text, add_special_tokens=parsed.add_special_tokens))
+
+
 def prepare(aeng: AsyncEngine, parsed: ParsedRequest) -> list[Work]:
     """Tokenize (once) and validate every prompt of ``parsed`` (worker thread); APIError 400
     naming the field the engine refuses."""
@@ -49,10 +76,12 @@ def prepare(aeng: AsyncEngine, parsed: ParsedRequest) -> list[Work]:
             if needs:
                 raise APIError(400, f"{name} needs a tokenizer (to find or name text); this "
                                     "model has none", param=name, code="invalid_value")
+    parsed.check_max_tokens(engine.max_model_len)
     out = []
     for prompt in parsed.prompts:
+        ids = _text_ids(engine, prompt, parsed, param) if isinstance(prompt, str) else prompt
         try:
-            text, ids = engine.encode_prompt(prompt)
+            _, ids = engine.encode_prompt(list(ids))
         except (ValueError, TypeError) as err:
             raise APIError(400, str(err), param=param, code="invalid_value") from None
         if len(ids) >= engine.max_model_len:
@@ -70,8 +99,8 @@ def prepare(aeng: AsyncEngine, parsed: ParsedRequest) -> list[Work]:
             field = re.match(r"SamplingParams\.(\w+)", str(err))   # the field it names
             name = "n" if str(err).startswith("n=") else field.group(1) if field else param
             raise APIError(400, str(err), param=name, code="invalid_value") from None
-        if text is None:
-            text = tokenizer.decode(list(ids)) if parsed.echo and tokenizer is not None else ""
+        text = prompt if isinstance(prompt, str) else \
+            tokenizer.decode(list(ids)) if parsed.echo and tokenizer is not None else ""
         out.append(Work(tuple(ids), params, text))
     return out
 
@@ -92,23 +121,31 @@ class ChoiceText(TextStream):
     text starts: ``push(ids, offsets)`` appends one offset per token, the number of characters
     decoded before it plus ``start`` (the echoed prompt's length). Tokens that end inside a
     character share the offset of that character's start. Offsets count decoded text, so a
-    token after a stop string's start points past the (cut) choice text."""
+    token after a stop string's start points past the (cut) choice text. ``mute_last``: the
+    last token is a stop token whose text vLLM leaves out (its offset is where it would be)."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...],
-                 start: int = 0) -> None:
-        super().__init__(decode, stop)
+                 start: int = 0, *, min_tokens: int = 0, include_stop: bool = False) -> None:
+        super().__init__(decode, stop, min_tokens=min_tokens, include_stop=include_stop)
         self.decoded = start
+        self.context: list[int] = []    # the last tokens, for naming split characters
 
-    def push(self, new_ids: Iterable[int], offsets: list[int] | None = None) -> str:
+    def push(self, new_ids: Iterable[int], offsets: list[int] | None = None,
+             mute_last: bool = False) -> str:
+        ids = list(new_ids)
+        spoken = ids[:-1] if mute_last else ids
+        self.context = (self.context + ids)[-8:]
         if offsets is None:
-            return super().push(new_ids)
-        pieces = []
-        for t in new_ids:
+            return super().push(spoken)
+        out = ""
+        for t in spoken:    # per token: the offset where its text starts, the text it completes
             offsets.append(self.decoded)
-            piece = self.detok.push([t])      # per token: the text each one completes
+            armed = len(self.detok.token_ids) >= self.min_tokens
+            piece = self.detok.push([t])
             self.decoded += len(piece)
-            pieces.append(piece)
-        out = self.matcher.feed("".join(pieces))
+            out += self.matcher.feed(piece, armed=armed)
+        if mute_last and ids:
+            offsets.append(self.decoded)
         self.text += out
         return out
 
@@ -120,7 +157,8 @@ class RequestRun:
     logprob entries for the whole answer (non-streaming)."""
 
     def __init__(self, streams: list[RequestStream], parsed: ParsedRequest, work: list[Work],
-                 decode: Callable[[list[int]], str], keep: bool) -> None:
+                 decode: Callable[[list[int]], str], keep: bool,
+                 eos_ids: Iterable[int] = ()) -> None:
         self.streams = streams
         self.n = n = parsed.params.n
         total = len(streams) * n
@@ -129,7 +167,9 @@ class RequestRun:
         self.echo_only = parsed.echo_only        # max_tokens 0: the sampled token is dropped
         self.prompt_ids = [w.token_ids for w in work]
         self.prompt_lps: list[list | None] = [None] * len(streams)
-        self.texts = [ChoiceText(decode, parsed.stop, len(self.echo[k])) for k in range(total)]
+        self.texts = [ChoiceText(decode, parsed.stop, len(self.echo[k]),
+                                 min_tokens=parsed.params.min_tokens,
+                                 include_stop=parsed.include_stop) for k in range(total)]
         self.decode = decode
         self.want_logprobs = parsed.logprobs is not None
         self.keep = keep and self.want_logprobs
@@ -140,6 +180,9 @@ class RequestRun:
         self.tokens = [0] * total
         self.prompt_tokens = [0] * len(streams)
         self.stop_ids = frozenset(parsed.params.stop_token_ids)
+        # a sample that ends on one of these leaves its text out (vLLM's stop_terminated),
+        # unless include_stop_str_in_output
+        self.mute_ids = frozenset() if parsed.include_stop else self.stop_ids | set(eos_ids)
         self.pending: dict[asyncio.Future, int] = {}
         self.error: str | None = None
         self.seen = [False] * len(streams)
@@ -153,12 +196,15 @@ class RequestRun:
         return self.echo[k] + self.texts[k].text
 
     def _logprobs(self, token_ids: list[int], lps: list[dict[int, float]] | None,
-                  offsets: list[int]) -> list[TokenLogprob]:
+                  offsets: list[int], before: list[int]) -> list[TokenLogprob]:
+        """Entries of new tokens; ``before``: the sample's tokens before them (context)."""
         if lps is None or len(lps) != len(token_ids):
             raise RuntimeError(f"the engine returned {0 if lps is None else len(lps)} logprob "
                                f"entries for {len(token_ids)} tokens")
-        return [TokenLogprob(t, top[t], top, off)
-                for t, top, off in zip(token_ids, lps, offsets, strict=True)]
+        seq = [*before, *token_ids]
+        return [TokenLogprob(t, top[t], top, off, tuple(seq[max(0, j - 4):j]))
+                for j, t, top, off in zip(range(len(before), len(seq)), token_ids, lps,
+                                          offsets, strict=True)]
 
     def _prompt_entries(self, s: int) -> list[TokenLogprob]:
         """The echoed prompt's entries (first token: no logprob), offsets into its decoded
@@ -167,8 +213,9 @@ class RequestRun:
         if lps is None or len(lps) != len(ids):
             raise RuntimeError("the engine returned no prompt logprobs for an echo request")
         detok, decoded, out = IncrementalDetokenizer(self.decode), 0, []
-        for t, top in zip(ids, lps, strict=True):
-            out.append(TokenLogprob(t, None if top is None else top[t], top, decoded))
+        for j, (t, top) in enumerate(zip(ids, lps, strict=True)):
+            out.append(TokenLogprob(t, None if top is None else top[t], top, decoded,
+                                    tuple(ids[max(0, j - 4):j])))
             decoded += len(detok.push([t]))
         return out
 
@@ -188,15 +235,17 @@ class RequestRun:
                 else (c.token_ids, c.logprobs)
             self.tokens[k] += len(ids)
             offsets: list[int] | None = [] if self.want_logprobs else None
-            text = ts.push(ids, offsets)
-            entries = None if offsets is None else self._logprobs(ids, lps, offsets)
+            before = list(ts.context)
+            mute = c.finish_reason == "stop" and bool(ids) and ids[-1] in self.mute_ids
+            text = ts.push(ids, offsets, mute_last=mute)
+            entries = None if offsets is None else self._logprobs(ids, lps, offsets, before)
             reason = "stop" if ts.stopped else None
             if reason is None and c.finish_reason is not None:
                 text += ts.finish()
                 reason = "stop" if ts.stopped else c.finish_reason
-                if not ts.stopped and reason == "stop" and ts.token_ids \
-                        and ts.token_ids[-1] in self.stop_ids:
-                    self.stop_reason[k] = ts.token_ids[-1]     # vLLM: the stop token's id
+                if not ts.stopped and reason == "stop" and ts.context \
+                        and ts.context[-1] in self.stop_ids:
+                    self.stop_reason[k] = ts.context[-1]     # vLLM: the stop token's id
             if ts.stopped:
                 self.stop_reason[k] = ts.stop_reason
             self.finish[k] = reason

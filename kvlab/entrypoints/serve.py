@@ -18,7 +18,11 @@ string, and abort its engine request once every sample has ended; ``echo``) and 
 :mod:`~kvlab.entrypoints.openai_responses` shapes as OpenAI does. A streamed chunk carries one
 choice.
 
-Errors are OpenAI's error object (:mod:`kvlab.entrypoints.openai_protocol`) and never stop the
+Request fields are vLLM 0.32's: a field kvlab does not use is ignored, as vLLM ignores it, and
+named in the ``x-kvlab-ignored-fields`` response header; one that would change the answer and
+that kvlab cannot honour is a 400 naming it (:mod:`kvlab.entrypoints.openai_protocol`). Chat
+prompts are rendered by the checkpoint's Jinja chat template
+(:mod:`kvlab.entrypoints.chat_template`). Errors are OpenAI's error object and never stop the
 server. A client that disconnects has its request aborted and its KV freed; one that reads too
 slowly is aborted once it owes ``max_backlog_tokens`` tokens. A request refused at admission
 (``--max-waiting`` requests already queued) is answered 503.
@@ -29,7 +33,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
+import logging
 import os
 import time
 import uuid
@@ -45,13 +51,25 @@ from starlette.routing import Route
 from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.entrypoints.async_engine import MAX_BACKLOG_TOKENS, AsyncEngine, RequestStream
-from kvlab.entrypoints.openai_protocol import APIError, ParsedRequest, error_body, parse_request
+from kvlab.entrypoints.chat_template import ChatTemplate
+from kvlab.entrypoints.openai_protocol import (
+    APIError,
+    ParsedRequest,
+    error_body,
+    generation_defaults,
+    parse_request,
+)
 from kvlab.entrypoints.openai_responses import TokenNames, choice, logprobs_body
 from kvlab.entrypoints.request_run import Event, RequestRun, prepare
 from kvlab.entrypoints.tokenization import detokenize, tokenize, tokenizer_info
 from kvlab.entrypoints.uvicorn_server import HEADER_TIMEOUT, h11_with_header_deadline
 
-__all__ = ["BODY_TIMEOUT", "MAX_BODY_BYTES", "build_app", "main"]
+__all__ = ["BODY_TIMEOUT", "IGNORED_HEADER", "MAX_BODY_BYTES", "build_app", "main"]
+
+log = logging.getLogger("kvlab.serve")
+
+#: response header naming the request fields that had no effect (kvlab's; vLLM only logs them)
+IGNORED_HEADER = "x-kvlab-ignored-fields"
 
 #: default limit of a request body (a 2,048-token context is ~10 KB of text)
 MAX_BODY_BYTES = 2 * 1024 * 1024
@@ -114,9 +132,28 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
     metrics = aeng.metrics
     started = int(time.time())   # the model card's `created`: when this server started
     tokenizer = engine.tokenizer
-    decode: Callable[[list[int]], str] = tokenizer.decode if tokenizer is not None \
-        else (lambda ids: "")
     names = TokenNames(tokenizer) if tokenizer is not None else None
+    template = chat_template(engine)
+    defaults = generation_defaults(engine.checkpoint.path)
+    warned: set[str] = set()
+
+    def decoder(parsed: ParsedRequest) -> Callable[[list[int]], str]:
+        if tokenizer is None:
+            return lambda ids: ""
+        return functools.partial(tokenizer.decode,
+                                 skip_special_tokens=parsed.skip_special_tokens)
+
+    def note_ignored(parsed: ParsedRequest, response: Response) -> Response:
+        """Name the fields that had no effect: a header, and a log line (a warning the first
+        time a field is seen, as vLLM warns once)."""
+        if parsed.ignored:
+            response.headers[IGNORED_HEADER] = ", ".join(parsed.ignored)
+            new = sorted(set(parsed.ignored) - warned)
+            warned.update(new)
+            (log.warning if new else log.debug)(
+                "request fields ignored (they have no effect on kvlab): %s",
+                ", ".join(parsed.ignored))
+        return response
 
     def shaped(chat: bool, entries: list | None, k: int | None) -> dict | None:
         """``choice.logprobs``: None unless the request asked for logprobs (``k``)."""
@@ -135,21 +172,24 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
         try:
             raw = await _read_body(request, max_body_bytes, body_timeout)
             parsed = await asyncio.to_thread(parse_request, raw, chat=chat,
-                                             served_model=served_model)
+                                             served_model=served_model, template=template,
+                                             defaults=defaults)
             work = await asyncio.to_thread(prepare, aeng, parsed)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             loop = asyncio.get_running_loop()
             streams: list[RequestStream] = []
+            domain = None if parsed.cache_salt is None else f"cache_salt:{parsed.cache_salt}"
             try:
                 for i, w in enumerate(work):
                     streams.append(await asyncio.to_thread(
                         aeng.add, rid if len(work) == 1 else f"{rid}-{i}", list(w.token_ids),
-                        w.params, loop))
+                        w.params, loop, domain))
             except (ValueError, TypeError) as err:
                 for st in streams:
                     st.close()
                 raise APIError(400, str(err), code="invalid_value") from None
-            run = RequestRun(streams, parsed, work, decode, keep=not parsed.stream)
+            run = RequestRun(streams, parsed, work, decoder(parsed), keep=not parsed.stream,
+                             eos_ids=engine.eos_token_ids)
             gone = asyncio.ensure_future(_client_gone(request))
             first = await run.first(gone)
             if first is None:
@@ -166,17 +206,17 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
                 response = StreamingResponse(_sse(run, first, parsed, rid, created),
                                              media_type="text/event-stream")
                 run = None        # the stream owns it now
-                return response
+                return note_ignored(parsed, response)
             while not run.done:
                 if await run.next(gone) is None:
                     return Response(status_code=499)
-            return JSONResponse({
+            return note_ignored(parsed, JSONResponse({
                 "id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": created, "model": served_model,
                 "choices": [choice(chat, k, run.text(k), run.finish[k], run.stop_reason[k],
                                    False, logprobs=shaped(chat, run.entries[k], parsed.logprobs))
                             for k in range(len(run.finish))],
-                "usage": run.usage()})
+                "usage": run.usage()}))
         except APIError as err:
             return fail(err)
         except ClientDisconnect:   # gone while sending the body: nobody reads an answer
@@ -247,7 +287,8 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
 
     async def tokenizer_route(request: Request) -> Response:
         """``/tokenize`` and ``/detokenize``: body read with the size limit, worked off-loop."""
-        work = tokenize if request.url.path == "/tokenize" else detokenize
+        work = functools.partial(tokenize, template=template) \
+            if request.url.path == "/tokenize" else detokenize
         try:
             raw = await _read_body(request, max_body_bytes, body_timeout)
             return JSONResponse(await asyncio.to_thread(work, raw, engine, served_model))
@@ -258,7 +299,7 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
 
     async def tokenizer_info_route(request: Request) -> Response:
         try:
-            return JSONResponse(await asyncio.to_thread(tokenizer_info, engine))
+            return JSONResponse(await asyncio.to_thread(tokenizer_info, engine, template))
         except APIError as err:
             return fail(err)
 
@@ -314,6 +355,19 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
         Route("/metrics", prometheus, methods=["GET"]),
     ], exception_handlers={HTTPException: http_error, Exception: server_error},
         lifespan=lifespan)
+
+
+def chat_template(engine: LLMEngine) -> ChatTemplate:
+    """The chat template ``engine``'s checkpoint ships (kvlab's when it ships none), with its
+    BOS and EOS strings."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        return ChatTemplate.for_tokenizer(engine.checkpoint.path / "tokenizer.json", None, None)
+    names = {i: s for s, i in tokenizer.get_vocab().items()}
+    bos = names.get(engine.config.bos_token_id) if engine.config.bos_token_id is not None \
+        else None
+    eos = names.get(engine.eos_token_ids[0]) if engine.eos_token_ids else None
+    return ChatTemplate.for_tokenizer(tokenizer.path, bos, eos)
 
 
 def add_server_args(ap: argparse.ArgumentParser) -> None:

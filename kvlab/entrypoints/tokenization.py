@@ -4,43 +4,51 @@ Shapes as in vLLM 0.32.0 (``vllm/entrypoints/serve/tokenize/protocol.py`` and ``
 
 - ``/tokenize`` takes ``{"prompt": str, "add_special_tokens": true, "return_token_strs":
   false}`` or the chat form ``{"messages": [...], "add_generation_prompt": true,
-  "continue_final_message": false, "return_token_strs": false}`` (``model`` optional in
-  both) and answers ``{"count", "max_model_len", "tokens", "token_strs"}``; ``token_strs`` are
-  the vocabulary's own strings (``Ġthe``), null unless asked.
+  "continue_final_message": false, "add_special_tokens": false, "chat_template_kwargs": {},
+  "return_token_strs": false}`` (``model`` optional in both) and answers ``{"count",
+  "max_model_len", "tokens", "token_strs"}``; ``token_strs`` are the vocabulary's own strings
+  (``Ġthe``), null unless asked. The chat form renders the model's chat template exactly as
+  ``/v1/chat/completions`` does (:mod:`~kvlab.entrypoints.chat_template`; kvlab's writes the
+  BOS, so ``add_special_tokens: true`` adds a second one, as in vLLM).
 - ``/detokenize`` takes ``{"tokens": [int, ...]}`` and answers ``{"prompt": str}``, special
   tokens kept (vLLM decodes with the tokenizer's default, which keeps them).
 - ``/tokenizer_info`` (only with ``--enable-tokenizer-info-endpoint``, as in vLLM) answers the
-  model's ``tokenizer_config.json`` without file paths, plus ``tokenizer_class`` and kvlab's
-  chat template as Jinja (:data:`CHAT_TEMPLATE`), which renders exactly what
-  :func:`~kvlab.entrypoints.openai_protocol.chat_prompt` builds for text messages.
+  model's ``tokenizer_config.json`` without file paths, plus ``tokenizer_class``, ``eos_token``,
+  ``bos_token`` and the chat template the server renders.
+
+Other fields are ignored, as vLLM's models ignore them. A prompt is tokenized whole, as in
+vLLM (``/tokenize`` has no context bound: lm-eval counts long documents through it), with the
+GIL released; one beyond the context bound at a time, and the memory it took is handed back
+to the system afterwards (``malloc_trim``), so a few 2 MiB prompts do not leave the server's
+RSS a gigabyte higher.
 
 lm-eval-harness's ``local-completions`` probes ``/tokenizer_info`` and ``/tokenize`` and, when
 both answer, tokenizes through the server (its ``remote`` tokenizer backend).
-
-Differences from vLLM, each a 400 naming the field rather than a silent change: the chat form
-takes no ``tools``, ``chat_template`` or media fields, and its ``add_special_tokens`` must be
-false: kvlab's template has no BOS of its own, so the chat tokens always start with the BOS
-that ``/v1/chat/completions`` runs with (in vLLM the template writes it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
+import threading
 from typing import Any
 
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.entrypoints.openai_protocol import APIError, chat_prompt, json_object
+from kvlab.entrypoints.chat_template import ChatTemplate, ChatTemplateError, conversation
+from kvlab.entrypoints.openai_protocol import APIError, json_object
 
-__all__ = ["CHAT_TEMPLATE", "detokenize", "tokenize", "tokenizer_info"]
+__all__ = ["detokenize", "release_memory", "tokenize", "tokenizer_info"]
 
-#: kvlab's chat template (:func:`chat_prompt`) in Jinja, for clients that render it themselves
-CHAT_TEMPLATE = ("{% for m in messages %}{% if not loop.first %}\n{% endif %}"
-                 "{{ m['role'] }}: {{ m['content'] if m['content'] is not none else '' }}"
-                 "{% endfor %}{% if add_generation_prompt %}\nassistant:{% endif %}")
+#: one tokenization beyond the context bound at a time (each can take hundreds of MB)
+_LARGE = threading.Lock()
 
-_COMPLETION = {"model", "prompt", "add_special_tokens", "return_token_strs"}
-_CHAT = {"model", "messages", "add_generation_prompt", "continue_final_message",
-         "add_special_tokens", "return_token_strs"}
+
+def release_memory() -> None:
+    """Give freed heap memory back to the system (glibc's ``malloc_trim``; elsewhere a
+    no-op): glibc otherwise keeps what a large tokenization freed."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -58,12 +66,6 @@ def _check_model(body: dict, served_model: str) -> None:
                             f"`{served_model}`", param="model", code="model_not_found")
 
 
-def _unknown(body: dict, allowed: set[str]) -> None:
-    if extra := sorted(set(body) - allowed):
-        raise APIError(400, f"Unrecognized request argument supplied: {extra[0]}",
-                       param=extra[0], code="unknown_parameter")
-
-
 def _tokenizer(engine: LLMEngine):
     if engine.tokenizer is None:
         raise APIError(400, "this model has no tokenizer.json: it takes token ids only",
@@ -71,36 +73,49 @@ def _tokenizer(engine: LLMEngine):
     return engine.tokenizer
 
 
-def tokenize(raw: bytes, engine: LLMEngine, served_model: str) -> dict[str, Any]:
+def tokenize(raw: bytes, engine: LLMEngine, served_model: str,
+             template: ChatTemplate) -> dict[str, Any]:
     """The answer to ``POST /tokenize`` (see the module docstring); APIError naming the field.
     Tokenizes: call it off the event loop."""
     body = json_object(raw)
     chat = "messages" in body
-    _unknown(body, _CHAT if chat else _COMPLETION)
     _check_model(body, served_model)
     tok = _tokenizer(engine)
     strs = _flag(body, "return_token_strs", False)
     if chat:
         gen = _flag(body, "add_generation_prompt", True)
-        if _flag(body, "continue_final_message", False) and gen:
-            raise APIError(400, "Cannot set both `continue_final_message` and "
-                                "`add_generation_prompt` to True.",
-                           param="continue_final_message", code="invalid_value")
-        if _flag(body, "add_special_tokens", False):
-            raise APIError(400, "add_special_tokens=true is not supported with messages: "
-                                "kvlab's chat tokens always start with BOS, as /v1/chat/"
-                                "completions runs them", param="add_special_tokens",
-                           code="unsupported_parameter")
-        text = chat_prompt(body["messages"])
-        if not gen:
-            text = text.removesuffix("\nassistant:")
-        ids = tok.encode(text)
+        cont = _flag(body, "continue_final_message", False)
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise APIError(400, "chat_template_kwargs must be an object",
+                           param="chat_template_kwargs", code="invalid_type")
+        try:
+            messages, _ = conversation(body["messages"])
+            text = template.render(messages, add_generation_prompt=gen,
+                                   continue_final_message=cont, kwargs=kwargs)
+        except ChatTemplateError as err:
+            param = "continue_final_message" if "continue_final_message" in str(err) \
+                else "messages"
+            raise APIError(400, str(err), param=param, code="invalid_value") from None
+        special = _flag(body, "add_special_tokens", False)
     else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise APIError(400, f"prompt must be a string, got {type(prompt).__name__}",
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise APIError(400, f"prompt must be a string, got {type(text).__name__}",
                            param="prompt", code="invalid_value")
-        ids = tok.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
+        special = _flag(body, "add_special_tokens", True)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise APIError(400, f"the text has a lone surrogate (U+{ord(text[err.start]):04X}) at "
+                            f"character {err.start}: it is not valid Unicode",
+                       param="messages" if chat else "prompt", code="invalid_value") from None
+    if len(text) > engine.max_model_len * tok.max_chars_per_token:
+        with _LARGE:
+            ids = tok.encode(text, add_special_tokens=special)
+        release_memory()
+    else:
+        ids = tok.encode(text, add_special_tokens=special)
     names = None
     if strs:
         vocab = {i: s for s, i in tok.get_vocab().items()}
@@ -112,7 +127,6 @@ def tokenize(raw: bytes, engine: LLMEngine, served_model: str) -> dict[str, Any]
 def detokenize(raw: bytes, engine: LLMEngine, served_model: str) -> dict[str, Any]:
     """The answer to ``POST /detokenize``: ``{"prompt": text}``; APIError naming the field."""
     body = json_object(raw)
-    _unknown(body, {"model", "tokens"})
     _check_model(body, served_model)
     tok = _tokenizer(engine)
     ids = body.get("tokens")
@@ -124,10 +138,10 @@ def detokenize(raw: bytes, engine: LLMEngine, served_model: str) -> dict[str, An
     return {"prompt": tok.decode(ids, skip_special_tokens=False)}
 
 
-def tokenizer_info(engine: LLMEngine) -> dict[str, Any]:
+def tokenizer_info(engine: LLMEngine, template: ChatTemplate) -> dict[str, Any]:
     """The answer to ``GET /tokenizer_info``: ``tokenizer_config.json`` (when the model has
     one) less its file paths, ``tokenizer_class``, ``eos_token`` / ``bos_token`` (from the
-    engine's ids when the file names none) and :data:`CHAT_TEMPLATE`."""
+    engine's ids when the file names none) and the chat template the server renders."""
     tok = _tokenizer(engine)
     path = tok.path.parent / "tokenizer_config.json"
     info = json.loads(path.read_text()) if path.is_file() else {}
@@ -139,5 +153,5 @@ def tokenizer_info(engine: LLMEngine) -> dict[str, Any]:
         info.setdefault("eos_token", names.get(engine.eos_token_ids[0]))
     if engine.config.bos_token_id is not None:
         info.setdefault("bos_token", names.get(engine.config.bos_token_id))
-    info["chat_template"] = CHAT_TEMPLATE
+    info["chat_template"] = template.source
     return info

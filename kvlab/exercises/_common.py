@@ -23,6 +23,7 @@ matters runs through the course's hidden tests.
 from __future__ import annotations
 
 import base64
+import copy
 import functools
 import hashlib
 import json
@@ -80,6 +81,42 @@ def try_check(check, *args, **kwargs) -> str:
         raise WrongAnswer(str(verdict) or "the answer does not pass the check.") from None
     print(message)
     return message
+
+
+# --- predictions ---------------------------------------------------------------------------------
+
+#: Wrong predictions recorded in this session: exercise key -> (canonical form, the answer).
+_PREDICTIONS: dict[str, tuple[str, object]] = {}
+
+
+def earlier_prediction(key: str, answer, right: bool):
+    """For a prediction exercise, whose answers are few enough to find by trying: the wrong
+    prediction recorded for ``key`` earlier in this session (this process) that ``answer``
+    differs from, or None when ``answer`` is to be graded itself. A wrong ``answer`` is recorded
+    when none is; a right one locks nothing (a worked solution run before the reader answers
+    must not take the reader's turn). So after a wrong prediction, every other answer gets the
+    same reply, and trying them one after another learns nothing. Call it only with an answer
+    of the right form. :func:`forget_predictions` clears the record (tests)."""
+    text = canonical(answer)
+    if key in _PREDICTIONS:
+        first_text, first = _PREDICTIONS[key]
+        return None if text == first_text else first
+    if not right:
+        _PREDICTIONS[key] = (text, copy.deepcopy(answer))
+    return None
+
+
+def forget_predictions() -> None:
+    """Forget every recorded prediction (a fresh session)."""
+    _PREDICTIONS.clear()
+
+
+def graded_once(first) -> str:
+    """The reply to an answer given after a wrong prediction: the prediction stands, and
+    nothing is said about the new answer."""
+    return (f"Your prediction, recorded when you first answered, was {first!r}, and it was not "
+            "right; a prediction is graded once, so a later answer is not graded. Now run the "
+            "experiment and work out why it was not.")
 
 
 # --- sealed answers -----------------------------------------------------------------------------
@@ -223,6 +260,15 @@ def sealed(key: str) -> Sealed:
     except KeyError:
         raise KeyError(f"no sealed answer for {key!r}: run `python tools/seal_answers.py "
                        "--write` (instructor edition)") from None
+
+
+def failing_cases(fn, key: str, cases) -> list[int]:
+    """Indices of ``cases`` (keyword dicts) on which the reader's ``fn(**case)`` is not the
+    truth sealed under ``f"{key}.{i}"``: a check of a reader's function against cases whose
+    answers the package does not hold. Whatever ``fn`` raises propagates (it is about the
+    reader's code)."""
+    return [i for i, case in enumerate(cases)
+            if not sealed(f"{key}.{i}").is_answer(fn(**case))]
 
 
 @functools.cache

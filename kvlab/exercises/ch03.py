@@ -4,8 +4,10 @@ parallel sampling, graded on a real KV manager.
 
 A check with one right answer compares against its sealed truth (``_common.sealed``; the
 instructor edition computes it with :mod:`kvlab.core`: the reference ``BlockAllocator`` or a
-real ``KVCacheManager``); the debug checks run the reader's code against the reference. Each
-raises ``AssertionError`` saying what is wrong, never the answer.
+real ``KVCacheManager``); the debug checks run the reader's code against the reference. The
+★★ and ★★★ checks cannot be passed by trying: linked quantities are checked together, a rule
+runs on cases the chapter does not print. Each raises ``AssertionError`` saying what to
+revisit, never the answer nor which way it is off.
 """
 
 from __future__ import annotations
@@ -114,11 +116,12 @@ def check_cow(fn) -> str:
 
 def _sampling_blocks(prompt_tokens: int, output_tokens: tuple, block_size: int) -> tuple:
     """Blocks held when every sample has generated its ``output_tokens[i]`` tokens, with forked
-    sharing and without sharing (the check's truth; the chapter never calls it).
+    sharing and without sharing, and the copies copy-on-write made (the check's truth; the
+    chapter never calls it).
 
     Runs a real KVCacheManager: admit the prompt, fork one child per further sample, decode
     every unfinished sequence token by token (copy-on-write on the shared partial block), and
-    count the distinct blocks held.
+    count the distinct blocks held and the copies made.
     """
     n = len(output_tokens)
     if n < 1 or any(o < 1 for o in output_tokens):
@@ -129,32 +132,37 @@ def _sampling_blocks(prompt_tokens: int, output_tokens: tuple, block_size: int) 
     seqs = [f"s{i}" for i in range(n)]
     for child in seqs[1:]:
         kv.fork("s0", child)
+    made = 0
     for length in range(prompt_tokens, prompt_tokens + max(output_tokens)):
         copies = []
         for rid, out in zip(seqs, output_tokens, strict=True):
             if length < prompt_tokens + out:
                 copies += kv.grow(rid, length + 1, length)
         kv.complete_copies(copies)
+        made += len(copies)
     shared = len({b for rid in seqs for b in kv.block_table(rid)})
-    return shared, private
+    return shared, private, made
 
 
-def check_sampling_blocks(with_sharing, without_sharing) -> str:
+def check_sampling_blocks(with_sharing, without_sharing, copies) -> str:
     """Exercise 2: distinct blocks :data:`SAMPLING`'s samples hold once each has stopped, with
-    forked sharing and without sharing (direction only when wrong)."""
-    require_answer(with_sharing, "blocks with sharing")
-    require_answer(without_sharing, "blocks without sharing")
-    for what, got in (("with sharing", with_sharing), ("without sharing", without_sharing)):
-        if isinstance(got, bool) or not isinstance(got, int):
-            raise AssertionError(f"give the blocks {what} as a whole number, got {got!r}")
-    wrong = "; ".join(f"{what}: {got} is {way}"
-                      for what, key, got in (("with sharing", "with", with_sharing),
-                                             ("without", "without", without_sharing))
-                      if (way := sealed(f"ch03.sampling_blocks.{key}").direction(got)))
-    if wrong:
-        raise AssertionError(f"{wrong}.")
+    forked sharing and without sharing, and the block copies copy-on-write makes on the way,
+    checked together (a wrong triple is told what to revisit, not which number is off)."""
+    answers = {"blocks with sharing": with_sharing, "blocks without sharing": without_sharing,
+               "copies": copies}
+    for what, got in answers.items():
+        require_answer(got, what)
+        if isinstance(got, bool) or not isinstance(got, int) or got < 0:
+            raise AssertionError(f"give the {what} as a whole number, got {got!r}")
+    if not sealed("ch03.sampling_blocks").is_answer([with_sharing, without_sharing, copies]):
+        raise AssertionError(
+            "the three numbers are not right together: revisit which blocks all five samples "
+            "hold once (the prompt's full blocks), which each holds of its own (its copy of "
+            "the partial prompt block, its tail), which writers copy, and what each sample "
+            "would hold without sharing.")
     return (f"Correct: {with_sharing} blocks instead of {without_sharing} "
-            f"({100 * (1 - with_sharing / without_sharing):.0f}% less KV memory).")
+            f"({100 * (1 - with_sharing / without_sharing):.0f}% less KV memory), for "
+            f"{copies} block copies.")
 
 
 def check_double_release(answer) -> str:
@@ -209,9 +217,9 @@ def check_write_order(copies, in_place) -> str:
     if isinstance(copies, bool) or not isinstance(copies, int):
         raise AssertionError(f"the number of copies is a whole number, got {copies!r}")
     problems = []
-    way = sealed("ch03.write_order.copies").direction(copies)
-    if way:
-        problems.append(f"{copies} copies is {way.replace('high', 'many').replace('low', 'few')}")
+    if not sealed("ch03.write_order.copies").is_answer(copies):
+        problems.append("the number of copies is not right: revisit which writers find the "
+                        "partial block still shared when they write")
     seqs = WRITE_ORDER["order"]
     if in_place not in seqs:
         problems.append(f"{in_place!r} is not one of the sequences {seqs}")
@@ -281,17 +289,14 @@ def samples_fit(n: int, num_blocks: int, block_size: int, prompt_tokens: int,
 
 def check_max_samples(n) -> str:
     """The largest ``n`` whose samples all fit :data:`SAMPLES_DESIGN`'s pool (kept for teachers'
-    own exercises: a single number with a direction can be bisected; the chapter's exercise 4
-    asks for the rule instead, :func:`check_sample_rule`)."""
+    own exercises: a single number can be found by trying; the chapter's exercise 4 asks for the
+    rule instead, :func:`check_sample_rule`)."""
     require_answer(n, "n")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise AssertionError(f"n must be a positive whole number, got {n!r}")
-    way = sealed("ch03.max_samples").direction(n)
-    if way == "too high":
-        raise AssertionError(f"n = {n} is too high: it runs out of blocks before every sample "
-                             f"has its {SAMPLES_DESIGN['output_tokens']} tokens.")
-    if way:
-        raise AssertionError(f"n = {n} is too low.")
+    if not sealed("ch03.max_samples").is_answer(n):
+        raise AssertionError(f"n = {n} is not the largest n whose samples all fit: revisit "
+                             "which blocks are held once and which each sample holds.")
     d = SAMPLES_DESIGN
     private = d["num_blocks"] // -(-(d["prompt_tokens"] + d["output_tokens"]) // d["block_size"])
     return (f"Correct: {n} samples fit and {n + 1} do not. Without sharing only {private} "
@@ -320,8 +325,8 @@ def check_sample_rule(rule) -> str:
     """Exercise 4: ``rule(num_blocks, block_size, prompt_tokens, output_tokens)`` returns the
     largest ``n`` whose forked samples all run to the end on a pool of ``num_blocks`` blocks
     (0 when one sample does not fit). Graded on real ``KVCacheManager`` runs
-    (:func:`samples_fit`) over :func:`sample_rule_cases`; a failure names the case and the
-    direction, never the right ``n``."""
+    (:func:`samples_fit`) over :func:`sample_rule_cases`; a failure names the case and what
+    to revisit, never the right ``n`` nor which way the rule is off."""
     require_answer(rule, "your rule")
     if not callable(rule):
         raise AssertionError("pass a function rule(num_blocks, block_size, prompt_tokens, "
@@ -334,12 +339,11 @@ def check_sample_rule(rule) -> str:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise AssertionError(f"for {where} your rule returned {n!r}: it must return a "
                                  "whole number, 0 or more")
-        if n > 0 and not samples_fit(n, **case):
-            raise AssertionError(f"for {where} your rule admits n = {n}, which runs out of "
-                                 "blocks before every sample is done: too many.")
-        if samples_fit(n + 1, **case):
-            raise AssertionError(f"for {where} your rule says n = {n}, but n = {n + 1} also "
-                                 "runs to the end: too cautious.")
+        if (n > 0 and not samples_fit(n, **case)) or samples_fit(n + 1, **case):
+            raise AssertionError(f"for {where} your rule's n is not the largest that runs to "
+                                 "the end: revisit which blocks the samples hold once, which "
+                                 "each holds of its own at the end, and whether a pending "
+                                 "copy needs a block of its own.")
     d = SAMPLES_DESIGN
     private = d["num_blocks"] // -(-(d["prompt_tokens"] + d["output_tokens"]) // d["block_size"])
     return (f"Correct on {len(sample_rule_cases())} pools and requests. On the chapter's pool "

@@ -1,10 +1,12 @@
-"""Chapter 4 exercises: a conversation's second turn, saved prefill, a cache-aware request
-order, and a block-hash prefix index to debug.
+"""Chapter 4 exercises: a conversation's second turn, the prefill a shared prefix saves, a
+cache-aware request order, and a block-hash prefix index to debug.
 
-A check with one right answer compares against its sealed truth (``_common.sealed``; the
-instructor edition computes it with :mod:`kvlab.core`); the design and debug checks run the
-reader's order or class on a real ``KVCacheManager``. Each raises ``AssertionError`` saying
-what is wrong (too high, too low, why the chosen option fails), never the expected answer.
+A check never holds the answer it grades: the numbers are compared with sealed truths
+(``_common.sealed``; the instructor edition computes them with :mod:`kvlab.core`), a reader's
+function is run on cases whose answers are sealed (``_common.failing_cases``), and the design
+and debug checks run the reader's order or class on a real ``KVCacheManager``. Each raises
+``AssertionError`` naming the concept to revisit, never the answer nor the direction of an
+error, so an answer cannot be found by trying values against the check.
 """
 
 from __future__ import annotations
@@ -13,49 +15,78 @@ import random
 from collections.abc import Sequence
 
 from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.exercises._common import require_answer, sealed
+from kvlab.exercises._common import failing_cases, require_answer, sealed
 
 #: Exercise 1: a conversation's first turn, then its second turn sent as one prompt.
 CONVERSATION = {"prompt_tokens": 40, "output_tokens": 24, "new_tokens": 10, "block_size": 16}
 
-def check_conversation_hit(cached_tokens, reason) -> str:
-    """Exercise 1: how many tokens of turn two (:data:`CONVERSATION`) ``lookup`` reports, and
-    a letter for why that is fewer than the whole first turn (options in the chapter)."""
+
+def _whole(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise AssertionError(f"give {what} as a whole number (an int >= 0), got {value!r}")
+    return value
+
+
+def check_conversation_hit(tokens_with_kv, cached_tokens, reason) -> str:
+    """Exercise 1: for :data:`CONVERSATION`, how many of turn one's tokens have KV when it
+    finishes, how many tokens ``lookup`` reports for turn two, and a letter for why that is
+    fewer than the whole first turn (options in the chapter). The two numbers are checked
+    together; the letter once they are right."""
+    require_answer(tokens_with_kv, "tokens of turn one with KV")
     require_answer(cached_tokens, "cached tokens")
     require_answer(reason, "your letter")
-    if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int):
-        raise AssertionError("give the number of cached tokens as an integer")
-    way = sealed("ch04.conversation_hit.tokens").direction(cached_tokens)
-    if way:
-        raise AssertionError(f"{cached_tokens} is {way}.")
+    pair = [_whole(tokens_with_kv, "the tokens with KV"), _whole(cached_tokens,
+                                                                  "the cached tokens")]
     letter = str(reason).strip().lower()
     if letter not in ("a", "b", "c", "d"):
         raise AssertionError(f"{reason!r} is not one of the letters a-d")
+    if not sealed("ch04.conversation_hit.tokens").is_answer(pair):
+        # one verdict for the pair: naming which number is off would let each be tried alone
+        raise AssertionError("the two numbers are not both what the KV manager does: revisit "
+                             "which tokens a decode step feeds through the model (and so "
+                             "writes KV for), and which blocks the prefix cache takes.")
     truth = sealed("ch04.conversation_hit.reason")   # each letter's verdict is sealed under it
     if not truth.is_answer(letter):
-        raise AssertionError(f"the number is right, but ({letter}) is not why: "
+        raise AssertionError(f"the numbers are right, but ({letter}) is not why: "
                              f"{truth.note(letter)}.")
     return f"Correct: {cached_tokens} {truth.note(letter)}"
 
 
-#: The workload of :func:`check_saved_prefill`.
+#: Exercise 2: requests sharing a few-shot prefix, run one after another.
 FEW_SHOT = {"shared_tokens": 600, "question_tokens": 40, "requests": 20, "block_size": 16}
 
+#: The workloads :func:`check_prefill_tokens` runs the reader's function on (the first is
+#: :data:`FEW_SHOT`); their answers are sealed, one per workload.
+PREFILL_CASES = (
+    FEW_SHOT,
+    {"shared_tokens": 64, "question_tokens": 8, "requests": 5, "block_size": 16},
+    {"shared_tokens": 63, "question_tokens": 1, "requests": 4, "block_size": 16},
+    {"shared_tokens": 64, "question_tokens": 1, "requests": 3, "block_size": 16},
+    {"shared_tokens": 10, "question_tokens": 30, "requests": 6, "block_size": 16},
+    {"shared_tokens": 100, "question_tokens": 20, "requests": 1, "block_size": 16},
+    {"shared_tokens": 600, "question_tokens": 40, "requests": 20, "block_size": 32},
+    {"shared_tokens": 10, "question_tokens": 5, "requests": 3, "block_size": 1},
+)
 
-def check_saved_prefill(tokens_without, tokens_with) -> str:
-    """Prefill tokens for :data:`FEW_SHOT`: requests sharing a few-shot prefix, one at a time."""
-    require_answer(tokens_without, "tokens without the cache")
-    require_answer(tokens_with, "tokens with the cache")
-    for what, got in (("without the cache", tokens_without), ("with it", tokens_with)):
-        if isinstance(got, bool) or not isinstance(got, int):
-            raise AssertionError(f"give the prefill tokens {what} as a whole number, got {got!r}")
-    wrong = "; ".join(f"{what}: {got} is {way}"
-                      for what, got in (("without", tokens_without), ("with", tokens_with))
-                      if (way := sealed(f"ch04.saved_prefill.{what}").direction(got)))
+
+def check_prefill_tokens(prefill_tokens) -> str:
+    """Exercise 2: ``prefill_tokens(shared_tokens, question_tokens, requests, block_size)``
+    returns ``(tokens computed without the prefix cache, tokens computed with it)`` for
+    requests that share a prefix and each add their own question, run one after another on a
+    cache large enough for all of them. The check runs it on :data:`PREFILL_CASES`."""
+    require_answer(prefill_tokens, "your prefill_tokens function")
+    if not callable(prefill_tokens):
+        raise AssertionError("pass a function (shared_tokens, question_tokens, requests, "
+                             "block_size) -> (without, with)")
+    wrong = failing_cases(prefill_tokens, "ch04.prefill_tokens", PREFILL_CASES)
     if wrong:
-        raise AssertionError(f"{wrong}.")
-    return (f"Correct: {tokens_without} vs {tokens_with} tokens "
-            f"({tokens_without / tokens_with:.1f}x less prefill).")
+        raise AssertionError(f"your function disagrees with the KV manager on {len(wrong)} of "
+                             f"{len(PREFILL_CASES)} workloads: revisit what a later request "
+                             "can find in the cache (whole blocks only, and never its last "
+                             "token) and what the first request must compute.")
+    return ("Correct on every workload: only whole blocks of the shared prefix are reused, so a "
+            "prefix that ends inside a block leaves that block to be recomputed by every "
+            "request.")
 
 
 #: Exercise 3: requests waiting at once, a small cache, you choose the order they run in.
@@ -106,10 +137,10 @@ def check_request_order(order) -> str:
                                 "are unknown"))
     yours = prefill_for_order(order)
     arrival = prefill_for_order(list(requests))
-    if sealed("ch04.request_order.target").direction(yours) == "too high":
-        better = " It does no better than arrival order." if yours >= arrival else ""
-        raise AssertionError(f"your order computes {yours:,} prefill tokens: too many; a "
-                             f"cache-aware order computes fewer.{better}")
+    if yours > sealed("ch04.request_order.target").value():
+        raise AssertionError(f"your order computes {yours:,} prefill tokens, and a cache-aware "
+                             "order computes less on the same cache: revisit what LRU eviction "
+                             "keeps between two requests that share a prefix.")
     return (f"Correct: {yours:,} prefill tokens against {arrival:,} in arrival order. Running "
             "requests that share a prefix back to back keeps that prefix from being evicted "
             "between them. Sorting the waiting queue by cached prefix length does it "

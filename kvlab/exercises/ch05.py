@@ -1,24 +1,26 @@
-"""Chapter 5 exercises: predict what an abort changes, derive the pool that avoids preemption,
-debug a recovery planner, and design a crash test.
+"""Chapter 5 exercises: predict what an abort changes, derive the pools that avoid preemption,
+debug a recovery planner, and design a crash test that takes two of recovery's branches.
 
-A check with one right answer compares against its sealed truth (``_common.sealed``; the
-instructor edition computes it on a real scheduler); the debug and design checks evaluate the
-reader's choice with :mod:`kvlab.core.request` / :mod:`kvlab.labs.recovery`. Each raises
-``AssertionError`` saying what is wrong (too high or too low, that a named request is not the
-one), never the answer.
+A check never holds the answer it grades: a prediction is compared with sealed truths
+(``_common.sealed``; the instructor edition computes them on a real scheduler), linked values
+are checked together, and a reader's function is run on crashed runs, against recovery's own
+decisions or against sealed answers for runs whose logs the chapter does not show. Each raises
+``AssertionError`` naming the concept to revisit, never the answer nor the direction of an
+error, so an answer cannot be found by trying values against the check.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import RUNNING_STATUSES, FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.exercises._common import require_answer, sealed
+from kvlab.exercises._common import failing_cases, require_answer, sealed
 from kvlab.labs.invariants import check_scheduler
-from kvlab.labs.recovery import RecoveryPlan, plan_recovery, recover, replay
+from kvlab.labs.recovery import RecoveryPlan, plan_recovery, replay
 from kvlab.labs.recovery.event_log import EventLog, SimulatedCrash
 from kvlab.labs.recovery.replay import met_stop
 from kvlab.sim.tokens import drive
@@ -26,36 +28,88 @@ from kvlab.sim.tokens import drive
 S = RequestStatus
 
 
+# -- runs whose logs the exercises crash -------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """A scripted scheduler run: a pool of ``num_blocks`` blocks of ``block_size`` tokens,
+    ``config``, ``arrivals[step]`` as ``(request id, prompt tokens, max_tokens)`` (the prompt's
+    token ids are derived from the id), and ``aborts[step]`` the ids aborted just before it."""
+
+    num_blocks: int
+    block_size: int
+    config: SchedulerConfig
+    arrivals: dict
+    aborts: dict = dataclasses.field(default_factory=dict)
+
+    def requests(self) -> dict[int, list[RuntimeRequest]]:
+        """The arrivals as requests; request ``q<i>``'s prompt is ``100 i + 1, 100 i + 2, ...``."""
+        return {step: [RuntimeRequest(rid, tuple(range(100 * int(rid[1:]) + 1,
+                                                       100 * int(rid[1:]) + 1 + prompt)),
+                                      max_tokens=max_tokens)
+                       for rid, prompt, max_tokens in specs]
+                for step, specs in self.arrivals.items()}
+
+    def scheduler(self, kv: KVCacheManager | None = None, log: EventLog | None = None):
+        kv = kv if kv is not None else KVCacheManager(self.num_blocks, self.block_size)
+        return ProductionScheduler(kv, self.config, log=log)
+
+    def run(self, log: EventLog | None = None, kv: KVCacheManager | None = None):
+        """Drive the run to its end; returns the scheduler."""
+        sched = self.scheduler(kv, log)
+        drive(sched, arrivals=self.requests(), aborts=dict(self.aborts))
+        return sched
+
+    def events(self) -> list:
+        """The complete log of the uncrashed run."""
+        log = EventLog()
+        self.run(log)
+        return list(log.events)
+
+    def crashed(self, crash_at: int):
+        """The run crashed before event ``crash_at``: ``(durable events, surviving manager)``.
+        ValueError when the run ends before that event."""
+        kv, log = KVCacheManager(self.num_blocks, self.block_size), EventLog(crash_at=crash_at)
+        try:
+            self.run(log, kv)
+        except SimulatedCrash:
+            return list(log.events), kv
+        raise ValueError(f"the run ended before event {crash_at}; pick a smaller index")
+
+
 CONFIG = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=8, prefill_chunk=4,
                          admission="watermark")
+
+#: Exercise 4's scripted run: three 7-token requests of 6 output tokens at step 1, a 3-token
+#: request of 3 output tokens at step 3, the client of ``q1`` aborting it before step 4.
+SCRIPTED = RunSpec(8, 4, CONFIG, {1: [(f"q{i}", 7, 6) for i in range(3)], 3: [("q3", 3, 3)]},
+                   {4: ["q1"]})
+
+#: Runs whose logs the chapter does not print: exercise 3's check crashes each at every point,
+#: exercise 4's runs the reader's function on their logs (its answers sealed, one per run).
+CRASH_TEST_RUNS = (
+    SCRIPTED,
+    RunSpec(6, 4, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, prefill_chunk=5,
+                                  admission="watermark"),
+            {1: [("q0", 9, 5), ("q1", 4, 9)], 2: [("q2", 6, 4)], 5: [("q3", 2, 7)]},
+            {5: ["q1"]}),
+    RunSpec(12, 2, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=6, prefill_chunk=3,
+                                   admission="reserve"),
+            {1: [("q0", 5, 3), ("q1", 3, 8), ("q2", 8, 2)], 4: [("q3", 4, 4)]}),
+)
 
 
 def scripted_run(log: EventLog | None = None,
                  kv: KVCacheManager | None = None) -> ProductionScheduler:
-    """Exercise 4's scripted run, driven to the end on ``kv`` (default: a fresh pool of 8
-    blocks of 4 tokens): three 7-token requests of 6 output tokens arrive at step 1, a 3-token
-    request of 3 output tokens at step 3, and the client of ``q1`` aborts it just before step
-    4. Returns the scheduler; pass an :class:`EventLog` to keep its events."""
-    sched = ProductionScheduler(kv if kv is not None else KVCacheManager(8, 4), CONFIG, log=log)
-    arrivals = {1: [RuntimeRequest(f"q{i}", tuple(range(10 * i + 1, 10 * i + 8)), max_tokens=6)
-                    for i in range(3)],
-                3: [RuntimeRequest("q3", (99, 98, 97), max_tokens=3)]}
-    drive(sched, arrivals=arrivals, aborts={4: ["q1"]})
-    return sched
+    """:data:`SCRIPTED` driven to the end on ``kv`` (default: a fresh pool of 8 blocks of 4
+    tokens). Returns the scheduler; pass an :class:`EventLog` to keep its events."""
+    return SCRIPTED.run(log, kv)
 
 
 def crash_scenario(crash_at: int = 37):
     """:func:`scripted_run` crashed before event ``crash_at``: returns ``(events, kv)``, the
     durable log and the surviving KV manager (a fresh copy on every call)."""
-    kv = KVCacheManager(8, 4)
-    log = EventLog(crash_at=crash_at)
-    try:
-        scripted_run(log, kv)
-    except SimulatedCrash:
-        pass
-    else:
-        raise ValueError(f"the run ended before event {crash_at}; pick a smaller index")
-    return list(log.events), kv
+    return SCRIPTED.crashed(crash_at)
 
 
 # -- the tight run of the chapter --------------------------------------------------------------
@@ -71,29 +125,21 @@ def tight_arrivals() -> dict[int, list[RuntimeRequest]]:
                                max_tokens=t["max_tokens"]) for i in range(t["requests"])]}
 
 
-def tight_scheduler(num_blocks: int | None = None, log: EventLog | None = None):
+def tight_scheduler(num_blocks: int | None = None, log: EventLog | None = None, **config):
+    """The tight run's scheduler on a pool of ``num_blocks`` (default 9); ``config`` replaces
+    fields of its :data:`TIGHT_CONFIG` (``admission``, ``watermark``, ...)."""
     kv = KVCacheManager(num_blocks or TIGHT["num_blocks"], TIGHT["block_size"])
-    return ProductionScheduler(kv, TIGHT_CONFIG, log=log)
+    return ProductionScheduler(kv, dataclasses.replace(TIGHT_CONFIG, **config), log=log)
 
 
 #: Exercise 1: the tight run, with this request aborted by its client just before this step.
 ABORT = {"request": "q1", "step": 3}
 
 
-#: Why each finish reason is wrong when it is not the request's (said of the chosen reason
-#: only; the right one's entry is never shown).
-_REASON_FAILS = {
-    "stop": "it never generated a stop token.",
-    "length": "it never reached its max_tokens.",
-    "abort": "nobody cancelled it.",
-    "error": "nothing failed while it ran.",
-    "rejected": "it was admitted.",
-}
-
-
 def check_abort_prediction(path, finish_reason, preemptions) -> str:
     """Exercise 1: in the tight run with :data:`ABORT`, the statuses the aborted request passes
-    through (from ``"waiting"``), its finish reason, and the run's number of preemptions."""
+    through (from ``"waiting"``), its finish reason, and the run's number of preemptions,
+    checked together."""
     require_answer(path, "the list of statuses")
     require_answer(finish_reason, "the finish reason")
     require_answer(preemptions, "the number of preemptions")
@@ -105,51 +151,55 @@ def check_abort_prediction(path, finish_reason, preemptions) -> str:
     if unknown:
         raise AssertionError(f"{unknown[0]!r} is not a request status; the statuses are "
                              f"{sorted(known)}.")
-    if not sealed("ch05.abort.path").is_answer(path):
-        # no index and no 'right so far': either would let the path be found entry by entry
-        raise AssertionError("that is not the path the scheduler took.")
     reasons = [f.value for f in FinishReason]
     got_reason = str(finish_reason).strip().lower()
     if got_reason not in reasons:
         raise AssertionError(f"{finish_reason!r} is not a finish reason; the reasons are "
                              f"{reasons}.")
-    if not sealed("ch05.abort.reason").is_answer(got_reason):
-        raise AssertionError(f"{got_reason!r} is not why this request ended: "
-                             f"{_REASON_FAILS[got_reason]}")
-    if isinstance(preemptions, bool) or not isinstance(preemptions, int):
-        raise AssertionError("give the number of preemptions as an integer")
-    way = sealed("ch05.abort.preemptions").direction(preemptions)
-    if way:
-        raise AssertionError(f"{preemptions} preemptions is "
-                             f"{'too many' if way == 'too high' else 'too few'}.")
+    if isinstance(preemptions, bool) or not isinstance(preemptions, int) or preemptions < 0:
+        raise AssertionError("give the number of preemptions as a whole number")
+    if not sealed("ch05.abort").is_answer([path, got_reason, preemptions]):
+        # one verdict for the three: naming which is off would let each be tried alone
+        raise AssertionError("the path, the reason and the count are not all what the "
+                             "scheduler does: revisit when an abort takes effect (at a step "
+                             "boundary), what it releases, and whether the pool still "
+                             "overflows without that request.")
     return (f"Correct: {' -> '.join(path)}, finish reason {got_reason!r}, {preemptions} "
             "preemption(s). The abort ends a running request and releases its table; with "
             "one request fewer, the other two fit in the pool to the end.")
 
 
-def preemptions_with(num_blocks: int) -> int:
-    """Preemptions in the tight run on a pool of ``num_blocks`` blocks."""
-    sched = tight_scheduler(num_blocks)
+def preemptions_with(num_blocks: int, **config) -> int:
+    """Preemptions in the tight run on a pool of ``num_blocks`` blocks (``config`` as in
+    :func:`tight_scheduler`, e.g. ``watermark=0.25``)."""
+    sched = tight_scheduler(num_blocks, **config)
     drive(sched, arrivals=tight_arrivals(), check=check_scheduler)
     return sum(r.num_preemptions for r in sched.requests())
 
 
-def check_no_preemption_blocks(num_blocks) -> str:
-    """Exercise 2: the smallest pool (in blocks) on which the tight run preempts nothing."""
-    require_answer(num_blocks, "the number of blocks")
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 4:
-        raise AssertionError("give a whole number of blocks, at least 4 (one request's prompt "
-                             "needs some)")
-    way = sealed("ch05.no_preemption_blocks").direction(num_blocks)
-    if way == "too low":
-        raise AssertionError(f"with {num_blocks} blocks the run still preempts: too low.")
-    if way:
-        raise AssertionError(f"{num_blocks} blocks avoid preemption, but so does one fewer: "
-                             "too high.")
-    return (f"Correct: {num_blocks} blocks. Every request ends holding the KV of its prompt "
-            "and of all but its last output token, rounded up to whole blocks, and all three "
-            "run at once.")
+def check_pool_sizes(kv_tokens_at_end, watermark_blocks, reserve_blocks) -> str:
+    """Exercise 2: the tokens of KV each request of the tight run holds when it ends, the
+    smallest pool (blocks) on which the run preempts nothing with its own watermark admission
+    (no reserve), and the smallest on which every request finishes with reserve admission;
+    checked together."""
+    require_answer(kv_tokens_at_end, "the tokens of KV a request holds at its end")
+    require_answer(watermark_blocks, "the pool under watermark admission")
+    require_answer(reserve_blocks, "the pool under reserve admission")
+    answer = [kv_tokens_at_end, watermark_blocks, reserve_blocks]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in answer):
+        raise AssertionError(f"give three positive whole numbers, got {answer!r}")
+    if not sealed("ch05.pool_sizes").is_answer(answer):
+        raise AssertionError("the three are not all what the scheduler does: revisit which "
+                             "tokens hold KV when a request ends, how many requests each "
+                             "admission policy lets run at once, and what reserve admission "
+                             "sets aside for a request before admitting it.")
+    return (f"Correct: {kv_tokens_at_end} tokens, {watermark_blocks} and {reserve_blocks} "
+            "blocks. Admitting on the first chunk runs all three at once, so the pool must hold "
+            "all three at their largest; reserving prompt + max_tokens runs them one after "
+            "another on the smallest pool, and takes longer.")
 
+
+# -- exercise 3: a recovery planner to debug ------------------------------------------------------
 
 def _crash_tight(crash_at: int):
     """The tight run crashed before event ``crash_at``: (durable events, surviving manager)."""
@@ -165,14 +215,6 @@ def _tight_event_count() -> int:
     drive(tight_scheduler(log=full), arrivals=tight_arrivals())
     return len(full.events)
 
-
-def _require_crash_point(crash_at) -> None:
-    n = _tight_event_count()
-    if isinstance(crash_at, bool) or not isinstance(crash_at, int) or not 0 <= crash_at < n:
-        raise AssertionError(f"crash_at must be an event index from 0 to {n - 1}")
-
-
-# -- exercise 3: a recovery planner to debug ------------------------------------------------------
 
 def compact_plan(state, tables) -> RecoveryPlan:
     """A shorter recovery planner with the signature of
@@ -202,86 +244,73 @@ def compact_plan(state, tables) -> RecoveryPlan:
 def _decisions(plan: RecoveryPlan) -> dict[str, str]:
     out = {rid: "resume" for rid in plan.resume}
     out.update({rid: "requeue" for rid in plan.requeue})
-    out.update({rid: "finish" for rid, _ in plan.finish})
+    out.update({rid: f"finish ({reason.value})" for rid, reason in plan.finish})
     out.update({rid: "free" for rid in plan.free})
     out.update({rid: "free (unaccounted)" for rid in plan.unaccounted})
     return out
 
 
-def planner_mistakes(crash_at: int) -> dict[str, tuple[str, str]]:
-    """Requests on which :func:`compact_plan` and ``plan_recovery`` decide differently when the
-    tight run crashes before event ``crash_at``: id -> (compact decision, correct decision)."""
-    events, kv = _crash_tight(crash_at)
+def planner_mistakes(planner, events, kv) -> dict[str, tuple[str, str]]:
+    """Requests on which ``planner`` and ``plan_recovery`` decide differently for a durable log
+    and the surviving manager: id -> (planner's decision, recovery's decision)."""
     state = replay(events)
     tables = {rid: kv.num_slots(rid) for rid in kv.requests()}
-    got, want = _decisions(compact_plan(state, tables)), _decisions(plan_recovery(state, tables))
+    plan = planner(state, tables)
+    if not isinstance(plan, RecoveryPlan):
+        raise AssertionError(f"the planner returned {type(plan).__name__}, not a RecoveryPlan")
+    got, want = _decisions(plan), _decisions(plan_recovery(state, tables))
     return {rid: (got.get(rid, "nothing"), want.get(rid, "nothing"))
             for rid in sorted(set(got) | set(want)) if got.get(rid) != want.get(rid)}
 
 
-def check_planner_bug(crash_at, request_id) -> str:
-    """Exercise 3: a crash point of the tight run at which :func:`compact_plan` decides wrongly,
-    and the id of a request it gets wrong there."""
-    require_answer(crash_at, "the crash point")
-    require_answer(request_id, "the request id")
-    _require_crash_point(crash_at)
-    mistakes = planner_mistakes(crash_at)
-    ids = sorted(r.request_id for reqs in tight_arrivals().values() for r in reqs)
-    if request_id not in ids:
-        raise AssertionError(f"{request_id!r} is not a request of the tight run ({ids}).")
-    if request_id not in mistakes:
-        # the same words whether or not another request is decided wrongly there: saying so
-        # would leave only the other ids to try
-        raise AssertionError(f"crashing before event {crash_at}, compact_plan decides "
-                             f"{request_id!r} as the real planner does.")
-    got, want = mistakes[request_id]
-    events, _ = _crash_tight(crash_at)
-    status = replay(events)[request_id].request.status.value
-    return (f"Correct: the log calls {request_id} {status!r} and the manager still holds its "
-            f"table; compact_plan decides {got!r} where recovery must {want!r}, so nobody "
-            "would ever free those blocks. Every request that holds a table but is not "
-            "running is an orphan, whatever its status: waiting (crashed between 'acquired' "
-            "and the transition to running), preempted or ended (crashed between the "
-            "transition and the release).")
+def check_fixed_plan(fixed_plan) -> str:
+    """Exercise 3: ``fixed_plan(state, tables) -> RecoveryPlan``, :func:`compact_plan` with its
+    bug fixed. The check compares its decisions with recovery's at every crash point of the
+    tight run and of runs the chapter does not print."""
+    require_answer(fixed_plan, "your fixed_plan function")
+    if not callable(fixed_plan):
+        raise AssertionError("pass a function (state, tables) -> RecoveryPlan")
+    if fixed_plan is plan_recovery:
+        raise AssertionError("that is the library's planner; fix compact_plan instead.")
+    points = 0
+    for name, spec in (("the tight run", None), *(("another run", s) for s in CRASH_TEST_RUNS)):
+        n = _tight_event_count() if spec is None else len(spec.events())
+        for k in range(n):
+            events, kv = _crash_tight(k) if spec is None else spec.crashed(k)
+            if planner_mistakes(fixed_plan, events, kv):
+                raise AssertionError(
+                    f"crashing {name} at one of its {n} points, your planner decides a request "
+                    "differently from recovery: revisit which requests may still hold a table "
+                    "when the log does not call them running.")
+            points += 1
+    return (f"Correct: your planner decides as recovery does at all {points} crash points. "
+            "Every request that holds a table but is not running is an orphan, whatever its "
+            "status: waiting (crashed between 'acquired' and the transition to running), "
+            "preempted or ended (crashed between the transition and the release).")
 
 
-# -- a crash test that takes two branches at once -------------------------------------------------
+# -- exercise 4: a crash test that takes two branches at once -------------------------------------
 
-def check_crash_design(crash_at) -> str:
-    """A crash point of the chapter's tight run at which recovery (the manager survives)
-    both finishes a request whose last token already met its stop rule and resumes a running
-    one (kept for teachers: the chapter prints the events around its only answer, so its
-    exercise 4 asks :func:`check_crash_test` on :func:`scripted_run` instead)."""
-    require_answer(crash_at, "the crash point")
-    _require_crash_point(crash_at)
-    return _grade_recovery(crash_at, *_crash_tight(crash_at), TIGHT_CONFIG)
+def check_crash_points(crash_points) -> str:
+    """Exercise 4: ``crash_points(events) -> list[int]``: from the complete log of a run, every
+    crash point ``k`` (the durable log is ``events[:k]``) at which recovery, with the manager
+    surviving, finishes a request whose last token already met its stop rule *and* resumes
+    another. The check runs it on the logs of :data:`CRASH_TEST_RUNS`."""
+    require_answer(crash_points, "your crash_points function")
+    if not callable(crash_points):
+        raise AssertionError("pass a function events -> list of crash points")
+    logs = [{"events": spec.events()} for spec in CRASH_TEST_RUNS]
 
+    def points(events):
+        return sorted(int(k) for k in crash_points(list(events)))
 
-def _grade_recovery(crash_at: int, events, kv, config) -> str:
-    """Recover ``events`` on ``kv`` (the manager survived), drive the recovered scheduler to the
-    end, and require that recovery both finished a request and resumed another."""
-    recovered, report = recover(events, kv,
-                                lambda kv, lg: ProductionScheduler(kv, config, log=lg))
-    drive(recovered, check=check_scheduler)
-    if not report.finished:
-        raise AssertionError(f"crashing before event {crash_at}, recovery finishes no request "
-                             "whose last token had already met its stop rule.")
-    if not report.resumed:
-        raise AssertionError(f"crashing before event {crash_at}, recovery finishes a request, "
-                             "but resumes none.")
-    return (f"Correct: recovery {report.summary()}. The crash fell after one request's last "
-            "'progress' record and before its FINISHED transition, while another still had "
-            "tokens to generate.")
-
-
-def check_crash_test(crash_at) -> str:
-    """Exercise 4: a crash point of :func:`scripted_run` at which recovery (the manager
-    survives) both finishes a request whose last token already met its stop rule and resumes
-    another, and the run then completes on the recovered scheduler."""
-    require_answer(crash_at, "the crash point")
-    full = EventLog()
-    scripted_run(full)
-    n = len(full.events)
-    if isinstance(crash_at, bool) or not isinstance(crash_at, int) or not 0 <= crash_at < n:
-        raise AssertionError(f"crash_at must be an event index from 0 to {n - 1}")
-    return _grade_recovery(crash_at, *crash_scenario(crash_at), CONFIG)
+    wrong = failing_cases(points, "ch05.crash_points", logs)
+    if wrong:
+        raise AssertionError(f"on {len(wrong)} of {len(logs)} runs your crash points are not "
+                             "the ones where recovery takes both branches: revisit what the "
+                             "log must hold for a request to be finished at recovery (its last "
+                             "'progress' record, and no FINISHED transition yet) and for "
+                             "another to be resumed.")
+    return (f"Correct on all {len(logs)} runs. The finish branch needs a crash after a "
+            "request's last 'progress' record and before its FINISHED transition; the resume "
+            "branch another request that is running with tokens still to generate.")

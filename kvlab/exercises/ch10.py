@@ -1,10 +1,11 @@
-"""Chapter 10 exercises: transfer arithmetic, classifying damaged entries, a crash-safe install.
+"""Chapter 10 exercises: transfer arithmetic, classifying damaged entries, a crash-safe install,
+forging past a colleague's check.
 
 A check with one right answer compares against its sealed truth (``_common.sealed``; the
 instructor edition computes it with :mod:`kvlab.labs.capacity` and :mod:`kvlab.disagg`); the design
-and debug checks run the reader's order or case on kvlab's own code (the install journal's
-recovery). Each raises ``AssertionError`` saying what is wrong (too high / too low, that some
-kind is wrong, which crash breaks which rule) without printing the answer.
+and debug checks run the reader's order or entry on kvlab's own code (the install journal's
+recovery, the consumer's check). Each raises ``AssertionError`` naming the concept to revisit
+(which check, which crash breaks which rule), never a direction or the answer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kvlab.disagg.entry import (
 )
 from kvlab.disagg.install_journal import InstallJournal, recover_installs
 from kvlab.disagg.transfer_faults import Fault, FaultSchedule, TransferFaultInjector
-from kvlab.exercises._common import require_answer, sealed
+from kvlab.exercises._common import earlier_prediction, graded_once, require_answer, sealed
 
 # ------------------------------------------------------------------ 1. arithmetic
 TRANSFER_MODEL, TRANSFER_TOKENS, TRANSFER_LINK = "Llama-3-70B", 4096, "InfiniBand NDR 400G"
@@ -34,21 +35,32 @@ TRANSFER_MODEL, TRANSFER_TOKENS, TRANSFER_LINK = "Llama-3-70B", 4096, "InfiniBan
 TRANSFER_ELEMENT_BYTES, TRANSFER_TP = 1.0, 4
 
 
-def check_transfer_ms(answer) -> str:
-    """``answer``: milliseconds for one GPU to ship its share of the FP8 prefill KV of a
-    :data:`TRANSFER_TOKENS`-token prompt of :data:`TRANSFER_MODEL` at tensor parallelism
-    :data:`TRANSFER_TP`, over its own :data:`TRANSFER_LINK` port (nominal bandwidth plus the
-    link's latency, ``kvlab.labs.capacity.transfer_cost.LINKS``). Within 2 %; a wrong answer is told
-    only its direction."""
-    require_answer(answer, "milliseconds")
-    got = float(answer)
-    if not got > 0 or got != got:
-        raise AssertionError("give a positive number of milliseconds")
-    truth = sealed("ch10.transfer_ms")
-    way = truth.direction(got, tolerance=0.02 * truth.value())
-    if way:
-        raise AssertionError(f"{got:.3g} ms is {way}")
-    return f"Correct: {truth.value():.2f} ms."
+def check_transfer(megabytes, ms) -> str:
+    """``megabytes``: the bytes (in units of 10^6) one GPU sends, its share of the FP8 prefill
+    KV of a :data:`TRANSFER_TOKENS`-token prompt of :data:`TRANSFER_MODEL` at tensor
+    parallelism :data:`TRANSFER_TP`; ``ms``: the milliseconds that takes over its own
+    :data:`TRANSFER_LINK` port (nominal bandwidth plus the link's latency,
+    ``kvlab.labs.capacity.transfer_cost.LINKS``). Both within 2 %, the bytes judged first; a wrong
+    value is told which concept to revisit, never its direction."""
+    require_answer(megabytes, "megabytes one GPU sends")
+    require_answer(ms, "milliseconds")
+    got = {}
+    for name, value in (("megabytes", megabytes), ("ms", ms)):
+        try:
+            got[name] = float(value)
+        except (TypeError, ValueError):
+            raise AssertionError(f"{name}: give a number, got {value!r}") from None
+        if not got[name] > 0 or got[name] == float("inf"):
+            raise AssertionError(f"{name}: give a positive, finite number")
+    truth_mb, truth_ms = sealed("ch10.transfer_mb").value(), sealed("ch10.transfer_ms").value()
+    if abs(got["megabytes"] - truth_mb) > 0.02 * truth_mb:
+        raise AssertionError("the bytes are not right: revisit chapter 1's KV bytes (what is "
+                             "stored per token, in which format) and what tensor parallelism "
+                             "divides among the GPUs")
+    if abs(got["ms"] - truth_ms) > 0.02 * truth_ms:
+        raise AssertionError("the bytes are right, the time is not: revisit what a transfer "
+                             "over a link costs, and the units of its bandwidth")
+    return f"Correct: {truth_mb:.1f} MB per GPU, {truth_ms:.2f} ms."
 
 
 # ------------------------------------------------------------------ 2. classify entries
@@ -78,7 +90,8 @@ def classify_entries() -> tuple[list[Delivery], dict]:
 
 def check_classification(answer) -> str:
     """``answer``: for each entry of :func:`classify_entries`, in order, the kind the consumer
-    records (one of ``kvlab.disagg.entry.REJECT_KINDS``, or None to install it)."""
+    records (one of ``kvlab.disagg.entry.REJECT_KINDS``, or None to install it). A prediction:
+    graded once per session (``_common.earlier_prediction``)."""
     require_answer(answer, "a list of five kinds")
     got = list(answer)
     if len(got) != len(_FAULTS):
@@ -90,10 +103,16 @@ def check_classification(answer) -> str:
     if None in got:
         raise AssertionError("every one of these entries was damaged; the consumer installs "
                              "none of them")
-    if not sealed("ch10.classification").is_answer(got):   # no count: a count would grade
-        # entry by entry
+    # graded as a whole (a count would grade entry by entry) and once: the first answer is the
+    # prediction, so trying the kinds one after another learns nothing
+    right = sealed("ch10.classification").is_answer(got)
+    earlier = earlier_prediction("ch10.classification", got, right)
+    if earlier is not None:
+        return graded_once(earlier)
+    if not right:
         raise AssertionError("not every kind is right: for each entry, ask which check runs "
-                             "first and whether that check can see what the fault changed")
+                             "first and whether that check can see what the fault changed; "
+                             "then run check_delivery on the entries to see")
     return "Correct: every damaged entry is refused, each for its own reason."
 
 
@@ -190,17 +209,19 @@ def check_install_order(order) -> str:
 
 
 # ------------------------------------------------------------------ 5. debug: a colleague's check
-#: The damage of exercise 5, one entry each (the fault kinds of ``kvlab.disagg.transfer_faults``
-#: that change a single entry's bytes).
-DAMAGE_KINDS = ("truncate", "corrupt_payload", "corrupt_descriptor", "stale_model_version",
-                "security_domain", "layers", "kv_heads", "dtype", "rope")
+def consumer_expectation() -> dict:
+    """What the consumer of exercise 5 expects for its request ``p-1`` of ``tenant-a``: its
+    model's fields, the prompt's hash and the tenant (``check_delivery``'s ``expected``)."""
+    desc = make_descriptor("p-1", _PROMPT, "tenant-a", _FIELDS)
+    return {k: v for k, v in desc.items() if k != "request_id"}
 
 
-def damaged_entries() -> tuple[dict[str, Delivery], dict]:
-    """``({fault kind: the entry as the consumer receives it}, the consumer's expectation)``
-    for every kind of :data:`DAMAGE_KINDS`."""
-    entries, expected = _damaged(DAMAGE_KINDS)
-    return dict(zip(DAMAGE_KINDS, entries, strict=True)), expected
+def sound_entry() -> Delivery:
+    """The entry the producer sent for that request, as the consumer receives it: every check
+    installs it."""
+    payload = bytes(range(256)) * 8
+    desc = make_descriptor("p-1", _PROMPT, "tenant-a", _FIELDS)
+    return decode_frame(encode_frame(make_header(desc, 64, payload), payload))
 
 
 def colleague_check(delivery: Delivery, expected: dict) -> str | None:
@@ -223,17 +244,30 @@ def colleague_check(delivery: Delivery, expected: dict) -> str | None:
     return None
 
 
-def check_colleague(kind) -> str:
-    """``kind``: the fault kind of :func:`damaged_entries` whose entry :func:`colleague_check`
-    installs although :func:`~kvlab.disagg.entry.check_delivery` refuses it."""
-    require_answer(kind, "a fault kind from DAMAGE_KINDS")
-    if kind not in DAMAGE_KINDS:
-        raise AssertionError(f"choose one of {DAMAGE_KINDS}")
-    entries, expected = damaged_entries()
-    verdict = colleague_check(entries[kind], expected)
-    if verdict is not None:
-        raise AssertionError(f"the colleague's check refuses the {kind!r} entry too (it "
-                             f"records {verdict!r})")
-    assert check_delivery(entries[kind], expected) is not None
-    return ("Correct: that entry would be installed. Say which line of colleague_check lets "
-            "it through, and what a reader of the installed KV would see.")
+def check_forgery(delivery) -> str:
+    """``delivery``: an entry you built (a :class:`~kvlab.disagg.entry.Delivery`, e.g.
+    ``decode_frame(encode_frame(header, payload))``) that :func:`colleague_check` installs for
+    :func:`consumer_expectation` although :func:`~kvlab.disagg.entry.check_delivery` refuses
+    it. Graded by running both checks on it."""
+    require_answer(delivery, "an entry (a Delivery) you built")
+    if not isinstance(delivery, Delivery):
+        raise AssertionError("pass a kvlab.disagg.entry.Delivery: decode_frame(encode_frame("
+                             "header, payload)) makes one from a header and a payload")
+    expected = consumer_expectation()
+    try:
+        theirs = colleague_check(delivery, expected)
+    except Exception as error:   # a crash is a refusal, whatever it is
+        raise AssertionError(f"colleague_check crashes on this entry ({type(error).__name__}): "
+                             "a crash installs nothing; build a well-formed entry") from None
+    if theirs is not None:
+        raise AssertionError(f"colleague_check refuses this entry (it records {theirs!r}): to "
+                             "get through, an entry must pass every comparison the colleague's "
+                             "function makes; set what it compares against what check_delivery "
+                             "compares")
+    ours = check_delivery(delivery, expected)
+    if ours is None:
+        raise AssertionError("check_delivery installs this entry too: it is sound for this "
+                             "request; build one that only the colleague's check would install")
+    return (f"Correct: colleague_check installs it; check_delivery records {ours!r}. You "
+            "sealed it yourself, so the seal was no obstacle. Now say which line lets it "
+            "through, and what a request decoding on that KV would risk.")

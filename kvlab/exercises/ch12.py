@@ -1,10 +1,13 @@
 """Chapter 12 exercises: which invariant a bug breaks, which one catches a mutant once a fault
-strikes, and a checker for a new invariant.
+strikes, a checker for a new invariant, and how often a seeded schedule crashes.
 
 A check with one right answer compares against its sealed truth (``_common.sealed``; the
-instructor edition computes it by running the fault lab, :mod:`kvlab.labs.chaos.fault_lab`); the
-checker exercise runs the reader's checker on the engine. Each raises ``AssertionError`` saying
-what is wrong (which implementation, at which step) without printing the answer.
+instructor edition computes it by running the fault lab, :mod:`kvlab.labs.chaos.fault_lab`). The two
+predictions (exercises 1 and 2) have few possible answers, so each is graded once per session
+(``_common.earlier_prediction``): the first answer given is the prediction, and trying others
+after it learns nothing. The checker and the derivation are functions the check runs, on the
+engine and on cases the reader does not see. Each raises ``AssertionError`` naming the concept
+to revisit, never a direction or the answer.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.core.step_records import SchedulerOutput
-from kvlab.exercises._common import require_answer, sealed
+from kvlab.exercises._common import earlier_prediction, graded_once, require_answer, sealed
 from kvlab.labs.chaos.fault_lab import Mutation
 from kvlab.labs.chaos.soak import ChaosExecutor
 
@@ -81,11 +84,17 @@ def check_bug_invariants(answer) -> str:
     bad = sorted(k for k, v in answer.items() if not isinstance(v, int) or not 1 <= v <= 9)
     if bad:
         raise AssertionError(f"bugs {bad}: an invariant is a number from 1 to 9")
-    # graded as a whole: naming the wrong bugs would let each be found by trying 1..9
-    if not sealed("ch12.bug_invariants").is_answer({k: answer[k] for k in sorted(BUGS)}):
+    answer = {k: answer[k] for k in sorted(BUGS)}
+    # graded as a whole (naming the wrong bugs would let each be found by trying 1..9), and
+    # once: the first answer is the prediction
+    right = sealed("ch12.bug_invariants").is_answer(answer)
+    earlier = earlier_prediction("ch12.bug_invariants", answer, right)
+    if earlier is not None:
+        return graded_once(earlier)
+    if not right:
         raise AssertionError("not every bug is caught by the invariant you named: for each, "
                              "ask what state the bug leaves wrong, and which check looks at "
-                             "that state first")
+                             "that state first; then run each bug in the fault lab to see")
     return "Correct: every bug is caught, each by the invariant you named."
 
 
@@ -102,8 +111,14 @@ def check_fault_moves_catch(invariant) -> str:
     if isinstance(invariant, bool) or not isinstance(invariant, int) or not 1 <= invariant <= 9:
         raise AssertionError(f"an invariant is a number from 1 to 9, got {invariant!r}")
     truth = sealed("ch12.fault_moves_catch")
-    if not truth.is_answer(invariant):
-        raise AssertionError(f"invariant {invariant} is not the first to report this run.")
+    right = truth.is_answer(invariant)
+    earlier = earlier_prediction("ch12.fault_moves_catch", invariant, right)
+    if earlier is not None:
+        return graded_once(earlier)
+    if not right:
+        raise AssertionError(f"invariant {invariant} is not the first to report this run: "
+                             "revisit what the fault does to the requests running when it "
+                             "strikes, then read the trace")
     return (f"Correct: {truth.revealed(invariant)['violation']}. The fault changed how the "
             "bug showed itself, and another invariant caught it: the reason to check all nine "
             "on every step.")
@@ -113,25 +128,46 @@ def check_fault_moves_catch(invariant) -> str:
 #: Exercise 4: a schedule ``StepFaultSchedule.from_seed(seed, DERIVE["steps"],
 #: rate=DERIVE["rate"])`` over every kind of ``STEP_FAULTS`` (the soak's steps and rate).
 DERIVE = {"steps": 200, "rate": 0.15}
+#: The cases the check runs the reader's function on, besides :data:`DERIVE` with every kind:
+#: ``(steps, rate, kinds)``. Their expected values are sealed, not stated.
+CRASH_CASES = (
+    (50, 0.2, ("crash", "alloc_refusal")),
+    (120, 0.05, ("executor_error", "late_copy", "kv_shrink")),
+    (300, 0.3, ("corrupt_log", "truncated_log", "abort_storm", "spec_reject_all")),
+    (80, 1.0, ("crash", "corrupt_log", "sampling_error", "kv_shrink", "alloc_refusal")),
+    (1000, 0.01, ("truncated_log",)),
+)
 
 
-def check_expected_crashes(answer) -> str:
-    """Exercise 4: the expected number of ``crash`` records in a schedule drawn by
-    ``StepFaultSchedule.from_seed`` with :data:`DERIVE`'s steps and rate (over seeds), within
-    2 %. A wrong answer is told only its direction."""
-    require_answer(answer, "the expected number of crash records")
-    try:
-        got = float(answer)
-    except (TypeError, ValueError):
-        raise AssertionError(f"give a number, got {answer!r}") from None
-    if not got >= 0:
-        raise AssertionError(f"an expected count is a number >= 0, got {answer!r}")
-    truth = sealed("ch12.expected_crashes")
-    way = truth.direction(got, tolerance=0.02 * truth.value())
-    if way:
-        raise AssertionError(f"{got:g} is {way}")
-    return ("Right. Now compare it with the soak's recoveries per run (each seed ran twice), "
-            "and say why a crash record need not become a recovery.")
+def _crash_cases() -> list[tuple[int, float, tuple[str, ...]]]:
+    from kvlab.labs.faults.step_faults import STEP_FAULTS
+
+    return [(DERIVE["steps"], DERIVE["rate"], tuple(STEP_FAULTS)), *CRASH_CASES]
+
+
+def check_expected_crashes(expected_crash_records) -> str:
+    """Exercise 4: ``expected_crash_records(steps, rate, kinds)``, the mean number of ``crash``
+    records in ``StepFaultSchedule.from_seed(seed, steps, rate=rate, kinds=kinds)`` over seeds
+    (``kinds``: distinct kinds of ``STEP_FAULTS``). The check runs it on :data:`DERIVE` with
+    every kind and on cases it does not show, each within 0.1 %; a wrong value is told which
+    concept to revisit, never its direction or the case."""
+    require_answer(expected_crash_records, "a function expected_crash_records(steps, rate, kinds)")
+    if not callable(expected_crash_records):
+        raise AssertionError("pass a function expected_crash_records(steps, rate, kinds)")
+    for i, (steps, rate, kinds) in enumerate(_crash_cases()):
+        truth = sealed(f"ch12.expected_crashes.{i}").value()
+        got = expected_crash_records(steps, rate, kinds)
+        try:
+            got = float(got)
+        except (TypeError, ValueError):
+            raise AssertionError(f"your function returned {got!r}, not a number") from None
+        if not abs(got - truth) <= 1e-3 * max(truth, 1e-9):
+            raise AssertionError("not the expected count on every case: revisit how from_seed "
+                                 "draws one step (whether it has a fault, which kind) and which "
+                                 "kinds leave a crash record; linearity of expectation does the "
+                                 "rest")
+    return ("Right on every case. Now compare DERIVE's value with the soak's recoveries per run "
+            "(each seed ran twice), and say why a crash record need not become a recovery.")
 
 
 # ------------------------------------------------------------------ 3. a new invariant

@@ -7,18 +7,29 @@ stream), the simulator (simulated clock) or an engine's own metrics. The rules:
 * **Open loop, warm-up excluded.** Requests are issued on an arrival schedule that does not wait
   for earlier answers (a closed loop hides overload: a slow server slows its own load). Requests
   that *arrive* before ``warmup_s`` are left out of every count; the measurement window runs
-  from ``warmup_s`` to the end given: by default the last arrival or completion, or with
-  ``window_s="arrivals"`` the last arrival, which leaves out the final drain (the time the
-  server spends finishing requests after the load has stopped arriving). Over that window
-  goodput is at most the measured offered rate, and equals it when every request met the SLO.
+  from ``warmup_s`` to the end given: by default the last arrival or completion (the final
+  drain included, as vLLM's ``bench serve`` counts), or with ``window_s="arrivals"`` the last
+  arrival, which leaves out the drain (the time the server spends finishing requests after the
+  load has stopped arriving).
+* **One window for every rate.** With ``window_s="arrivals"`` the three rates count one cohort,
+  the requests that arrived in the window, over the window's seconds: *offered* (all of them),
+  *throughput* (those that completed by the window's end) and *goodput* (those that completed
+  by then within the SLO). So ``goodput <= throughput <= offered`` holds for every run, by
+  construction. What the window leaves out is stated, not hidden: the warm-up's requests, even
+  when they complete inside the window, and the requests still in flight at its end (about
+  offered rate x E2E of them, by Little's law, so throughput reads a little below the offered
+  rate even when the server keeps up). With the default window every measured request that
+  finished counts; a window given in seconds counts every measured request too (the
+  reference's semantics: the caller chose the records).
 * **Failures are counted by kind, never folded into latency.** A request that was rejected at
   admission, answered with an HTTP error, timed out, was cancelled, or failed inside the engine
   has no TTFT/TPOT/E2E; it counts against SLO *attainment* (the fraction of measured requests
   that met every objective) and is reported under its :class:`FailureKind`.
 * **Goodput** here (spec rule 10; vLLM's ``bench serve`` reports the same rate as "request
   goodput") is the number of finished requests that met every objective and passed the
-  quality check, per second of the window. **Attainment** is that number over all measured
-  requests (failures included). DistServe's *goodput* of a deployment is a different number,
+  quality check, per second of the window (with ``"arrivals"``: those completed within it).
+  **Attainment** is the share of all measured requests (failures included) that met it,
+  whenever they completed. DistServe's *goodput* of a deployment is a different number,
   found from a sweep: the highest request rate per GPU whose attainment still reaches 90%
   (:func:`kvlab.labs.serving.rate_at_attainment`).
 * **Percentiles** are computed by :func:`percentile`: ``"nearest"`` rank (the value at rank
@@ -173,27 +184,42 @@ class GoodputReport:
     window_s: float
     warmup_s: float
     measured: int                       # requests that arrived after the warm-up
-    finished: int
+    finished: int                       # of them, finished (at any time)
     met: int                            # finished, quality ok, within every bound
     quality_failed: int                 # finished but failed the quality check
     failures: dict[str, int] = field(default_factory=dict)   # FailureKind value -> count
-    output_tokens: int = 0
+    output_tokens: int = 0              # of the requests counted in ``completed``
     percentile_method: str = "linear"
     latency: dict[str, dict[str, float]] = field(default_factory=dict)
+    completed: int | None = None        # finished within the window (None: all ``finished``)
+    completed_met: int | None = None    # of those, met the SLO (None: all ``met``)
+
+    @property
+    def offered(self) -> float:
+        """Measured requests per second of the window: the rate the load was offered at."""
+        return self.measured / self.window_s
 
     @property
     def goodput(self) -> float:
-        """Requests per second that met the SLO."""
+        """Requests per second completed within the window that met the SLO."""
+        return (self.met if self.completed_met is None else self.completed_met) / self.window_s
+
+    @property
+    def goodput_by_arrival(self) -> float:
+        """Requests per second of the window that arrived in it and met the SLO, whenever they
+        completed: attainment x offered rate. Free of the in-flight requests that ``goodput``
+        loses at the window's end, but not a completion rate: compare it with the offered rate,
+        never with ``throughput``."""
         return self.met / self.window_s
 
     @property
     def throughput(self) -> float:
-        """Finished requests per second (whether or not they met the SLO)."""
-        return self.finished / self.window_s
+        """Requests per second completed within the window (whether or not they met the SLO)."""
+        return (self.finished if self.completed is None else self.completed) / self.window_s
 
     @property
     def token_throughput(self) -> float:
-        """Output tokens of finished requests per second."""
+        """Output tokens of the completed requests per second."""
         return self.output_tokens / self.window_s
 
     @property
@@ -207,7 +233,8 @@ class GoodputReport:
             "window_s": self.window_s, "warmup_s": self.warmup_s, "measured": self.measured,
             "finished": self.finished, "met_slo": self.met, "quality_failed": self.quality_failed,
             "failures": dict(self.failures), "goodput_req_s": self.goodput,
-            "throughput_req_s": self.throughput, "output_tok_s": self.token_throughput,
+            "throughput_req_s": self.throughput, "offered_req_s": self.offered,
+            "output_tok_s": self.token_throughput,
             "attainment": self.attainment, "percentile_method": self.percentile_method,
             "latency_s": self.latency,
         }
@@ -233,10 +260,11 @@ def evaluate_slo(records: Sequence[LatencyRecord], slo: SLO, *,
     """Goodput, attainment, failures by kind and latency percentiles of ``records``.
 
     Records arriving before ``warmup_s`` are excluded. ``window_s``: the measurement window's
-    length in seconds; ``"arrivals"`` for :func:`arrival_window` (the drain excluded); default
-    from ``warmup_s`` to the latest arrival or end among measured records. ValueError for a
-    non-positive window or an unknown window name, a negative warm-up, or records that are not
-    :class:`LatencyRecord`.
+    length in seconds; ``"arrivals"`` for :func:`arrival_window` (the drain excluded: only
+    requests completed by the last arrival count towards throughput and goodput, see the module
+    docstring); default from ``warmup_s`` to the latest arrival or end among measured records.
+    ValueError for a non-positive window or an unknown window name, a negative warm-up, or
+    records that are not :class:`LatencyRecord`.
     """
     if not isinstance(slo, SLO):
         raise TypeError(f"slo must be an SLO, got {type(slo).__name__}")
@@ -244,11 +272,13 @@ def evaluate_slo(records: Sequence[LatencyRecord], slo: SLO, *,
     if not all(isinstance(r, LatencyRecord) for r in records):
         raise TypeError("records must be LatencyRecord objects")
     measured = [r for r in records if r.arrival >= warmup_s]
+    closes = math.inf                   # completions after this time are not counted
     if isinstance(window_s, str):
         if window_s != "arrivals":
             raise ValueError(f"window must be a number of seconds or 'arrivals', got "
                              f"{window_s!r}")
         window_s = arrival_window(measured, warmup_s)
+        closes = warmup_s + window_s
     elif window_s is None:
         window_s = max((r.end for r in measured), default=warmup_s) - warmup_s
     if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) \
@@ -270,9 +300,11 @@ def evaluate_slo(records: Sequence[LatencyRecord], slo: SLO, *,
         stats = {f"p{q:g}": percentile(xs, q, percentile_method) for q in percentiles}
         stats["mean"] = sum(xs) / len(xs) if xs else math.nan
         latency[name] = stats
+    completed = [r for r in done if r.end <= closes]
     return GoodputReport(
         slo=slo, window_s=float(window_s), warmup_s=float(warmup_s), measured=len(measured),
         finished=len(done), met=sum(slo.met_by(r) for r in done),
         quality_failed=sum(not r.quality_ok for r in done), failures=failures,
-        output_tokens=sum(r.output_tokens for r in done), percentile_method=percentile_method,
-        latency=latency)
+        output_tokens=sum(r.output_tokens for r in completed),
+        percentile_method=percentile_method, latency=latency, completed=len(completed),
+        completed_met=sum(slo.met_by(r) for r in completed))

@@ -18,7 +18,9 @@ A scheduled chunk with ``num_lookahead = L`` lookahead slots (speculative decodi
 :mod:`kvlab.core.spec_plan`) is verified in the same forward: it runs ``n + L`` query tokens
 and computes logits at its last ``L + 1`` positions (:meth:`RooflineCostModel.step_cost`).
 The proposer's own forwards are not part of the target's step; price them with the draft
-model's cost model.
+model's cost model. :func:`speculative_step_cost` prices a whole speculative step that way and
+carries the scenario's memory identity (:func:`speculative_memory`: both models' weights and KV
+against the GPUs' memory), so a scenario that cannot be deployed is visible as such.
 
 With tensor parallelism over ``tp`` GPUs (Megatron-style: every weight matrix split ``tp``
 ways, KV heads split across GPUs) the FLOPs and bytes are shared by ``tp`` GPUs, so both roofs
@@ -190,7 +192,7 @@ class RooflineCostModel:
 @dataclass(frozen=True)
 class SpecStepCost:
     """One speculative step of ``batch`` decoding requests with ``k`` drafts each, against a
-    plain decode step of the same batch. Times in seconds."""
+    plain decode step of the same batch. Times in seconds, memory in bytes."""
 
     batch: int
     k: int
@@ -200,6 +202,8 @@ class SpecStepCost:
     verify_s: float          # the target's verification step (1 + k tokens per request)
     draft_s: float           # the proposer's forwards, all of them
     verify_bound: str        # "compute" or "memory": the roof the verification hits
+    memory_bytes: float      # both models' weights + both KV caches (speculative_memory)
+    memory_capacity: float   # what the instance's GPUs may use (speculative_memory)
 
     @property
     def expected_tokens(self) -> float:
@@ -212,6 +216,59 @@ class SpecStepCost:
         """Tokens per second with speculation over tokens per second without."""
         return self.expected_tokens * self.decode_s / (self.verify_s + self.draft_s)
 
+    @property
+    def fits(self) -> bool:
+        """Whether the scenario's weights and KV fit the instance's memory."""
+        return self.memory_bytes <= self.memory_capacity
+
+
+@dataclass(frozen=True)
+class SpecMemory:
+    """What a speculative deployment holds (bytes): ``weights`` (target + draft), ``per_request``
+    (both KV caches for one request, in whole blocks) and ``capacity`` (the usable memory of the
+    instance). ``needed(batch)`` is ``weights + batch * per_request``."""
+
+    weights: float
+    per_request: float
+    capacity: float
+
+    def needed(self, batch: int) -> float:
+        return self.weights + batch * self.per_request
+
+    @property
+    def max_batch(self) -> int:
+        """The largest batch whose weights and KV fit (0 when the weights alone do not)."""
+        return max(0, int((self.capacity - self.weights) // self.per_request))
+
+
+def speculative_memory(target: RooflineCostModel, draft: RooflineCostModel, *, context: int,
+                       k: int, block_size: int = 16,
+                       gpu_memory_utilization: float = 0.9) -> SpecMemory:
+    """The memory identity of a speculative deployment, as chapter 1's planner sizes a pool.
+
+    Target and draft share the instance (the same GPUs and tensor-parallel degree: vLLM
+    requires the draft's TP to equal the target's) and, as in kvlab and vLLM, the same block
+    tables, so each request holds KV in both models for its ``context`` tokens, the token
+    being decoded and its ``k`` lookahead slots, rounded up to whole blocks of ``block_size``.
+    The instance may use ``gpu_memory_utilization`` of its GPUs' memory (vLLM's default 0.9, of
+    the total CUDA reports: :attr:`~kvlab.sim.catalog.GPUSpec.engine_memory_bytes`);
+    activations and CUDA graphs are not counted. ValueError when the two models are not on the
+    same GPUs, or for a bad context, ``k``, block size or utilization.
+    """
+    if draft.gpu != target.gpu or draft.tp != target.tp:
+        raise ValueError(f"the draft must share the target's GPUs: {draft.tp} x {draft.gpu.name}"
+                         f" against {target.tp} x {target.gpu.name}")
+    for name, value, low in (("context", context, 0), ("k", k, 0), ("block_size", block_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                         f"got {gpu_memory_utilization!r}")
+    blocks = -(-(context + 1 + k) // block_size)
+    per_request = blocks * block_size * (target.kv_bytes_per_token + draft.kv_bytes_per_token)
+    capacity = target.tp * target.gpu.engine_memory_bytes * gpu_memory_utilization
+    return SpecMemory(target.weight_bytes + draft.weight_bytes, per_request, capacity)
+
 
 def speculative_step_cost(target: RooflineCostModel, draft: RooflineCostModel, *, batch: int,
                           k: int, alpha: float, context: int,
@@ -221,8 +278,10 @@ def speculative_step_cost(target: RooflineCostModel, draft: RooflineCostModel, *
     :meth:`RooflineCostModel.step_cost`) after the ``draft`` model ran ``draft_forwards``
     batched single-token forwards (default ``k + 1``, kvlab's proposer: the last one only
     writes the final draft's KV; a proposer that leaves that write to the next step runs
-    ``k``). ValueError for a batch or ``k`` below 1, ``alpha`` outside ``[0, 1]``, a negative
-    context or fewer than ``k`` draft forwards.
+    ``k``). The result also carries the scenario's memory (:func:`speculative_memory`): check
+    :attr:`SpecStepCost.fits` before reading a time. ValueError for a batch or ``k`` below 1,
+    ``alpha`` outside ``[0, 1]``, a negative context, fewer than ``k`` draft forwards, or a
+    draft on other GPUs than the target's.
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an int >= 1, got {batch!r}")
@@ -235,6 +294,7 @@ def speculative_step_cost(target: RooflineCostModel, draft: RooflineCostModel, *
     forwards = k + 1 if draft_forwards is None else draft_forwards
     if isinstance(forwards, bool) or not isinstance(forwards, int) or forwards < k:
         raise ValueError(f"draft_forwards must be an int >= k = {k}, got {draft_forwards!r}")
+    memory = speculative_memory(target, draft, context=context, k=k)
     decode = target.cost([(1, context, True)] * batch)
     chunks = [ScheduledChunk(str(i), (0,), context, (), True, False, num_lookahead=k)
               for i in range(batch)]
@@ -242,4 +302,4 @@ def speculative_step_cost(target: RooflineCostModel, draft: RooflineCostModel, *
     draft_s = sum(draft.cost([(1, context + j, j < k)] * batch).seconds
                   for j in range(forwards))
     return SpecStepCost(batch, k, float(alpha), forwards, decode.seconds, verify.seconds,
-                        draft_s, verify.bound)
+                        draft_s, verify.bound, memory.needed(batch), memory.capacity)

@@ -31,10 +31,11 @@ _LAZY = {
     **dict.fromkeys(
         ["state_diagram_figure", "recovery_figure", "RecoveryExplorer"], ".lifecycle"
     ),
-    **dict.fromkeys(["batch_timeline_figure", "BatchTimeline"], ".timeline"),
+    **dict.fromkeys(["batch_timeline_figure", "SchedulingView"], ".timeline"),
     **dict.fromkeys(["engine_step_figure", "EngineStepper"], ".engine"),
     **dict.fromkeys(["quantization_figure", "quantization_explorer"], ".quantization"),
     **dict.fromkeys(["acceptance_figure", "AcceptanceView"], ".spec"),
+    **dict.fromkeys(["layer_map_figure", "layer_map_explorer"], ".kv_layouts"),
 }
 
 

@@ -29,6 +29,7 @@ from kvlab.viz.style import (
     BLOCK_STATE_ORDER,
     INK,
     MUTED,
+    REQUEST_PALETTE,
     request_color,
 )
 
@@ -49,64 +50,105 @@ def text_scale(width_in: float, smallest_pt: float, *,
     return max(1.0, min_css_px * 72 / (dpi * smallest_pt))
 
 
-def pool_figure(snapshot: KVSnapshot, *, per_row: int = 12, title: str | None = None):
+def table_colors(order: Sequence[str]) -> dict[str, str]:
+    """Request colours of a block-table figure: the book's palette in ``order``, without its
+    two oranges, which would read as the colour of a shared block, and with the sky blue after
+    the colours that differ most from the first request's blue."""
+    palette = [REQUEST_PALETTE[i] for i in (0, 2, 3, 7, 8, 4, 9, 6)]
+    return {rid: palette[i % len(palette)] for i, rid in enumerate(order)}
+
+
+#: The narrow layout of :func:`pool_figure` (``phone=True``): blocks per row, inches per cell
+#: and the smallest font, so that the figure fits a phone's column (about 340 CSS px inside a
+#: widget's frame) with its smallest text at 9 px or more.
+PHONE_PER_ROW = 8
+PHONE_CELL_IN = 0.44
+PHONE_FONT_PT = 9.0
+
+
+def pool_figure(snapshot: KVSnapshot, *, per_row: int = 12, title: str | None = None,
+                phone: bool = False):
     """Draw the pool of ``snapshot`` coloured by block state, refcounts inside, tables below.
 
     Each pool cell shows its physical id (top left) and, when owned, ``rc=<refcount>``; a
     fenced block (pending copy) is red whatever its owners. Each table row lists the request's
-    physical blocks in logical order, edged in the request's colour.
+    physical blocks in logical order, edged in the request's colour. ``phone`` draws the narrow
+    layout (:data:`PHONE_PER_ROW` blocks a row whatever ``per_row`` says, fonts of at least
+    :data:`PHONE_FONT_PT` points, the title wrapped, the legend in two columns, requests in
+    :func:`table_colors`).
     """
+    import textwrap
+
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
 
     if per_row <= 0:
         raise ValueError("per_row must be positive")
+    if phone:
+        per_row = PHONE_PER_ROW
     n = snapshot.num_blocks
     rows = -(-n // per_row)
     rids = list(snapshot.tables)
+    colors = table_colors(rids) if phone else {rid: request_color(rid, rids) for rid in rids}
     longest = max((len(t) for t in snapshot.tables.values()), default=0)
-    width = max(per_row, longest + 2)
+    width = max(per_row, longest + (0 if phone else 2))
     height = rows + (len(rids) + 0.8 if rids else 0)
-    fig_width = min(0.62 * width + 1.2, 12.0)
-    k = text_scale(fig_width, 7)  # wide pools are shown narrowed: their text grows to stay legible
-    fig, ax = plt.subplots(figsize=(fig_width, 0.62 * height + 1.3))
+    margin = 1.2 if phone else 2.2                 # cells of room left of the tables
+    if phone:
+        fig_width = PHONE_CELL_IN * (width + margin) + 0.15
+        sizes = {"id": PHONE_FONT_PT, "rc": PHONE_FONT_PT, "label": PHONE_FONT_PT + 1,
+                 "cell": PHONE_FONT_PT, "legend": PHONE_FONT_PT, "title": PHONE_FONT_PT + 1}
+        fig_height = PHONE_CELL_IN * (height + 0.6) + 1.2
+    else:
+        fig_width = min(0.62 * width + 1.2, 12.0)
+        k = text_scale(fig_width, 7)  # wide pools are shown narrowed: their text grows
+        sizes = {"id": 7 * k, "rc": 8 * k, "label": 9 * k, "cell": 8 * k, "legend": 8 * k,
+                 "title": 10 * k}
+        fig_height = 0.62 * height + 1.3
+    fig, ax = plt.subplots(figsize=(fig_width, fig_height))
     for b in range(n):
         x, y = b % per_row, -(b // per_row)
         state = snapshot.block_states[b]
         ax.add_patch(Rectangle((x, y), 0.92, 0.92, facecolor=BLOCK_STATE_COLORS[state],
                                edgecolor=INK, linewidth=0.6, gid=f"block-{b}"))
         dark = state in ("exclusive", "pending_copy")
-        ax.text(x + 0.06, y + 0.8, str(b), fontsize=7 * k, va="top",
+        ax.text(x + 0.06, y + (0.86 if phone else 0.8), str(b), fontsize=sizes["id"], va="top",
                 color="white" if dark else INK)
         if snapshot.refcounts[b]:
-            ax.text(x + 0.46, y + 0.34, f"rc={snapshot.refcounts[b]}", ha="center",
-                    va="center", fontsize=8 * k, color="white" if dark else INK)
+            ax.text(x + 0.46, y + (0.26 if phone else 0.34), f"rc={snapshot.refcounts[b]}",
+                    ha="center", va="center", fontsize=sizes["rc"],
+                    color="white" if dark else INK)
     top = -rows - 0.6
     for r, rid in enumerate(rids):
         y = top - r
-        color = request_color(rid, rids)
-        ax.text(-0.2, y + 0.46, rid, ha="right", va="center", fontsize=9 * k, color=color,
-                fontweight="bold")
+        color = colors[rid]
+        ax.text(-0.2, y + 0.46, rid, ha="right", va="center", fontsize=sizes["label"],
+                color=color, fontweight="bold")
         for i, block in enumerate(snapshot.tables[rid]):
             state = snapshot.block_states[block]
             ax.add_patch(Rectangle((i, y), 0.92, 0.92, facecolor=BLOCK_STATE_COLORS[state],
                                    edgecolor=color, linewidth=2.0, gid=f"table-{rid}-{i}"))
-            ax.text(i + 0.46, y + 0.46, str(block), ha="center", va="center", fontsize=8 * k,
+            ax.text(i + 0.46, y + 0.46, str(block), ha="center", va="center",
+                    fontsize=sizes["cell"],
                     color="white" if state in ("exclusive", "pending_copy") else INK)
     if rids:
-        ax.text(-0.2, top + 1.25, "block tables (logical order)", ha="left", fontsize=8 * k,
-                color=MUTED)
-    ax.set_xlim(-2.2, width)
+        ax.text(-0.2, top + 1.25, "block tables (logical order)", ha="left",
+                fontsize=sizes["legend"], color=MUTED)
+    ax.set_xlim(-margin, width)
     ax.set_ylim(top - len(rids) + 0.6 if rids else -rows + 0.6, 1.2)
     ax.set_aspect("equal")
     ax.axis("off")
     handles = [Patch(facecolor=BLOCK_STATE_COLORS[s], edgecolor=INK, linewidth=0.5,
                      label=BLOCK_STATE_LABELS[s]) for s in BLOCK_STATE_ORDER]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=5,
-              fontsize=8 * k, handlelength=1.2, columnspacing=1.0)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0),
+              ncol=2 if phone else 5, fontsize=sizes["legend"], handlelength=1.2,
+              columnspacing=1.0)
     counts = ", ".join(f"{s.replace('_', ' ')} {snapshot.count(s)}" for s in BLOCK_STATE_ORDER)
-    ax.set_title(title or f"KV pool: {counts}", fontsize=10 * k)
-    fig.tight_layout()
+    text = title or f"KV pool: {counts}"
+    if phone:
+        text = "\n".join(textwrap.wrap(text, 44))
+    ax.set_title(text, fontsize=sizes["title"], loc="left" if phone else "center")
+    fig.tight_layout(pad=0.3 if phone else 1.08)
     return fig
 
 
@@ -158,13 +200,18 @@ def fork_scenario(*, n: int = 3, num_blocks: int = 12, block_size: int = 4,
                   snapshot_of(kv)))
     if abort_mid_copy:
         victim = seqs.pop()
+        in_flight = any(new in kv.block_table(victim) for _, new in pending)
         kv.free(victim)
-        steps.append((f"{victim} aborted mid-copy: its copy target stays fenced, not free",
-                      snapshot_of(kv)))
+        steps.append((f"{victim} aborted mid-copy: its copy target stays fenced, not free"
+                      if in_flight else f"{victim} aborted: no copy in flight, its blocks "
+                      "freed at once", snapshot_of(kv)))
     kv.complete_copies(pending)
-    steps.append(("copies complete: fences lifted"
-                  + (", the aborted copy's block freed" if abort_mid_copy else ""),
-                  snapshot_of(kv)))
+    if pending:
+        done = "copies complete: fences lifted" + (
+            ", the aborted copy's block freed" if abort_mid_copy else "")
+    else:
+        done = "no copy to complete: nothing is fenced"
+    steps.append((done, snapshot_of(kv)))
     for _ in range(decode_steps):
         for rid in seqs:
             length = len(tokens[rid])
@@ -195,11 +242,23 @@ def pool_size(n: int, prompt_len: int, block_size: int, decode_steps: int = 3) -
     return max(12, n * per_sequence + 2)
 
 
-#: The kernel-free explorer's grid (prompt length and block size at the live defaults).
-FORK_GRID = {"n": (2, 3), "abort_mid_copy": (False, True)}
+#: The kernel-free explorer's grid: the controls chapter 3's "Things to try" names (a prompt
+#: that fills its last block or not, block sizes 2 to 8, an abort mid-copy) for ``n = 3``, and
+#: the steps from the fork to the one after the copies (:data:`FORK_TWIN_STEPS`): 48 frames.
+FORK_GRID = {"prompt_len": (8, 10), "block_size": (2, 4, 8), "abort_mid_copy": (False, True)}
+FORK_TWIN_STEPS = (2, 3, 4, 5)
 
-#: Steps of every :func:`fork_scenario` run without the prefix cache (``n >= 2``).
+#: Steps of every :func:`fork_scenario` run without the prefix cache (``n >= 2``), and the one
+#: at which every sequence writes its first token (copy-on-write, when the prompt's last block
+#: is partial).
 FORK_STEPS = 8
+FIRST_TOKEN_STEP = 3
+
+
+def _fork_run(n: int, prompt_len: int, block_size: int, abort_mid_copy: bool):
+    return fork_scenario(n=n, prompt_len=prompt_len, block_size=block_size,
+                         abort_mid_copy=abort_mid_copy,
+                         num_blocks=pool_size(n, prompt_len, block_size))
 
 
 def fork_explorer(*, n: int = 3, prompt_len: int = 10, block_size: int = 4,
@@ -214,18 +273,15 @@ def fork_explorer(*, n: int = 3, prompt_len: int = 10, block_size: int = 4,
     def run(n, prompt_len, block_size, abort_mid_copy):
         key = (n, prompt_len, block_size, abort_mid_copy)
         if key not in runs:
-            runs[key] = fork_scenario(n=n, prompt_len=prompt_len, block_size=block_size,
-                                      abort_mid_copy=abort_mid_copy,
-                                      num_blocks=pool_size(n, prompt_len, block_size))
+            runs[key] = _fork_run(*key)
         return runs[key]
 
     def draw(step, **setting):
         steps = run(**setting)
         i = min(step, len(steps) - 1)
-        return pool_figure(steps[i][1], title=f"step {i}: {steps[i][0]}")
+        return pool_figure(steps[i][1], title=f"step {i}: {steps[i][0]}", phone=True)
 
-    start = next(i for i, (_, s) in enumerate(run(n, prompt_len, block_size, abort_mid_copy))
-                 if s.pending_copies)
+    start = FIRST_TOKEN_STEP        # where copy-on-write happens, if it does
     controls = {
         "n": w.IntSlider(value=n, min=2, max=6, description="n"),
         "prompt_len": w.IntSlider(value=prompt_len, min=1, max=24, description="prompt"),
@@ -243,29 +299,32 @@ def fork_explorer(*, n: int = 3, prompt_len: int = 10, block_size: int = 4,
                                                               start=start))
 
 
-def fork_kernel_free(*, prompt_len: int = 10, block_size: int = 4, start: int = 3):
-    """The explorer without a kernel: :data:`FORK_GRID` x every step, precomputed."""
+def fork_kernel_free(*, prompt_len: int = 10, block_size: int = 4,
+                     start: int = FIRST_TOKEN_STEP):
+    """The explorer without a kernel, for ``n = 3``: every point of :data:`FORK_GRID` at each
+    of :data:`FORK_TWIN_STEPS`, precomputed (``prompt_len``, ``block_size`` and ``start`` pick
+    the frame shown first)."""
     from kvlab.viz.kernel_free import dropdown, slider, static_widget
 
-    runs = {(k, a): fork_scenario(n=k, prompt_len=prompt_len, block_size=block_size,
-                                  abort_mid_copy=a,
-                                  num_blocks=pool_size(k, prompt_len, block_size))
-            for k in FORK_GRID["n"] for a in FORK_GRID["abort_mid_copy"]}
+    grid = FORK_GRID
+    runs = {(p, q, a): _fork_run(3, p, q, a) for p in grid["prompt_len"]
+            for q in grid["block_size"] for a in grid["abort_mid_copy"]}
     assert all(len(r) == FORK_STEPS for r in runs.values())
 
-    def draw(n, abort_mid_copy, step):
-        caption, snap = runs[n, abort_mid_copy][step]
-        return pool_figure(snap, title=f"step {step}: {caption}")
+    def draw(prompt_len, block_size, abort_mid_copy, step):
+        caption, snap = runs[prompt_len, block_size, abort_mid_copy][step]
+        return pool_figure(snap, title=f"step {step}: {caption}", phone=True)
 
     return static_widget(
         draw,
-        {"n": dropdown(FORK_GRID["n"], label="n"),
-         "abort_mid_copy": dropdown(FORK_GRID["abort_mid_copy"], label="abort a child mid-copy",
+        {"prompt_len": dropdown(grid["prompt_len"], label="prompt (tokens)"),
+         "block_size": dropdown(grid["block_size"], label="block size"),
+         "abort_mid_copy": dropdown(grid["abort_mid_copy"], label="abort a child mid-copy",
                                     labels=("no", "yes")),
-         "step": slider(range(FORK_STEPS), label="step")},
-        default={"n": 3, "abort_mid_copy": False, "step": start},
-        title=f"forks for parallel sampling ({prompt_len}-token prompt, blocks of "
-              f"{block_size})")
+         "step": slider(FORK_TWIN_STEPS, label="step")},
+        default={"prompt_len": prompt_len, "block_size": block_size, "abort_mid_copy": False,
+                 "step": start},
+        title="forks for parallel sampling, n = 3")
 
 
 class RefcountView:

@@ -11,7 +11,16 @@ import numpy as np
 from kvlab.labs.capacity import DTYPE_BYTES, CapacityPlan, GiB, plan_capacity
 from kvlab.sim.catalog import GPUS, MODELS, get_gpu, get_model
 from kvlab.viz._widgets import figure_widget
-from kvlab.viz.style import BLOCK_STATE_COLORS, INK, MUTED, PHASE_COLORS, REQUEST_PALETTE
+from kvlab.viz.style import (
+    BLOCK_STATE_COLORS,
+    INK,
+    MUTED,
+    PHASE_COLORS,
+    PHONE,
+    REQUEST_PALETTE,
+    layout,
+    phone_aware,
+)
 
 #: Colour of each memory use in :func:`capacity_figure` (taken from the book's palette).
 MEMORY_COLORS: dict[str, str] = {
@@ -29,7 +38,7 @@ MEMORY_LABELS: dict[str, str] = {
     "headroom": "kept back (1 - utilization)",
 }
 
-#: Context lengths on the x axis of the right-hand panel (tokens).
+#: Context lengths on the x axis of the lower panel (tokens).
 CONTEXTS = tuple(2**k for k in range(9, 18))     # 512 .. 131072
 
 
@@ -39,19 +48,26 @@ def max_requests_curve(plan: CapacityPlan, contexts=CONTEXTS) -> np.ndarray:
     return plan.num_blocks // blocks
 
 
+@phone_aware
 def capacity_figure(plan: CapacityPlan, contexts=CONTEXTS):
-    """Left: one GPU's memory split by use (GiB). Right: max concurrent requests vs context.
+    """Top: one GPU's memory split by use (GiB). Bottom: max concurrent requests vs context.
 
-    Pure: a new Figure with two axes. The left axis holds one horizontal bar segment per
-    non-zero part of :meth:`CapacityPlan.breakdown` (labelled for the legend); a plan that
-    does not fit shows the weights and reserve overflowing the GPU, marked by a vertical line
-    at the GPU's capacity. The right axis plots :func:`max_requests_curve` on a log-2 x axis
+    Pure: a new Figure with two axes (stacked, memory above, in a phone's layout). The left
+    axis holds one horizontal bar segment per non-zero part of
+    :meth:`CapacityPlan.breakdown` (labelled for the legend); a plan that does not fit
+    shows the weights and reserve overflowing the GPU, marked by a vertical line at the GPU's
+    capacity. The right axis plots :func:`max_requests_curve` on a log-2 x axis
     and marks the plan's own ``context_len``.
     """
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.0, 3.6),
-                                  gridspec_kw={"width_ratios": [1.5, 1.0]})
+    phone = layout().phone
+    if phone:
+        fig, (ax, ax2) = plt.subplots(2, 1, figsize=(PHONE.width_in, 6.4),
+                                      gridspec_kw={"height_ratios": [0.6, 1.0]})
+    else:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.0, 3.6),
+                                      gridspec_kw={"width_ratios": [1.5, 1.0]})
     left = 0.0
     for part, value in plan.breakdown().items():
         if value <= 0:
@@ -59,7 +75,7 @@ def capacity_figure(plan: CapacityPlan, contexts=CONTEXTS):
         width = value / GiB
         ax.barh(0, width, left=left, height=0.55, color=MEMORY_COLORS[part], edgecolor=INK,
                 linewidth=0.6, label=f"{MEMORY_LABELS[part]}: {width:.1f} GiB")
-        if width > 0.07 * plan.gpu_memory_bytes / GiB:
+        if width > 0.12 * plan.gpu_memory_bytes / GiB:
             ax.text(left + width / 2, 0, f"{width:.1f}", ha="center", va="center",
                     fontsize=9, color="white" if part in ("weights", "kv_cache") else INK)
         left += width
@@ -70,9 +86,10 @@ def capacity_figure(plan: CapacityPlan, contexts=CONTEXTS):
     ax.set_xlabel("GiB per GPU")
     status = (f"{plan.num_blocks:,} blocks = {plan.token_capacity:,} tokens" if plan.fits
               else f"does not fit: short by {-plan.kv_budget_bytes / GiB:.1f} GiB")
-    ax.set_title(f"{plan.model} on {plan.gpu}, TP={plan.tp}, KV {plan.kv_dtype}\n{status}",
-                 loc="left", fontsize=10)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=2, fontsize=8)
+    where = f"{plan.model} on {plan.gpu}," + ("\n" if phone else " ")
+    ax.set_title(f"{where}TP={plan.tp}, KV {plan.kv_dtype}\n{status}", loc="left", fontsize=10)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.5 if phone else -0.28),
+              ncol=1 if phone else 2, fontsize=8)
 
     counts = max_requests_curve(plan, contexts)
     positive = counts > 0
@@ -82,6 +99,8 @@ def capacity_figure(plan: CapacityPlan, contexts=CONTEXTS):
     ax2.set_yscale("log")
     ax2.set_xlim(min(contexts) / 1.3, max(contexts) * 1.3)
     ax2.set_ylim(0.7, max(2.0, float(counts.max()) * 1.5))
+    ax2.set_xticks([2**k for k in (9, 11, 13, 15, 17)],
+                   ["512", "2k", "8k", "32k", "128k"])
     ax2.axvline(plan.context_len, color=MUTED, linestyle=":")
     ax2.annotate(f"{plan.max_requests:,} at {plan.context_len:,}",
                  xy=(plan.context_len, max(plan.max_requests, 0.8)), xytext=(6, 8),
@@ -89,7 +108,7 @@ def capacity_figure(plan: CapacityPlan, contexts=CONTEXTS):
     ax2.set_xlabel("context length (tokens)")
     ax2.set_ylabel("concurrent requests")
     ax2.set_title("requests that fit at once", loc="left", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(pad=0.4, h_pad=0.6)
     return fig
 
 

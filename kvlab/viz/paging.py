@@ -6,6 +6,8 @@
   external / free memory per allocation policy (a :mod:`kvlab.labs.fragmentation` result).
 * :func:`waste_timeline_figure` — the same categories over the steps of one run.
 * :class:`BlockTableView` — an ipywidgets playground over a real ``BlockTable`` and allocator.
+* :func:`block_table_explorer` — chapter 2's widget: the prompt length and the block size of one
+  scripted run on a real allocator (kernel-free twin: :func:`block_table_kernel_free`).
 
 Figure functions are pure: plain data in, a new matplotlib Figure out. Patches carry a
 ``gid`` (``"phys-7"``, ``"log-r0-2"``, ``"waste-paged-used"``) so tests can find them.
@@ -19,15 +21,14 @@ import numpy as np
 
 from kvlab.core.block_pool import OutOfBlocks
 from kvlab.labs.fragmentation import CATEGORIES, WasteReport
-from kvlab.viz._widgets import chapter_box, figure_output
-from kvlab.viz.blocks import text_scale
+from kvlab.viz._widgets import chapter_box, figure_output, figure_widget
+from kvlab.viz.blocks import table_colors
 from kvlab.viz.style import (
     BLOCK_STATE_COLORS,
     INK,
     MUTED,
     PHASE_COLORS,
     REQUEST_PALETTE,
-    request_color,
 )
 
 #: Colour of each waste category (taken from the book's palette).
@@ -62,14 +63,23 @@ def _owners(tables: Mapping[str, Sequence[int]], num_blocks: int) -> dict[int, l
     return owners
 
 
+#: Inches per block cell of :func:`block_table_figure`, and its smallest font (points): with
+#: at most :data:`PHONE_COLUMNS` cells across, the figure fits a phone's column (about 340 CSS
+#: px inside a widget's frame) with its smallest text at 9 px or more.
+CELL_IN = 0.42
+FONT_PT = 9.0
+PHONE_COLUMNS = 8
+
+
 def block_table_figure(
     tables: Mapping[str, Sequence[int]],
     num_blocks: int,
     block_size: int,
     token_counts: Mapping[str, int],
     *,
-    per_row: int = 16,
+    per_row: int = PHONE_COLUMNS,
     order: Sequence[str] | None = None,
+    note: str = "",
 ):
     """Draw block tables over a pool of ``num_blocks`` physical blocks.
 
@@ -81,12 +91,16 @@ def block_table_figure(
         per_row: physical blocks per row of the pool drawing.
         order: request ids in colour order (default: ``tables``' order); pass the same list
             to every figure of a sequence and each request keeps its colour in all of them.
+        note: one line printed under the title (what just happened).
 
     Top: the physical pool, one cell per block, coloured by its owner's
     :func:`request_color` (free blocks grey; a block in more than one table is drawn in the
-    ``shared`` colour, hatched, and labelled ``×n``); the darker inner bar shows how many of
-    its slots hold tokens. Bottom: one row per request, its logical blocks ``L0, L1, ...``,
-    each annotated with the physical block it maps to and joined to it by a line.
+    ``shared`` colour, hatched, and labelled ``×n``; :func:`table_colors` keeps the requests
+    clear of that colour); the dark bar along a block's bottom
+    edge shows how many of its slots hold tokens. Below: one row per request, its logical
+    blocks ``0, 1, 2, ...`` left to right, each showing the physical block it maps to, shaded
+    as far as it is filled and joined to that block by a line. Narrow by design: with at most
+    :data:`PHONE_COLUMNS` cells across it fits a phone at :data:`FONT_PT` points.
     Raises ValueError for a block outside the pool or a token count that does not fit.
     """
     import matplotlib.pyplot as plt
@@ -96,6 +110,7 @@ def block_table_figure(
         raise ValueError("num_blocks, block_size and per_row must be positive")
     rows = list(tables)
     order = rows if order is None else list(order)
+    colors = table_colors(order + [r for r in rows if r not in order])
     for rid in rows:
         count = token_counts.get(rid, 0)
         if not 0 <= count <= len(tables[rid]) * block_size:
@@ -114,16 +129,16 @@ def block_table_figure(
     cols = min(per_row, num_blocks)
     pool_rows = -(-num_blocks // cols)
     longest = max((len(t) for t in tables.values()), default=0)
-    width = max(cols, longest + 2)
-    height = pool_rows * 1.3 + 1.2 + len(rows) * 1.1
-    fig_width = min(0.55 * width + 1.5, 12.0)
-    k = text_scale(fig_width, 7)  # a wide pool is shown narrowed: its text grows to stay legible
-    fig, ax = plt.subplots(figsize=(fig_width, 0.5 * height + 0.8))
+    width = max(cols, longest)
+    label_w = 2.1                      # cells of room for the row labels on the left
+    height = pool_rows * 1.25 + 1.0 + len(rows) * 1.1 + 0.6
+    fig, ax = plt.subplots(figsize=(CELL_IN * (width + label_w) + 0.15,
+                                    CELL_IN * height + 0.75))
     top = height
 
     def pool_xy(block: int) -> tuple[float, float]:
         row, col = divmod(block, cols)
-        return col, top - 1.0 - row * 1.3
+        return col, top - 1.0 - row * 1.25
 
     for block in range(num_blocks):
         x, y = pool_xy(block)
@@ -131,45 +146,48 @@ def block_table_figure(
         if not who:
             color, hatch = BLOCK_STATE_COLORS["free"], None
         elif len(who) == 1:
-            color, hatch = request_color(who[0], order), None
+            color, hatch = colors[who[0]], None
         else:
             color, hatch = BLOCK_STATE_COLORS["shared"], "//"
-        ax.add_patch(Rectangle((x + 0.05, y), 0.9, 0.8, facecolor=color, edgecolor=INK,
+        ax.add_patch(Rectangle((x + 0.05, y), 0.9, 0.9, facecolor=color, edgecolor=INK,
                                linewidth=0.6, hatch=hatch, gid=f"phys-{block}"))
         if who:
             frac = block_fill.get(block, 0) / block_size
-            ax.add_patch(Rectangle((x + 0.05, y), 0.9 * frac, 0.12, facecolor=INK,
+            ax.add_patch(Rectangle((x + 0.05, y), 0.9 * frac, 0.14, facecolor=INK,
                                    edgecolor="none", gid=f"fill-{block}"))
-        label = f"{block}" if len(who) < 2 else f"{block} ×{len(who)}"
-        ax.text(x + 0.5, y + 0.45, label, ha="center", va="center", fontsize=7 * k,
+        label = f"{block}" if len(who) < 2 else f"{block}×{len(who)}"
+        ax.text(x + 0.5, y + 0.52, label, ha="center", va="center", fontsize=FONT_PT,
                 color="white" if len(who) == 1 else INK)
-    ax.text(-0.1, top - 0.55, "physical\nblocks", ha="right", va="center", fontsize=8 * k)
+    ax.text(-0.15, top - 0.55, "physical", ha="right", va="center", fontsize=FONT_PT)
 
-    base = top - 1.0 - (pool_rows - 1) * 1.3 - 1.6
+    base = top - 1.0 - (pool_rows - 1) * 1.25 - 1.75
+    if rows:
+        ax.text(0.05, base + 1.0, "logical blocks 0, 1, 2 ... → physical id", ha="left",
+                va="bottom", fontsize=FONT_PT, color=MUTED)
     for r, rid in enumerate(rows):
         y = base - r * 1.1
-        color = request_color(rid, order)
-        ax.text(-0.1, y + 0.4, f"{rid} ({token_counts.get(rid, 0)} tok)", ha="right",
-                va="center", fontsize=8 * k)
+        color = colors[rid]
+        ax.text(-0.15, y + 0.45, f"{rid}: {token_counts.get(rid, 0)} tok", ha="right",
+                va="center", fontsize=FONT_PT, color=INK)
         for logical, block in enumerate(tables[rid]):
-            ax.add_patch(Rectangle((logical + 0.05, y), 0.9, 0.8, facecolor="white",
-                                   edgecolor=color, linewidth=1.4, gid=f"log-{rid}-{logical}"))
+            ax.add_patch(Rectangle((logical + 0.05, y), 0.9, 0.9, facecolor="white",
+                                   edgecolor=color, linewidth=1.6, gid=f"log-{rid}-{logical}"))
             frac = fill(rid, logical) / block_size
-            ax.add_patch(Rectangle((logical + 0.05, y), 0.9 * frac, 0.8, facecolor=color,
+            ax.add_patch(Rectangle((logical + 0.05, y), 0.9 * frac, 0.9, facecolor=color,
                                    alpha=0.35, edgecolor="none"))
-            ax.text(logical + 0.5, y + 0.4, f"L{logical}→{block}", ha="center", va="center",
-                    fontsize=7 * k)
+            ax.text(logical + 0.5, y + 0.45, f"{block}", ha="center", va="center",
+                    fontsize=FONT_PT)
             px, py = pool_xy(block)
-            ax.plot([logical + 0.5, px + 0.5], [y + 0.8, py], color=color, linewidth=0.7,
-                    alpha=0.5, gid=f"map-{rid}-{logical}")
-    ax.set_xlim(-3.2, width)
-    ax.set_ylim(base - (len(rows) - 1) * 1.1 - 0.3, top + 0.1)
+            ax.plot([logical + 0.5, px + 0.5], [y + 0.9, py], color=color, linewidth=0.7,
+                    alpha=0.5, zorder=0.5, gid=f"map-{rid}-{logical}")  # behind the cells
+    ax.set_xlim(-label_w, width + 0.1)
+    ax.set_ylim(base - (len(rows) - 1) * 1.1 - 0.2 if rows else top - height, top + 0.1)
     ax.axis("off")
     shared = sum(1 for who in owners.values() if len(who) > 1)
-    ax.set_title(f"{len(rows)} block tables, {len(owners)}/{num_blocks} blocks in use"
-                 f"{f', {shared} shared' if shared else ''} (block size {block_size})",
-                 loc="left", fontsize=10 * k)
-    fig.tight_layout()
+    title = (f"block size {block_size}: {len(owners)}/{num_blocks} blocks in use"
+             f"{f', {shared} shared' if shared else ''}")
+    ax.set_title(title + (f"\n{note}" if note else ""), loc="left", fontsize=FONT_PT + 1)
+    fig.tight_layout(pad=0.3)
     return fig
 
 
@@ -289,13 +307,14 @@ class BlockTableView:
         return ({rid: list(t.blocks) for rid, t in self.tables.items()},
                 {rid: len(t) for rid, t in self.tables.items()})
 
-    def figure(self, index: int | None = None):
+    def figure(self, index: int | None = None, *, note: str = ""):
         """The figure of the current state, or of ``history[index]``; a request's colour is
-        fixed by its creation order, so it is the same in every frame."""
+        fixed by its creation order, so it is the same in every frame. ``note`` is printed
+        under the title."""
         tables, counts = self.snapshot() if index is None else self.history[index][1]
         created = [f"r{i}" for i in range(self._next)]
         return block_table_figure(tables, self.num_blocks, self.block_size, counts,
-                                  order=created)
+                                  order=created, note=note)
 
     def _record(self, what: str) -> None:
         self.history.append((what, self.snapshot()))
@@ -381,3 +400,71 @@ class BlockTableView:
         return chapter_box([w.HBox([who, tokens, *buttons.values()]), message, out],
                            what="block-table playground (new request, append, finish)",
                            kernel_free=self.kernel_free)
+
+
+#: The explorer's knobs: the new request's prompt length and the block size. Its kernel-free
+#: twin precomputes every pair (15 frames); the live widget offers any prompt of 1-32 tokens.
+EXPLORER_PROMPTS = (3, 8, 10, 16, 24)
+EXPLORER_BLOCK_SIZES = (2, 4, 8)
+#: Blocks in the explorer's pool (its token capacity is this times the block size).
+EXPLORER_POOL = 16
+
+
+def block_table_scenario(prompt_len: int, block_size: int,
+                         num_blocks: int = EXPLORER_POOL) -> tuple[BlockTableView, str]:
+    """Chapter 2's script on a real allocator, and one line saying what happened to the new
+    request: r0 (6 tokens), r1 (9) and r2 (3) arrive; r1 finishes, leaving holes; a new
+    request of ``prompt_len`` tokens arrives (refused, with nothing changed, when the pool
+    has too few free blocks: allocation is all or nothing); r0 appends 3 tokens."""
+    view = BlockTableView(num_blocks=num_blocks, block_size=block_size)
+    for prompt in (6, 9, 3):
+        view.add_request(prompt)
+    view.finish("r1")
+    try:
+        rid = view.add_request(prompt_len)
+        table = view.tables[rid]
+        note = (f"new {rid}: {prompt_len} tokens in {len(table.blocks)} blocks, "
+                f"{table.tail_slots} slot{'s' * (table.tail_slots != 1)} unwritten")
+    except OutOfBlocks as exc:
+        note = (f"new request ({prompt_len} tokens) refused: needs {exc.needed} blocks, "
+                f"{exc.available} free")
+    try:
+        view.append("r0", 3)
+    except OutOfBlocks:
+        note += "; r0 cannot grow"
+    return view, note
+
+
+def explorer_figure(prompt_len: int, block_size: int):
+    """The figure of :func:`block_table_scenario` with its note under the title."""
+    view, note = block_table_scenario(prompt_len, block_size)
+    return view.figure(note=note)
+
+
+def block_table_explorer(prompt_len: int = 10, block_size: int = 4):
+    """Chapter 2's widget: move the new request's prompt length and the block size, and see
+    where :func:`block_table_scenario`'s blocks land (kernel-free twin:
+    :func:`block_table_kernel_free`)."""
+    import ipywidgets as w
+
+    controls = {
+        "prompt_len": w.IntSlider(value=prompt_len, min=1, max=32, description="new prompt"),
+        "block_size": w.Dropdown(options=list(EXPLORER_BLOCK_SIZES), value=block_size,
+                                 description="block size"),
+    }
+    return figure_widget(controls, explorer_figure, header=[w.HBox(list(controls.values()))],
+                         what="block-table explorer (prompt length, block size)",
+                         kernel_free=lambda: block_table_kernel_free(prompt_len, block_size))
+
+
+def block_table_kernel_free(prompt_len: int = 10, block_size: int = 4):
+    """The explorer without a kernel: every pair of :data:`EXPLORER_PROMPTS` and
+    :data:`EXPLORER_BLOCK_SIZES` precomputed."""
+    from kvlab.viz.kernel_free import dropdown, slider, static_widget
+
+    return static_widget(
+        explorer_figure,
+        {"prompt_len": slider(EXPLORER_PROMPTS, label="new prompt (tokens)"),
+         "block_size": dropdown(EXPLORER_BLOCK_SIZES, label="block size")},
+        default={"prompt_len": prompt_len, "block_size": block_size},
+        title=f"block tables on a pool of {EXPLORER_POOL} blocks")

@@ -28,7 +28,8 @@ def example_row(outlier: float = 12.0, n: int = 256, seed: int = 0):
 
 
 def quantization_summary(row, bits: int, group_size: int, symmetric: bool = True) -> dict:
-    """Numbers the figure shows: dequantized row, per-group scales, errors, effective bits."""
+    """Numbers the figure shows: dequantized row, per-group scales, errors, effective bits and
+    the storage bits the packed row really spends (its bytes x 8 / weights)."""
     from kvlab.engine.quantization import QuantConfig, dequantize, quantize
 
     cfg = QuantConfig(bits=bits, group_size=group_size, symmetric=symmetric)
@@ -38,7 +39,7 @@ def quantization_summary(row, bits: int, group_size: int, symmetric: bool = True
     return {"config": cfg, "deq": deq.numpy(), "scales": packed.scales.float()[0].numpy(),
             "error": err, "rms": float(np.sqrt((err ** 2).mean())),
             "max_error": float(np.abs(err).max()), "effective_bits": cfg.effective_bits(),
-            "bytes": packed.nbytes}
+            "storage_bits": cfg.storage_bits(), "bytes": packed.nbytes}
 
 
 def quantization_figure(row, bits: int = 4, group_size: int = 32, symmetric: bool = True):
@@ -71,8 +72,10 @@ def quantization_figure(row, bits: int = 4, group_size: int = 32, symmetric: boo
             label="dequantized")
     ax.set_xlim(-1, n)
     ax.set_xlabel("index in the row (dotted: group boundaries; grey: each group's grid)")
+    stored = ("" if s["storage_bits"] == s["effective_bits"]
+              else f" ({s['storage_bits']:.3g} stored)")
     ax.set_title(f"int{bits} {'symmetric' if symmetric else 'zero-point'}, group {group_size}: "
-                 f"{s['effective_bits']:.3g} effective bits, RMS error {s['rms']:.2e}, "
+                 f"{s['effective_bits']:.3g} effective bits{stored}, RMS error {s['rms']:.2e}, "
                  f"max {s['max_error']:.2e}", loc="left", fontsize=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax2 = fig.add_subplot(grid[1, 0])
@@ -96,11 +99,22 @@ def quantization_figure(row, bits: int = 4, group_size: int = 32, symmetric: boo
 
 
 def quantization_caption(row, bits: int, group_size: int, symmetric: bool = True) -> str:
-    """The line under the figure: bytes stored and bits per weight."""
+    """The line under the figure: the bytes stored, the bits per weight they make (the storage
+    bits, exactly), and the effective bits beside them, with why the two differ where they do
+    (a code narrower than its container)."""
     s = quantization_summary(row, bits, group_size, symmetric)
     n = int(row.numel())
-    return (f"{s['bytes']} bytes for {n} weights = {8 * s['bytes'] / n:.4g} bits each "
-            f"(effective_bits says {s['effective_bits']:.4g})")
+    container = 4 if bits <= 4 else 8
+    extras = "fp16 scales" if symmetric else "fp16 scales and uint8 zero points"
+    line = (f"{s['bytes']} bytes for {n} weights = {8 * s['bytes'] / n:.4g} bits each: "
+            f"{container}-bit code containers plus {extras}")
+    if s["storage_bits"] == s["effective_bits"]:
+        return line + f" (= effective_bits, {s['effective_bits']:.4g})"
+    packed = s["effective_bits"] * n / 8
+    return (line + f". effective_bits says {s['effective_bits']:.4g}: it counts {bits} bits per "
+            f"code, what a layout packing codes across byte boundaries would store "
+            f"({packed:.4g} bytes); kvlab keeps each {bits}-bit code in "
+            f"{'an' if container == 8 else 'a'} {container}-bit container")
 
 
 def quantization_explorer():

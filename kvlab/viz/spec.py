@@ -14,23 +14,42 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvlab.labs.speculation.acceptance import AcceptanceData
     from kvlab.sim.costmodel import SpecStepCost
 
-__all__ = ["AcceptanceView", "acceptance_caption", "acceptance_figure", "speedup_figure"]
+__all__ = ["AcceptanceView", "acceptance_caption", "acceptance_figure",
+           "conditional_rates", "speedup_figure"]
+
+
+def conditional_rates(data: AcceptanceData) -> tuple[float, ...]:
+    """Per draft position, the share of drafts kept among those reached (the draft before
+    kept): ``per_pos[0]``, then ``per_pos[i] / per_pos[i - 1]`` (0 where none was reached).
+    Under the independent model every entry is the same ``α``. A verification with fewer
+    drafts (lookahead is capped at a request's last token) counts as reaching every position,
+    so later rates are slightly underestimated."""
+    rates = []
+    for i, share in enumerate(data.per_pos):
+        reached = 1.0 if i == 0 else data.per_pos[i - 1]
+        rates.append(share / reached if reached else 0.0)
+    return tuple(rates)
 
 
 def acceptance_figure(data: AcceptanceData) -> Figure:
-    """Three panels: acceptance per draft position (with the i.i.d. model ``α^i``), tokens
-    emitted per verification step per request, and ``p(x)`` against ``q(x)`` for every
-    rejected draft (a draft is rejected with probability ``1 - p/q``, so all lie below the
-    diagonal). The legends sit under their panels, off the data."""
+    """Three panels: acceptance per draft position against the independent model ``α^i`` for
+    two estimates of ``α`` (the first position's rate ``α₁`` and the estimate over all
+    positions ``α̂``, :attr:`AcceptanceData.alpha`), tokens emitted per verification step per
+    request, and ``p(x)`` against ``q(x)`` for every rejected draft (a draft is rejected with
+    probability ``1 - p/q``, so all lie below the diagonal). The legends sit under their
+    panels, off the data."""
     import matplotlib.pyplot as plt
 
     # the column's width (9 in at 96 px per inch): shown at its point size, not narrowed
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(9.0, 4.2))
     under = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.22), "fontsize": 8}
     pos = range(1, data.k + 1)
+    first = data.per_pos[0] if data.per_pos else 0.0
     a.bar(pos, data.per_pos, color="#4C72B0", label="measured")
+    a.plot(pos, [first ** i for i in pos], "s:", color="#55A868", ms=4,
+           label=rf"$\alpha_1^i$, $\alpha_1$ = {first:.2f} (first position)")
     a.plot(pos, [data.alpha ** i for i in pos], "o--", color="#DD8452",
-           label=rf"$\alpha^i$, $\alpha$ = {data.alpha:.2f}")
+           label=rf"$\hat\alpha^i$, $\hat\alpha$ = {data.alpha:.2f} (all positions)")
     a.set(xlabel="draft position i", ylabel="share accepted", ylim=(0, 1.05),
           title=f"{data.method}, k={data.k}, T={data.temperature:g}")
     a.legend(**under)
@@ -57,10 +76,14 @@ def acceptance_figure(data: AcceptanceData) -> Figure:
     return fig
 
 
-def speedup_figure(curves: Mapping[str, Sequence[SpecStepCost]], title: str = "") -> Figure:
+def speedup_figure(curves: Mapping[str, Sequence[SpecStepCost]], title: str = "",
+                   max_batch: int | None = None) -> Figure:
     """Speedup of speculation against batch size, one line per labelled curve of
     :class:`~kvlab.sim.costmodel.SpecStepCost` (same batches, ascending); filled markers where
-    the verification step is compute-bound, hollow where it is memory-bound."""
+    the verification step is compute-bound, hollow where it is memory-bound. ``max_batch``, when
+    given, draws the largest batch the GPUs' memory holds (a dashed line). ValueError for an
+    empty curve, batches out of order, or a point whose weights and KV do not fit its GPUs:
+    a scenario that cannot be deployed is not plotted."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
@@ -70,6 +93,11 @@ def speedup_figure(curves: Mapping[str, Sequence[SpecStepCost]], title: str = ""
         xs = [c.batch for c in costs]
         if xs != sorted(xs):
             raise ValueError(f"curve {label!r}: batches must ascend, got {xs}")
+        for c in costs:
+            if not c.fits:
+                raise ValueError(f"curve {label!r}: batch {c.batch} needs "
+                                 f"{c.memory_bytes / 1e9:.0f} GB, more than the "
+                                 f"{c.memory_capacity / 1e9:.0f} GB its GPUs may use")
         ys = [c.speedup for c in costs]
         color = request_color(j)
         ax.plot(xs, ys, "-", color=color, label=label)
@@ -77,6 +105,9 @@ def speedup_figure(curves: Mapping[str, Sequence[SpecStepCost]], title: str = ""
             ax.plot(c.batch, y, "o", ms=5, color=color,
                     mfc=color if c.verify_bound == "compute" else "white")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    if max_batch is not None:
+        ax.axvline(max_batch, color="black", lw=0.9, ls="--",
+                   label=f"memory full: {max_batch} requests")
     ax.set_xscale("log", base=2)
     ax.set(xlabel="batch size (decoding requests)", ylabel="speedup over plain decoding",
            title=title or "speculation on the roofline")
@@ -96,14 +127,31 @@ KERNEL_FREE_GRID = {
 
 
 def acceptance_caption(data: AcceptanceData) -> str:
-    """One line under the figure: the fitted alpha and the mean tokens per verification (and,
-    for n-gram drafts that almost never hold, why the left panel is empty)."""
-    why = ""
+    """The line under the figure: both estimates of alpha, what each is and, from the
+    conditional rates (:func:`conditional_rates`), why they differ; the mean tokens per
+    verification (and, for n-gram drafts that almost never hold, why the left panel is
+    empty)."""
     if data.method == "ngram" and max(data.per_pos, default=0.0) < 0.1:
-        why = (" (n-gram drafts copy an earlier continuation of the last tokens; this text "
-               "rarely repeats itself, so almost none is kept)")
-    return (f"{data.method}, k={data.k}, T={data.temperature:g}: alpha = {data.alpha:.2f}, "
-            f"mean tokens per verification = {data.mean_length:.2f}{why}")
+        return (f"{data.method}, k={data.k}, T={data.temperature:g}: "
+                f"alpha_1 = {data.per_pos[0]:.2f}, mean tokens per verification = "
+                f"{data.mean_length:.2f} (n-gram drafts copy an earlier continuation of the "
+                "last tokens; this text rarely repeats itself, so almost none is kept)")
+    rates = conditional_rates(data)
+    first, pooled = rates[0], data.alpha
+    if len(rates) == 1:
+        why = "with one draft position they are the same estimate"
+    elif abs(pooled - first) < 0.03:
+        why = "close: here acceptance hardly depends on the position"
+    else:
+        later = "more" if pooled > first else "less"
+        why = (f"they differ because a draft reached after kept drafts is kept {later} often "
+               f"than a first draft (kept share by position, among drafts reached: "
+               + ", ".join(f"{r:.2f}" for r in rates) + "), so acceptance is not independent "
+               "of the position")
+    return (f"{data.method}, k={data.k}, T={data.temperature:g}: alpha_1 = {first:.2f} is the "
+            f"share of first drafts kept; alpha-hat = {pooled:.2f} is kept / (kept + rejected) "
+            f"over all positions, the independent model's maximum-likelihood fit; {why}. Mean "
+            f"tokens per verification = {data.mean_length:.2f}.")
 
 
 class AcceptanceView:

@@ -4,6 +4,11 @@ Built on the reference :func:`~kvlab.reference.rule01_capacity.kv_bytes`
 (``M_KV = 2 · L · B · T · A_kv · D · s``): how many KV blocks, tokens and requests one
 tensor-parallel rank holds after weights and reserve, with quantisation-scale overhead and
 TP sharding of KV heads.
+
+For models whose layers cache different things (sliding windows, MLA latents, recurrent states)
+see :mod:`.layer_kv` (what one layer keeps, the per-layer rule), :mod:`.hf_config` (layouts read
+from a Hugging Face ``config.json``) and :mod:`.hybrid_plan` (the pool cut as vLLM's hybrid KV
+cache manager cuts it).
 """
 
 from __future__ import annotations

@@ -84,8 +84,11 @@ class _Unscoped(KVCacheManager):
     def lookup(self, scope, token_ids):
         return super().lookup(TENANT_A, token_ids)
 
-    def admit(self, request_id, scope, token_ids, num_tokens):
-        return super().admit(request_id, TENANT_A, token_ids, num_tokens)
+    def find_prefix(self, scope, token_ids):
+        return super().find_prefix(TENANT_A, token_ids)
+
+    def admit(self, request_id, scope, token_ids, num_tokens, hit=None):
+        return super().admit(request_id, TENANT_A, token_ids, num_tokens, hit)
 
 
 def _skip_release(sched: Any) -> None:

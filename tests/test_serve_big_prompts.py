@@ -1,0 +1,147 @@
+"""No prompt freezes the server: 2 MiB string prompts beside a running stream.
+
+A string prompt is bounded by characters before it is tokenized (the context length times the
+longest token string, vLLM 0.32's ``TokenizeParams._text_len_check`` in
+``vllm/renderers/params.py``), and tokenizing releases the GIL. Before, a prompt just under the
+2 MiB body limit was tokenized whole while holding the GIL: one stalled every stream ~1.9 s,
+four ~2.9 s, and RSS grew 692 -> 2,044 MB and stayed.
+
+The check is behavioural, on a real ``kvlab serve`` process: a stream's largest gap between
+events while four 2 MiB prompts (two completions, two chat) arrive, against the same stream's
+largest gap over the same window without them (``control``). Power: the failure it guards
+against stalls every stream for the whole tokenization, 1.9 s or more for one 2 MiB prompt
+(4.5-6 s for ``encode`` on this project's loaded 2-core machine), so it exceeds the bound of
+``control + 0.5 s`` unless the control itself stalls by more than 1.4 s; a correct server adds
+only the parsing of 8 MiB of JSON (tens of milliseconds). RSS must come back within 64 MB of
+its level before the big prompts (the failure added ~1.3 GB).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from test_serve import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "kvlab-tiny"
+BIG = 2 * 1024 * 1024 - 512          # characters: the body stays under the 2 MiB limit
+WINDOW = 4.0                         # seconds of stream watched in each phase
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def served():
+    if not Path("/proc/self/status").exists():
+        pytest.skip("RSS is read from /proc (Linux)")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab", "serve", "--port", str(port)],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
+    yield url, proc.pid
+    proc.terminate()
+    proc.wait(30)
+
+
+def _watch(url: str, during) -> tuple[float, list]:
+    """Run ``during()`` while a stream is running; the stream's largest gap between events
+    over the window from ``during``'s start to WINDOW seconds later (or its end, if later),
+    and ``during``'s result."""
+    arrivals: list[float] = []
+    started = threading.Event()
+
+    def read() -> None:
+        body = {"model": MODEL, "prompt": "The lamplighter of Vale", "max_tokens": 1500,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.monotonic())
+                    started.set()
+                if arrivals and arrivals[-1] > max(t0, done[0]) + 1:
+                    return
+
+    t0 = float("inf")
+    done = [float("inf")]       # when ``during`` returned (the stream ends a second later)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert started.wait(120)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    result = during()
+    time.sleep(max(0.0, t0 + WINDOW - time.monotonic()))
+    done[0] = time.monotonic()
+    reader.join(120)
+    # the events in the window, with the last one before it and the first one after it (a
+    # stall across the window's edge counts in full)
+    end = done[0]
+    inside = [t for t in arrivals if t0 <= t <= end]
+    edges = [max((t for t in arrivals if t < t0), default=t0),
+             min((t for t in arrivals if t > end), default=time.monotonic())]
+    events = sorted({edges[0], *inside, edges[1]})
+    return max(b - a for a, b in itertools.pairwise(events)), result
+
+
+def test_four_2mib_prompts_do_not_stall_a_stream_or_keep_memory(served):
+    url, pid = served
+    text = ("the lamps of Vale were lit at dusk " * (BIG // 35 + 1))[:BIG]
+    bodies = [("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 4}),
+              ("/v1/completions", {"model": MODEL, "prompt": text[1:], "max_tokens": 4}),
+              ("/v1/chat/completions", {"model": MODEL, "max_tokens": 4,
+                                        "messages": [{"role": "user", "content": text}]}),
+              ("/v1/chat/completions", {"model": MODEL, "max_tokens": 4, "messages": [
+                  {"role": "system", "content": "x"}, {"role": "user", "content": text}]})]
+    raw = [(path, json.dumps(body).encode()) for path, body in bodies]
+    assert all(len(b) < 2 * 1024 * 1024 for _, b in raw)
+
+    def fire() -> list[httpx.Response]:
+        def one(item):
+            path, content = item
+            return httpx.post(url + path, content=content, timeout=120,
+                              headers={"content-type": "application/json"})
+        with ThreadPoolExecutor(4) as pool:
+            return list(pool.map(one, raw))
+
+    control, _ = _watch(url, lambda: None)
+    baseline = _rss_mb(pid)
+    gap, answers = _watch(url, fire)
+    assert gap < control + 0.5, (gap, control)
+    for resp in answers:
+        err = resp.json()["error"]
+        assert resp.status_code == 400 and err["code"] == "context_length_exceeded"
+        assert "characters" in err["message"] and err["param"] in ("prompt", "messages")
+    time.sleep(1.0)
+    assert _rss_mb(pid) < baseline + 64, (baseline, _rss_mb(pid))
+    # /tokenize has no context bound (as in vLLM): it tokenizes 2 MiB, then gives the memory
+    # back
+    ids = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": text},
+                     timeout=300).json()["tokens"]
+    assert len(ids) > 2048
+    del ids
+    assert _rss_mb(pid) < baseline + 64, (baseline, _rss_mb(pid))
