@@ -553,6 +553,42 @@ def _register_expected_crashes() -> None:
 _register_expected_crashes()
 
 
+# --- chapter 13: routing by prefix -------------------------------------------------------------
+
+@truth("ch13.tenant_hits")
+def _tenant_hits() -> Truth:
+    """Random placement: request j (0-based) misses iff none of the j before it went to its
+    replica, probability (1 - 1/N)**j; routing by prefix misses only the first request."""
+    from kvlab.exercises import ch13
+
+    k, n = ch13.TENANT["requests"], ch13.TENANT["replicas"]
+    misses = sum((1 - 1 / n) ** j for j in range(k))
+    return Truth([round(k - misses, 6), round(float(k - 1), 6)])
+
+
+@truth("ch13.weight")
+def _weight() -> Truth:
+    from kvlab.exercises import ch13
+
+    rows = {w: ch13.run_weight(w) for w in ch13.WEIGHT_CHOICES}
+    fits = [w for w, r in rows.items() if r["ttft_p99_s"] <= ch13.WEIGHT_SLO_P99_S]
+    return Truth(float(max(fits, key=lambda w: (rows[w]["hit_rate"], -w))))
+
+
+def _router_bar(seed: int, policy: str, field: str) -> Truth:
+    from kvlab.exercises import ch13
+    from kvlab.sim.routers import make_policy
+
+    return Truth(None, number=ch13.run_router(make_policy(policy), seed)[field])
+
+
+for _seed in (17, 22, 26):     # ch13._GRADED_SEEDS (the check's hidden workloads)
+    truth(f"ch13.router_precise_hit.{_seed}")(
+        lambda s=_seed: _router_bar(s, "precise_index", "hit_rate"))
+    truth(f"ch13.router_least_loaded_p99.{_seed}")(
+        lambda s=_seed: _router_bar(s, "least_loaded", "ttft_p99_s"))
+
+
 # --- chapter 2: page tables ---------------------------------------------------------------------
 
 def _ch02():

@@ -294,6 +294,16 @@ class KVCacheManager:
         del self._sent[request_id]
         return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, as vLLM's ``reset_prefix_cache``: False (nothing changed)
+        while any request holds blocks, else True with the cached blocks free again."""
+        if self.prefix_cache is None:
+            return True
+        if self._tables:
+            return False
+        self.pool.release(self.prefix_cache.clear(), CACHE_OWNER)
+        return True
+
     def requests(self) -> list[str]:
         return list(self._tables)
 

@@ -24,6 +24,7 @@ from kvlab.core.checks import is_int
 if TYPE_CHECKING:
     from kvlab.core.interfaces import Scheduler
     from kvlab.engine.checkpoint import LoadedCheckpoint
+    from kvlab.engine.kv_events import KVEventsConfig
     from kvlab.engine.tokenizer import Tokenizer
 
 #: Default KV budget on CPU when ``num_blocks`` is None (bytes). On CUDA the default is half of
@@ -71,8 +72,10 @@ class EngineArgs:
     ``QuantConfig``), ``quantization_group_size``, ``kv_cache_dtype`` (``"auto"``, ``"int8"``,
     ``"fp8_e4m3"``): :mod:`kvlab.engine.quantization`. ``enforce_eager`` (vLLM's name): no
     CUDA graphs; by default an engine on CUDA captures its decode forward
-    (:mod:`kvlab.engine.cuda_graphs`). The spec's invariants after every step are an observer
-    attached from outside: :func:`kvlab.labs.invariants.check_every_step`.
+    (:mod:`kvlab.engine.cuda_graphs`). ``kv_events_config``: vLLM's KV-events JSON (a dict,
+    its text or a ``KVEventsConfig``): publish the prefix cache's changes
+    (:mod:`kvlab.engine.kv_events`; off by default). The spec's invariants after every step are
+    an observer attached from outside: :func:`kvlab.labs.invariants.check_every_step`.
     """
 
     model: str | Path | LoadedCheckpoint
@@ -96,6 +99,7 @@ class EngineArgs:
     quantization_group_size: int = 64
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    kv_events_config: dict | str | KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         check_engine_args(self)
@@ -118,6 +122,9 @@ class EngineArgs:
         ap.add_argument("--device", default=None)
         ap.add_argument("--dtype", default=None)
         ap.add_argument("--seed", type=int, default=0)
+        ap.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help="publish KV cache events, vLLM's JSON: '{\"enable_kv_cache_events\": "
+                             "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}'")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -137,7 +144,8 @@ class EngineArgs:
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
                    enable_prefix_caching=not args.no_enable_prefix_caching, device=args.device,
-                   dtype=args.dtype, seed=args.seed, scheduler=scheduler)
+                   dtype=args.dtype, seed=args.seed, scheduler=scheduler,
+                   kv_events_config=args.kv_events_config)
 
 
 def check_engine_args(args: EngineArgs) -> None:
@@ -172,6 +180,12 @@ def check_engine_args(args: EngineArgs) -> None:
     if not isinstance(security_domain, str) or not security_domain:
         raise ValueError(f"LLMEngine: security_domain must be a non-empty str, "
                          f"got {security_domain!r}")
+    if args.kv_events_config is not None:   # imported only when asked for (msgspec)
+        from kvlab.engine.kv_events import KVEventsConfig
+        config = KVEventsConfig.parse(args.kv_events_config)
+        if config.enabled and not args.enable_prefix_caching:
+            raise ValueError("LLMEngine: kv_events_config publishes the prefix cache's changes: "
+                             "it needs enable_prefix_caching=True")
 
 
 def resolve_device(device: object) -> torch.device:

@@ -157,6 +157,7 @@ class EngineParts:
     executor: ModelRunner
     eos_token_ids: tuple[int, ...]
     structured_outputs: StructuredOutputManager
+    kv_events_config: Any           # KVEventsConfig when KV events are published, else None
 
 
 def build_parts(a: EngineArgs) -> EngineParts:
@@ -211,6 +212,10 @@ def build_parts(a: EngineArgs) -> EngineParts:
     if graphs:
         capture_decode_graphs(executor, cache, scheduler_config.max_num_seqs, max_model_len,
                               scratch_block=size.num_blocks)
+    events = None
+    if a.kv_events_config is not None:   # checked in EngineArgs; the engine attaches it
+        from kvlab.engine.kv_events import KVEventsConfig
+        events = KVEventsConfig.parse(a.kv_events_config)
     return EngineParts(quant, ckpt, tokenizer, dev, dtype, speculator, max_model_len,
                        size.num_blocks, cache, kv, scheduler_config, scheduler, kv_transfer,
-                       executor, eos, structured)
+                       executor, eos, structured, events if events and events.enabled else None)
