@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvlab.exercises import ch07
@@ -140,11 +142,11 @@ def test_suspect_rule_check_cannot_be_searched():
         with pytest.raises(AssertionError, match="wrong for at least one of"):
             ch07.check_suspect_rule(wrong_first)
         drawn.append(list(calls))
-    per_backend = len(ch07._hidden_chunks(ch07.random.Random(0)))
+    per_backend = len(ch07._hidden_chunks(random.Random(0)))
     assert [len(c) for c in drawn] == [backends * per_backend] * 2
     assert drawn[0] != drawn[1]
     # every kind of chunk is drawn each time
-    chunks = ch07._hidden_chunks(ch07.random.Random(1))
+    chunks = ch07._hidden_chunks(random.Random(1))
     assert (0, 1) in chunks
     assert any(s == 0 and n > 1 for s, n in chunks)
     assert any(s > 0 and n == 1 for s, n in chunks)
