@@ -893,17 +893,13 @@ def _rows_step_metadata():
     return build_metadata(specs, 4, paged_max_tokens=CpuAttention.paged_max_tokens)
 
 
-@truth("ch07.paged_rows.rows")
+@truth("ch07.paged_rows")
 def _paged_rows() -> Truth:
-    return _number(_rows_step_metadata().paged_rows.numel())
-
-
-@truth("ch07.paged_rows.dense")
-def _dense_chunks() -> Truth:
+    """[paged rows, sorted dense chunk letters]: one answer, graded together."""
     from kvlab.exercises import ch07
 
-    names = list(ch07.ROWS_STEP)
-    return Truth(sorted(names[s] for s in _rows_step_metadata().dense))
+    meta, names = _rows_step_metadata(), list(ch07.ROWS_STEP)
+    return Truth([meta.paged_rows.numel(), sorted(names[s] for s in meta.dense)])
 
 
 def attention_intensity(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
