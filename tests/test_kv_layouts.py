@@ -448,3 +448,67 @@ def test_committed_benchmark_results_are_what_the_planner_plans(monkeypatch):
     assert stored["mla_vs_gqa"] == bench.mla_rows()
     assert stored["mla_vs_gqa"]["deepseek_v3_mla_bytes_per_token"] == 61 * 576 * 2
     assert round(bench.gpt_oss_weight_bytes() / GiB, 2) == 60.77
+
+
+# --- the exercises' checks ----------------------------------------------------------------------
+
+def test_exercise_checks_grade_every_part_together_and_name_no_part_or_direction():
+    """Exercises 1-3 of chapter 14: the right answers (worked here by hand, independently of the
+    planner) pass; a wrong answer in any one part gets the same message, which names concepts,
+    never the part or the direction, so no part can be found alone by trying values."""
+    from kvlab.exercises import ch14
+    from kvlab.exercises._common import forget_predictions
+
+    # 1: Qwen3-Next at TP 4, 10,000 tokens: 12 full layers keep one of 2 KV heads of 256 + 256
+    # in bf16; 36 gated-DeltaNet states, a quarter each: conv (2·16·128 + 32·128)/4 × 3 × 2 B
+    # and SSM 32/4 × 128 × 128 × 2 B
+    state_share = (2 * 16 * 128 + 32 * 128) // 4 * 3 * 2 + 32 // 4 * 128 * 128 * 2
+    rank = 12 * (256 + 256) * 2 * 10_000 + 36 * state_share
+    assert "Correct" in ch14.check_rank_request_bytes(rank)
+    wrong = set()
+    for off in (rank + 1, rank - 36 * state_share, 12 * 1024 * 10_000 + 36 * 4 * state_share):
+        with pytest.raises(AssertionError) as err:
+            ch14.check_rank_request_bytes(off)
+        wrong.add(str(err.value))
+    assert len(wrong) == 1
+    # 2: gpt-oss-120b: 18-layer groups of 16 tokens × 8 heads × (64 + 64) × 2 B; 65,536 / 16
+    # full blocks + (127 + 1) / 16 + 1 windowed ones; 0.9 × CUDA's total less weights and reserve
+    block = 18 * 16 * 8 * 128 * 2
+    blocks = 65536 // 16 + 128 // 16 + 1
+    case = ch14.GPT_OSS_CASE
+    budget = 0.9 * H100.cuda_total_bytes - case["weight_bytes"] - case["reserve_bytes"]
+    pool = [block, blocks, int(budget // block) // blocks]
+    forget_predictions()
+    assert "Correct" in ch14.check_gpt_oss_pool(*pool)           # a right one locks nothing
+    messages = set()
+    for i in range(3):
+        forget_predictions()
+        off = list(pool)
+        off[i] += 1
+        with pytest.raises(AssertionError) as err:
+            ch14.check_gpt_oss_pool(*off)
+        messages.add(str(err.value))
+        # graded once: after a wrong prediction, even the right answer is not graded
+        assert "graded once" in ch14.check_gpt_oss_pool(*pool)
+        with pytest.raises(AssertionError):
+            ch14.check_gpt_oss_pool(*off)                         # the prediction, again
+    assert len(messages) == 1
+    forget_predictions()
+    # 3: Qwen3.5-4B in fp8: conv (2·16·128 + 32·128) × 3 in bf16, SSM 32 × 128 × 128 in fp32;
+    # 4 KV heads × (256 + 256) × 1 B per token; the state in whole 16-token kernel blocks
+    state = (2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4
+    per_token = 4 * 512
+    hybrid = [state, per_token, 16 * math.ceil(state / (16 * per_token))]
+    assert hybrid == [2_146_304, 2048, 1056]
+    assert "Correct" in ch14.check_hybrid_block_size(*hybrid)
+    messages = set()
+    for i, step in enumerate((1, 2048, 16)):
+        off = list(hybrid)
+        off[i] += step
+        with pytest.raises(AssertionError) as err:
+            ch14.check_hybrid_block_size(*off)
+        messages.add(str(err.value))
+    assert len(messages) == 1
+    for text in wrong | messages:
+        assert not any(w in text.lower() for w in ("too high", "too low", "larger", "smaller",
+                                                    "fewer", "more than"))

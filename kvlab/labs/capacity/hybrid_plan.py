@@ -36,7 +36,9 @@ calls ``SlidingWindowSpec.max_admission_blocks_per_request`` with
 ``VllmConfig.max_in_flight_tokens`` (``vllm/config/vllm.py``), ``max_concurrent_batches ×
 max_num_batched_tokens``, for the start-up pool sizing and the "maximum concurrency" it logs
 (``get_kv_cache_capacity``) and as each request's admission cap. :func:`max_in_flight_tokens`
-gives that bound (16,384 for ``vllm serve`` on an H100); a plan made with it is vLLM's count.
+gives that bound (16,384 for ``vllm serve`` on an H100); a plan made with it is vLLM's count
+(one block more per windowed group where the window and the tokens in flight cover the whole
+request: :meth:`KVGroup.blocks_per_request`).
 
 Parallelism: with tensor parallelism ``tp`` a rank keeps ``ceil(kv_heads / tp)`` KV heads (at
 least one, ch. 1), its share of each recurrent state (heads split), and the **whole** MLA latent:
