@@ -7,9 +7,11 @@ are plans, not measurements of a server:
 * **Requests per H100** (CUDA's 79.11 GiB total, 90% usable, 4 GiB reserve, bf16 KV, blocks
   of 16 tokens) for Gemma 3 27B and gpt-oss-120b at 8k, 32k and 128k tokens per request, with
   the sliding windows kept as windows (vLLM's hybrid KV cache manager) and with every layer
-  keeping every token (an engine without one), once in steady decode (one token in flight) and
-  once reserving a 2,048-token prefill chunk in flight (vLLM reserves
-  ``max_num_batched_tokens`` of window for a chunked prefill).
+  keeping every token (an engine without one), in steady decode (one token in flight: the
+  packing once every request decodes), reserving a 2,048-token prefill chunk in flight, and
+  reserving what vLLM 0.32 reserves for every request, ``VllmConfig.max_in_flight_tokens``
+  (``max_concurrent_batches × max_num_batched_tokens``, 2 × 8,192 = 16,384 for ``vllm serve``
+  on an H100), with vLLM's fractional "maximum concurrency" beside the whole requests.
   Weights per GPU: Gemma 3 27B (``google/gemma-3-27b-it``) is 27,432,406,640 bf16 parameters
   (its safetensors metadata); gpt-oss-120b's 116,829,156,672 parameters are
   ``36 × 128 × 2880 × (2 × 2880 + 2880)`` expert weights in MXFP4 (4-bit values with one 8-bit
@@ -27,14 +29,19 @@ from __future__ import annotations
 from _results import write_results
 
 from kvlab.labs.capacity.hf_config import shipped_config, shipped_layout
-from kvlab.labs.capacity.hybrid_plan import GiB, bytes_by_layer, plan_layout
+from kvlab.labs.capacity.hybrid_plan import (
+    GiB,
+    bytes_by_layer,
+    max_in_flight_tokens,
+    plan_layout,
+)
 from kvlab.reference import kv_bytes
 from kvlab.sim.catalog import get_gpu, get_model
 
 GPU = "H100-80GB SXM"
 RESERVE = 4 * GiB
 CONTEXTS = (8192, 32768, 131072)
-IN_FLIGHT = (1, 2048)
+IN_FLIGHT = (1, 2048, max_in_flight_tokens())
 
 GEMMA_PARAMS = 27_432_406_640
 GPT_OSS_PARAMS = 116_829_156_672
@@ -66,7 +73,9 @@ def requests_rows() -> list[dict]:
                                        in_flight_tokens=in_flight, reserve_bytes=RESERVE,
                                        windows=windows)
                     key = "windowed" if windows else "no_window"
-                    row[key] = {"requests": plan.max_requests, "num_blocks": plan.num_blocks,
+                    row[key] = {"requests": plan.max_requests,
+                                "max_concurrency": round(plan.max_concurrency, 4),
+                                "num_blocks": plan.num_blocks,
                                 "token_capacity": plan.token_capacity,
                                 "block_mib": round(plan.block_bytes / 2**20, 4),
                                 "blocks_per_request": plan.blocks_per_request(),

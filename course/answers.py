@@ -1023,15 +1023,17 @@ def _ch14():
     return ch14
 
 
-@truth("ch14.full_layer_bytes")
-def _full_layer_bytes() -> Truth:
+@truth("ch14.rank_request_bytes")
+def _rank_request_bytes() -> Truth:
+    """Sealed without a number: the check gives no direction."""
     from kvlab.labs.capacity.hf_config import shipped_layout
-    from kvlab.labs.capacity.hybrid_plan import token_bytes
+    from kvlab.labs.capacity.hybrid_plan import bytes_by_layer
 
-    c = _ch14().FULL_TP_CASE
-    layout = shipped_layout(c["model"])
-    return _number(sum(token_bytes(layer, c["kv_dtype"], c["tp"]) for layer in layout.layers
-                       if layer.kind == "full"))
+    c = _ch14().RANK_CASE
+    total = sum(bytes_by_layer(shipped_layout(c["model"]), c["tokens"], kv_dtype=c["kv_dtype"],
+                               tp=c["tp"]))
+    assert float(total).is_integer()
+    return Truth(int(total))
 
 
 def _gpt_oss_plan():
@@ -1047,15 +1049,12 @@ def _gpt_oss_plan():
                        gpu_memory_utilization=c["gpu_memory_utilization"])
 
 
-@truth("ch14.gpt_oss_pool.block_bytes")
-def _gpt_oss_block_bytes() -> Truth:
-    return _number(_gpt_oss_plan().block_bytes)
-
-
-@truth("ch14.gpt_oss_pool.fit")
-def _gpt_oss_fit() -> Truth:
+@truth("ch14.gpt_oss_pool")
+def _gpt_oss_pool() -> Truth:
+    """The three parts as one answer (graded together, once)."""
     plan = _gpt_oss_plan()
-    return Truth([plan.blocks_per_request(), plan.max_requests])
+    assert float(plan.block_bytes).is_integer()
+    return Truth([int(plan.block_bytes), plan.blocks_per_request(), plan.max_requests])
 
 
 def _qwen35_state_layer():
@@ -1068,27 +1067,16 @@ def _qwen35_state_layer():
     return layout_from_hf_config(cfg).layers   # three gated-DeltaNet layers, one full
 
 
-@truth("ch14.hybrid_block.state")
-def _hybrid_state() -> Truth:
-    c = _ch14().HYBRID_CASE
-    return _number(_qwen35_state_layer()[0].state_bytes(c["tp"]))
-
-
-@truth("ch14.hybrid_block.token")
-def _hybrid_token() -> Truth:
-    from kvlab.labs.capacity.hybrid_plan import token_bytes
-
-    c = _ch14().HYBRID_CASE
-    return _number(token_bytes(_qwen35_state_layer()[3], c["kv_dtype"], c["tp"]))
-
-
-@truth("ch14.hybrid_block.block")
+@truth("ch14.hybrid_block")
 def _hybrid_block() -> Truth:
+    """State bytes, attention bytes per token and block size, as one answer."""
     from kvlab.labs.capacity.hybrid_plan import hybrid_block_size, token_bytes
 
     c = _ch14().HYBRID_CASE
     layers = _qwen35_state_layer()
-    return _number(hybrid_block_size(token_bytes(layers[3], c["kv_dtype"], c["tp"]),
-                                     layers[0].state_bytes(c["tp"]),
-                                     block_size=c["block_size"],
-                                     kernel_block=c["kernel_block"]))
+    state = layers[0].state_bytes(c["tp"])
+    per_token = token_bytes(layers[3], c["kv_dtype"], c["tp"])
+    assert float(per_token).is_integer()
+    block = hybrid_block_size(per_token, state, block_size=c["block_size"],
+                              kernel_block=c["kernel_block"])
+    return Truth([state, int(per_token), block])
