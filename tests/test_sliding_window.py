@@ -32,6 +32,16 @@ def test_mistral_slides_every_layer_and_ignores_layer_types():
     assert _config("MistralForCausalLM").sliding_window == 4096   # MistralConfig's default
 
 
+def test_ministral_slides_the_layers_its_layer_types_name():
+    types = [FULL, SLIDING, SLIDING, FULL]
+    cfg = _config("MinistralForCausalLM", sliding_window=8, layer_types=types)
+    assert cfg.layer_windows == (0, 8, 8, 0)
+    assert _config("MinistralForCausalLM", sliding_window=8).layer_windows == (8,) * 4
+    assert _config("MinistralForCausalLM", sliding_window=None).layer_windows == (0,) * 4
+    with pytest.raises(ConfigError, match="layer_types"):
+        _config("MinistralForCausalLM", sliding_window=None, layer_types=types)
+
+
 def test_qwen_window_needs_use_sliding_window_and_starts_at_max_window_layers():
     for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert _config(arch, sliding_window=8).layer_windows == (0, 0, 0, 0)

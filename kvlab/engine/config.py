@@ -1,7 +1,8 @@
 """Model configuration: the few numbers a Llama-family decoder needs, read from ``config.json``.
 
 :class:`ModelConfig` is parsed from a Hugging Face ``config.json`` (``LlamaForCausalLM`` and
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``; both the ``rope_parameters``
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``MinistralForCausalLM``; both
+the ``rope_parameters``
 spelling of transformers 5 and the older ``rope_theta`` + ``rope_scaling`` spelling), with the
 sliding windows of the layers that have one, read as transformers reads them (see
 :func:`_layer_types`). Parsing validates every field it uses and raises
@@ -31,6 +32,7 @@ __all__ = ["FULL", "SLIDING", "SUPPORTED_ARCHITECTURES", "ConfigError", "ModelCo
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "LlamaForCausalLM": ("llama", False),
     "MistralForCausalLM": ("mistral", False),
+    "MinistralForCausalLM": ("ministral", False),
     "Qwen2ForCausalLM": ("qwen2", True),
     "Qwen3ForCausalLM": ("qwen3", False),
 }
@@ -205,6 +207,8 @@ def _layer_types(d: Mapping[str, Any], f: _Fields, model_type: str, num_layers: 
 
     * Mistral (``MistralConfig``): ``sliding_window`` (4096 when absent, none when null) applies
       to **every** layer; ``layer_types`` is ignored, as transformers ignores it.
+    * Ministral (``MinistralConfig``): the same window, on the layers an explicit
+      ``layer_types`` names ``"sliding_attention"`` (every layer when it is absent).
     * Qwen2 / Qwen3 (``Qwen2Config.__post_init__``): the window exists only with
       ``use_sliding_window``; then an explicit ``layer_types`` says which layers slide, else the
       layers from ``max_window_layers`` (default 28) on. A ``"sliding_attention"`` layer
@@ -223,10 +227,12 @@ def _layer_types(d: Mapping[str, Any], f: _Fields, model_type: str, num_layers: 
               else f.integer("sliding_window"))
     if model_type == "mistral":
         return (None, ()) if window is None else (window, (SLIDING,) * num_layers)
-    if not f.flag("use_sliding_window", False):
+    if model_type != "ministral" and not f.flag("use_sliding_window", False):
         window = None
     explicit = d.get("layer_types")
-    if explicit is None:
+    if explicit is None and model_type == "ministral":
+        types = (SLIDING if window is not None else FULL,) * num_layers
+    elif explicit is None:
         first = f.integer("max_window_layers", 28, minimum=0)
         types = tuple(SLIDING if window is not None and i >= first else FULL
                       for i in range(num_layers))

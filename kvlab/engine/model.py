@@ -135,8 +135,8 @@ class LlamaModel(nn.Module):
         ``kv_layers`` (one per decoder layer)."""
         x = self.embed(meta.input_ids)
         cos, sin = self.rope_cos_sin(meta.positions, meta.max_position)
-        for layer, kv in zip(self.layers, kv_layers, strict=True):
-            x = layer(x, cos, sin, kv, meta, kernels)
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_layers, strict=True)):
+            x = layer(x, cos, sin, kv, meta.for_layer(i), kernels)
         if rows is not None:
             x = x[rows]
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)

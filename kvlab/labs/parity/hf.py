@@ -1,7 +1,8 @@
 """Parity with Hugging Face transformers: build a random checkpoint, compare token by token.
 
 :func:`save_random_hf_model` writes a randomly initialised ``LlamaForCausalLM``,
-``MistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (small, grouped-query
+``MistralForCausalLM``, ``MinistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM``
+(small, grouped-query
 attention; sliding windows through the config's own fields) to a directory in the Hugging Face
 layout.
 :func:`compare_with_hf` generates greedily with kvlab (paged KV, chunked prefill, batching) and
@@ -40,8 +41,8 @@ def _quiet_transformers() -> Iterator[None]:
 
 def save_random_hf_model(path: str | Path, arch: str = "llama", *, seed: int = 0,
                          **overrides: Any) -> Path:
-    """Save a random small model (``arch``: ``"llama"``, ``"mistral"``, ``"qwen2"`` or
-    ``"qwen3"``) to ``path``.
+    """Save a random small model (``arch``: ``"llama"``, ``"mistral"``, ``"ministral"``,
+    ``"qwen2"`` or ``"qwen3"``) to ``path``.
 
     Defaults: hidden 64, 2 layers, 4 query heads over 2 KV heads (GQA), vocab 128, weights drawn
     with std 0.1 so that the next-token distribution is peaked enough to be interesting.
@@ -51,6 +52,8 @@ def save_random_hf_model(path: str | Path, arch: str = "llama", *, seed: int = 0
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MinistralConfig,
+        MinistralForCausalLM,
         MistralConfig,
         MistralForCausalLM,
         Qwen2Config,
@@ -61,6 +64,7 @@ def save_random_hf_model(path: str | Path, arch: str = "llama", *, seed: int = 0
 
     kinds = {"llama": (LlamaConfig, LlamaForCausalLM),
              "mistral": (MistralConfig, MistralForCausalLM),
+             "ministral": (MinistralConfig, MinistralForCausalLM),
              "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     if arch not in kinds:
         raise ValueError(f"arch must be one of {sorted(kinds)}, got {arch!r}")
@@ -69,8 +73,8 @@ def save_random_hf_model(path: str | Path, arch: str = "llama", *, seed: int = 0
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                   max_position_embeddings=512, initializer_range=0.1,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    if arch == "qwen3":
-        kwargs["head_dim"] = 16            # Qwen3Config's default is 128
+    if arch in ("qwen3", "ministral"):
+        kwargs["head_dim"] = 16            # Qwen3Config's default is 128, Ministral's None
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kwargs)).eval()
