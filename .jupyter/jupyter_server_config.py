@@ -16,8 +16,14 @@
 # manager also collapses the solution cells (tag hide-cell or solution) of a .md as it opens,
 # as tools/execute_notebook.py stores them collapsed in the .ipynb; the filter drops the state
 # again on save.
+#
+# JupyterLab itself shows every output of a cell it runs, and a save then drops the cell's
+# `outputs_hidden`: the book's Lab extension in labextensions/ (kvlab-solutions, a prebuilt
+# extension written by hand) hides an unopened solution's outputs again as it runs, so Run All
+# and a save keep the solutions collapsed. Its folder is added to Lab's extension path here.
 
 import platform
+from pathlib import Path
 
 from jupytext import AsyncTextFileContentsManager
 
@@ -61,3 +67,4 @@ class KvlabContentsManager(AsyncTextFileContentsManager):
 
 c = get_config()  # noqa: F821  (defined by traitlets when it loads this file)
 c.ServerApp.contents_manager_class = KvlabContentsManager
+c.LabApp.extra_labextensions_path = [str(Path(__file__).resolve().parent / "labextensions")]

@@ -1,5 +1,5 @@
 """benchmarks/_results.py: where and how every benchmark writes its JSON; and the committed
-attention results (which the README quotes) agree with themselves."""
+attention results (which benchmarks/README.md quotes) agree with themselves."""
 
 from __future__ import annotations
 
@@ -73,8 +73,9 @@ def _committed(name: str) -> dict:
 
 
 def test_committed_decode_attention_results_are_consistent():
-    """The README's decode-attention figures come from this file: every path's output within
-    the run's tolerance of float64, and each ratio the quotient of the times it names."""
+    """benchmarks/README.md's decode-attention figures come from this file: every path's
+    output within the run's tolerance of float64, and each ratio the quotient of the times it
+    names."""
     r = _committed("decode_attention")
     assert r["benchmark"] == "decode_attention" and r["torch_threads"] == 1 and r["cases"]
     for c in r["cases"]:

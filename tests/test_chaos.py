@@ -41,7 +41,7 @@ def test_chaos_sweep_all_invariants_every_step():
             checks += r.checks
     assert steps >= 10_000
     assert checks >= 9 * steps
-    expected = set(STEP_FAULTS) - {"late_copy"}   # no copy-on-write without forks (see README)
+    expected = set(STEP_FAULTS) - {"late_copy"}   # no copy-on-write without forks (docs/engine.md)
     assert expected <= set(faults), expected - set(faults)
 
 

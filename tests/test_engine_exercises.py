@@ -69,42 +69,65 @@ def test_kv_bytes_per_token_on_a_local_model(tmp_path):
     assert str(2 * 2 * 2 * 16 * 4) not in str(err.value)
 
 
-def test_suspect_chunk_check():
+def test_suspect_rule_check():
     import torch
 
-    def same(start, n):
-        return torch.allclose(ch07._attention_outputs(ch07.correct_attention_step, start, n),
-                              ch07._attention_outputs(ch07.suspect_attention_step, start, n))
+    from kvlab.engine.attention_cpu import CpuAttention
+    from kvlab.engine.attention_torch import TorchAttention
 
-    # the truth, independently: a one-token chunk is a paged row, which reads its own K/V
-    # through the cache; a fresh prompt of several tokens attends its fresh K/V directly
-    assert not any(same(start, 1) for start in (0, 3, 12))
-    assert all(same(0, n) for n in (2, 7))
-    assert "Correct" in ch07.check_suspect_chunk(9, 1)
-    with pytest.raises(AssertionError, match="same output") as err:
-        ch07.check_suspect_chunk(0, 6)
-    for word in ("decode", "start 0", "cache", "write", "order"):   # the bug stays unnamed
-        assert word not in str(err.value)
-    with pytest.raises(AssertionError, match="whole number"):
-        ch07.check_suspect_chunk(1.5, 2)
+    def same(backend, start, n):
+        return torch.allclose(
+            ch07._attention_outputs(ch07.engine_attention_step, backend, start, n),
+            ch07._attention_outputs(ch07.suspect_attention_step, backend, start, n))
+
+    # the truth, independently: on the torch backend only a fresh prompt of several tokens
+    # attends the K/V it was handed; a one-token chunk is a paged row and a chunk behind a
+    # prefix reads its own K/V through its table
+    torch_backend = TorchAttention()
+    assert all(same(torch_backend, 0, n) for n in (2, 7, 30))
+    assert not any(same(torch_backend, start, n) for start, n in ((0, 1), (3, 1), (5, 4),
+                                                                 (9, 20)))
+    cpu = CpuAttention.create(torch.float32)
+    if cpu is not None:   # the compiled backend reads every chunk from the cache
+        assert not any(same(cpu, start, n) for start, n in ((0, 1), (0, 7), (5, 4), (9, 20)))
+
+    def right(start, n, backend):
+        return backend == "cpu" or not (start == 0 and n > 1)
+
+    assert "Correct" in ch07.check_suspect_rule(right)
+    wrong = (lambda s, n, b: n == 1,                      # only decodes
+             lambda s, n, b: not (s == 0 and n > 1),      # the torch rule on both backends
+             lambda s, n, b: True)                        # everything
+    for fn in wrong:
+        if fn is wrong[1] and cpu is None:
+            continue
+        with pytest.raises(AssertionError, match="wrong for at least one chunk") as err:
+            ch07.check_suspect_rule(fn)
+        for word in ("fresh", "start_pos == 0", "before", "order", "True", "False"):
+            assert word not in str(err.value)             # the rule and the bug stay unnamed
+    with pytest.raises(AssertionError, match="True or False"):
+        ch07.check_suspect_rule(lambda s, n, b: "yes")
+    with pytest.raises(AssertionError, match="raised"):
+        ch07.check_suspect_rule(lambda s, n, b: 1 / 0)
     with pytest.raises(NotYetAnswered):
-        ch07.check_suspect_chunk(..., 2)
+        ch07.check_suspect_rule(...)
 
 
 def test_suspect_step_docstring_does_not_name_the_bug():
     doc = ch07.suspect_attention_step.__doc__.lower()
-    assert "order" not in doc and "write" not in doc and "late" not in doc
+    assert not [w for w in ("order", "write", "late", "before") if w in doc]
 
 
 def test_attention_intensity_check():
     assert "Correct" in ch07.check_attention_intensity(
         lambda layers, heads, kv_heads, dim, nbytes, ctx: 2 * heads / (kv_heads * nbytes))
-    wrong = {"too low": lambda layers, heads, kv, dim, nbytes, ctx: heads / (kv * nbytes),
-             "too high": lambda layers, heads, kv, dim, nbytes, ctx: 2 * heads / nbytes}
-    for way, fn in wrong.items():
-        with pytest.raises(AssertionError, match=way) as err:
+    wrong = (lambda layers, heads, kv, dim, nbytes, ctx: heads / (kv * nbytes),
+             lambda layers, heads, kv, dim, nbytes, ctx: 2 * heads / nbytes)
+    for fn in wrong:
+        with pytest.raises(AssertionError, match="not the engine's accounting") as err:
             ch07.check_attention_intensity(fn)
-        assert "heads per" not in str(err.value)          # the direction, not the formula
+        for word in ("too high", "too low", "heads per"):   # no direction, no formula
+            assert word not in str(err.value)
     with pytest.raises(AssertionError, match="raised"):
         ch07.check_attention_intensity(lambda *a: 1 / 0)
     with pytest.raises(AssertionError, match="a number"):

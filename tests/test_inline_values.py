@@ -21,7 +21,7 @@ from IPython.core.inputtransformer2 import TransformerManager
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "_ext"))
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 
 import inline_values  # noqa: E402
 

@@ -8,7 +8,7 @@ computes offline with ``SamplingParams(prompt_logprobs=...)`` for the same conte
 continuation, its ``is_greedy`` the offline argmax test, and its ``acc`` the offline argmax
 against the gold index. The gold indices are set from the offline scores so that some items
 are right and some wrong: an ``acc`` of 0 or 1 would not tell a reordering apart. Run twice:
-with the checkpoint's tokenizer and kvlab's BOS (the README's command), and with lm-eval's
+with the checkpoint's tokenizer and kvlab's BOS (docs/serving.md's command), and with lm-eval's
 default tokenizer backend, which finds the server's ``/tokenizer_info`` and tokenizes through
 ``/tokenize`` (no BOS: the offline reference then has none either)."""
 
@@ -135,7 +135,7 @@ metric_list:
 
 def run_lm_eval(url: str, tasks: Path, out: Path, batch_size: int,
                 bos: bool) -> subprocess.CompletedProcess:
-    """The command a user runs (README, server section), in a child with its own env; without
+    """The command a user runs (docs/serving.md), in a child with its own env; without
     ``bos``, lm-eval's default tokenizer backend, which finds the server's /tokenize."""
     tokenizer = ["tokenizer_backend=huggingface", f"tokenizer={CKPT}",
                  "add_bos_token=True"] if bos else []     # kvlab encodes text with BOS

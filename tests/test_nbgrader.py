@@ -5,14 +5,18 @@ autograded with its ``autograde`` (nbgrader's API, as its command line calls it)
 every exercise with the chapter's own worked solution, bob answers one exercise right, one wrong
 and leaves the rest unanswered. The gradebook must give alice every point and bob exactly the
 points of his right answer; the student version
-must hold no solution, no hidden test and no output. Chapter 10 checks the hand-graded answer
-cell of an open-ended exercise. (About a minute: nbgrader executes each submission.)
+must hold no solution, no hidden test and no output. Chapter 10 checks the answers graded by
+hand (an answer cell, then a task cell whose mark scheme holds the rubric). Chapter 4 goes
+through the teacher's workflow without JupyterHub on nbgrader's command line, with a student
+carol: release, fetch, submit, collect, autograde, the formgrader's page, feedback. (A few
+minutes: nbgrader executes each submission.)
 """
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 AUTO = "02-page-tables"
 MANUAL = "10-pd-disaggregation"
+WORKFLOW = "04-prefix-reuse"   # two written parts graded by hand; runs in seconds
 # bob's submission: one exercise right, one wrong (its answer one slot off), rest blank
 RIGHT_FOR_BOB, WRONG_FOR_BOB = "check_slot_mapping", "check_tail_waste"
 WRONG_EDIT = "waste_16 = waste_16 + 1"
@@ -61,7 +66,7 @@ def course(tmp_path_factory):
     import course as builder
 
     root = tmp_path_factory.mktemp("course")
-    built = dict((s.stem, ex) for s, ex in builder.write_course(root, ["02", "10"]))
+    built = dict((s.stem, ex) for s, ex in builder.write_course(root, ["02", "04", "10"]))
     # nbgrader runs the `alembic` script of its environment to create the gradebook
     path = os.environ["PATH"]
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{path}"
@@ -116,34 +121,48 @@ def test_student_version_has_no_solution_hidden_test_or_output(course):
     assert text.count("_ = try_check(check_") == len(built[AUTO])
 
 
-def test_open_ended_exercise_gets_a_hand_graded_answer_cell(course):
+def _graded_by_hand(nb, grade_id: str):
+    """The (answer cell, task cell) of the answer graded by hand whose task is ``grade_id``."""
+    at = next(i for i, c in enumerate(nb.cells)
+              if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+    return nb.cells[at - 1], nb.cells[at]
+
+
+def test_open_ended_exercise_is_graded_by_hand_with_its_rubric_in_a_mark_scheme(course):
+    """Chapter 10 #4 is open-ended: the student answers in a markdown cell; the locked task
+    cell under it carries the points and, in nbgrader's mark-scheme region, the rubric of
+    ``course/rubrics.md`` with its model answer, which the student version does not hold."""
     root, built, _ = course
     manual = [e for e in built[MANUAL] if not e.check]
     assert [e.number for e in manual] == [4] and manual[0].points == 3
-    source = _notebook(root, "source", MANUAL)
-    release = _notebook(root, "release", MANUAL)
-    for nb, expect in ((source, "first bad block"), (release, "YOUR ANSWER HERE")):
-        cell = next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id")
-                    == f"{MANUAL}-ex4-answer")
-        meta = cell.metadata["nbgrader"]
-        assert cell.cell_type == "markdown" and meta["solution"] and meta["grade"]
-        assert meta["points"] == 3 and expect in cell.source
+    rubric = "Rubric: 10-pd-disaggregation #4"
+    for folder in ("source", "release"):
+        answer, task = _graded_by_hand(_notebook(root, folder, MANUAL), f"{MANUAL}-ex4-task")
+        meta = task.metadata["nbgrader"]
+        assert task.cell_type == "markdown" and meta["task"] and meta["locked"]
+        assert meta["points"] == 3 and "Graded by hand: 3 points" in task.source
+        assert answer.cell_type == "markdown" and answer.source == "YOUR ANSWER HERE"
+        assert "nbgrader" not in answer.metadata     # the student's own cell
+        held = folder == "source"
+        assert (rubric in task.source) == held and ("MARK SCHEME" in task.source) == held
+        assert ("installs blocks `0 … j-1`" in task.source) == held, "the model answer"
 
 
-def test_reasoning_asked_by_an_autograded_exercise_gets_a_hand_graded_cell(course):
+def test_reasoning_asked_by_an_autograded_exercise_is_graded_by_hand(course):
     """Chapter 10 #3 is autograded and also asks which crash point the student's order handles
-    differently: the written part is a markdown cell graded by hand, a point per criterion."""
+    differently: the written part is graded by hand, a point per criterion of its rubric."""
     root, built, _ = course
     (ex,) = [e for e in built[MANUAL] if e.number == 3]
     assert ex.check and ex.written_points >= 1
-    for folder, expect in (("source", "crash"), ("release", "YOUR ANSWER HERE")):
+    for folder in ("source", "release"):
         nb = _notebook(root, folder, MANUAL)
         ids = [c.metadata.get("nbgrader", {}).get("grade_id") for c in nb.cells]
         at = ids.index(f"{MANUAL}-ex3-written")
-        assert ids[at - 1] == f"{MANUAL}-ex3-test"      # right after the exercise's test
-        cell, meta = nb.cells[at], nb.cells[at].metadata["nbgrader"]
-        assert cell.cell_type == "markdown" and meta["solution"] and meta["grade"]
-        assert meta["points"] == ex.written_points and expect in cell.source
+        assert ids[at - 2] == f"{MANUAL}-ex3-test"      # right after the exercise's test
+        answer, task = nb.cells[at - 1], nb.cells[at]
+        assert answer.source == "YOUR ANSWER HERE" and task.metadata["nbgrader"]["task"]
+        assert task.metadata["nbgrader"]["points"] == ex.written_points
+        assert ("crash" in task.source) == (folder == "source")
 
 
 def test_autograde_scores_a_right_and_a_wrong_submission(course):
@@ -210,7 +229,8 @@ def test_every_chapter_builds_an_assignment_without_grading_its_demo_cells():
         unmapped = [e.number for e in exercises if e.check and not e.mapped]
         assert not unmapped, f"{source.stem}: solutions of {unmapped} do not give the answers"
         graded = [c for c in nb.cells if "nbgrader" in c.metadata]
-        tests = [c for c in graded if not c.metadata["nbgrader"]["solution"]]
+        tests = [c for c in graded if not c.metadata["nbgrader"]["solution"]
+                 and not c.metadata["nbgrader"]["task"]]
         assert len(tests) == sum(1 for e in exercises if e.check)
         assert all(c.metadata["nbgrader"]["locked"] and c.metadata["nbgrader"]["points"] > 0
                    for c in tests)
@@ -225,6 +245,10 @@ def test_every_chapter_builds_an_assignment_without_grading_its_demo_cells():
                 assert e.written_points, f"{source.stem} #{e.number}: no written-answer cell"
         written = [c.metadata["nbgrader"] for c in graded
                    if c.metadata["nbgrader"]["grade_id"].endswith("-written")]
+        tasks = [c for c in graded if c.metadata["nbgrader"]["task"]]
+        assert len(tasks) == sum(1 for e in exercises if not e.check or e.written_points)
+        assert all("=== BEGIN MARK SCHEME ===\n**Rubric: " in c.source for c in tasks), \
+            f"{source.stem}: a task graded by hand without its rubric"
         assert [g["points"] for g in written] == [e.written_points for e in exercises
                                                   if e.written_points]
         by_hand = {e.number for e in exercises if not e.check}
@@ -258,3 +282,95 @@ def test_rubrics_and_the_course_plan_follow_the_hand_graded_exercises():
     named = re.search(r"open-ended ones \(([^)]*)\)", plan).group(1)
     listed = {(int(ch), int(n)) for ch, n in re.findall(r"chapter (\d+) #(\d+)", named)}
     assert listed == {(int(stem[:2]), n) for stem, n in by_hand}, named
+
+
+def _nbgrader(*args: str, cwd: Path, home: Path) -> str:
+    """``nbgrader ARGS`` as a teacher or a student types it, in ``cwd``; returns its log."""
+    env = {**os.environ, "HOME": str(home),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                       os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"nbgrader {' '.join(args)}:\n{done.stdout}{done.stderr}"
+    return done.stdout + done.stderr
+
+
+def test_teacher_workflow_without_a_hub_on_one_machine(course, tmp_path):
+    """course/README.md's workflow without JupyterHub, command for command: the teacher
+    generates chapter 4's assignment and releases it into the exchange that nbgrader_config.py
+    names; a student (carol, in her own folder) fetches it, answers, submits; the teacher
+    collects, autogrades, grades the written answers in the formgrader (whose page shows each
+    rubric under carol's answer), generates and releases feedback; carol fetches it."""
+    from nbconvert.exporters import HTMLExporter
+    from nbgrader.api import Gradebook
+    from nbgrader.server_extensions.formgrader import handlers
+
+    root, built, _ = course
+    exchange = root / "exchange"
+    assert (root / "nbgrader_config.py").read_text().count('c.Exchange.root = ') == 1
+    assert exchange.is_dir() and exchange.stat().st_mode & 0o777 == 0o777
+    teacher, carol = root, tmp_path / "carol"
+    carol.mkdir()
+    as_carol = ["--course", "kvlab", f"--Exchange.root={exchange}"]
+    _nbgrader("generate_assignment", WORKFLOW, cwd=teacher, home=tmp_path)
+    _nbgrader("release_assignment", WORKFLOW, cwd=teacher, home=tmp_path)
+    assert WORKFLOW in _nbgrader("list", *as_carol, cwd=carol, home=carol)
+    _nbgrader("fetch_assignment", WORKFLOW, *as_carol, cwd=carol, home=carol)
+
+    # carol answers: the worked solutions where a check grades, her own words elsewhere
+    path = carol / WORKFLOW / f"{WORKFLOW}.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    source = _notebook(root, "source", WORKFLOW)
+    solutions = {c.metadata["nbgrader"]["grade_id"]: _strip_markers(c.source)
+                 for c in source.cells if c.metadata.get("nbgrader", {}).get("solution")}
+    tasks = []
+    for i, cell in enumerate(nb.cells):
+        meta = cell.metadata.get("nbgrader", {})
+        if meta.get("grade_id") in solutions:
+            cell.source = solutions[meta["grade_id"]]
+        if meta.get("task"):
+            tasks.append(meta["grade_id"])
+            nb.cells[i - 1].source = f"carol's answer for {meta['grade_id']}"
+    nbformat.write(nb, path)
+    _nbgrader("submit", WORKFLOW, *as_carol, "--student", "carol", cwd=carol, home=carol)
+
+    assert "carol" in _nbgrader("collect", WORKFLOW, cwd=teacher, home=tmp_path)
+    _nbgrader("autograde", WORKFLOW, "--create", cwd=teacher, home=tmp_path)
+    auto = sum(e.points for e in built[WORKFLOW] if e.check)
+    by_hand = {f"{WORKFLOW}-ex{e.number}-task": e.points for e in built[WORKFLOW] if not e.check}
+    by_hand |= {f"{WORKFLOW}-ex{e.number}-written": e.written_points for e in built[WORKFLOW]
+                if e.written_points}
+    assert sorted(tasks) == sorted(by_hand) and len(tasks) == 2
+    with Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
+        submission = gb.find_submission(WORKFLOW, "carol")
+        assert submission.score == auto and submission.needs_manual_grade
+        assert submission.max_score == auto + sum(by_hand.values())
+
+    # the formgrader's page of carol's submission, as its handler renders it
+    graded = root / "autograded" / "carol" / WORKFLOW / f"{WORKFLOW}.ipynb"
+    exporter = HTMLExporter(template_name="formgrade",
+                            extra_template_basedirs=[handlers.template_path])
+    html, _ = exporter.from_filename(str(graded), resources={
+        "assignment_id": WORKFLOW, "notebook_id": WORKFLOW, "submission_id": "1", "index": 0,
+        "total": 1, "base_url": "", "student": "carol", "last_name": None,
+        "first_name": None, "notebook_path": str(graded)})
+    for task in tasks:
+        number = re.search(r"-ex(\d+)-", task).group(1)
+        answer_at = html.index(f"carol's answer for {task}")
+        rubric_at = html.index(f"Rubric: {WORKFLOW} #{number}")
+        assert answer_at < rubric_at, "the rubric shows under the student's answer"
+
+    # the grader gives the hand-graded points (the formgrader writes these same fields)
+    with Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
+        for task, points in by_hand.items():
+            gb.find_grade(task, WORKFLOW, WORKFLOW, "carol").manual_score = points - 1
+        gb.db.commit()
+        assert gb.find_submission(WORKFLOW, "carol").score == auto + sum(by_hand.values()) - 2
+    _nbgrader("generate_feedback", WORKFLOW, cwd=teacher, home=tmp_path)
+    _nbgrader("release_feedback", WORKFLOW, cwd=teacher, home=tmp_path)
+    _nbgrader("fetch_feedback", WORKFLOW, *as_carol, "--student", "carol", cwd=carol, home=carol)
+    (feedback,) = (carol / WORKFLOW / "feedback").glob(f"*/{WORKFLOW}.html")
+    text = re.sub(r"<[^>]+>|\s+", " ", feedback.read_text())
+    total = auto + sum(by_hand.values())
+    assert f"{WORKFLOW} (Score: {float(total - 2)} / {float(total)})" in text

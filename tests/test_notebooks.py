@@ -1,5 +1,5 @@
 """The notebook pipeline: every chapter's .md source and executed .ipynb agree cell by cell,
-every chapter is in toc.yml and toc.yml names only files that exist (chapters as executed .ipynb,
+every chapter is in docs/toc.yml and it names only files that exist (chapters as executed .ipynb,
 plain pages such as the glossary and bibliography as .md), and no chapter reads a file through a
 path relative to the working directory (nbgrader and students run chapters elsewhere)."""
 
@@ -24,7 +24,7 @@ def _cells(path: Path) -> list[tuple[str, str]]:
 
 
 def _toc_files() -> list[str]:
-    toc = yaml.safe_load((ROOT / "toc.yml").read_text())
+    toc = yaml.safe_load((ROOT / "docs" / "toc.yml").read_text())
     files = [toc["root"]]
     for part in toc.get("parts", []):
         files += [chapter["file"] for chapter in part["chapters"]]

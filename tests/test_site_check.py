@@ -27,7 +27,10 @@ pytestmark = pytest.mark.skipif(
 
 HEAD = ('<!doctype html><html><head><meta charset="utf-8"><link rel="icon" href="favicon.svg">'
         '{extra}</head><body>{body}</body></html>')
-MATHJAX = '<script defer src="tex-svg.js"></script>'
+MATHJAX = ('<script>window.MathJax = {loader: {load: ["input/tex-base", "output/chtml"]}};'
+           '</script><script defer src="mathjax/startup.js"></script>')
+KVLAB_JS = '<script src="_static/kvlab.js"></script>'
+PHONE = '<meta name="viewport" content="width=device-width, initial-scale=1">'
 
 
 def _widget_html(*, with_script: bool = True, fontsize: float = 10.0) -> str:
@@ -87,11 +90,67 @@ document.querySelector('.secondary-toggle').onclick =
 </script>"""
 
 
+def _phone_pngs(wide: Path, phone: Path) -> None:
+    """A two-panel figure too wide for a phone as a notebook output stores it, and its phone
+    variant (split out of its PNG as the site extension does)."""
+    import base64
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvlab.viz.kernel_free import split_phone_chunk
+    from kvlab.viz.style import figure_output_png
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3))
+    for ax in axes:
+        ax.plot([1, 2, 3], [3, 1, 2])
+        ax.set_title("three points", fontsize=10)
+    data, _ = figure_output_png(fig)
+    plt.close(fig)
+    png, small, fits = split_phone_chunk(base64.b64decode(data))
+    assert fits and small is not None
+    wide.write_bytes(png)
+    phone.write_bytes(small)
+
+
+DRAWER = """<button class="secondary-toggle">contents</button>
+<dialog id="pst-secondary-sidebar-modal"><nav class="page-toc"><a href="#one">One</a>
+<a href="#two">Two</a></nav></dialog><p id="one">one</p><p id="two" style="margin-top:2000px">
+two</p><script>document.querySelector('.secondary-toggle').onclick =
+  () => document.getElementById('pst-secondary-sidebar-modal').showModal();</script>"""
+
+# Sphinx's search page in small: one result, whose summary it fetches from the page
+SEARCH = """<!doctype html><html data-content_root="./"><head><meta charset="utf-8">
+<link rel="icon" href="favicon.svg">{js}</head><body><div id="search-results">
+<p class="search-summary"></p><ul></ul></div><script>
+const li = document.createElement('li');
+li.innerHTML = '<a href="good.html">Good</a>';
+document.querySelector('#search-results ul').appendChild(li);
+fetch('./good.html').then(r => r.text()).then(text => {{
+  const p = document.createElement('p');
+  p.className = 'context';
+  const page = new DOMParser().parseFromString(text, 'text/html');
+  p.textContent = (page.querySelector('[role="main"]') || page.body).textContent
+    .slice(0, 60);
+  li.appendChild(p);
+}}).finally(() => {{
+  document.querySelector('.search-summary').textContent = 'Search finished, found 1 page';
+}});
+</script></body></html>"""
+
+
 def _site(tmp_path: Path) -> Path:
-    shutil.copy(ROOT / "_static" / "favicon.svg", tmp_path / "favicon.svg")
-    shutil.copy(ROOT / "_static" / "vendor" / "mathjax-3.2.2" / "tex-svg.js",
-                tmp_path / "tex-svg.js")
+    shutil.copy(ROOT / "docs" / "_static" / "favicon.svg", tmp_path / "favicon.svg")
+    shutil.copytree(ROOT / "docs" / "_static" / "vendor" / "mathjax-3.2.2", tmp_path / "mathjax")
+    (tmp_path / "_static").mkdir()
+    shutil.copy(ROOT / "docs" / "_static" / "kvlab.js", tmp_path / "_static" / "kvlab.js")
+    (tmp_path / "_static" / "kvlab-search-pages.js").write_text(
+        'window.KVLAB_SEARCH_PAGES = {"good": "<div role=\\"main\\">a good page</div>"};')
+    (tmp_path / "search.html").write_text(SEARCH.format(js=KVLAB_JS))
     _output_png(tmp_path / "fig.png")
+    _phone_pngs(tmp_path / "wide.png", tmp_path / "phone.png")
     _output_png(tmp_path / "fig2.png", fontsize=11)
     _output_png(tmp_path / "tiny.png", fontsize=4)
     pixel = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4"
@@ -146,6 +205,20 @@ def _site(tmp_path: Path) -> Path:
                        "</div>"),
         "duplicate.html": ("", f'<img src="{pixel}" alt="a"><img src="{pixel}" alt="b">'),
         "noicon.html": (None, "<p>no icon</p>"),
+        # a figure shown wider than a phone's screen (its box scrolls), and one served to a
+        # phone as its phone variant (a <picture>): only the first fails, at 390 px only
+        "toowide.html": (PHONE, '<div class="cell_output" style="overflow-x:auto"><figure>'
+                         '<img src="fig.png" style="width:600px;max-width:none" '
+                         'alt="three points"><figcaption><p>Wide.</p></figcaption>'
+                         "</figure></div>"),
+        "picture.html": (PHONE + "<style>img { max-width: 100%; height: auto; }</style>",
+                         captioned(
+            '<picture><source media="(max-width: 600px)" srcset="phone.png">'
+            '<img src="wide.png" width="864" height="288" alt="two panels"></picture>')),
+        # page-contents drawers (modal dialogs, as pydata-sphinx-theme opens them): with
+        # kvlab.js a pick closes them (and Esc); without, a pick leaves them open
+        "drawer.html": (KVLAB_JS, DRAWER),
+        "stuckdrawer.html": ("", DRAWER),
         # a phone page (device-width viewport) widened by a name that cannot break
         "wide.html": ('<meta name="viewport" content="width=device-width, initial-scale=1">',
                       '<p>see <code style="white-space:nowrap">'
@@ -165,7 +238,8 @@ def test_site_check_detects_each_failure_and_passes_a_clean_page(tmp_path):
     import site_check
 
     root = _site(tmp_path)
-    checked, problems, widgets = site_check.check_site(root)
+    report = site_check.check_site(root)
+    checked, problems, widgets = report.pages, report.problems, report.widgets
     kinds: dict[str, set[str]] = {page: set() for page in checked}
     details: dict[str, list[str]] = {page: [] for page in checked}
     for problem in problems:
@@ -209,3 +283,30 @@ def test_site_check_detects_each_failure_and_passes_a_clean_page(tmp_path):
     assert [d for d in details["wide.html"] if "page scrolls sideways" in d
             and "390px" in d and "on a 390 px screen" in d]
     assert widgets == 4                     # good, widget, stuck and figure pages' widgets
+    assert kinds["toowide.html"] == {"figure"}
+    assert [d for d in details["toowide.html"] if "wider than" in d and "390px" in d]
+    assert not [d for d in details["toowide.html"] if "1280px" in d]
+    assert kinds["picture.html"] == set(), details["picture.html"]
+    assert kinds["drawer.html"] == set(), details["drawer.html"]
+    assert kinds["stuckdrawer.html"] == {"menu"}
+    assert any("stays open after a pick" in d for d in details["stuckdrawer.html"])
+    visible, fitting, _ = report.figures(390)
+    assert 0 < fitting < visible
+    assert all(row["bytes"] > 0 for row in report.seen[1280].values())
+    # the search page from disk: summaries come from kvlab-search-pages.js, no console error
+    assert not [p for p in problems if p.page.startswith("search.html")]
+
+
+def test_search_from_disk_without_the_page_texts_fails(tmp_path):
+    import site_check
+
+    (tmp_path / "favicon.svg").write_text("<svg xmlns='http://www.w3.org/2000/svg'/>")
+    (tmp_path / "good.html").write_text('<div role="main">a good page</div>')
+    (tmp_path / "search.html").write_text(SEARCH.format(js=""))
+    driver = site_check.start_browser(390)
+    try:
+        problems = site_check.check_search_from_disk(driver, tmp_path)
+    finally:
+        driver.quit()
+    kinds = {p.kind for p in problems}
+    assert kinds == {"search", "console"}, problems          # fetch refused on file://

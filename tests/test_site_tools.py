@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "_ext"))
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 
 
 def _bars(n):
@@ -228,8 +228,81 @@ def test_frames_are_sized_for_the_column_at_twice_their_display_size():
     widget = kf.static_widget(lambda n: draw(4), {"n": [1, 2]}, title="lines")
     html = widget.to_html()
     assert f'width="{small.width}" height="{small.height}"' in html
-    assert f'style="min-width: {floor}px"' in html and 'data-min-text-px="21.3"' in html
+    assert "min-width" not in html and 'data-min-text-px="21.3"' in html
     assert 'alt="a line (value against time) (n 1)"' in html
+    assert 'loading="lazy"' in html                          # the frame not shown first
+
+
+def test_frames_too_wide_for_a_phone_get_a_phone_variant_in_a_picture():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvlab.viz import kernel_free as kf
+    from kvlab.viz.style import PHONE, layout, phone_aware
+
+    @phone_aware
+    def draw(n):
+        """Two panels side by side; stacked in a phone's layout."""
+        phone = layout().phone
+        fig, axes = plt.subplots(2 if phone else 1, 1 if phone else 2,
+                                 figsize=(PHONE.width_in, 5) if phone else (9, 3))
+        for ax in axes:
+            ax.plot(range(n), range(n))
+            ax.set(title="a line", xlabel="time")
+        return fig
+
+    def plain(n):
+        """The same, not phone-aware: re-laid by kvlab.viz.phone."""
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3))
+        for ax in axes:
+            ax.plot(range(n), range(n))
+            ax.set(title="a line", xlabel="time")
+        return fig
+
+    for render in (draw, plain):
+        widget = kf.static_widget(render, {"n": [2, 3]}, title="lines")
+        frame = widget.frames[0]
+        assert frame.fits_phone and frame.phone is not None
+        assert frame.phone.width <= kf.PHONE_PX < frame.width
+        assert frame.phone.height > frame.height                # stacked, not squeezed
+        assert frame.phone.min_text_css_px >= 9
+        html = widget.to_html()
+        assert html.count("<picture><source " + 'media="' + kf.phone_media(
+            frame.width, frame.min_text_px)) == 2
+        assert f'width="{frame.phone.width}" height="{frame.phone.height}"' in html
+
+    # a diagram whose boxes are placed by hand cannot be re-laid: it says so
+    def boxes(n):
+        fig, ax = plt.subplots(figsize=(9, 1.5))
+        for i in range(12):
+            ax.text(i, 0, f"block {i}", ha="center", fontsize=10)
+        ax.set_xlim(-0.5, 11.5)
+        ax.axis("off")
+        return fig
+
+    widget = kf.static_widget(boxes, {"n": [1, 2]}, title="blocks")
+    assert [f.fits_phone for f in widget.frames] == [False, False]
+    assert widget.to_html().count('data-phone="none"') == 2
+    assert "<picture>" not in widget.to_html()
+
+
+def test_phone_chunk_travels_in_the_png_and_comes_out_whole():
+    import io
+
+    from PIL import Image
+
+    from kvlab.viz import kernel_free as kf
+
+    png = kf.figure_png(_bars(3))
+    phone = kf.figure_png(_bars(2))
+    both = kf.add_phone_chunk(png, phone)
+    assert kf.split_phone_chunk(both) == (png, phone, True)
+    assert kf.split_phone_chunk(kf.add_phone_chunk(png, None)) == (png, None, False)
+    assert kf.split_phone_chunk(png) == (png, None, True)
+    with Image.open(io.BytesIO(both)) as image:               # still a valid PNG
+        image.load()
 
 
 def test_figure_output_png_carries_display_size_alt_and_text_size(tmp_path):
@@ -264,7 +337,7 @@ def test_figure_output_png_carries_display_size_alt_and_text_size(tmp_path):
     plt.close(fig)
 
 
-def test_site_extension_breaks_long_literals_and_sets_figure_min_widths():
+def test_site_extension_breaks_long_literals_and_serves_phone_variants():
     import kvlab_site
 
     body = ('<p><code class="docutils literal notranslate"><span class="pre">'
@@ -280,9 +353,58 @@ def test_site_extension_breaks_long_literals_and_sets_figure_min_widths():
     assert "vllm/<wbr>v1/<wbr>core/<wbr>kv_<wbr>cache_<wbr>manager.<wbr>py" in out
     assert '<span class="pre">short_name</span>' in out              # short words kept
     assert '<span class="n">a_very_long_name.attribute</span>' in out   # code blocks kept
-    html = ('<img alt="x" src="../_images/abc.png" style="width: 800px" />'
-            '<img alt="y" src="../_images/def.png" />')
-    out = kvlab_site.add_min_widths(html, {"abc.png": 700, "def.png": 500, "x.png": 9})
-    assert '<img alt="x" src="../_images/abc.png" style="min-width: 700px; width: 800px" />' in out
-    assert '<img style="min-width: 500px;" alt="y" src="../_images/def.png" />' in out
-    assert kvlab_site.add_min_widths(out, {"abc.png": 1}) == out   # added once
+    import base64
+
+    from kvlab.viz import kernel_free as kf
+
+    wide, phone = kf.figure_png(_bars(3)), kf.figure_png(_bars(2))
+    figures = {"abc.png": kvlab_site.PhoneFigure(phone, True, 800, 19.6),
+               "def.png": kvlab_site.PhoneFigure(None, False, 800, 19.6)}
+    written = {}
+
+    def write(name, png):
+        written[name] = png
+        return f"../_images/{name}"
+
+    html = ('<img alt="x" src="../_images/abc.png" style="width: 800px; height: 300px;" />'
+            '<img alt="y" src="../_images/def.png" style="width: 800px; height: 300px;" />'
+            '<img alt="z" src="../_images/other.png" />')
+    out = kvlab_site.add_phone_variants(html, figures, write)
+    media = kf.phone_media(800, 19.6)
+    assert out.startswith(f'<picture><source media="{media}" srcset="../_images/abc-phone.png"')
+    assert written == {"abc-phone.png": phone}
+    assert '<img alt="x" src="../_images/abc.png" width="800" height="300" />' in out
+    assert 'src="../_images/def.png" width="800" height="300" /><span class="kvlab-zoom-note">' \
+        in out                                              # no phone layout: it says so
+    assert out.endswith('<img alt="z" src="../_images/other.png" />')
+    # kernel-free frames leave the page for image files, named by their content
+    frame = (f'<img src="data:image/png;base64,{base64.b64encode(wide).decode()}" '
+             'data-phone="none" alt="f">')
+    out = kvlab_site.extract_frames(f"<div>{frame}{frame}</div>", write)
+    (name,) = [n for n in written if n.startswith("kf-")]
+    assert written[name] == wide and "data:image" not in out
+    assert out.count(f'<a class="kvlab-zoom" href="../_images/{name}"') == 2
+
+
+def test_search_text_and_icon_subset():
+    import kvlab_site
+
+    page = ('<html><body><nav>menu</nav><article class="bd-article" role="main">'
+            '<section id="a"><h1>Title<a class="headerlink" href="#a">#</a></h1><p>One &amp; '
+            'two</p><script>var x = 1;</script><section id="b"><p>Three</p></section>'
+            '</section></article><footer>foot</footer></body></html>')
+    assert kvlab_site.page_text(page) == ('<div role="main"><section id="a"> Title One &amp; '
+                                          'two<section id="b"> Three</section></section></div>')
+    import pydata_sphinx_theme
+
+    fonts = next(Path(pydata_sphinx_theme.__file__).parent.rglob("webfonts"), None)
+    if fonts is None:
+        pytest.skip("pydata-sphinx-theme's icon fonts not found")
+    css = ('.fa-bars:before,.fa-navicon:before{content:"\\f0c9"}'
+           '.fa-github:before{content:"\\f09b"}.fa-unused:before{content:"\\f000"}')
+    out = kvlab_site.icon_font_css(css, {"fa-bars", "fa-github"}, fonts)
+    assert out.count("@font-face") == 2                        # solid and brands
+    assert "Font Awesome 6 Free" in out and "Font Awesome 6 Brands" in out
+    assert len(out) < 20_000                                   # two glyphs, not thousands
+    trimmed = kvlab_site.drop_unused_icon_rules("a{b:c}" + css, {"fa-bars"})
+    assert trimmed == 'a{b:c}.fa-bars:before,.fa-navicon:before{content:"\\f0c9"}'

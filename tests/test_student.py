@@ -47,7 +47,8 @@ def test_no_solution_leaks(edition, source):
         assert solution not in text
         defs = [ln for ln in solution.splitlines() if ln.startswith("def solution")]
         assert not any(d in text for d in defs)
-    assert len(nb.cells) == len(chapter.cells) - len(solutions)
+    assert [c.source for c in nb.cells] == [c.source for c in student.for_students(chapter.cells)]
+    assert not any(student.EDITION_TAG in c.metadata.get("tags", []) for c in nb.cells)
 
 
 @pytest.mark.parametrize("source", [s for s in SOURCES if "hide-cell]" in s.read_text()],
@@ -171,7 +172,7 @@ def test_student_site_sources_drop_solutions_and_keep_outputs(tmp_path):
         chapter = nbformat.read(source.with_suffix(".ipynb"), as_version=4)
         site = nbformat.read(out / "notebooks" / f"{source.stem}.ipynb", as_version=4)
         assert not any(student.is_solution(c) for c in site.cells)
-        kept = [c for c in chapter.cells if not student.is_solution(c)]
+        kept = student.for_students(chapter.cells)
         assert [c.source for c in site.cells] == [c.source for c in kept]
         assert [c.get("outputs") for c in site.cells] == [c.get("outputs") for c in kept]
     assert (out / "book.yml").exists() and (out / "notebooks" / "glossary.md").exists()
@@ -202,3 +203,71 @@ def test_lab_check_compares_notebooks_as_lab_saves_them():
     shipped = json.loads((ROOT / ".jupyter/lab/settings/overrides.json").read_text())
     assert settings["@jupyterlab/notebook-extension:tracker"] == {"windowingMode": "none"}
     assert shipped["@jupyter-widgets/jupyterlab-manager:plugin"] == {"saveState": False}
+
+
+def test_lab_check_finds_a_solution_run_all_expanded_or_saved_open():
+    import lab_check
+
+    def cell(tags, jupyter=None, outputs=1):
+        meta = {"tags": tags, **({"jupyter": jupyter} if jupyter else {})}
+        return {"cell_type": "code", "metadata": meta, "source": "",
+                "outputs": [{"output_type": "stream", "text": "x"}] * outputs}
+
+    closed = {"source_hidden": True, "outputs_hidden": True}
+    nb = {"cells": [cell([]), cell(["hide-cell"], closed), cell(["solution"], closed)]}
+    lab = [{"index": 1, "inputHidden": True, "outputHidden": True, "outputs": 1, "shown": 0},
+           {"index": 2, "inputHidden": True, "outputHidden": True, "outputs": 1, "shown": 0}]
+    assert lab_check.solutions_kept_collapsed(lab, nb) == []
+    # what JupyterLab alone does: a run shows the outputs, and the save drops outputs_hidden
+    ran_open = [dict(lab[0], outputHidden=False, shown=1), lab[1]]
+    saved_open = {"cells": [nb["cells"][0], cell(["hide-cell"], {"source_hidden": True}),
+                            nb["cells"][2]]}
+    assert lab_check.solutions_kept_collapsed(ran_open, saved_open) == [
+        "after Run All, the outputs of solution cells [1] are shown",
+        "saved after Run All, solution cells [1] lost jupyter.source_hidden/outputs_hidden "
+        "(they would open expanded)"]
+    unrun = {"cells": [nb["cells"][0], nb["cells"][1], cell(["solution"], closed, outputs=0)]}
+    assert lab_check.solutions_kept_collapsed(lab, unrun) == [
+        "solution cells [2] have no output after Run All (did they run?)"]
+
+
+def test_the_lab_extension_that_keeps_solutions_collapsed_is_on_labs_path():
+    """``make lab`` and Binder read .jupyter/jupyter_server_config.py, which puts the book's
+    Lab extension on the server's extension path; its package names a file that exists."""
+    from traitlets.config.loader import PyFileConfigLoader
+
+    folder = ROOT / ".jupyter"
+    config = PyFileConfigLoader("jupyter_server_config.py", path=str(folder)).load_config()
+    (path,) = config.LabApp.extra_labextensions_path
+    package = json.loads((Path(path) / "kvlab-solutions" / "package.json").read_text())
+    entry = Path(path) / "kvlab-solutions" / package["jupyterlab"]["_build"]["load"]
+    assert Path(path) == folder / "labextensions" and entry.is_file()
+    assert "NotebookActions.executionScheduled" in entry.read_text()
+
+
+def test_student_editions_say_what_their_edition_holds(edition, tmp_path):
+    """The preface's sentence about the worked solutions holds only where they are: both
+    student editions put the student edition's sentence in its place."""
+    import student
+
+    preface = ROOT / "notebooks" / "00-preface.md"
+    book = jupytext.read(preface)
+    (tagged,) = [c for c in book.cells if student.EDITION_TAG in c.metadata.get("tags", [])]
+    assert "worked solution follows it" in tagged.source
+    site = student.write_site_sources(tmp_path / "site") / "notebooks" / "00-preface.ipynb"
+    for nb in (nbformat.read(edition / "00-preface.ipynb", as_version=4),
+               nbformat.read(site, as_version=4)):
+        text = "\n".join(c.source for c in nb.cells)
+        assert "worked solution follows it" not in text and "collapsed" not in text
+        assert tagged.metadata[student.STUDENT_TEXT] in text
+
+
+def test_an_edition_cell_without_student_text_is_left_out():
+    import student
+
+    cells = [nbformat.v4.new_markdown_cell("kept"),
+             nbformat.v4.new_markdown_cell("only with solutions",
+                                           metadata={"tags": [student.EDITION_TAG]}),
+             nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["hide-cell"]})]
+    assert [c.source for c in student.for_students(cells)] == ["kept"]
+    assert cells[1].source == "only with solutions"   # the book's cells are left as they were

@@ -15,12 +15,17 @@ becomes nbgrader cells:
   (``try_check``) and, between ``### BEGIN HIDDEN TESTS`` / ``### END HIDDEN TESTS``, calls
   ``check_X`` itself, so an unanswered or wrong exercise fails the cell and scores 0;
   when it also asks for reasoning (its entry in ``course/rubrics.md`` is marked
-  ``autograded``), a third, **manually graded** markdown cell takes the written part, worth one
-  point per criterion of that rubric;
-* an exercise without a check (open-ended: a sketch, a critique, an explanation) gets a
-  **manually graded** answer cell worth its points: markdown, or code when its worked solution
-  is code; the instructor source holds the worked solution, or the rubric's model answer
-  (``course/rubrics.md``) when the chapter has none.
+  ``autograded``), the written part is **graded by hand** (below), worth one point per
+  criterion of that rubric;
+* an exercise without a check (open-ended: a sketch, a critique, an explanation) is **graded
+  by hand**, worth its points.
+
+Graded by hand means two cells: the student's answer cell (markdown; or, when the chapter's
+worked solution is code, a code cell whose solution region holds it), then a locked nbgrader
+*task* cell that carries the points and holds the exercise's rubric from ``course/rubrics.md``
+(model answer and criteria, plus the chapter's worked solution) between ``=== BEGIN MARK
+SCHEME ===`` and ``=== END MARK SCHEME ===``. The student version has no mark scheme;
+``autograde`` restores the locked cell, so the formgrader shows the rubric under the answer.
 
 Cells outside the exercises are copied unchanged (solution cells elsewhere are dropped); outputs
 are cleared. ``nbgrader generate_assignment`` then removes the solutions and hidden tests,
@@ -41,10 +46,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from student import SOLUTION_LABEL, chapter_sources, is_solution  # noqa: E402
+from student import (  # noqa: E402
+    SOLUTION_LABEL,
+    chapter_sources,
+    in_student_edition,
+    is_solution,
+)
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
+BEGIN_MARKS, END_MARKS = "=== BEGIN MARK SCHEME ===", "=== END MARK SCHEME ==="
+ANSWER_HERE = "YOUR ANSWER HERE"
 _STATEMENT = re.compile(r"^(?:\*\*)?(\d+)\.\s", re.M)   # "**2. Derive (★★).**", "3. *(design…"
 _EXERCISES = re.compile(r"^#+ .*Exercises", re.M)
 _WORDS = {"easy": 1, "medium": 2, "hard": 3, "open": 3}
@@ -131,37 +143,51 @@ def solution_region(ex: Exercise, solution: str) -> str:
     return "\n".join(lines)
 
 
-def _meta(grade_id: str, *, solution: bool, grade: bool, locked: bool, points: int = 0) -> dict:
+def _meta(grade_id: str, *, solution: bool, grade: bool, locked: bool, points: int = 0,
+          task: bool = False) -> dict:
     meta = {"grade": grade, "grade_id": grade_id, "locked": locked, "schema_version": 3,
-            "solution": solution, "task": False}
-    if grade:
+            "solution": solution, "task": task}
+    if grade or task:
         meta["points"] = points
     return meta
 
 
-def _hand_graded(grade_id: str, answer: str, points: int, *, markdown: bool):
-    """A manually graded answer cell worth ``points``, holding ``answer`` (the instructor's
-    model; nbgrader's student version replaces it): markdown, or code between the solution
-    markers."""
+def _hand_graded(exercise_id: str, part: str, points: int, rubric: str, answer: str = "", *,
+                 code: bool = False) -> list:
+    """The cells of an answer graded by hand, worth ``points``: where the student answers (a
+    markdown cell, or a code cell whose solution region holds the instructor's ``answer``),
+    then a locked nbgrader *task* cell (grade id ``<exercise_id>-<part>``) that carries the
+    points and, between the mark-scheme markers, ``rubric`` (with the model answer).
+    ``nbgrader generate_assignment`` removes the mark scheme from the student version;
+    ``autograde`` puts the locked cell back as it was, so the formgrader shows the rubric right
+    under the student's answer (and so does the feedback, once released)."""
     import nbformat
 
-    if markdown:
-        cell = nbformat.v4.new_markdown_cell(answer or "YOUR ANSWER HERE")
-    else:
+    if code:
         cell = nbformat.v4.new_code_cell(f"{BEGIN}\n{answer}\n{END}")
-    cell.metadata["nbgrader"] = _meta(grade_id, solution=True, grade=True, locked=False,
-                                      points=points)
-    return cell
+        cell.metadata["nbgrader"] = _meta(f"{exercise_id}-answer", solution=True, grade=False,
+                                          locked=False)
+    else:   # a plain cell: its text is the student's, and nothing of the instructor's is in it
+        cell = nbformat.v4.new_markdown_cell(ANSWER_HERE)
+    task = nbformat.v4.new_markdown_cell(
+        f"**Graded by hand: {points} point{'s' * (points != 1)}.** Your answer goes in the cell "
+        "above; the grader marks it against the course's rubric.\n\n"
+        f"{BEGIN_MARKS}\n{rubric.strip()}\n{END_MARKS}")
+    task.metadata["nbgrader"] = _meta(f"{exercise_id}-{part}", solution=False, grade=False,
+                                      locked=True, points=points, task=True)
+    return [cell, task]
 
 
 @dataclass
 class Rubric:
-    """A rubric of ``course/rubrics.md``: its model answer, its criteria (a point each) and
-    whether it grades the written part of an autograded exercise."""
+    """A rubric of ``course/rubrics.md``: its model answer, its criteria (a point each),
+    whether it grades the written part of an autograded exercise, and its whole text (what
+    graders read in the formgrader)."""
 
     model: str
     criteria: int
     written: bool
+    text: str = ""
 
 
 def _rubrics() -> dict[tuple[str, int], Rubric]:
@@ -175,8 +201,14 @@ def _rubrics() -> dict[tuple[str, int], Rubric]:
         model = re.search(r"\*\*Model answer\.\*\*\s*(.*?)(?=\n\*\*|\Z)", body, re.S)
         found[(stem, int(number))] = Rubric(model.group(1).strip() if model else "",
                                             len(re.findall(r"^- 1 point", body, re.M)),
-                                            "autograded" in heading)
+                                            "autograded" in heading,
+                                            f"**Rubric: {stem} #{number}{heading}**\n\n"
+                                            + body.strip())
     return found
+
+
+def _as_markdown(answer: str, code: bool) -> str:
+    return f"```python\n{answer}\n```" if code else answer
 
 
 def _print_only(source: str) -> str | None:
@@ -201,6 +233,9 @@ def instructor_notebook(source: Path):
     import nbformat
 
     nb = jupytext.read(source)
+    # an assignment is a student's edition: text that holds only beside the worked solutions
+    # is replaced as in `make student`
+    nb.cells = [c for c in map(in_student_edition, nb.cells) if c is not None]
     start = next((i for i, c in enumerate(nb.cells)
                   if c.cell_type == "markdown" and _EXERCISES.search(c.source)), len(nb.cells))
     stem, rubrics = source.stem, _rubrics()
@@ -213,12 +248,16 @@ def instructor_notebook(source: Path):
             ex = Exercise(number, statement, points_of(statement))
             exercises.append(ex)
             rubric = rubrics.get((stem, number))
-            cells.append(_manual(ex, rubric.model if rubric else "", markdown=True))
+            cells.extend(_manual(ex, rubric.model if rubric else "", code=False))
 
-    def _manual(ex: Exercise, answer: str, markdown: bool):
+    def _manual(ex: Exercise, answer: str, code: bool) -> list:
         ex.solution = answer
-        return _hand_graded(f"{stem}-ex{ex.number}-answer", answer, ex.points,
-                            markdown=markdown)
+        rubric = rubrics.get((stem, ex.number))
+        marks = rubric.text if rubric else ""
+        if answer and (rubric is None or answer.strip() != rubric.model):
+            marks += f"\n\n**The chapter's worked solution.**\n\n{_as_markdown(answer, code)}"
+        return _hand_graded(f"{stem}-ex{ex.number}", "task", ex.points, marks, answer,
+                            code=code)
 
     i = 0
     while i < len(nb.cells):
@@ -283,8 +322,7 @@ def instructor_notebook(source: Path):
             rubric = rubrics.get((stem, number))
             if rubric is not None and rubric.written:   # the reasoning it also asks for
                 ex.written_points = rubric.criteria
-                cells.append(_hand_graded(f"{gid}-written", rubric.model, rubric.criteria,
-                                          markdown=True))
+                cells += _hand_graded(gid, "written", rubric.criteria, rubric.text)
             exercises.append(ex)
             answered = True
             i += 2 if solution else 1
@@ -294,10 +332,10 @@ def instructor_notebook(source: Path):
                 ex = Exercise(number, statement, points_of(statement))
                 text = _print_only(cell.source.replace(SOLUTION_LABEL, "", 1))
                 if text is not None:
-                    cells.append(_manual(ex, text, markdown=True))
+                    cells += _manual(ex, text, code=False)
                 else:
-                    cells.append(_manual(ex, cell.source.replace(SOLUTION_LABEL, "", 1).strip(
-                        "\n"), markdown=False))
+                    cells += _manual(ex, cell.source.replace(SOLUTION_LABEL, "", 1).strip("\n"),
+                                     code=True)
                 exercises.append(ex)
                 answered = True
             i += 1
@@ -333,8 +371,9 @@ def answer_key(chapters: list[tuple[Path, list[Exercise]]]) -> str:
 
 
 def write_course(out: Path, only: list[str] | None = None) -> list[tuple[Path, list[Exercise]]]:
-    """Write ``out/source/<chapter>/<chapter>.ipynb`` and ``out/answer-key.md`` (and copy
-    ``course/nbgrader_config.py`` into ``out``); returns each chapter with its exercises."""
+    """Write ``out/source/<chapter>/<chapter>.ipynb`` and ``out/answer-key.md``, copy
+    ``course/nbgrader_config.py`` into ``out`` and create the exchange folder it names
+    (``out/exchange``, writable by every account); returns each chapter with its exercises."""
     import nbformat
 
     built = []
@@ -352,6 +391,9 @@ def write_course(out: Path, only: list[str] | None = None) -> list[tuple[Path, l
     if (out / "nbgrader_config.py").resolve() != config:
         shutil.copy2(config, out / "nbgrader_config.py")
     (out / "answer-key.md").write_text(answer_key(built))
+    exchange = out / "exchange"
+    exchange.mkdir(exist_ok=True)
+    exchange.chmod(0o777)   # students' accounts submit into it (nbgrader's docs: ugo+rwx)
     return built
 
 

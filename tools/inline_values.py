@@ -10,7 +10,7 @@ expression) and writes that metadata when the cell runs; a notebook opened witho
 shows the stored values, or the bare name where there are none. This tool writes the metadata
 from the glued outputs of the same notebook: the glue output is the value's display bundle,
 which is what the kernel answers for the expression ``name`` (the lab check compares the two
-after Run All). The site pastes the same glue output (``_ext/kvlab_eval.py``).
+after Run All). The site pastes the same glue output (``docs/_ext/kvlab_eval.py``).
 """
 
 from __future__ import annotations

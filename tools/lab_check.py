@@ -38,6 +38,12 @@ student meets it.
    (``text/html``), which the published site shows (``make lab`` starts the kernels with
    ``KVLAB_KERNEL_FREE=1``; without it a saved widget output has no twin and the site would show
    the "Run this cell in Jupyter" text). ``--no-run`` skips this step.
+7. **Run All, then save, keeps the solutions collapsed**: after Run All every solution cell is
+   still collapsed with its outputs hidden (no output of it is on screen: Lab shows the outputs
+   of every cell it runs, and the book's Lab extension, ``.jupyter/labextensions/
+   kvlab-solutions``, hides an unopened solution's again), each solution ran (it has outputs),
+   and the saved notebook stores every solution with its outputs and ``jupyter.source_hidden``
+   and ``jupyter.outputs_hidden`` set, so it opens collapsed again. Part of step 6's run.
 
 Exit status 0 when every check holds, 1 when one fails (each is printed), 2 when no browser or
 server can be started.
@@ -62,6 +68,7 @@ WORK = ROOT / "_build" / "lab-check"   # copies the check may save over (git-ign
 EVAL_ROLE = re.compile(r"\{eval\}`([^`]+)`")
 RAW_ROLES = ("term", "cite", "cite:p", "cite:t", "ref", "numref", "doc", "abbr", "eq")
 GLUE_ROLE = re.compile(r"\{glue(?::\w+)?\}`([\w.-]+)`")
+SOLUTION_TAGS = frozenset({"hide-cell", "solution"})
 
 
 def free_port() -> int:
@@ -175,6 +182,19 @@ window.jupyterapp.commands.execute('docmanager:save').then(() => done('saved'),
 """
 
 
+# Every solution cell of the open notebook, as Lab shows it: collapsed or not, and how many of
+# its outputs are on screen.
+_SOLUTIONS = """
+const cells = window.jupyterapp.shell.currentWidget.content.widgets;
+return cells.map((c, i) => [c, i]).filter(([c]) => c.model.type === 'code' &&
+    (c.model.getMetadata('tags') || []).some(t => arguments[0].includes(t))).map(([c, i]) => ({
+  index: i, inputHidden: c.inputHidden, outputHidden: c.outputHidden,
+  outputs: c.model.outputs.length,
+  shown: [...c.node.querySelectorAll('.jp-OutputArea-output')]
+    .filter(e => e.getClientRects().length > 0).length}));
+"""
+
+
 def _open(driver, base: str, path: str, timeout: float, names: list[list[str]]) -> dict:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
@@ -244,7 +264,7 @@ def check(chapter: str = "notebooks/04-prefix-reuse.md", timeout: float = 180,
                    capture_output=True)   # as `make lab` trusts the stored notebooks
     stored = json.loads(copy.read_text())
     solutions = sum(1 for c in stored["cells"] if c["cell_type"] == "code"
-                    and {"hide-cell", "solution"} & set(c["metadata"].get("tags", [])))
+                    and SOLUTION_TAGS & set(c["metadata"].get("tags", [])))
 
     port = free_port()
     server = subprocess.Popen(lab_command(port, check_settings()), cwd=ROOT,
@@ -392,13 +412,18 @@ def _run_all_and_save(driver, copy: Path, timeout: float, stored: dict,
     """Step 6: Run All in Lab, save, and look at the saved widget outputs and at the values
     the kernel computed for the ``{eval}`` roles."""
     started = time.monotonic()
-    ran = driver.execute_async_script(_RUN_ALL)
     deadline = started + 10 * timeout
+    # the command's promise settles when every cell has run: a long chapter on a busy machine
+    # outlasts the script timeout and the driver's 120 s HTTP timeout
+    driver.set_script_timeout(10 * timeout)
+    driver.command_executor.client_config.timeout = 10 * timeout
+    ran = driver.execute_async_script(_RUN_ALL)
     time.sleep(5)
     while driver.execute_script(_BUSY) and time.monotonic() < deadline:
         time.sleep(2)
     if ran != "ran" or driver.execute_script(_BUSY):
         return [f"ipynb: Run All did not finish ({ran})"]
+    shown = driver.execute_script(_SOLUTIONS, sorted(SOLUTION_TAGS))
     saved = driver.execute_async_script(_SAVE)
     time.sleep(2)
     if saved != "saved":
@@ -418,9 +443,41 @@ def _run_all_and_save(driver, copy: Path, timeout: float, stored: dict,
                      f"from the stored ones (name, stored, computed): {pairs[:4]}")
     view = driver.execute_script(_INSPECT, list(RAW_ROLES), copy.name, names)
     found += _values_shown("ipynb after Run All", view, nb)
+    found += solutions_kept_collapsed(shown, nb)
     if twins < widgets:
         found.append(f"ipynb: saved after Run All, {widgets - twins} of {widgets} widget "
                      "outputs lost their kernel-free twin (the site would show no widget)")
+    return found
+
+
+def solutions_kept_collapsed(shown: list[dict], nb: dict) -> list[str]:
+    """Step 7: ``shown`` (each solution cell as Lab showed it after Run All, from
+    ``_SOLUTIONS``) and the notebook ``nb`` saved after it: every solution collapsed, outputs
+    hidden and none on screen, every one run, and stored collapsed with its outputs."""
+    stored = {i: c for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"
+              and SOLUTION_TAGS & set(c["metadata"].get("tags", []))}
+    found = []
+    if [s["index"] for s in shown] != sorted(stored):
+        found.append(f"solution cells in Lab {[s['index'] for s in shown]}, in the saved "
+                     f"notebook {sorted(stored)}")
+    open_ = [s["index"] for s in shown if not s["inputHidden"]]
+    visible = [s["index"] for s in shown if not s["outputHidden"] or s["shown"]]
+    unrun = [i for i, c in stored.items() if not c.get("outputs")]
+    unsaved = [i for i, c in stored.items() if c["metadata"].get("jupyter") != {
+        "source_hidden": True, "outputs_hidden": True}]
+    if open_:
+        found.append(f"after Run All, solution cells {open_} are no longer collapsed")
+    if visible:
+        found.append(f"after Run All, the outputs of solution cells {visible} are shown")
+    if unrun:
+        found.append(f"solution cells {unrun} have no output after Run All (did they run?)")
+    if unsaved:
+        found.append(f"saved after Run All, solution cells {unsaved} lost "
+                     "jupyter.source_hidden/outputs_hidden (they would open expanded)")
+    if not found:
+        print(f"lab-check: after Run All and a save all {len(shown)} solution cells are "
+              f"collapsed with their outputs hidden ({sum(s['outputs'] for s in shown)} "
+              "outputs, none on screen) and stored collapsed")
     return found
 
 

@@ -18,23 +18,32 @@ px by default: a laptop and a phone, light mode) with console and network loggin
   the column (it would hide behind a scrollbar on a laptop);
 * ``wrapped``: a code or output line that the browser broke over two lines (code scrolls
   sideways; wrapped lines break printed tables and put continuations at column 0);
-* ``figure``: a figure whose smallest text is under 9 CSS px as displayed (from the text size
-  its PNG declares: ``data-min-text-px`` on kernel-free frames, the ``kvlab:min-text-px`` text
-  chunk in output PNGs), or that declares none;
+* ``figure``: a figure or widget frame wider than the screen or its box (it would be cut off,
+  or scroll sideways with no cue that more exists), or whose smallest text is under 9 CSS px as
+  displayed (from the text size the variant shown declares: ``data-min-text-px`` on a
+  kernel-free frame or on the ``<source>`` of its phone variant, the ``kvlab:min-text-px`` text
+  chunk in output PNGs), or that declares none. A figure with no phone layout may be smaller
+  only where it says so and opens full size on tap (``.kvlab-zoom-note`` shown under it);
 * ``alt``: a figure without alt text (missing, empty, or a file path / data URI);
 * ``caption``: a static figure (an image in a cell output, not a kernel-free widget's frame)
   that is not inside a ``<figure>`` with a non-empty ``<figcaption>`` (MyST-NB writes one from
   the cell's ``mystnb: figure: caption:`` metadata);
 * ``menu``: the ☰ button that does not open the chapter list, or the page-contents button that
   does not open the page's contents (a real click; the panel's first link must then be visible
-  and on top), or neither button nor panel to reach them;
+  and on top), or neither button nor panel to reach them; and on a narrow screen a
+  page-contents drawer that stays open after a pick, or that Esc does not close;
 * ``twin``: a widget output shown as its text fallback (``[interactive widget: … Run this cell
   in Jupyter …]``): its kernel-free twin is missing from the notebook;
 * ``nbval``: an nbval marker comment visible in a rendered cell;
 * ``duplicate``: the same figure shown twice on one page;
 * ``widget``: a kernel-free widget (``.kvlab-kf``) whose script did not run, or whose visible
   frame does not change when one of its controls is moved;
-* ``favicon``: the page declares no icon.
+* ``favicon``: the page declares no icon;
+* ``search``: the search page opened from disk (``file://``, as a reader opens a downloaded
+  copy) finds nothing, shows results without their summaries, or logs a console error.
+
+Each page is loaded as a first visit (browser cache off); what it downloads is reported per
+page (``--weights``) and in total.
 
 Needs selenium and Debian's ``chromium`` + ``chromium-driver`` (``make site-check`` installs
 them where it can). Exit status 1 when any page fails, 2 when no browser can be started.
@@ -65,6 +74,8 @@ CLIPPABLE = ("div.highlight pre, div.cell_output pre, div.output pre, div.cell_o
 UNWRAPPED = "div.highlight pre, div.cell_output pre, div.output pre"
 #: Figures: images in cell outputs and kernel-free widget frames.
 FIGURES = "div.cell_output img, .kvlab-kf-frame img"
+#: A word the search page is asked for when the site is opened from disk.
+SEARCH_WORD = "cache"
 MIN_TEXT_CSS_PX = 9.0
 #: The text/plain fallback of a widget output (kvlab.viz.kernel_free.FALLBACK_TEXT).
 NO_TWIN = re.compile(r"\[interactive widget: .{0,200}?Run this cell in Jupyter[^\]]{0,40}\]", re.S)
@@ -85,11 +96,17 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class _QuietServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], ConnectionError):   # a load the browser dropped
+            super().handle_error(request, client_address)
+
+
 @contextlib.contextmanager
 def serve(root: Path) -> Iterator[str]:
     """Serve ``root`` on a free local port; yields its base URL (``http://127.0.0.1:PORT/``)."""
     handler = functools.partial(_QuietHandler, directory=str(root))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = _QuietServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -133,11 +150,16 @@ def start_browser(width: int = 1280, height: int = 900):
     return driver
 
 
+_REDIRECT = re.compile(r'<meta http-equiv="Refresh"', re.I)
+
+
 def pages(root: Path) -> list[str]:
-    """Every HTML page of the build, relative to ``root`` (Sphinx's own folders excluded)."""
+    """Every HTML page of the build, relative to ``root`` (Sphinx's own folders excluded, and
+    pages that only redirect to another: the book's ``index.html``)."""
     skip = ("_static", "_sources", "_images", "_panels_static")
     return sorted(str(p.relative_to(root)) for p in root.rglob("*.html")
-                  if p.relative_to(root).parts[0] not in skip)
+                  if p.relative_to(root).parts[0] not in skip
+                  and not (p.stat().st_size < 2000 and _REDIRECT.search(p.read_text())))
 
 
 # Waits for MathJax (when the page loads it), opens every collapsed cell (<details>: solutions
@@ -145,8 +167,18 @@ def pages(root: Path) -> list[str]:
 _INSPECT = """
 const done = arguments[arguments.length - 1];
 const [clip, unwrapped, figures, minText] = arguments;
-const ready = (window.MathJax && MathJax.startup && MathJax.startup.promise)
-  ? MathJax.startup.promise : Promise.resolve();
+// MathJax's loader starts its components after the page loads: wait until every formula is
+// drawn (or one fails, or 30 s pass), then for MathJax's own startup to finish
+const drawn = () => [...document.querySelectorAll('.math, span.math, div.math')]
+  .every(el => el.querySelector('mjx-container')) || !!document.querySelector('mjx-merror');
+const started = new Promise(resolve => {
+  const until = Date.now() + 30000;
+  (function poll() {
+    if (drawn() || Date.now() > until) resolve(); else setTimeout(poll, 50);
+  })();
+});
+const ready = started.then(() => (window.MathJax && MathJax.startup && MathJax.startup.promise)
+  ? MathJax.startup.promise : null);
 const timeout = new Promise(resolve => setTimeout(resolve, 20000));
 const shown = el => el.offsetParent !== null && el.getBoundingClientRect().width > 0;
 const what = el => (el.tagName + ' ' + ((el.tagName === 'IMG' ? el.alt : el.textContent) || '')
@@ -181,6 +213,8 @@ Promise.race([ready, timeout]).catch(() => null).then(async () => { try {
   });
   out.mathErrors = document.querySelectorAll('mjx-merror').length;
   document.querySelectorAll('img').forEach(img => {
+    // a lazy image not shown yet (a widget's other frames) loads when it is shown
+    if (img.loading === 'lazy' && img.offsetParent === null) return;
     if (!img.complete || img.naturalWidth === 0) out.images.push((img.src || '').slice(0, 80));
     else if (img.offsetParent !== null) {
       const key = img.currentSrc || img.src;
@@ -213,10 +247,10 @@ Promise.race([ready, timeout]).catch(() => null).then(async () => { try {
   // against the screen's width, not innerWidth: on a phone a page wider than the screen widens
   // the layout viewport itself (innerWidth grows with it) and the reader pans the whole page,
   // and the page-contents drawer, anchored to its right edge, opens partly off the screen
-  const screen = document.documentElement.clientWidth;
-  if (document.documentElement.scrollWidth > screen + 1)
+  const screenWidth = document.documentElement.clientWidth;
+  if (document.documentElement.scrollWidth > screenWidth + 1)
     out.clipped.push('the page scrolls sideways: ' + document.documentElement.scrollWidth
-                     + ' px on a ' + screen + ' px screen');
+                     + ' px on a ' + screenWidth + ' px screen');
   document.querySelectorAll(unwrapped).forEach(pre => {
     if (!shown(pre)) return;
     const lines = pre.textContent.replace(/\\n$/, '').split('\\n');
@@ -234,6 +268,7 @@ Promise.race([ready, timeout]).catch(() => null).then(async () => { try {
     }
   });
   const figs = [...document.querySelectorAll(figures)];
+  out.fitting = 0; out.visible = 0; out.zoomed = 0;
   for (const [i, img] of figs.entries()) {
     const alt = (img.getAttribute('alt') || '').trim();
     const name = 'figure ' + (i + 1) + (alt ? ' (' + alt.slice(0, 50) + ')' : '');
@@ -247,15 +282,42 @@ Promise.race([ready, timeout]).catch(() => null).then(async () => { try {
         out.captions.push(name + ': a static figure without a caption');
     }
     if (!shown(img) || !img.naturalWidth) continue;
-    let px = parseFloat(img.getAttribute('data-min-text-px'));
-    if (isNaN(px)) px = await pngMinText(img.currentSrc || img.src);
-    if (px === null || isNaN(px)) {
-      out.figures.push(name + ': declares no text size (re-render it with kvlab.viz)');
-      continue;
+    out.visible += 1;
+    let problem = '';
+    // wider than the screen, or than the box it sits in (cut off, or scrolled with no cue)
+    const r = img.getBoundingClientRect();
+    const box = img.closest('.kvlab-kf-frame, figure, div.output, div.cell_output')
+                || img.parentElement;
+    const b = box.getBoundingClientRect();
+    if (r.width > screenWidth + 1 || r.right > screenWidth + 1 || r.left < -1)
+      problem = 'wider than the screen (' + Math.round(r.width) + ' px shown from '
+                + Math.round(r.left) + ' on a ' + screenWidth + ' px screen)';
+    else if (r.width > box.clientWidth + 1 || r.right > b.right + 1)
+      problem = 'wider than its box (' + Math.round(r.width) + ' > ' + box.clientWidth
+                + ' px): cut off, or scrolled sideways';
+    // the text size of the variant shown: its <source> when a <picture> chose one
+    let declared = img.getAttribute('data-min-text-px');
+    if (img.parentElement && img.parentElement.tagName === 'PICTURE') {
+      for (const source of img.parentElement.querySelectorAll('source')) {
+        if (new URL(source.getAttribute('srcset'), document.baseURI).href === img.currentSrc)
+          declared = source.getAttribute('data-min-text-px');
+      }
     }
-    const css = px * img.getBoundingClientRect().width / img.naturalWidth;
-    if (css < minText)
-      out.figures.push(name + ': smallest text ' + css.toFixed(1) + ' px as displayed');
+    let px = parseFloat(declared);
+    if (isNaN(px)) px = await pngMinText(img.currentSrc || img.src);
+    const zoom = (img.closest('.kvlab-kf-frame, figure') || img.parentElement)
+      .querySelector('.kvlab-zoom-note');
+    const zoomShown = zoom && zoom.offsetParent !== null;
+    if (px === null || isNaN(px)) {
+      problem = problem || 'declares no text size (re-render it with kvlab.viz)';
+    } else {
+      const css = px * r.width / img.naturalWidth;
+      if (css < minText && zoomShown) { out.zoomed += 1; if (!problem) continue; }
+      else if (css < minText)
+        problem = problem || ('smallest text ' + css.toFixed(1) + ' px as displayed');
+    }
+    if (problem) out.figures.push(name + ': ' + problem);
+    else out.fitting += 1;
   }
   out.nbval = /# ?NBVAL_[A-Z_]+/.test(document.body.innerText);
   out.text = document.body.innerText;
@@ -314,6 +376,17 @@ root.querySelectorAll('[data-kf-control]').forEach(ctl => {
 });
 return result;
 """
+
+
+def downloaded_bytes(entries: list[dict]) -> int:
+    """Bytes a page load downloaded (its requests' encoded lengths; data: URIs are part of
+    the page that holds them), from Chromium's performance log."""
+    total = 0
+    for entry in entries:
+        message = json.loads(entry["message"])["message"]
+        if message.get("method") == "Network.loadingFinished":
+            total += int(message["params"].get("encodedDataLength", 0))
+    return total
 
 
 def _network_problems(entries: list[dict], base: str, page: str) -> list[Problem]:
@@ -392,16 +465,23 @@ def check_panel(driver, page: str, which: str, width: int) -> list[Problem]:
     return problems
 
 
-def check_page(driver, base: str, page: str, width: int = 1280) -> list[Problem]:
-    """Load ``base + page`` in a ``width``-px viewport and return everything wrong with it."""
+def check_page(driver, base: str, page: str, width: int = 1280,
+               seen_out: dict | None = None) -> list[Problem]:
+    """Load ``base + page`` in a ``width``-px viewport and return everything wrong with it;
+    ``seen_out``, when given, receives what the page showed: its bytes downloaded (a first
+    visit) and its figures (visible, fitting, shown small with a tap-to-open note)."""
     if driver.current_url.startswith(base):  # each page as a first visit: no stored theme mode
         driver.execute_script("localStorage.clear(); sessionStorage.clear();")
     driver.get_log("browser")
     driver.get_log("performance")
     driver.get(base + page)
     seen = driver.execute_async_script(_INSPECT, CLIPPABLE, UNWRAPPED, FIGURES, MIN_TEXT_CSS_PX)
+    loaded = driver.get_log("performance")   # what the page loaded until its math was drawn
     if "error" in seen:
         return [Problem(page, "checker", f"page inspection failed: {seen['error']}")]
+    if seen_out is not None:
+        seen_out.update(bytes=downloaded_bytes(loaded), visible=seen["visible"],
+                        fitting=seen["fitting"], zoomed=seen["zoomed"])
     at = f" at {width}px"
     problems = [Problem(page, "math", f"unrendered: {text!r}") for text in seen["math"]]
     if seen["mathErrors"]:
@@ -433,36 +513,135 @@ def check_page(driver, base: str, page: str, width: int = 1280) -> list[Problem]
     for entry in driver.get_log("browser"):
         if entry["level"] == "SEVERE":
             problems.append(Problem(page, "console", entry["message"][:300]))
-    problems += _network_problems(driver.get_log("performance"), base, page)
+    problems += _network_problems(loaded + driver.get_log("performance"), base, page)
     driver.execute_script("window.scrollTo(0, 0)")
     for which in ("primary", "secondary"):
         problems += check_panel(driver, page, which, width)
+    problems += check_drawer(driver, page, width)
     return problems
 
 
+_DRAWER = "#pst-secondary-sidebar-modal"
+_DRAWER_OPEN = f"const d = document.querySelector('{_DRAWER}'); return !!(d && d.open);"
+
+
+def check_drawer(driver, page: str, width: int) -> list[Problem]:
+    """On a screen where the page contents open as a drawer: a pick closes it, and so does
+    Esc wherever the focus is (also after a pick moved it out of the drawer)."""
+    from selenium.common.exceptions import WebDriverException
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    buttons = [b for b in driver.find_elements(By.CSS_SELECTOR, ".secondary-toggle")
+               if b.is_displayed() and b.size["width"] > 0]
+    if not buttons or not driver.execute_script(_PANEL_LINKS, _LINKS["secondary"]):
+        return []
+    is_open = functools.partial(driver.execute_script, _DRAWER_OPEN)
+    label = f"the page-contents drawer at {width}px"
+    problems = []
+    try:
+        buttons[0].click()
+        if not _wait_until(is_open, 3.0):
+            return []                     # not a drawer at this width (check_panel covers it)
+        links = [a for a in driver.find_elements(By.CSS_SELECTOR, f"{_DRAWER} a[href]")
+                 if a.is_displayed()]
+        if links:
+            links[min(1, len(links) - 1)].click()
+            if _wait_until(lambda: not is_open(), 3.0):
+                buttons[0].click()                  # closed: open it again for Esc
+                _wait_until(is_open, 3.0)
+            else:
+                problems.append(Problem(page, "menu", f"{label} stays open after a pick"))
+        if is_open():      # Esc, wherever the focus is (a pick moves it out of the drawer)
+            driver.execute_script("document.activeElement && document.activeElement.blur()")
+            ActionChains(driver).send_keys(Keys.ESCAPE).perform()
+            if not _wait_until(lambda: not is_open(), 3.0):
+                problems.append(Problem(page, "menu", f"Esc does not close {label}"))
+    except WebDriverException as exc:
+        problems.append(Problem(page, "menu", f"{label} cannot be used: "
+                                f"{exc.msg.splitlines()[0][:120] if exc.msg else exc}"))
+    driver.execute_script(_CLOSE_PANELS)
+    driver.execute_script("window.scrollTo(0, 0)")
+    return problems
+
+
+_SEARCH_RESULTS = """
+const items = document.querySelectorAll('#search-results li');
+const status = (document.querySelector('#search-results p.search-summary')
+                || {textContent: ''}).textContent;
+return {items: items.length, done: /found|did not match/i.test(status),
+        summaries: [...items].filter(li => (li.querySelector('p.context') || {textContent: ''})
+                                           .textContent.trim()).length};
+"""
+
+
+def check_search_from_disk(driver, root: Path, word: str = SEARCH_WORD) -> list[Problem]:
+    """The search page opened from disk finds ``word``, shows each result's summary, and logs
+    no console error."""
+    page = "search.html (file://)"
+    driver.get_log("browser")
+    driver.get((root / "search.html").resolve().as_uri() + f"?q={word}")
+    _wait_until(lambda: driver.execute_script(_SEARCH_RESULTS)["done"], 20.0)
+    time.sleep(1.0)                      # the summaries arrive after the result list
+    found = driver.execute_script(_SEARCH_RESULTS)
+    problems = [Problem(page, "console", entry["message"][:300])
+                for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+    if not found["items"]:
+        problems.append(Problem(page, "search", f"no result for {word!r}"))
+    elif found["summaries"] < found["items"]:
+        problems.append(Problem(page, "search", f"{found['items'] - found['summaries']} of "
+                                f"{found['items']} results for {word!r} without a summary"))
+    return problems
+
+
+@dataclass
+class Report:
+    """What :func:`check_site` found: the pages checked, the problems, the kernel-free widgets
+    moved, and per width and page what the page showed (:func:`check_page`'s ``seen_out``)."""
+
+    pages: list[str]
+    problems: list[Problem]
+    widgets: int
+    seen: dict[int, dict[str, dict]]
+
+    def figures(self, width: int) -> tuple[int, int, int]:
+        """(visible figures, those that fit legibly, those shown small with a tap note)."""
+        rows = self.seen.get(width, {}).values()
+        return (sum(r["visible"] for r in rows), sum(r["fitting"] for r in rows),
+                sum(r["zoomed"] for r in rows))
+
+
 def check_site(root: Path, only: list[str] | None = None,
-               widths: tuple[int, ...] | int = WIDTHS) -> tuple[list[str], list[Problem], int]:
-    """(pages checked, problems, kernel-free widgets exercised) for the build under ``root``,
-    every page loaded at each of ``widths``; the same problem found at two widths counts once
-    per width (its detail names the width where it depends on it)."""
+               widths: tuple[int, ...] | int = WIDTHS, search: bool = True) -> Report:
+    """Every page of the build under ``root`` loaded at each of ``widths`` (the same problem
+    found at two widths counts once per width: its detail names the width where it depends on
+    it), then the search page opened from disk (``search``)."""
     checked = only or pages(root)
     widths = (widths,) if isinstance(widths, int) else tuple(widths)
     problems: list[Problem] = []
     widgets = 0
+    seen: dict[int, dict[str, dict]] = {}
     with serve(root) as base:
         driver = start_browser(widths[0])
+        driver.execute_cdp_cmd("Network.enable", {})
+        driver.execute_cdp_cmd("Network.setCacheDisabled", {"cacheDisabled": True})
         try:
             for width in widths:
                 set_viewport(driver, width)
                 for page in checked:
-                    found = check_page(driver, base, page, width)
+                    out: dict = {}
+                    found = check_page(driver, base, page, width, out)
+                    seen.setdefault(width, {})[page] = out
                     problems += [p for p in found if p not in problems]
                     if width == widths[0]:
                         widgets += driver.execute_script(
                             "return document.querySelectorAll('.kvlab-kf').length")
+            if search and (root / "search.html").exists():
+                problems += check_search_from_disk(driver, root)
         finally:
             driver.quit()
-    return checked, problems, widgets
+    return Report(checked, problems, widgets, seen)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -471,20 +650,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, action="append",
                         help=f"viewport width in CSS pixels (repeatable; default {WIDTHS})")
     parser.add_argument("--page", action="append", help="check only this page (repeatable)")
+    parser.add_argument("--weights", action="store_true",
+                        help="print the bytes each page downloads on a first visit")
     args = parser.parse_args(argv)
     if not (args.root / "index.html").exists():
         parser.error(f"{args.root} holds no built site: run `make book` first")
     widths = tuple(args.width or WIDTHS)
     try:
-        checked, problems, widgets = check_site(args.root, args.page, widths)
+        report = check_site(args.root, args.page, widths)
     except RuntimeError as exc:
         print(f"site-check: {exc}", file=sys.stderr)
         return 2
-    for problem in problems:
+    for problem in report.problems:
         print(problem)
-    print(f"site-check: {len(checked)} pages at {', '.join(f'{w}px' for w in widths)}, "
-          f"{widgets} kernel-free widgets moved, {len(problems)} problems")
-    return 1 if problems else 0
+    first = report.seen.get(widths[0], {})
+    if args.weights:
+        for page, row in first.items():
+            print(f"{row.get('bytes', 0) / 1e6:8.2f} MB  {page}")
+    for width in widths:
+        visible, fitting, zoomed = report.figures(width)
+        print(f"site-check: at {width}px {fitting} of {visible} visible figures and frames fit "
+              f"legibly" + (f", {zoomed} have no layout that fits and say so (a tap opens "
+                            "them full size)" if zoomed else ""))
+    sizes = [row.get("bytes", 0) for row in first.values()]
+    if sizes:
+        print(f"site-check: a first visit downloads {sum(sizes) / len(sizes) / 1e6:.2f} MB a "
+              f"page on average, {max(sizes) / 1e6:.2f} MB at most")
+    print(f"site-check: {len(report.pages)} pages at {', '.join(f'{w}px' for w in widths)}, "
+          f"{report.widgets} kernel-free widgets moved, {len(report.problems)} problems")
+    return 1 if report.problems else 0
 
 
 if __name__ == "__main__":

@@ -17,6 +17,12 @@ nbgrader course (``tools/course.py``).
 stored outputs) lacks its solution cells; ``make book-student`` builds it with the book's
 config, so a teacher can publish the book while an exercise set is open.
 
+Text that holds only where the worked solutions are (the preface's "each exercise's worked
+solution follows it") sits in its own markdown cell tagged :data:`EDITION_TAG`. Both student
+editions drop that cell, or put in its place the text its metadata holds under
+:data:`STUDENT_TEXT` (what the same passage says in an edition without solutions):
+:func:`for_students` is the one rule both apply.
+
 The source conventions are two, both for JupyterLab: a solution cell's first line is
 :data:`SOLUTION_LABEL` (Lab shows a collapsed cell as its first line, so the collapsed bar says
 "Solution" instead of the first line of the answer), and the front matter's kernelspec names
@@ -27,6 +33,7 @@ open).
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 import shutil
 import sys
@@ -36,7 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SOLUTION_TAGS = frozenset({"solution", "hide-cell"})
 SOLUTION_LABEL = "# Solution (try the exercise first)"
 KERNEL_DISPLAY_NAME = "Python 3 (ipykernel)"   # what `python -m ipykernel install` registers
-BOOK_INPUTS = ("book.yml", "toc.yml", "references.bib", "_static", "_ext", "_extra")
+BOOK_INPUTS = ("book.yml", "docs")   # the site's machinery and pages live in docs/
+EDITION_TAG = "edition-book"       # a cell that holds only where the solutions are
+STUDENT_TEXT = "student_edition"   # its text in the editions without them (else it goes)
 
 
 def chapter_sources() -> list[Path]:
@@ -47,12 +56,38 @@ def is_solution(cell) -> bool:
     return cell.cell_type == "code" and bool(SOLUTION_TAGS & set(cell.metadata.get("tags", [])))
 
 
+def in_student_edition(cell):
+    """``cell`` as an edition without worked solutions has it: a cell tagged
+    :data:`EDITION_TAG` becomes a copy holding its :data:`STUDENT_TEXT`, or None (left out)
+    without one; any other cell is returned as it is."""
+    if EDITION_TAG not in cell.metadata.get("tags", []):
+        return cell
+    text = cell.metadata.get(STUDENT_TEXT)
+    if not text:
+        return None
+    cell = copy.deepcopy(cell)
+    cell.source = text
+    cell.metadata.pop(STUDENT_TEXT)
+    cell.metadata["tags"] = [t for t in cell.metadata["tags"] if t != EDITION_TAG]
+    if not cell.metadata["tags"]:
+        del cell.metadata["tags"]
+    return cell
+
+
+def for_students(cells: list) -> list:
+    """``cells`` as an edition without worked solutions has them: no solution cell, and each
+    cell as :func:`in_student_edition` has it."""
+    kept = (in_student_edition(cell) for cell in cells if not is_solution(cell))
+    return [cell for cell in kept if cell is not None]
+
+
 def student_notebook(source: Path):
-    """The student notebook of chapter ``source`` (a ``.md``): solutions out, outputs cleared."""
+    """The student notebook of chapter ``source`` (a ``.md``): solutions out, the text of the
+    edition without them, outputs cleared."""
     import jupytext
 
     nb = jupytext.read(source)
-    nb.cells = [cell for cell in nb.cells if not is_solution(cell)]
+    nb.cells = for_students(nb.cells)
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
@@ -74,8 +109,8 @@ def write_student_edition(out: Path, sources: list[Path] | None = None) -> list[
 
 
 def write_site_sources(out: Path) -> Path:
-    """Copy the book's inputs into ``out`` with every chapter's solution cells removed (stored
-    outputs kept, so the site builds without executing anything). Returns ``out``."""
+    """Copy the book's inputs into ``out`` with every chapter as :func:`for_students` has it
+    (stored outputs kept, so the site builds without executing anything). Returns ``out``."""
     import nbformat
 
     marker = out / ".kvlab-student-site"
@@ -97,7 +132,7 @@ def write_site_sources(out: Path) -> Path:
             shutil.copy2(page, out / "notebooks" / page.name)
         elif page.suffix == ".ipynb":
             nb = nbformat.read(page, as_version=4)
-            nb.cells = [cell for cell in nb.cells if not is_solution(cell)]
+            nb.cells = for_students(nb.cells)
             nbformat.write(nb, out / "notebooks" / page.name)
     return out
 

@@ -3,16 +3,22 @@ object the scheduler allocates from. The prefix cache is an owner like any other
 copy-on-write protects cached KV with no special case. Every mutation is all-or-nothing (on
 OutOfBlocks, ValueError or KeyError nothing changed). Chapters 3 and 4.
 
-One request's table, as :meth:`~KVCacheManager.admit` builds it and
-:meth:`~KVCacheManager.grow` extends it (block size 4)::
+One request's table (block size 4), as :meth:`~KVCacheManager.admit` builds it and
+:meth:`~KVCacheManager.grow` extends it::
 
-    tokens   | p0 p1 p2 p3 | p4 p5 p6 p7 | p8 p9 o0 o1 | o2 .. .. .. |
-    table    |     17      |      3      |     42      |      8      |
-             |<---- prefix-cache hit ---->|<------- fresh blocks ------>|
-             |  shared, locked in the tree | this request's own         |
-                                            ^ num_computed   ^ num_tokens (the slot of the
-                                              tokens           token about to be computed)
-             |<-- committed to the cache: full blocks whose KV is written -->|
+    admit: prompt p0..p9 with a prefix-cache hit of two full blocks (8 tokens)
+
+      slots   | p0 p1 p2 p3 | p4 p5 p6 p7 | p8 p9 -- -- |
+      table   |     17      |      3      |     42      |
+              |<-- hit: shared with the ->|<-- fresh -->|
+                   tree, locked while held     its own
+      num_computed_tokens = 8: the step computes p8 and p9 only
+
+    grow: one slot per decode step; o2 takes a new block
+
+      slots   | p0 p1 p2 p3 | p4 p5 p6 p7 | p8 p9 o0 o1 | o2 -- -- -- |
+      table   |     17      |      3      |     42      |      8      |
+      committed to the cache once full and written: 17, 3, then 42
 
 The hit is reused, not recomputed (the scheduler starts the request at the first token past
 it); fresh blocks come from the free list, or from evicting unlocked cached blocks. A request

@@ -1,6 +1,6 @@
-"""Chapter 7 exercises: debug a colleague's attention step, derive decode attention's arithmetic
-intensity, predict how a step's chunks split into paged rows and dense chunks, and design a
-configuration that preempts yet generates the same tokens.
+"""Chapter 7 exercises: debug a colleague's attention step on two backends, derive decode
+attention's arithmetic intensity, predict how a step's chunks split into paged rows and dense
+chunks, and design a configuration that preempts yet generates the same tokens.
 
 A check with one right answer compares against its sealed truth (``_common.sealed``; the
 instructor edition computes it); the other checks run the reader's code or choice on
@@ -122,76 +122,116 @@ def check_logprob_temperature(letter) -> str:
 
 # -- exercise 1: a colleague's attention step -------------------------------------------------
 
-def suspect_attention_step(q, k, v, k_cache, v_cache, meta, scale):
-    """Exercise 1: a layer's attention step, as a colleague rewrote it."""
-    from kvlab.engine.attention_torch import TorchAttention
-    from kvlab.engine.kv_cache import write_kv
-
-    out = TorchAttention().attend(q, k, v, k_cache, v_cache, meta, scale)
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+def suspect_attention_step(backend, q, k, v, kv, meta, scale):
+    """Exercise 1: a layer's attention step, as a colleague rewrote it (``backend`` an
+    :class:`~kvlab.engine.attention.AttentionBackend`, ``kv`` a
+    :class:`~kvlab.engine.kv_cache.KVLayer`)."""
+    k_cache, v_cache, seen = kv.view(meta)
+    out = backend.attend(q, k, v, k_cache, v_cache, seen, scale, kv.exact)
+    kv.write(k, v, meta.slot_mapping)
     return out
 
 
-def _attention_outputs(step, start_pos: int, num_tokens: int):
-    """Run ``step`` on one chunk of a fresh random 2-head GQA layer whose cache holds the
-    chunk's prefix (written by "earlier steps") and random values everywhere else."""
+def engine_attention_step(backend, q, k, v, kv, meta, scale):
+    """The layer's attention step as the engine runs it: ``AttentionBackend.forward``."""
+    return backend.forward(q, k, v, kv, meta, scale)
+
+
+#: Exercise 1's backends, by the name the reader's function is given.
+SUSPECT_BACKENDS = ("torch", "cpu")
+
+
+def _backend(name: str):
+    """The attention backend called ``name`` here, or None (the compiled build is missing)."""
+    import torch
+
+    from kvlab.engine.attention_cpu import CpuAttention
+    from kvlab.engine.attention_torch import TorchAttention
+
+    return TorchAttention() if name == "torch" else CpuAttention.create(torch.float32)
+
+
+def _attention_outputs(step, backend, start_pos: int, num_tokens: int):
+    """Run ``step`` with ``backend`` on one chunk of a fresh random 2-head GQA layer whose cache
+    holds the chunk's prefix (written by "earlier steps") and random values everywhere else;
+    the metadata is built as the runner builds it for that backend."""
     import torch
 
     from kvlab.engine.attention_metadata import ChunkSpec, build_metadata
-    from kvlab.engine.kv_cache import write_kv
+    from kvlab.engine.kv_cache import PagedKVLayer
 
     gen = torch.Generator().manual_seed(5)
     block_size, kv_heads, heads, dim = 4, 2, 4, 8
     total = start_pos + num_tokens
     table = list(range(-(-total // block_size)))[::-1]       # blocks in reverse order
-    k_cache = torch.randn(len(table), block_size, kv_heads, dim, generator=gen)  # stale data
-    v_cache = torch.randn(len(table), block_size, kv_heads, dim, generator=gen)
-    prefix = build_metadata([ChunkSpec([0] * start_pos, 0, table)], block_size) \
-        if start_pos else None
-    if prefix is not None:                      # the cached prefix, written by earlier steps
-        write_kv(k_cache, v_cache, torch.randn(start_pos, kv_heads, dim, generator=gen),
-                 torch.randn(start_pos, kv_heads, dim, generator=gen), prefix.slot_mapping)
-    meta = build_metadata([ChunkSpec([0] * num_tokens, start_pos, table)], block_size)
+    layer = PagedKVLayer(  # stale data in every slot
+        torch.randn(len(table), block_size, kv_heads, dim, generator=gen),
+        torch.randn(len(table), block_size, kv_heads, dim, generator=gen))
+    if start_pos:                               # the cached prefix, written by earlier steps
+        prefix = build_metadata([ChunkSpec([0] * start_pos, 0, table)], block_size)
+        layer.write(torch.randn(start_pos, kv_heads, dim, generator=gen),
+                    torch.randn(start_pos, kv_heads, dim, generator=gen), prefix.slot_mapping)
+    meta = build_metadata([ChunkSpec([0] * num_tokens, start_pos, table)], block_size,
+                          paged_max_tokens=backend.paged_max_tokens)
     q = torch.randn(num_tokens, heads, dim, generator=gen)
     k = torch.randn(num_tokens, kv_heads, dim, generator=gen)
     v = torch.randn(num_tokens, kv_heads, dim, generator=gen)
-    return step(q, k, v, k_cache, v_cache, meta, dim ** -0.5)
+    return step(backend, q, k, v, layer, meta, dim ** -0.5)
 
 
-def correct_attention_step(q, k, v, k_cache, v_cache, meta, scale):
-    """The layer's attention step as kvlab's backends run it (``AttentionBackend.forward``:
-    store, then attend)."""
-    from kvlab.engine.attention_torch import TorchAttention
-    from kvlab.engine.kv_cache import write_kv
-
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    return TorchAttention().attend(q, k, v, k_cache, v_cache, meta, scale)
-
-
-def check_suspect_chunk(start_pos, num_tokens) -> str:
-    """Exercise 1: a chunk (``start_pos``, ``num_tokens``) on which
-    :func:`suspect_attention_step` computes a different attention output from the engine's
-    layer step. Both run the torch backend
-    (:class:`~kvlab.engine.attention_torch.TorchAttention`), on a fresh random layer whose cache
-    holds the chunk's prefix."""
+def suspect_differs(backend_name: str, start_pos: int, num_tokens: int) -> bool:
+    """Whether :func:`suspect_attention_step` and the engine's step give different outputs for
+    this chunk with this backend (run, not looked up)."""
     import torch
 
-    require_answer(start_pos, "start_pos")
-    require_answer(num_tokens, "num_tokens")
-    for value, what in ((start_pos, "start_pos"), (num_tokens, "num_tokens")):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise AssertionError(f"{what} must be a whole number, got {value!r}")
-    if start_pos < 0 or num_tokens < 1 or start_pos + num_tokens > 64:
-        raise AssertionError("use 0 <= start_pos, 1 <= num_tokens, start_pos + num_tokens <= 64")
-    want = _attention_outputs(correct_attention_step, start_pos, num_tokens)
-    got = _attention_outputs(suspect_attention_step, start_pos, num_tokens)
-    if torch.allclose(want, got):
-        raise AssertionError(f"on a chunk of {num_tokens} token(s) at position {start_pos} the "
-                             "colleague's step and the engine's give the same output.")
-    return ("Correct: this chunk's attention reads its own new keys and values through the "
-            "cache, so attending before writing them reads whatever the slots held before. A "
-            "chunk whose attention takes the fresh K/V it was handed directly does not care "
-            "about the order: that is why their prefill tests passed.")
+    backend = _backend(backend_name)
+    assert backend is not None, f"no {backend_name} backend here"
+    want = _attention_outputs(engine_attention_step, backend, start_pos, num_tokens)
+    got = _attention_outputs(suspect_attention_step, backend, start_pos, num_tokens)
+    return not torch.allclose(want, got)
+
+
+#: The chunks (start_pos, num_tokens) the check of exercise 1 tries on each backend.
+SUSPECT_CHUNKS = ((0, 1), (0, 2), (0, 9), (0, 24), (3, 1), (13, 1), (4, 3), (6, 5),
+                  (12, 16), (8, 17), (20, 24), (1, 30))
+
+
+def check_suspect_rule(fn) -> str:
+    """Exercise 1: ``fn(start_pos, num_tokens, backend) -> bool``, whether
+    :func:`suspect_attention_step` computes a different output from the engine's step
+    (``AttentionBackend.forward``) for a chunk of ``num_tokens`` at ``start_pos`` behind a
+    cached prefix, on the ``backend`` named ``"torch"`` (``TorchAttention``) or ``"cpu"``
+    (``CpuAttention``). Both steps are run on chunks the reader does not see (the ``"cpu"``
+    ones only where the compiled build is available)."""
+    require_answer(fn, "your function")
+    if not callable(fn):
+        raise AssertionError("pass a function (start_pos, num_tokens, backend) -> bool")
+    tried = 0
+    for name in SUSPECT_BACKENDS:
+        if _backend(name) is None:
+            continue
+        for start, n in SUSPECT_CHUNKS:
+            try:
+                said = fn(start, n, name)
+            except Exception as err:  # the reader's code: say where it failed
+                raise AssertionError(f"your function raised {type(err).__name__}: {err} on "
+                                     f"start_pos={start}, num_tokens={n}, "
+                                     f"backend={name!r}") from None
+            if not isinstance(said, bool):
+                raise AssertionError(f"return True or False, got {said!r}")
+            if said != suspect_differs(name, start, n):
+                raise AssertionError(
+                    f"on the {name!r} backend your function is wrong for at least one chunk. "
+                    "Revisit which chunks that backend's attention reads back from the cache "
+                    "(AttentionBackend.forward, and the backend's attend_rows and "
+                    "attend_chunks).")
+            tried += 1
+    return (f"Correct on {tried} chunks. Whatever attention reads from the cache must be "
+            "written first. On the torch backend only a fresh prompt of several tokens "
+            "attends the new K/V it was handed; a one-token chunk is a paged row and a chunk "
+            "behind a prefix reads its own tokens back through its table, so both see the "
+            "slots' stale contents. The compiled CPU backend reads every chunk from the cache, "
+            "fresh prompts included, so there even the colleague's prefill tests fail.")
 
 
 # -- exercise 2: decode attention's arithmetic intensity -----------------------------------
@@ -227,9 +267,11 @@ def check_attention_intensity(fn) -> str:
                                  f"{type(err).__name__}: {err} on {shape}") from None
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             raise AssertionError(f"trial {trial}: expected a number, got {got!r}")
-        way = truth.direction(got, tolerance=1e-9 * truth.value())
-        if way:
-            raise AssertionError(f"trial {trial}: on {shape} your intensity is {way}.")
+        if truth.direction(got, tolerance=1e-9 * truth.value()) is not None:
+            raise AssertionError(
+                f"trial {trial}: on {shape} your intensity is not the engine's accounting. "
+                "Revisit what one cached position costs: the FLOPs of its scores and of its "
+                "weighted values, over the bytes of its K and V.")
     return ("Correct: your intensity matches the engine's accounting on 60 random shapes. "
             "Layers, head size and context cancel; what is left is the query heads per KV head "
             "over the bytes per element, so a step's batch size cannot raise it: each request "
@@ -243,9 +285,9 @@ ROWS_STEP = {"A": (40, 1), "B": (20, 12), "C": (0, 10), "D": (32, 24), "E": (0, 
 
 
 def check_paged_rows(num_paged_rows, dense_chunks) -> str:
-    """Exercise 3: for :data:`ROWS_STEP` on an engine whose runner has a paged-row op (the CPU
-    engine with its compiled kernel), how many token rows are paged rows, and which chunks
-    (letters) are dense? Compared with what ``flat_metadata`` builds."""
+    """Exercise 3: for :data:`ROWS_STEP` on an engine whose attention backend is the compiled
+    ``CpuAttention``, how many token rows are paged rows, and which chunks (letters) are dense?
+    Compared with what ``flat_metadata`` builds with that backend's ``paged_max_tokens``."""
     require_answer(num_paged_rows, "the number of paged rows")
     require_answer(dense_chunks, "the dense chunks")
     if isinstance(num_paged_rows, bool) or not isinstance(num_paged_rows, int):
@@ -269,9 +311,9 @@ def check_paged_rows(num_paged_rows, dense_chunks) -> str:
         raise AssertionError(f"{wrong} not what the runner builds for this step.")
     return (f"Correct: {num_paged_rows} paged rows and dense chunks {sorted(chosen)}. A row "
             "re-reads its whole context, so only one-token chunks and short chunks behind KV "
-            "already cached go row by row; a fresh prompt has nothing cached to read. Without "
-            "an op (the torch path) only the one-token chunks would be rows: its gather would "
-            "copy a chunk's context once per row.")
+            "already cached go row by row; a fresh prompt has nothing cached to read. With the "
+            "torch backend (paged_max_tokens 0) only the one-token chunks would be rows: its "
+            "gather would copy a chunk's context once per row.")
 
 
 # -- exercise 4: preempt, and still generate the same tokens ----------------------------------

@@ -67,13 +67,12 @@ class StaticBatchScheduler(SchedulerBase):
             if plan.seqs_left == 0 or plan.tokens_left == 0:
                 break
             request = self._requests[rid]
-            need = self.kv.blocks_needed(None, request.max_kv_slots, request.scope,
-                                         request.all_token_ids)
+            hit = self.kv.find_prefix(request.scope, request.all_token_ids)   # one lookup
+            need = hit.blocks_needed(request.max_kv_slots, self.kv.block_size)
             if need > self.kv.num_allocatable_blocks() - reserved:
                 break                                   # FIFO: the batch is full of KV
-            cached = self._uncomputed_prefix_hit(request)
-            n = min(request.num_tokens - cached, plan.tokens_left)
-            self._admit(plan, request, cached, n)
+            n = min(request.num_tokens - hit.cached, plan.tokens_left)
+            self._admit(plan, request, hit, n)
             reserved += self.kv.blocks_needed(rid, request.max_kv_slots)
             self._batch.append((rid, request.max_kv_slots))
         if self._batch:

@@ -11,7 +11,16 @@ import numpy as np
 from kvlab.labs.capacity import DTYPE_BYTES, CapacityPlan, GiB, plan_capacity
 from kvlab.sim.catalog import GPUS, MODELS, get_gpu, get_model
 from kvlab.viz._widgets import figure_widget
-from kvlab.viz.style import BLOCK_STATE_COLORS, INK, MUTED, PHASE_COLORS, REQUEST_PALETTE
+from kvlab.viz.style import (
+    BLOCK_STATE_COLORS,
+    INK,
+    MUTED,
+    PHASE_COLORS,
+    PHONE,
+    REQUEST_PALETTE,
+    layout,
+    phone_aware,
+)
 
 #: Colour of each memory use in :func:`capacity_figure` (taken from the book's palette).
 MEMORY_COLORS: dict[str, str] = {
@@ -39,20 +48,26 @@ def max_requests_curve(plan: CapacityPlan, contexts=CONTEXTS) -> np.ndarray:
     return plan.num_blocks // blocks
 
 
+@phone_aware
 def capacity_figure(plan: CapacityPlan, contexts=CONTEXTS):
     """Top: one GPU's memory split by use (GiB). Bottom: max concurrent requests vs context.
 
-    Pure: a new Figure with two axes, stacked so that the figure fits a phone's column (4.4
-    inches wide, no text under 9 points). The top axis holds one horizontal bar segment per
-    non-zero part of :meth:`CapacityPlan.breakdown` (labelled for the legend beneath it); a
-    plan that does not fit shows the weights and reserve overflowing the GPU, marked by a
-    vertical line at the GPU's capacity. The bottom axis plots :func:`max_requests_curve` on a
-    log-2 x axis and marks the plan's own ``context_len``.
+    Pure: a new Figure with two axes (stacked, memory above, in a phone's layout). The left
+    axis holds one horizontal bar segment per non-zero part of
+    :meth:`CapacityPlan.breakdown` (labelled for the legend); a plan that does not fit
+    shows the weights and reserve overflowing the GPU, marked by a vertical line at the GPU's
+    capacity. The right axis plots :func:`max_requests_curve` on a log-2 x axis
+    and marks the plan's own ``context_len``.
     """
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(4.4, 6.0),
-                                  gridspec_kw={"height_ratios": [0.5, 1.4]})
+    phone = layout().phone
+    if phone:
+        fig, (ax, ax2) = plt.subplots(2, 1, figsize=(PHONE.width_in, 6.4),
+                                      gridspec_kw={"height_ratios": [0.6, 1.0]})
+    else:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.0, 3.6),
+                                      gridspec_kw={"width_ratios": [1.5, 1.0]})
     left = 0.0
     for part, value in plan.breakdown().items():
         if value <= 0:
@@ -70,10 +85,11 @@ def capacity_figure(plan: CapacityPlan, contexts=CONTEXTS):
     ax.set_yticks([])
     ax.set_xlabel("GiB per GPU")
     status = (f"{plan.num_blocks:,} blocks = {plan.token_capacity:,} tokens" if plan.fits
-              else f"does not fit, {-plan.kv_budget_bytes / GiB:.1f} GiB short")
-    ax.set_title(f"{plan.model} on {plan.gpu}, TP={plan.tp}\nKV {plan.kv_dtype}: {status}",
-                 loc="left", fontsize=10)
-    ax.legend(loc="upper left", bbox_to_anchor=(-0.02, -0.6), ncol=1, fontsize=9)
+              else f"does not fit: short by {-plan.kv_budget_bytes / GiB:.1f} GiB")
+    where = f"{plan.model} on {plan.gpu}," + ("\n" if phone else " ")
+    ax.set_title(f"{where}TP={plan.tp}, KV {plan.kv_dtype}\n{status}", loc="left", fontsize=10)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.5 if phone else -0.28),
+              ncol=1 if phone else 2, fontsize=8)
 
     counts = max_requests_curve(plan, contexts)
     positive = counts > 0

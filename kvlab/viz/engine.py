@@ -19,6 +19,9 @@ from kvlab.viz.style import (
     BLOCK_STATE_ORDER,
     INK,
     MUTED,
+    PHONE,
+    layout,
+    phone_aware,
     request_color,
 )
 
@@ -39,6 +42,7 @@ def request_order(snapshot, order: list[str] | None = None) -> list[str]:
     return order
 
 
+@phone_aware
 def engine_step_figure(snapshot, *, max_pool_blocks: int = 48, per_row: int = 16,
                        title: str | None = None, order: list[str] | None = None):
     """Draw ``snapshot`` (an :class:`~kvlab.engine.snapshot.EngineSnapshot`).
@@ -46,12 +50,18 @@ def engine_step_figure(snapshot, *, max_pool_blocks: int = 48, per_row: int = 16
     ``max_pool_blocks`` caps the pool panel (blocks ``0 .. max_pool_blocks-1``; the remainder is
     summarised in the panel title). ``order``: request ids in colour order (default:
     :func:`request_order` of this snapshot alone). Raises ValueError for non-positive sizes.
+    In a phone's layout the pool has 8 blocks a row and each block table's label sits above it.
     """
+    import textwrap
+
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
 
     if max_pool_blocks <= 0 or per_row <= 0:
         raise ValueError("max_pool_blocks and per_row must be positive")
+    phone = layout().phone
+    if phone:
+        per_row = min(per_row, 8)
     reqs = [r for r in snapshot.requests if r.block_table]
     order = request_order(snapshot) if order is None else order
     batch = list(snapshot.last_batch)
@@ -60,9 +70,17 @@ def engine_step_figure(snapshot, *, max_pool_blocks: int = 48, per_row: int = 16
     pool_rows = -(-shown // per_row)
     longest = max((len(r.block_table) for r in reqs), default=1)
     width = max(per_row, longest + 1)
-    heights = [1.3, max(len(reqs), 1) * 0.55 + 0.4, pool_rows * 0.55 + 0.4]
-    fig, axes = plt.subplots(3, 1, figsize=(min(0.55 * width + 2.8, 12.0), sum(heights) + 1.6),
-                             gridspec_kw={"height_ratios": heights})
+    pitch = 1.6 if phone else 1.0          # a table row, in block heights (its label above)
+    left = -0.2 if phone else -6.5         # room left of the tables for their labels
+    if phone:
+        unit = PHONE.width_in / (width - left)   # inches per block (aspect equal)
+        heights = [1.9, (max(len(reqs), 1) * pitch + 0.6) * unit + 0.8,
+                   (pool_rows + 0.4) * unit + 0.5]
+        size = (PHONE.width_in, sum(heights) + 1.6)
+    else:
+        heights = [1.3, max(len(reqs), 1) * 0.55 + 0.4, pool_rows * 0.55 + 0.4]
+        size = (min(0.55 * width + 2.8, 12.0), sum(heights) + 1.6)
+    fig, axes = plt.subplots(3, 1, figsize=size, gridspec_kw={"height_ratios": heights})
     ax_batch, ax_tables, ax_pool = axes
 
     # 1. the batch: one bar per chunk, laid end to end as the flat batch
@@ -79,25 +97,27 @@ def engine_step_figure(snapshot, *, max_pool_blocks: int = 48, per_row: int = 16
                  else f"{e.request_id}\ndecode @{e.start_pos}")
         if e.sampled_token is not None:
             label += f"\n\u2192 {e.sampled_token}"
-        if e.num_tokens >= 0.06 * max(total, 1):
+        if e.num_tokens >= (0.2 if phone else 0.06) * max(total, 1):
             ax_batch.text(x + e.num_tokens / 2, 0.5, label, ha="center", va="center",
-                          fontsize=9, color="white")
+                          fontsize=8 if phone else 9, color="white")
         x += e.num_tokens
     ax_batch.set_xlim(0, max(total, 1))
     ax_batch.set_ylim(0, 1)
     ax_batch.set_yticks([])
-    ax_batch.set_xlabel("position in the flat batch (tokens)")
+    ax_batch.set_xlabel("flat batch (tokens)" if phone else "position in the flat batch (tokens)")
     n_pre = sum(e.is_prefill for e in batch)
-    ax_batch.set_title(title or f"step {snapshot.step}: {len(batch)} chunks, {total} tokens "
-                       f"({n_pre} prefill, {len(batch) - n_pre} decode)")
+    heading = title or (f"step {snapshot.step}: {len(batch)} chunks, {total} tokens "
+                        f"({n_pre} prefill, {len(batch) - n_pre} decode)")
+    ax_batch.set_title(textwrap.fill(heading, 36) if phone else heading)
 
     # 2. block tables of live requests; cells written this step outlined
     written: dict[str, set[int]] = {e.request_id: {s // bs for s in e.slots} for e in batch}
     for row, r in enumerate(reqs):
-        y = -row
+        y = -row * pitch
         color = request_color(r.request_id, order)
-        ax_tables.text(-0.3, y + 0.45, f"{r.request_id}: {r.status}, "
-                       f"{r.num_computed_tokens} tok", ha="right", va="center", fontsize=9.5,
+        ax_tables.text(0 if phone else -0.3, y + (1.25 if phone else 0.45),
+                       f"{r.request_id}: {r.status}, {r.num_computed_tokens} tok",
+                       ha="left" if phone else "right", va="center", fontsize=9.5,
                        color=color, fontweight="bold")
         for i, block in enumerate(r.block_table):
             state = snapshot.block_states[block]
@@ -110,12 +130,13 @@ def engine_step_figure(snapshot, *, max_pool_blocks: int = 48, per_row: int = 16
                            fontsize=9, color="white" if _dark(state) else INK)
     if not reqs:
         ax_tables.text(0, 0.4, "no request holds KV", fontsize=10, color=MUTED)
-    ax_tables.set_xlim(-6.5, width)
-    ax_tables.set_ylim(-max(len(reqs), 1) + 0.8, 1.1)
+    ax_tables.set_xlim(left, width)
+    ax_tables.set_ylim(-(max(len(reqs), 1) - 1) * pitch - 0.2, 1.1 + (0.7 if phone else 0))
     ax_tables.set_aspect("equal")
     ax_tables.axis("off")
-    ax_tables.set_title("block tables in logical order (black edge: written this step)",
-                        fontsize=10, fontweight="normal")
+    tables = "block tables in logical order (black edge: written this step)"
+    ax_tables.set_title(textwrap.fill(tables, 40) if phone else tables, fontsize=10,
+                        fontweight="normal")
 
     # 3. the pool, coloured by state, with refcounts
     for b in range(shown):
@@ -129,20 +150,22 @@ def engine_step_figure(snapshot, *, max_pool_blocks: int = 48, per_row: int = 16
         if rc:
             ax_pool.text(x + 0.5, y + 0.36, f"rc={rc}", ha="center", va="center", fontsize=9.5,
                          color=ink)
-    ax_pool.set_xlim(-6.5, width)
+    ax_pool.set_xlim(left, width)
     ax_pool.set_ylim(-pool_rows + 0.8, 1.1)
     ax_pool.set_aspect("equal")
     ax_pool.axis("off")
     counts = {s: sum(1 for st in snapshot.block_states if st == s) for s in BLOCK_STATE_ORDER}
     more = f" (first {shown} of {snapshot.num_blocks} shown)" if shown < snapshot.num_blocks else ""
-    ax_pool.set_title("KV pool: block id, refcount" + more + "; "
-                      + ", ".join(f"{counts[s]} {s}" for s in BLOCK_STATE_ORDER if counts[s]),
-                      fontsize=10, fontweight="normal")
+    pool = ("KV pool: block id, refcount" + more + "; "
+            + ", ".join(f"{counts[s]} {s}" for s in BLOCK_STATE_ORDER if counts[s]))
+    ax_pool.set_title(textwrap.fill(pool, 40) if phone else pool, fontsize=10,
+                      fontweight="normal")
     handles = [Patch(facecolor=BLOCK_STATE_COLORS[s], edgecolor=INK, linewidth=0.5,
                      label=BLOCK_STATE_LABELS[s]) for s in BLOCK_STATE_ORDER]
     handles += [Patch(facecolor="white", edgecolor=INK, hatch="//", label="prefill chunk")]
-    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=9.5, frameon=False)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.legend(handles=handles, loc="lower center", ncol=2 if phone else 3,
+               fontsize=8.5 if phone else 9.5, frameon=False)
+    fig.tight_layout(rect=(0, 1.3 / size[1] if phone else 0.07, 1, 1))
     return fig
 
 

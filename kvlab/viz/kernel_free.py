@@ -19,6 +19,13 @@ so they stay sharp on high-density screens. Each ``<img>`` carries ``data-min-te
 font size of the smallest text of its figure in image pixels, which ``tools/site_check.py``
 turns into the size a reader sees (it fails under 9 CSS pixels).
 
+Every frame also has a phone variant (:func:`kvlab.viz.phone.phone_variant`: the figure laid
+out :data:`PHONE_PX` wide, panels stacked) wherever the wide one would not stay legible on a
+390 px screen; a ``<picture>`` serves it to screens narrower than the width at which the wide
+frame's text would drop under 9 px (:func:`phone_media`). A frame that cannot be laid out for
+a phone says so (``data-phone="none"``): the site shows it scaled and opens it full size on
+tap. Frames other than the one shown first load lazily (``loading="lazy"``).
+
     from kvlab.viz.kernel_free import static_widget
     static_widget(lambda step: my_figure(step), {"step": range(8)}, default={"step": 3})
 
@@ -115,6 +122,12 @@ CSS_DPI = 96
 COLUMN_PX = 880
 #: Image pixels per CSS pixel: frames are rendered at twice their display size.
 SCALE = 2
+#: The widest a phone variant is shown: a 390 px screen's column less a frame's padding.
+PHONE_PX = 340
+#: What a narrow screen (below 960 px) keeps around a widget frame: the column's padding,
+#: the frame's border and padding. Above 959 px the theme's sidebars take over.
+NARROW_CHROME_PX = 50
+NARROW_SCREEN_MAX_PX = 959
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,14 @@ def min_display_width(width: int, min_text_px: float, *, scale: int = SCALE,
     # the default aims a quarter pixel above the site check's 9 px, since the stored text size
     # is rounded to 0.1 image px (at 9.0 a figure measured 8.99 px on a phone)
     return min(width, math.ceil(width * min_css_px * scale / min_text_px) + 1)
+
+
+def phone_media(width: int, min_text_px: float) -> str:
+    """The media query of the screens that get a figure's phone variant: those narrower than
+    where its wide rendering (``width`` CSS px, smallest text ``min_text_px`` image px) would
+    shrink its text under 9 px, up to :data:`NARROW_SCREEN_MAX_PX`."""
+    floor = min_display_width(width, min_text_px) or width
+    return f"(max-width: {min(floor + NARROW_CHROME_PX, NARROW_SCREEN_MAX_PX)}px)"
 
 
 def display_dpi(fig, column_px: int = COLUMN_PX) -> float:
@@ -185,6 +206,46 @@ def describe_figure(fig) -> str:
 #: PNG text keys: what the figure shows, and its smallest text in image pixels.
 PNG_DESCRIPTION = "Description"
 PNG_MIN_TEXT = "kvlab:min-text-px"
+#: A notebook figure's phone variant travels inside its PNG, in a private ancillary chunk
+#: (viewers skip it; the site extension serves it to phones): :func:`add_phone_chunk`.
+PNG_PHONE_CHUNK = b"kvPh"
+#: The chunk's content when the figure has no phone layout (it is shown scaled on a phone).
+NO_PHONE = b"none"
+
+
+def _png_chunks(png: bytes):
+    """``(type, data, start, end)`` of each chunk of ``png`` (after the 8-byte signature)."""
+    import struct
+
+    at = 8
+    while at + 12 <= len(png):
+        (length,) = struct.unpack(">I", png[at:at + 4])
+        kind = png[at + 4:at + 8]
+        yield kind, png[at + 8:at + 8 + length], at, at + 12 + length
+        at += 12 + length
+
+
+def add_phone_chunk(png: bytes, phone: bytes | None) -> bytes:
+    """``png`` with ``phone`` (a PNG, or None: :data:`NO_PHONE`) in a :data:`PNG_PHONE_CHUNK`
+    chunk before its end."""
+    import struct
+    import zlib
+
+    data = phone if phone is not None else NO_PHONE
+    chunk = (struct.pack(">I", len(data)) + PNG_PHONE_CHUNK + data
+             + struct.pack(">I", zlib.crc32(PNG_PHONE_CHUNK + data) & 0xFFFFFFFF))
+    end = next(start for kind, _, start, _ in _png_chunks(png) if kind == b"IEND")
+    return png[:end] + chunk + png[end:]
+
+
+def split_phone_chunk(png: bytes) -> tuple[bytes, bytes | None, bool]:
+    """``(png without the chunk, phone PNG or None, has a phone layout)``; a PNG without the
+    chunk gives ``(png, None, True)``: it shrinks to a phone as it is."""
+    for kind, data, start, end in _png_chunks(png):
+        if kind == PNG_PHONE_CHUNK:
+            rest = png[:start] + png[end:]
+            return (rest, None, False) if data == NO_PHONE else (rest, data, True)
+    return png, None, True
 
 
 def render_figure(fig, *, column_px: int = COLUMN_PX, colors: int = 96, close: bool = True,
@@ -222,6 +283,60 @@ def figure_png(fig, *, column_px: int = COLUMN_PX, colors: int = 96) -> bytes:
     return render_figure(fig, column_px=column_px, colors=colors).png
 
 
+@dataclass(frozen=True)
+class Screens:
+    """A figure rendered for the book's column (``wide``) and, where that would not stay
+    legible on a phone, for a phone's column (``phone``; None when the wide one shrinks to a
+    phone legibly, or when the figure cannot be laid out for one: then ``fits_phone`` is
+    False)."""
+
+    wide: Rendered
+    phone: Rendered | None
+    fits_phone: bool
+
+
+def shrinks_to_phone(shot: Rendered) -> bool:
+    """Whether ``shot`` shown :data:`PHONE_PX` wide (or less) keeps its text legible."""
+    return shot.width <= PHONE_PX or 0 < min_display_width(shot.width,
+                                                           shot.min_text_px) <= PHONE_PX
+
+
+def render_screens(fig, *, column_px: int = COLUMN_PX, colors: int = 96, tight: bool = False,
+                   keep: bool = False, phone: bool = True) -> Screens:
+    """Render ``fig`` wide and, when needed, its phone variant
+    (:func:`kvlab.viz.phone.phone_variant`; ``phone=False`` skips it: no phone layout).
+    ``keep`` leaves ``fig`` open and unchanged (a notebook's figure: the phone variant is laid
+    out on a copy), else it is closed."""
+    import pickle
+
+    import matplotlib.pyplot as plt
+
+    from kvlab.viz.phone import phone_variant
+
+    wide = render_figure(fig, column_px=column_px, colors=colors, close=False, tight=tight)
+    if shrinks_to_phone(wide) or not phone:
+        if not keep:
+            plt.close(fig)
+        return Screens(wide, None, shrinks_to_phone(wide))
+    source = fig
+    if keep and getattr(fig, "kvlab_redraw", None) is None:
+        try:
+            source = pickle.loads(pickle.dumps(fig))
+        except Exception:  # an artist that does not pickle: lay out the figure itself
+            source = fig
+    phone_fig, fit = phone_variant(source)
+    small = (render_figure(phone_fig, column_px=PHONE_PX, colors=colors, close=False,
+                           tight=tight) if fit.ok else None)
+    # drawn past its edges (a tight crop wider than the phone's column): it is shown scaled
+    # to the column, which must keep its smallest text at 9 px and more
+    if small is not None and small.min_text_css_px * min(1.0, PHONE_PX / small.width) < 9.25:
+        small = None
+    for drawn in {id(f): f for f in (phone_fig, source, fig)}.values():
+        if drawn is not fig or not keep:
+            plt.close(drawn)
+    return Screens(wide, small, small is not None)
+
+
 @dataclass
 class Frame:
     key: str
@@ -231,6 +346,8 @@ class Frame:
     height: int = 0
     min_text_px: float = 0.0  # smallest text, image pixels
     alt: str = ""
+    phone: Rendered | None = None   # the phone variant, where one is needed
+    fits_phone: bool = True         # False: no phone layout, shown scaled on a phone
 
 
 @dataclass
@@ -252,7 +369,7 @@ class KernelFreeWidget:
 
     @property
     def nbytes(self) -> int:
-        return sum(len(f.png) for f in self.frames)
+        return sum(len(f.png) + (len(f.phone.png) if f.phone else 0) for f in self.frames)
 
     def _control_html(self, name: str, control: Control, index: int) -> str:
         label = html.escape(control.label or name)
@@ -272,19 +389,23 @@ class KernelFreeWidget:
     def _frame_html(self, frame: Frame, shown: bool) -> str:
         data = base64.b64encode(frame.png).decode()
         size = (f' width="{frame.width}" height="{frame.height}"' if frame.width else "")
-        floor = min_display_width(frame.width, frame.min_text_px)
-        if floor:
-            # never narrower than where the smallest text would drop below 9 CSS pixels: on a
-            # phone the frame scrolls sideways instead of shrinking into unreadable text
-            size += f' style="min-width: {floor}px"'
         text = f' data-min-text-px="{frame.min_text_px:.1f}"' if frame.min_text_px else ""
         alt = html.escape(frame.alt or self.alt or self.title)
+        lazy = "" if shown else ' loading="lazy"'
+        phone = "" if frame.fits_phone else ' data-phone="none"'
+        image = (f'<img src="data:image/png;base64,{data}"{size}{text}{phone}{lazy} '
+                 f'alt="{alt}">')
+        if frame.phone is not None:
+            small = frame.phone
+            image = (f'<picture><source media="{phone_media(frame.width, frame.min_text_px)}" '
+                     f'srcset="data:image/png;base64,{base64.b64encode(small.png).decode()}" '
+                     f'width="{small.width}" height="{small.height}" '
+                     f'data-min-text-px="{small.min_text_px:.1f}">{image}</picture>')
         caption = (f'<pre class="kvlab-kf-caption">{html.escape(frame.caption)}</pre>'
                    if frame.caption else "")
         hidden = "" if shown else " hidden"
         return (f'<div class="kvlab-kf-frame" data-kf-key="{frame.key}"{hidden}>'
-                f'<img src="data:image/png;base64,{data}"{size}{text} alt="{alt}">'
-                f"{caption}</div>")
+                f"{image}{caption}</div>")
 
     def to_html(self) -> str:
         """The fragment: the default frame and a one-line note as plain HTML; the controls and
@@ -380,15 +501,21 @@ def static_widget(
             start.append(spec.values.index(default[name]))
         else:
             raise ValueError(f"default {name}={default[name]!r} is not one of {spec.values}")
+    # once a frame cannot be laid out for a phone (a diagram whose function is not
+    # phone-aware), the later ones are not tried: each try costs several draws
     frames = []
+    phone = True
     for indices in itertools.product(*(range(len(s.values)) for s in specs.values())):
         point = {name: spec.values[i] for (name, spec), i in zip(specs.items(), indices,
                                                                   strict=True)}
-        shot = render_figure(render(**point), column_px=column_px)
+        screens = render_screens(render(**point), column_px=column_px, phone=phone)
+        phone = phone and screens.fits_phone
+        shot = screens.wide
         setting = ", ".join(f"{spec.label or name} {spec.text(i)}"
                             for (name, spec), i in zip(specs.items(), indices, strict=True))
         what = alt or shot.description or title
         frames.append(Frame("-".join(map(str, indices)), shot.png,
                             caption(**point) if caption is not None else "",
-                            shot.width, shot.height, shot.min_text_px, f"{what} ({setting})"))
+                            shot.width, shot.height, shot.min_text_px, f"{what} ({setting})",
+                            screens.phone, screens.fits_phone))
     return KernelFreeWidget(title, specs, frames, "-".join(map(str, start)), alt)

@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from kvlab.viz._widgets import chapter_box, figure_output
-from kvlab.viz.style import INK, MUTED
+from kvlab.viz.style import INK, MUTED, PHONE, layout, phone_aware
 
 _STATE_POS = {
     "waiting": (0.0, 1.0), "running": (2.1, 1.0),
@@ -152,13 +152,18 @@ _DECISION_COLORS = {"resume": "#009e73", "requeue": "#e69f00", "free orphan": "#
                     "finish": "#0072b2", "nothing": "#adb5bd"}
 
 
+@phone_aware
 def recovery_figure(snapshot: RecoverySnapshot) -> Figure:
     """One row per request: logged status (filled if it is a running status, i.e. may hold
-    KV), whether the manager held KV at the crash, and recovery's decision."""
+    KV), whether the manager held KV at the crash, and recovery's decision; the tail of the
+    durable log beside them (under them in a phone's layout)."""
     from kvlab.viz.style import BLOCK_STATE_COLORS
 
     rows = snapshot.rows
-    fig, ax = plt.subplots(figsize=(9.0, 1.2 + 0.42 * max(len(rows), 1)))
+    phone = layout().phone
+    tail_lines = len(snapshot.tail) if phone else 0
+    fig, ax = plt.subplots(figsize=(PHONE.width_in if phone else 9.0,
+                                    1.2 + 0.42 * max(len(rows), 1) + 0.3 * tail_lines))
     for i, row in enumerate(rows):
         y = len(rows) - 1 - i
         running = row.logged_status == "running"
@@ -178,13 +183,15 @@ def recovery_figure(snapshot: RecoverySnapshot) -> Figure:
     top = len(rows) - 0.3
     for x, label in ((1.8, "status in the log"), (3.6, "KV at the crash"), (5.5, "recovery")):
         ax.text(x, top + 0.2, label, ha="center", va="bottom", fontsize=9, color=MUTED)
-    ax.text(6.7, top + 0.2, f"durable log, crash before event {snapshot.crash_at}:",
+    # the log's tail: right of the table, or under it on a phone (and cut shorter)
+    x, y, width = (0.0, -1.0, 44) if phone else (6.7, top + 0.2, 52)
+    ax.text(x, y, f"durable log, crash before event {snapshot.crash_at}:",
             ha="left", va="bottom", fontsize=9, color=MUTED)
     for j, line in enumerate(snapshot.tail):
-        ax.text(6.7, top - 0.45 * j - 0.3, line[:52], ha="left", va="center", fontsize=8,
+        ax.text(x, y - 0.45 * j - 0.5, line[:width], ha="left", va="center", fontsize=8,
                 family="monospace", color=INK)
-    ax.set_xlim(0, 11.5)
-    ax.set_ylim(-0.6, len(rows) + 0.3)
+    ax.set_xlim(0, 6.5 if phone else 11.5)
+    ax.set_ylim(-1.6 - 0.45 * tail_lines if phone else -0.6, len(rows) + 0.3)
     ax.axis("off")
     fig.tight_layout()
     return fig

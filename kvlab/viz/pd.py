@@ -19,19 +19,25 @@ from typing import Any
 
 from kvlab.viz._widgets import chapter_box, figure_output
 from kvlab.viz.blocks import pool_figure
-from kvlab.viz.style import INK, MUTED
+from kvlab.viz.style import INK, MUTED, PHONE, layout, phone_aware
 
 ACTION_COLORS = {"install": "#009e73", "recompute": "#e69f00", "fail": "#c44e52",
                  "discard": "#868e96", "wait": "#56b4e9"}
 
 
+@phone_aware
 def protocol_timeline_figure(rows: Sequence[Mapping[str, Any]], *, producer: str = "producer",
                              consumer: str = "consumer", title: str | None = None):
     """``rows``: dicts with ``request``, ``fault`` (``""`` for none), ``decision``, ``action``
-    and optionally ``order`` (the consumer's decision order, drawn as ``#n``)."""
+    and optionally ``order`` (the consumer's decision order, drawn as ``#n``). In a phone's
+    layout each entry takes two lines: the producer's export and the fault it met, then the
+    consumer's decision under it."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch, Patch
 
+    if layout().phone:
+        return _protocol_timeline_phone(rows, producer=producer, consumer=consumer,
+                                        title=title)
     n = len(rows)
     fig, ax = plt.subplots(figsize=(9.5, 0.42 * n + 1.6))
     ax.set_xlim(0, 10)
@@ -62,6 +68,48 @@ def protocol_timeline_figure(rows: Sequence[Mapping[str, Any]], *, producer: str
               bbox_to_anchor=(0.5, -0.02 - 0.25 / max(n, 1)))
     if title:
         ax.set_title(title, fontsize=11, color=INK)
+    fig.tight_layout()
+    return fig
+
+
+def _protocol_timeline_phone(rows, *, producer: str, consumer: str, title: str | None):
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch, Patch
+
+    n = len(rows)
+    fig, ax = plt.subplots(figsize=(PHONE.width_in, 0.8 * n + 2.1))
+    ax.set_xlim(0, 10)
+    ax.set_ylim(2 * n - 0.3, -2.0)
+    ax.axis("off")
+    ax.text(0.2, -1.5, f"grey: {producer}", ha="left", fontsize=9, color=INK, weight="bold")
+    ax.text(0.2, -0.8, f"coloured: {consumer}'s decision", ha="left", fontsize=9, color=INK,
+            weight="bold")
+    for i, row in enumerate(rows):
+        top, bottom = 2 * i, 2 * i + 1
+        ax.add_patch(FancyBboxPatch((0.2, top - 0.36), 5.2, 0.72, boxstyle="round,pad=0.02",
+                                    fc="#e9ecef", ec=MUTED, lw=0.8, gid=f"producer-{i}"))
+        ax.text(2.8, top, f"prefill + export {row['request']}", ha="center", va="center",
+                fontsize=8.5, color=INK)
+        fault = row.get("fault") or ""
+        ax.text(5.7, top, fault or "clean", ha="left", va="center", fontsize=8,
+                color="#c44e52" if fault else MUTED)
+        ax.annotate("", xy=(1.2, bottom - 0.38), xytext=(1.2, top + 0.38),
+                    arrowprops={"arrowstyle": "->", "color": "#c44e52" if fault else MUTED,
+                                "lw": 1.2, "ls": "--" if fault else "-"})
+        action = row["action"]
+        ax.add_patch(FancyBboxPatch((0.2, bottom - 0.36), 9.6, 0.72,
+                                    boxstyle="round,pad=0.02",
+                                    fc=ACTION_COLORS.get(action, "#ffffff"), ec=INK, lw=0.6,
+                                    alpha=0.85, gid=f"decision-{i}"))
+        order = f"#{row['order']} " if row.get("order") is not None else ""
+        ax.text(5.0, bottom, f"{order}{row['decision']} → {action}", ha="center",
+                va="center", fontsize=8.5,
+                color="white" if action in ("install", "fail") else INK)
+    handles = [Patch(fc=c, ec=INK, label=a) for a, c in ACTION_COLORS.items() if a != "wait"]
+    ax.legend(handles=handles, loc="upper center", ncol=2, frameon=False, fontsize=8.5,
+              bbox_to_anchor=(0.5, 0.0))
+    if title:
+        ax.set_title(title, fontsize=10, color=INK)
     fig.tight_layout()
     return fig
 

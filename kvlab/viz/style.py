@@ -6,7 +6,11 @@ same in chapter 3 as in chapter 12, and request ``r2`` keeps its colour across a
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
 
 import matplotlib as mpl
 
@@ -40,6 +44,59 @@ PHASE_COLORS: dict[str, str] = {"prefill": "#6baed6", "decode": "#fd8d3c", "idle
 INK = "#212529"      # text and outlines
 MUTED = "#868e96"    # secondary text, gridlines
 FONT_SIZE = 11
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The screen a figure is drawn for: ``width_in`` is the widest it should be, in inches at
+    96 CSS px per inch (the book's column at 1280 px, or a phone's)."""
+
+    name: str
+    width_in: float
+
+    @property
+    def phone(self) -> bool:
+        return self.name == "phone"
+
+
+#: The book's column on a laptop (880 CSS px) and on a 390 px phone (340 CSS px: the column
+#: less a widget frame's padding). A phone figure's text is shown at its point size.
+WIDE = Layout("wide", 880 / 96)
+PHONE = Layout("phone", 340 / 96)
+_LAYOUT: contextvars.ContextVar[Layout] = contextvars.ContextVar("kvlab_layout", default=WIDE)
+
+
+def layout() -> Layout:
+    """The layout figures are being drawn for now (:data:`WIDE` unless inside
+    :func:`phone_layout`). A figure function marked :func:`phone_aware` reads it to stack its
+    panels or wrap its rows for a phone."""
+    return _LAYOUT.get()
+
+
+@contextlib.contextmanager
+def phone_layout() -> Iterator[Layout]:
+    """Draw figures for a phone's column inside this block (see :func:`layout`)."""
+    token = _LAYOUT.set(PHONE)
+    try:
+        yield PHONE
+    finally:
+        _LAYOUT.reset(token)
+
+
+def phone_aware(draw: Callable) -> Callable:
+    """Mark a figure function that lays itself out for :func:`layout`: the Figure it returns
+    remembers the call (``fig.kvlab_redraw``), so the book's renderers draw its phone variant
+    by calling it again inside :func:`phone_layout` (:func:`kvlab.viz.phone.phone_variant`).
+    A figure from an unmarked function is re-laid for the phone by
+    :func:`kvlab.viz.phone.fit_phone` instead."""
+
+    @functools.wraps(draw)
+    def drawn(*args, **kwargs):
+        fig = draw(*args, **kwargs)
+        fig.kvlab_redraw = functools.partial(draw, *args, **kwargs)
+        return fig
+
+    return drawn
 
 
 def request_color(key: Hashable, order: list | None = None) -> str:
@@ -109,21 +166,30 @@ def use_style() -> None:
 def figure_output_png(fig) -> tuple[str, dict[str, int]]:
     """A figure as a notebook output shows it: rendered for the book's column at twice its
     display size, with the display size as output metadata (so the site shows it sharp, not
-    twice as large) and, inside the PNG, what it shows and its smallest text
-    (:func:`kvlab.viz.kernel_free.render_figure`). Returns IPython's ``(base64, metadata)``."""
+    twice as large) and, inside the PNG, what it shows, its smallest text
+    (:func:`kvlab.viz.kernel_free.render_figure`) and its phone variant
+    (:func:`kvlab.viz.kernel_free.render_screens`, :func:`kvlab.viz.kernel_free.add_phone_chunk`),
+    which the site serves to narrow screens. ``fig`` stays open and unchanged. Returns
+    IPython's ``(base64, metadata)``."""
     import base64
 
-    from kvlab.viz.kernel_free import render_figure
+    from kvlab.viz.kernel_free import add_phone_chunk, render_screens
 
-    shot = render_figure(fig, colors=256, close=False, tight=True)
-    return (base64.b64encode(shot.png).decode(), {"width": shot.width, "height": shot.height})
+    screens = render_screens(fig, colors=256, tight=True, keep=True)
+    png = screens.wide.png
+    if screens.phone is not None or not screens.fits_phone:
+        png = add_phone_chunk(png, screens.phone.png if screens.phone else None)
+    return (base64.b64encode(png).decode(),
+            {"width": screens.wide.width, "height": screens.wide.height})
 
 
+@phone_aware
 def legend_figure(request_ids: list[str] | None = None):
     """The book's visual key: one swatch per block state and per request colour.
 
     Pure: returns a new matplotlib Figure with two axes (block states, requests); draws nothing
-    else. ``request_ids`` defaults to ``r0 .. r5``.
+    else. ``request_ids`` defaults to ``r0 .. r5``. In a phone's layout the swatches wrap
+    into rows (two states, three requests a row).
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
@@ -134,15 +200,22 @@ def legend_figure(request_ids: list[str] | None = None):
                              for s in BLOCK_STATE_ORDER]),
         ("requests", [(rid, request_color(rid, request_ids)) for rid in request_ids]),
     ]
-    fig, axes = plt.subplots(2, 1, figsize=(9.0, 1.9))
-    for ax, (title, swatches) in zip(axes, rows, strict=True):
-        ax.set_xlim(0, len(swatches))
-        ax.set_ylim(0, 1)
+    phone = layout().phone
+    per_row = [2, 3] if phone else [len(swatches) for _, swatches in rows]
+    lines = [-(-len(swatches) // n) for (_, swatches), n in zip(rows, per_row, strict=True)]
+    width, line_in = (PHONE.width_in, 0.42) if phone else (9.0, 0.55)
+    fig, axes = plt.subplots(2, 1, figsize=(width, 0.5 + line_in * sum(lines) + 0.4),
+                             gridspec_kw={"height_ratios": lines})
+    for ax, (title, swatches), n, height in zip(axes, rows, per_row, lines, strict=True):
+        ax.set_xlim(0, n)
+        ax.set_ylim(height, 0)
         ax.axis("off")
         ax.set_title(title, loc="left", fontsize=FONT_SIZE)
         for i, (label, color) in enumerate(swatches):
-            ax.add_patch(Rectangle((i + 0.02, 0.45), 0.14, 0.45, facecolor=color, edgecolor=INK,
-                                   linewidth=0.6, label=label))
-            ax.text(i + 0.2, 0.67, label, va="center", fontsize=FONT_SIZE - 2)
+            x, y = i % n, i // n
+            ax.add_patch(Rectangle((x + 0.02, y + 0.15), 0.14 if not phone else 0.09, 0.6,
+                                   facecolor=color, edgecolor=INK, linewidth=0.6, label=label))
+            ax.text(x + (0.2 if not phone else 0.13), y + 0.45, label, va="center",
+                    fontsize=FONT_SIZE - 2)
     fig.tight_layout()
     return fig
