@@ -305,3 +305,49 @@ def test_the_per_group_checks_are_not_vacuous(monkeypatch):
     mgr.prefix_cache.evictable_blocks = lambda: 0                 # a count gone stale
     with pytest.raises(AssertionError, match="evictable accounting exact"):
         check_kv_manager(mgr)
+
+
+def test_committed_engine_block_counts_are_what_the_manager_holds():
+    """benchmarks/results/kv_layouts.json measured the blocks one 8k request held in the real
+    engine; the same scheduler and manager driven without a model hold exactly as many (the
+    model decides tokens, never tables)."""
+    import json
+    from pathlib import Path
+
+    from kvlab.core.baseline_scheduler import BaselineScheduler
+    from kvlab.core.engine_core import EngineCore
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.core.request import RuntimeRequest
+    from kvlab.core.scheduler_config import SchedulerConfig
+    from kvlab.core.step_records import ModelOutput
+
+    stored = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+                         / "kv_layouts.json").read_text())["engine"]
+    setup = stored["setup"]
+    bs, budget = setup["block_size"], setup["max_num_batched_tokens"]
+    gen = setup["one_request_generated"]
+
+    class Zeros:                        # every sampling chunk gets token 0
+        def execute(self, output):
+            return ModelOutput({c.request_id: 0 for c in output.chunks if c.sample})
+
+    for name, row in stored["blocks_held_one_request"].items():
+        windows = [g["window"] for g in row["groups"]]
+        kv = (KVCacheManager(4096, bs) if not any(windows) else
+              HybridKVCacheManager(4096, bs, windows, chunk_tokens=budget))
+        sched = BaselineScheduler(kv, SchedulerConfig(max_num_seqs=64,
+                                                      max_num_batched_tokens=budget,
+                                                      prefill_chunk=budget))
+        core = EngineCore(sched, Zeros())
+        core.add_request(RuntimeRequest("r", tuple(range(setup["context"] - gen)), gen))
+        peak: list[int] = []
+        end: list[int] = []
+        while core.has_unfinished_requests():
+            core.step()
+            if kv.has("r"):
+                tables = kv.block_tables("r") if any(windows) else (kv.block_table("r"),)
+                end = [sum(b is not None for b in t) for t in tables]
+                peak = [max(a, b) for a, b in zip(peak or end, end, strict=True)]
+        assert (peak, end) == (row["peak_blocks_per_group"], row["end_blocks_per_group"]), name
+    held = stored["blocks_held_one_request"]
+    assert held["window_every_layer"]["end_blocks"] < held["no_window"]["end_blocks"] / 4
