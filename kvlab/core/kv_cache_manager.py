@@ -124,6 +124,12 @@ class KVCacheManager:
         self._sent[request_id] = len(table)
         return kept, tuple(table[kept:])
 
+    def group_deltas(self, request_id: str) -> tuple[()]:
+        """The deltas of the other KV cache groups' tables: none, all layers read this one (a
+        model with sliding-window layers has a manager with several,
+        :mod:`kvlab.core.hybrid_kv_cache_manager`)."""
+        return ()
+
     def scope_of(self, request_id: str) -> tuple:
         self._table(request_id)
         return self._scopes[request_id]
