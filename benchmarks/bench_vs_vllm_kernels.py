@@ -130,12 +130,12 @@ def attention_case(torch, ops, isa, kv_cpu, heads, kv_heads, dim, reqs, ctx, q_l
     row_op = build.decode_attention
     if q_len == 1:
         lens = torch.full((reqs,), ctx)
-        kvlab_fn = lambda: row_op(ours, q, kc, vc, tables, lens, scale)
+        kvlab_fn = lambda: row_op(ours, q, kc, vc, tables, lens, scale, 0)
     else:
         chunk_op = build.chunk_attention
         qs, starts = tuple(range(0, reqs * q_len + 1, q_len)), (0,) * reqs
         every = tuple(range(reqs))
-        kvlab_fn = lambda: chunk_op(ours, q, kc, vc, tables, qs, starts, every, scale)
+        kvlab_fn = lambda: chunk_op(ours, q, kc, vc, tables, qs, starts, every, scale, 0)
     # vLLM: blocks of 128 written by its own op, [blocks, kv_heads, 2 * 128, dim] split in K, V
     vbs = 128
     vper = -(-ctx // vbs)

@@ -553,6 +553,42 @@ def _register_expected_crashes() -> None:
 _register_expected_crashes()
 
 
+# --- chapter 13: routing by prefix -------------------------------------------------------------
+
+@truth("ch13.tenant_hits")
+def _tenant_hits() -> Truth:
+    """Random placement: request j (0-based) misses iff none of the j before it went to its
+    replica, probability (1 - 1/N)**j; routing by prefix misses only the first request."""
+    from kvlab.exercises import ch13
+
+    k, n = ch13.TENANT["requests"], ch13.TENANT["replicas"]
+    misses = sum((1 - 1 / n) ** j for j in range(k))
+    return Truth([round(k - misses, 6), round(float(k - 1), 6)])
+
+
+@truth("ch13.weight")
+def _weight() -> Truth:
+    from kvlab.exercises import ch13
+
+    rows = {w: ch13.run_weight(w) for w in ch13.WEIGHT_CHOICES}
+    fits = [w for w, r in rows.items() if r["ttft_p99_s"] <= ch13.WEIGHT_SLO_P99_S]
+    return Truth(float(max(fits, key=lambda w: (rows[w]["hit_rate"], -w))))
+
+
+def _router_bar(seed: int, policy: str, field: str) -> Truth:
+    from kvlab.exercises import ch13
+    from kvlab.sim.routers import make_policy
+
+    return Truth(None, number=ch13.run_router(make_policy(policy), seed)[field])
+
+
+for _seed in (17, 22, 26):     # ch13._GRADED_SEEDS (the check's hidden workloads)
+    truth(f"ch13.router_precise_hit.{_seed}")(
+        lambda s=_seed: _router_bar(s, "precise_index", "hit_rate"))
+    truth(f"ch13.router_least_loaded_p99.{_seed}")(
+        lambda s=_seed: _router_bar(s, "least_loaded", "ttft_p99_s"))
+
+
 # --- chapter 2: page tables ---------------------------------------------------------------------
 
 def _ch02():
@@ -857,17 +893,13 @@ def _rows_step_metadata():
     return build_metadata(specs, 4, paged_max_tokens=CpuAttention.paged_max_tokens)
 
 
-@truth("ch07.paged_rows.rows")
+@truth("ch07.paged_rows")
 def _paged_rows() -> Truth:
-    return _number(_rows_step_metadata().paged_rows.numel())
-
-
-@truth("ch07.paged_rows.dense")
-def _dense_chunks() -> Truth:
+    """[paged rows, sorted dense chunk letters]: one answer, graded together."""
     from kvlab.exercises import ch07
 
-    names = list(ch07.ROWS_STEP)
-    return Truth(sorted(names[s] for s in _rows_step_metadata().dense))
+    meta, names = _rows_step_metadata(), list(ch07.ROWS_STEP)
+    return Truth([meta.paged_rows.numel(), sorted(names[s] for s in meta.dense)])
 
 
 def attention_intensity(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -991,15 +1023,17 @@ def _ch14():
     return ch14
 
 
-@truth("ch14.full_layer_bytes")
-def _full_layer_bytes() -> Truth:
+@truth("ch14.rank_request_bytes")
+def _rank_request_bytes() -> Truth:
+    """Sealed without a number: the check gives no direction."""
     from kvlab.labs.capacity.hf_config import shipped_layout
-    from kvlab.labs.capacity.hybrid_plan import token_bytes
+    from kvlab.labs.capacity.hybrid_plan import bytes_by_layer
 
-    c = _ch14().FULL_TP_CASE
-    layout = shipped_layout(c["model"])
-    return _number(sum(token_bytes(layer, c["kv_dtype"], c["tp"]) for layer in layout.layers
-                       if layer.kind == "full"))
+    c = _ch14().RANK_CASE
+    total = sum(bytes_by_layer(shipped_layout(c["model"]), c["tokens"], kv_dtype=c["kv_dtype"],
+                               tp=c["tp"]))
+    assert float(total).is_integer()
+    return Truth(int(total))
 
 
 def _gpt_oss_plan():
@@ -1015,15 +1049,12 @@ def _gpt_oss_plan():
                        gpu_memory_utilization=c["gpu_memory_utilization"])
 
 
-@truth("ch14.gpt_oss_pool.block_bytes")
-def _gpt_oss_block_bytes() -> Truth:
-    return _number(_gpt_oss_plan().block_bytes)
-
-
-@truth("ch14.gpt_oss_pool.fit")
-def _gpt_oss_fit() -> Truth:
+@truth("ch14.gpt_oss_pool")
+def _gpt_oss_pool() -> Truth:
+    """The three parts as one answer (graded together, once)."""
     plan = _gpt_oss_plan()
-    return Truth([plan.blocks_per_request(), plan.max_requests])
+    assert float(plan.block_bytes).is_integer()
+    return Truth([int(plan.block_bytes), plan.blocks_per_request(), plan.max_requests])
 
 
 def _qwen35_state_layer():
@@ -1036,27 +1067,16 @@ def _qwen35_state_layer():
     return layout_from_hf_config(cfg).layers   # three gated-DeltaNet layers, one full
 
 
-@truth("ch14.hybrid_block.state")
-def _hybrid_state() -> Truth:
-    c = _ch14().HYBRID_CASE
-    return _number(_qwen35_state_layer()[0].state_bytes(c["tp"]))
-
-
-@truth("ch14.hybrid_block.token")
-def _hybrid_token() -> Truth:
-    from kvlab.labs.capacity.hybrid_plan import token_bytes
-
-    c = _ch14().HYBRID_CASE
-    return _number(token_bytes(_qwen35_state_layer()[3], c["kv_dtype"], c["tp"]))
-
-
-@truth("ch14.hybrid_block.block")
+@truth("ch14.hybrid_block")
 def _hybrid_block() -> Truth:
+    """State bytes, attention bytes per token and block size, as one answer."""
     from kvlab.labs.capacity.hybrid_plan import hybrid_block_size, token_bytes
 
     c = _ch14().HYBRID_CASE
     layers = _qwen35_state_layer()
-    return _number(hybrid_block_size(token_bytes(layers[3], c["kv_dtype"], c["tp"]),
-                                     layers[0].state_bytes(c["tp"]),
-                                     block_size=c["block_size"],
-                                     kernel_block=c["kernel_block"]))
+    state = layers[0].state_bytes(c["tp"])
+    per_token = token_bytes(layers[3], c["kv_dtype"], c["tp"])
+    assert float(per_token).is_integer()
+    block = hybrid_block_size(per_token, state, block_size=c["block_size"],
+                              kernel_block=c["kernel_block"])
+    return Truth([state, int(per_token), block])

@@ -6,7 +6,8 @@ and a summary: requests, tokens, tokens/s, prefix-cache hit rate, steps and the 
 time spent outside the model.
 
 ``python -m kvlab serve ...`` and ``python -m kvlab bench ...`` run the OpenAI-compatible server
-and the load client (:mod:`kvlab.entrypoints`).
+and the load client, ``python -m kvlab cluster ...`` replicas behind vLLM's router
+(:mod:`kvlab.entrypoints`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kvlab.labs.invariants import check_engine
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("serve", "bench"):   # subcommands (kvlab.entrypoints)
+    if argv and argv[0] in ("serve", "bench", "cluster"):   # subcommands (kvlab.entrypoints)
         from importlib import import_module
 
         return import_module(f"kvlab.entrypoints.{argv[0]}").main(argv[1:])

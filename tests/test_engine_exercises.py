@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvlab.exercises import ch07
-from kvlab.exercises._common import NotYetAnswered
+from kvlab.exercises._common import NotYetAnswered, forget_predictions
+
+
+@pytest.fixture(autouse=True)
+def _fresh_session():
+    forget_predictions()       # each test starts a session with no prediction recorded
+    yield
+    forget_predictions()
 
 
 def _slots(table, start, n, bs):
@@ -77,7 +86,7 @@ def test_suspect_rule_check():
 
     def same(backend, start, n):
         return torch.allclose(
-            ch07._attention_outputs(ch07.engine_attention_step, backend, start, n),
+            ch07._attention_outputs(ch07._engine_attention_step, backend, start, n),
             ch07._attention_outputs(ch07.suspect_attention_step, backend, start, n))
 
     # the truth, independently: on the torch backend only a fresh prompt of several tokens
@@ -98,13 +107,51 @@ def test_suspect_rule_check():
     wrong = (lambda s, n, b: n == 1,                      # only decodes
              lambda s, n, b: not (s == 0 and n > 1),      # the torch rule on both backends
              lambda s, n, b: True)                        # everything
+    messages = set()
     for fn in wrong:
         if fn is wrong[1] and cpu is None:
             continue
-        with pytest.raises(AssertionError, match="wrong for at least one chunk") as err:
+        with pytest.raises(AssertionError, match="wrong for at least one of") as err:
             ch07.check_suspect_rule(fn)
-        for word in ("fresh", "start_pos == 0", "before", "order", "True", "False"):
-            assert word not in str(err.value)             # the rule and the bug stay unnamed
+        messages.add(str(err.value).split(" of the ")[0])
+        for word in ("fresh", "start_pos", "before", "order", "True", "False", "torch"):
+            assert word not in str(err.value)             # the rule, bug and chunk unnamed
+    assert len(messages) == 1                             # one verdict, whatever is wrong
+
+
+def test_suspect_rule_check_cannot_be_searched():
+    # the module holds no table of the truth and no public helper that runs it
+    assert not hasattr(ch07, "suspect_differs") and not hasattr(ch07, "SUSPECT_CHUNKS")
+    # every chunk is asked before the one verdict (logging the last call and flipping it
+    # learns nothing), and each call draws new chunks
+    import torch
+
+    from kvlab.engine.attention_cpu import CpuAttention
+
+    backends = 1 + (CpuAttention.create(torch.float32) is not None)
+    calls = []
+
+    def wrong_first(start, n, backend):
+        calls.append((start, n, backend))
+        rule = backend == "cpu" or not (start == 0 and n > 1)
+        return rule if len(calls) > 1 else not rule
+
+    drawn = []
+    for _ in range(2):
+        calls.clear()
+        with pytest.raises(AssertionError, match="wrong for at least one of"):
+            ch07.check_suspect_rule(wrong_first)
+        drawn.append(list(calls))
+    per_backend = len(ch07._hidden_chunks(random.Random(0)))
+    assert [len(c) for c in drawn] == [backends * per_backend] * 2
+    assert drawn[0] != drawn[1]
+    # every kind of chunk is drawn each time
+    chunks = ch07._hidden_chunks(random.Random(1))
+    assert (0, 1) in chunks
+    assert any(s == 0 and n > 1 for s, n in chunks)
+    assert any(s > 0 and n == 1 for s, n in chunks)
+    assert any(s > 0 and 1 < n <= 16 for s, n in chunks)
+    assert any(s > 0 and n > 16 for s, n in chunks)
     with pytest.raises(AssertionError, match="True or False"):
         ch07.check_suspect_rule(lambda s, n, b: "yes")
     with pytest.raises(AssertionError, match="raised"):
@@ -170,12 +217,19 @@ def test_paged_rows_check():
     assert rows == sum(ch07.ROWS_STEP[c][1] for c in paged)
     assert "Correct" in ch07.check_paged_rows(rows, dense)
     assert "Correct" in ch07.check_paged_rows(rows, "".join(sorted(dense)))
-    for wrong_rows, wrong_dense, says in ((rows + 1, dense, "number of paged rows is"),
-                                          (rows, dense | {"A"}, "set of dense chunks is"),
-                                          (2, {"B", "C", "D"}, "both")):
-        with pytest.raises(AssertionError, match=says) as err:
+    messages = set()
+    for wrong_rows, wrong_dense in ((rows + 1, dense), (rows, dense | {"A"}),
+                                    (2, {"B", "C", "D"})):
+        forget_predictions()
+        with pytest.raises(AssertionError, match="not how the runner lays out") as err:
             ch07.check_paged_rows(wrong_rows, wrong_dense)
         assert str(rows) not in str(err.value)
+        messages.add(str(err.value))
+    assert len(messages) == 1       # one verdict: which half is wrong is not said
+    # graded once: after a wrong prediction, the right answer is not graded
+    assert "not right" in ch07.check_paged_rows(rows, dense)
+    assert "not right" in ch07.check_paged_rows(rows - 1, dense)
+    forget_predictions()
     with pytest.raises(AssertionError, match="chunks are"):
         ch07.check_paged_rows(rows, {"Z"})
     with pytest.raises(AssertionError, match="whole number"):

@@ -1,4 +1,4 @@
-"""Per-layer KV layouts: the reference rule (rule 1 per layer), the layouts read from the shipped
+"""Per-layer KV layouts: rule 1 applied layer by layer, the layouts read from the shipped
 ``config.json`` files, and the hybrid planner, against hand computations, against the uniform
 planner of chapter 1, against a token-by-token simulation of sliding-window freeing, and against
 vLLM's own specs and grouping (when vLLM's environment is present)."""
@@ -27,6 +27,7 @@ from kvlab.labs.capacity.hybrid_plan import (
     KVGroup,
     bytes_by_layer,
     hybrid_block_size,
+    max_in_flight_tokens,
     plan_layout,
 )
 from kvlab.labs.capacity.layer_kv import LayerKV, StatePart, kv_bytes_by_layer
@@ -37,9 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 H100, H200 = get_gpu("H100-80GB SXM"), get_gpu("H200-141GB SXM")
 
 
-# --- the reference rule --------------------------------------------------------------------------
+# --- the per-layer rule -------------------------------------------------------------------------
 
-def test_reference_rule_is_rule_one_for_identical_full_layers():
+def test_per_layer_rule_is_rule_one_for_identical_full_layers():
     rng = random.Random(1)
     for _ in range(200):
         layers, heads = rng.randint(1, 96), rng.choice([1, 2, 4, 8, 16])
@@ -49,7 +50,7 @@ def test_reference_rule_is_rule_one_for_identical_full_layers():
         assert sum(per_layer) == kv_bytes(layers, 1, tokens, heads, dim, s)
 
 
-def test_reference_rule_per_kind():
+def test_per_layer_rule_per_kind():
     full = LayerKV("full", 8, 128, 128)
     window = LayerKV("sliding", 8, 128, 128, window=1024)
     latent = LayerKV("mla", 1, 576)
@@ -259,6 +260,36 @@ def test_gemma3_groups_pad_52_sliding_layers_to_60_slots():
     assert flat.max_requests == flat.num_blocks // 2048 < plan.max_requests
 
 
+def test_vllm_counts_windows_with_its_in_flight_bound():
+    """vLLM sizes a windowed group for ``max_in_flight_tokens`` (16,384 for ``vllm serve`` on
+    an H100) where the steady-decode packing keeps one token in flight."""
+    assert max_in_flight_tokens() == 2 * 8192 == 16384
+    assert max_in_flight_tokens(2048, 1) == 2048
+    for bad in (dict(max_num_batched_tokens=0), dict(max_concurrent_batches=1.5)):
+        with pytest.raises(ValueError):
+            max_in_flight_tokens(**bad)
+    gemma = shipped_layout("gemma-3-27b-it")
+
+    def plan(context, in_flight, windows=True):
+        return plan_layout(gemma, H100, weight_bytes=GEMMA_WEIGHTS, context_len=context,
+                           in_flight_tokens=in_flight, reserve_bytes=4 * GiB, windows=windows)
+
+    steady, vllm = plan(32768, 1), plan(32768, max_in_flight_tokens())
+    # each windowed group: the blocks of W - 1 + 16,384 tokens, plus the straddling one
+    assert vllm.group_blocks() == (-(-(1023 + 16384) // 16) + 1,) * 6 + (2048,)
+    assert vllm.num_blocks == steady.num_blocks            # the same pool, counted otherwise
+    assert vllm.max_concurrency == vllm.num_blocks / (6 * 1089 + 2048)
+    assert 1 <= vllm.max_requests < steady.max_requests
+    assert vllm.token_capacity == int(vllm.max_concurrency * 32768)
+    # at 8k the window and the tokens in flight cover the whole request: each windowed group
+    # holds what the full group holds, and 70 paid slots per block position against 62 layers
+    # make the windowed plan the larger one
+    windowed, flat = plan(8192, max_in_flight_tokens()), plan(8192, 16384, windows=False)
+    assert windowed.group_blocks() == (512,) * 7
+    assert windowed.kv_bytes_per_request() * 62 == flat.kv_bytes_per_request() * 70
+    assert windowed.max_requests < flat.max_requests
+
+
 def test_memory_identity_and_leftover_below_one_block():
     for name in SHIPPED:
         plan = plan_layout(shipped_layout(name), H200, weight_bytes=40 * GiB, tp=2,
@@ -374,14 +405,23 @@ def test_pages_groups_and_window_blocks_match_vllm():
             else None
         cases.append({"block": plan.block_size, "dtype": "bf16", "tp": tp, "padded": padded,
                       "layers": [_layer_json(x) for x in shipped_layout(name).layers],
-                      "admissions": [[1, 32768], [8192, 131072]]})
+                      "admissions": [[1, 32768], [8192, 131072],
+                                     [max_in_flight_tokens(), 32768]]})
         plans.append(plan)
+    # (max_num_batched_tokens, async scheduling, pipeline stages, model runner V2)
+    settings = [[8192, True, 1, False], [8192, True, 1, True], [2048, False, 1, False],
+                [8192, True, 2, True]]
     result = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_layout_parity.py")],
-                            input=json.dumps(cases), capture_output=True, text=True,
+                            input=json.dumps({"layouts": cases, "in_flight": settings}),
+                            capture_output=True, text=True,
                             timeout=900, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
     assert result.returncode == 0, result.stderr[-2000:]
     vllm = json.loads(result.stdout.strip().splitlines()[-1])
-    for case, plan, theirs in zip(cases, plans, vllm, strict=True):
+    # vLLM's bound on tokens in flight, for the settings max_in_flight_tokens takes
+    assert vllm["in_flight"][:3] == [[2, 16384], [2, 16384], [1, 2048]]
+    assert [max_in_flight_tokens(b, c) for (b, *_), (c, _) in
+            zip(settings, vllm["in_flight"], strict=True)] == [n for _, n in vllm["in_flight"]]
+    for case, plan, theirs in zip(cases, plans, vllm["layouts"], strict=True):
         ours = [(sorted(g.layers), g.block_size, g.page_bytes) for g in plan.groups]
         assert ours == [(layers, block, page) for layers, _, block, page in theirs["groups"]]
         for group in plan.groups:
@@ -408,3 +448,67 @@ def test_committed_benchmark_results_are_what_the_planner_plans(monkeypatch):
     assert stored["mla_vs_gqa"] == bench.mla_rows()
     assert stored["mla_vs_gqa"]["deepseek_v3_mla_bytes_per_token"] == 61 * 576 * 2
     assert round(bench.gpt_oss_weight_bytes() / GiB, 2) == 60.77
+
+
+# --- the exercises' checks ----------------------------------------------------------------------
+
+def test_exercise_checks_grade_every_part_together_and_name_no_part_or_direction():
+    """Exercises 1-3 of chapter 14: the right answers (worked here by hand, independently of the
+    planner) pass; a wrong answer in any one part gets the same message, which names concepts,
+    never the part or the direction, so no part can be found alone by trying values."""
+    from kvlab.exercises import ch14
+    from kvlab.exercises._common import forget_predictions
+
+    # 1: Qwen3-Next at TP 4, 10,000 tokens: 12 full layers keep one of 2 KV heads of 256 + 256
+    # in bf16; 36 gated-DeltaNet states, a quarter each: conv (2·16·128 + 32·128)/4 × 3 × 2 B
+    # and SSM 32/4 × 128 × 128 × 2 B
+    state_share = (2 * 16 * 128 + 32 * 128) // 4 * 3 * 2 + 32 // 4 * 128 * 128 * 2
+    rank = 12 * (256 + 256) * 2 * 10_000 + 36 * state_share
+    assert "Correct" in ch14.check_rank_request_bytes(rank)
+    wrong = set()
+    for off in (rank + 1, rank - 36 * state_share, 12 * 1024 * 10_000 + 36 * 4 * state_share):
+        with pytest.raises(AssertionError) as err:
+            ch14.check_rank_request_bytes(off)
+        wrong.add(str(err.value))
+    assert len(wrong) == 1
+    # 2: gpt-oss-120b: 18-layer groups of 16 tokens × 8 heads × (64 + 64) × 2 B; 65,536 / 16
+    # full blocks + (127 + 1) / 16 + 1 windowed ones; 0.9 × CUDA's total less weights and reserve
+    block = 18 * 16 * 8 * 128 * 2
+    blocks = 65536 // 16 + 128 // 16 + 1
+    case = ch14.GPT_OSS_CASE
+    budget = 0.9 * H100.cuda_total_bytes - case["weight_bytes"] - case["reserve_bytes"]
+    pool = [block, blocks, int(budget // block) // blocks]
+    forget_predictions()
+    assert "Correct" in ch14.check_gpt_oss_pool(*pool)           # a right one locks nothing
+    messages = set()
+    for i in range(3):
+        forget_predictions()
+        off = list(pool)
+        off[i] += 1
+        with pytest.raises(AssertionError) as err:
+            ch14.check_gpt_oss_pool(*off)
+        messages.add(str(err.value))
+        # graded once: after a wrong prediction, even the right answer is not graded
+        assert "graded once" in ch14.check_gpt_oss_pool(*pool)
+        with pytest.raises(AssertionError):
+            ch14.check_gpt_oss_pool(*off)                         # the prediction, again
+    assert len(messages) == 1
+    forget_predictions()
+    # 3: Qwen3.5-4B in fp8: conv (2·16·128 + 32·128) × 3 in bf16, SSM 32 × 128 × 128 in fp32;
+    # 4 KV heads × (256 + 256) × 1 B per token; the state in whole 16-token kernel blocks
+    state = (2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4
+    per_token = 4 * 512
+    hybrid = [state, per_token, 16 * math.ceil(state / (16 * per_token))]
+    assert hybrid == [2_146_304, 2048, 1056]
+    assert "Correct" in ch14.check_hybrid_block_size(*hybrid)
+    messages = set()
+    for i, step in enumerate((1, 2048, 16)):
+        off = list(hybrid)
+        off[i] += step
+        with pytest.raises(AssertionError) as err:
+            ch14.check_hybrid_block_size(*off)
+        messages.add(str(err.value))
+    assert len(messages) == 1
+    for text in wrong | messages:
+        assert not any(w in text.lower() for w in ("too high", "too low", "larger", "smaller",
+                                                    "fewer", "more than"))

@@ -4,6 +4,7 @@ scope isolation."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 from hypothesis import given, settings
@@ -408,3 +409,57 @@ def test_chapter4_request_order_check():
         check_request_order(arrival[:-1])
     with pytest.raises(AssertionError, match="exactly once"):
         check_request_order(arrival[:-1] + arrival[:1])
+
+
+def test_listener_hears_inserts_evictions_and_clears_in_order():
+    class Log:
+        def __init__(self):
+            self.calls = []
+
+        def stored(self, nodes):
+            self.calls.append(("stored", nodes[0].parent.is_root,
+                               [n.block for n in nodes], [n.chunk for n in nodes]))
+            for a, b in itertools.pairwise(nodes):
+                assert b.parent is a
+
+        def removed(self, node):
+            assert not node.children and node.parent.children.get(node.chunk) is None
+            self.calls.append(("removed", node.block))
+
+        def cleared(self):
+            self.calls.append(("cleared",))
+
+    cache = RadixCache(block_size=2)
+    cache.listener = log = Log()
+    cache.insert(("s",), [1, 2, 3, 4], [10, 11])
+    cache.insert(("s",), [1, 2, 3, 4, 5, 6], [10, 11, 12])     # only block 12 is new
+    cache.insert(("s",), [1, 2, 3, 4], [10, 11])               # nothing new: no call
+    assert log.calls == [("stored", True, [10, 11], [(1, 2), (3, 4)]),
+                         ("stored", False, [12], [(5, 6)])]
+    assert cache.evict(2) == [12, 11]
+    assert log.calls[2:] == [("removed", 12), ("removed", 11)]
+    result = cache.insert(("t",), [7, 8], [20])
+    cache.lock(result.node)
+    before = cache.state_tuple()
+    with pytest.raises(ValueError, match="locked"):
+        cache.clear()
+    assert cache.state_tuple() == before and log.calls[-1][0] == "stored"
+    cache.unlock(result.node)
+    assert sorted(cache.clear()) == [10, 20]
+    assert log.calls[-1] == ("cleared",) and cache.num_cached_blocks() == 0
+    cache.listener = None
+    cache.insert(("s",), [1, 2], [10])     # no listener: no call
+    assert log.calls[-1] == ("cleared",)
+
+
+def test_manager_reset_prefix_cache_frees_cached_blocks_once_idle():
+    from kvlab.core.kv_cache_manager import KVCacheManager
+
+    kv = KVCacheManager(8, 2)
+    kv.admit("a", (), [1, 2, 3, 4, 5], 6)
+    kv.commit("a", [1, 2, 3, 4, 5])
+    assert kv.reset_prefix_cache() is False and kv.prefix_cache.num_cached_blocks() == 2
+    kv.free("a")
+    assert kv.reset_prefix_cache() is True
+    assert kv.prefix_cache.num_cached_blocks() == 0 and kv.num_allocatable_blocks() == 8
+    assert kv.pool.num_free() == 8

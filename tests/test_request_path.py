@@ -1,5 +1,6 @@
-"""The reader's path: the modules a default ``LLM.generate`` runs, in the order DESIGN.md and
-chapter 7 walk them, which is the order the data takes; no lab module is on it; and the two
+"""The reader's path: the modules a default ``LLM.generate`` runs, in the order chapter 7 walks
+them, which is the order the data takes as traced (each module entered from one before it;
+DESIGN.md's list of the path is a summary, not this order); no lab module is on it; and the two
 CPU attention backends run the same modules but their own. (How many modules and lines the
 path has is reported, never bounded: a module holds one thing, whatever its length.)"""
 
@@ -11,8 +12,8 @@ import sys
 
 import pytest
 
-#: The reading order, as DESIGN.md and chapter 7 give it: a walk of the request's data from
-#: the front end down to the KV blocks, then through the step's forward back to its outputs.
+#: The reading order, as chapter 7 gives it and the trace checks: a walk of the request's data
+#: from the front end down to the KV blocks, then through the step's forward to its outputs.
 #: The attention backend is the compiled CPU one here (the torch one when it cannot run).
 READING_ORDER = (
     "engine/llm.py",

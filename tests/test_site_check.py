@@ -53,7 +53,7 @@ def _widget_html(*, with_script: bool = True, fontsize: float = 10.0) -> str:
 
 
 def _output_png(path: Path, fontsize: float = 10.0) -> None:
-    """A figure as a notebook output stores it (kvlab.viz.style.figure_output_png)."""
+    """A figure as a notebook output stores it (kvlab.viz.kernel_free.figure_output_png)."""
     import base64
 
     import matplotlib
@@ -61,7 +61,7 @@ def _output_png(path: Path, fontsize: float = 10.0) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvlab.viz.style import figure_output_png
+    from kvlab.viz.kernel_free import figure_output_png
 
     fig, ax = plt.subplots(figsize=(3, 1.5))
     ax.plot([1, 2, 3], [3, 1, 2])
@@ -100,8 +100,7 @@ def _phone_pngs(wide: Path, phone: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvlab.viz.kernel_free import split_phone_chunk
-    from kvlab.viz.style import figure_output_png
+    from kvlab.viz.kernel_free import figure_output_png, split_phone_chunk
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3))
     for ax in axes:

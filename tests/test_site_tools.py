@@ -315,8 +315,7 @@ def test_figure_output_png_carries_display_size_alt_and_text_size(tmp_path):
     import matplotlib.pyplot as plt
     from PIL import Image
 
-    from kvlab.viz.kernel_free import PNG_DESCRIPTION, PNG_MIN_TEXT
-    from kvlab.viz.style import figure_output_png
+    from kvlab.viz.kernel_free import PNG_DESCRIPTION, PNG_MIN_TEXT, figure_output_png
 
     fig, ax = plt.subplots(figsize=(5, 2))
     ax.bar([0, 1], [2, 3])

@@ -5,12 +5,16 @@ for each case (a list of layers, a block size, a dtype, a TP size) it builds vLL
 cache specs (``FullAttentionSpec``, ``SlidingWindowSpec``, ``MLAAttentionSpec``, ``MambaSpec``
 with the gated-DeltaNet state shapes of ``MambaStateShapeCalculator``), unifies their pages
 (``unify_kv_cache_spec_page_size``), groups them (``_get_kv_cache_groups_uniform_page_size``)
-and asks each sliding-window group how many blocks it admits a request with. Prints JSON.
+and asks each sliding-window group how many blocks it admits a request with. It also evaluates
+``VllmConfig.max_concurrent_batches`` and ``max_in_flight_tokens`` on the scheduler settings
+given (``"in_flight"``). Prints JSON.
 """
 import json
 import sys
+from types import SimpleNamespace
 
 import torch
+from vllm.config.vllm import VllmConfig
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 from vllm.v1.core.kv_cache_utils import (
     _get_kv_cache_groups_uniform_page_size,
@@ -44,8 +48,20 @@ def spec(layer, block, dtype, tp, padded):
                      dtypes=(DT[g["conv"]], DT[g["ssm"]]), page_size_padded=padded)
 
 
+def in_flight(batched, async_scheduling, pp, v2_runner):
+    """vLLM's own properties, evaluated on just the settings they read."""
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling,
+                                         max_num_batched_tokens=batched),
+        use_v2_model_runner=v2_runner)
+    config.max_concurrent_batches = VllmConfig.max_concurrent_batches.fget(config)
+    return [config.max_concurrent_batches, VllmConfig.max_in_flight_tokens.fget(config)]
+
+
+request = json.loads(sys.stdin.read())
 out = []
-for case in json.loads(sys.stdin.read()):
+for case in request["layouts"]:
     specs = {f"layer.{i}": spec(layer, case["block"], case["dtype"], case["tp"], case["padded"])
              for i, layer in enumerate(case["layers"])}
     raw = [s.page_size_bytes if not isinstance(s, MambaSpec) else
@@ -63,4 +79,5 @@ for case in json.loads(sys.stdin.read()):
                 g.kv_cache_spec.max_admission_blocks_per_request(c, t)
                 for c, t in case["admissions"]]
     out.append({"raw_pages": raw, "groups": group_rows, "admission": windows})
-print(json.dumps(out))
+print(json.dumps({"layouts": out,
+                  "in_flight": [in_flight(*args) for args in request["in_flight"]]}))

@@ -124,6 +124,12 @@ class KVCacheManager:
         self._sent[request_id] = len(table)
         return kept, tuple(table[kept:])
 
+    def group_deltas(self, request_id: str) -> tuple[()]:
+        """The deltas of the other KV cache groups' tables: none, all layers read this one (a
+        model with sliding-window layers has a manager with several,
+        :mod:`kvlab.core.hybrid_kv_cache_manager`)."""
+        return ()
+
     def scope_of(self, request_id: str) -> tuple:
         self._table(request_id)
         return self._scopes[request_id]
@@ -292,6 +298,16 @@ class KVCacheManager:
         del self._scopes[request_id]
         del self._committed[request_id]
         del self._sent[request_id]
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, as vLLM's ``reset_prefix_cache``: False (nothing changed)
+        while any request holds blocks, else True with the cached blocks free again."""
+        if self.prefix_cache is None:
+            return True
+        if self._tables:
+            return False
+        self.pool.release(self.prefix_cache.clear(), CACHE_OWNER)
         return True
 
     def requests(self) -> list[str]:

@@ -3,6 +3,10 @@ node is one full block of tokens and the physical block holding their KV; its pa
 root spells the whole prefix. Requests lock their path while they run; eviction drops unlocked
 leaves, least recently used first. It owns no memory: the KV cache manager moves the block
 references. Chapter 4 explains.
+
+An optional :class:`CacheListener` hears every change of the indexed set as it happens: the
+nodes an insert adds (a chain under one parent), each node eviction drops, and a clear. The
+engine's KV-event publisher is one (chapter 13); with no listener the cache does no extra work.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvlab.core.cache_scope import CacheScope
 
@@ -58,6 +63,17 @@ class RadixNode:
         return nodes
 
 
+class CacheListener(Protocol):
+    """What a :class:`RadixCache` reports, in the order it happens. ``stored(nodes)``: a chain of
+    new nodes, ``nodes[0]`` under ``nodes[0].parent`` (the root when it starts a prefix), each
+    the parent of the next. ``removed(node)``: an evicted node, always a leaf, its parent still
+    in the tree. ``cleared()``: every node is gone. Listeners must not change the cache."""
+
+    def stored(self, nodes: Sequence[RadixNode]) -> None: ...
+    def removed(self, node: RadixNode) -> None: ...
+    def cleared(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class PrefixMatch:
     """:meth:`RadixCache.match`'s answer: ``num_tokens`` cached tokens in ``blocks``; ``node``
@@ -91,6 +107,7 @@ class RadixCache:
         self._next_id = 0
         self._leaves: set[RadixNode] = set()  # unlocked non-root nodes without children
         self._heap: list[tuple[int, int, RadixNode]] = []  # lazy LRU heap over self._leaves
+        self.listener: CacheListener | None = None
 
     def match(self, scope: CacheScope | tuple, token_ids: Sequence[int], *,
               leave_last: bool = True) -> PrefixMatch:
@@ -205,6 +222,7 @@ class RadixCache:
         if root is None:
             root = self._roots[key] = self._new_node(key, None, (), -1)
         node = root
+        created: list[RadixNode] = []
         for i, chunk in enumerate(chunks):
             child = node.children.get(chunk)
             if child is None:
@@ -212,8 +230,11 @@ class RadixCache:
                 self._leaves.discard(node)
                 node.children[chunk] = child
                 self._block_node[blocks[i]] = child
+                created.append(child)
             node = child
         self._touch(node)
+        if created and self.listener is not None:
+            self.listener.stored(created)
         return InsertResult(node, new_blocks)
 
     def lock(self, node: RadixNode | None) -> None:
@@ -255,12 +276,30 @@ class RadixCache:
             del parent.children[node.chunk]
             del self._block_node[node.block]
             evicted.append(node.block)
+            if self.listener is not None:
+                self.listener.removed(node)
             if parent.is_root:
                 if not parent.children:
                     del self._roots[parent.scope]
             else:
                 self._refresh_leaf(parent)
         return evicted
+
+    def clear(self) -> list[int]:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``) and return them; the caller
+        drops the cache's reference on each. ValueError, cache unchanged, while a path is locked
+        (a running request reads those blocks)."""
+        if self._num_locked:
+            raise ValueError(f"cannot clear the prefix cache: {self._num_locked} cached blocks "
+                             "are locked by running requests")
+        blocks = list(self._block_node)
+        self._roots.clear()
+        self._block_node.clear()
+        self._leaves.clear()
+        self._heap.clear()
+        if self.listener is not None:
+            self.listener.cleared()
+        return blocks
 
     def state_tuple(self) -> tuple:
         """Everything observable, as comparable plain data (for before/after tests)."""

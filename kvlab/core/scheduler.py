@@ -466,7 +466,8 @@ class SchedulerBase:
         kept, new = self.kv.table_delta(request.request_id)
         return ScheduledChunk(request.request_id, request.token_slice(start, end), start, new,
                               sample=end == request.num_tokens,
-                              is_prefill=not request.is_decoding, num_kept_blocks=kept)
+                              is_prefill=not request.is_decoding, num_kept_blocks=kept,
+                              group_deltas=self.kv.group_deltas(request.request_id))
 
     def _preempt(self, plan: StepPlan, request: RuntimeRequest) -> None:
         """Recompute preemption: free the KV, back to waiting with its tokens kept."""

@@ -33,7 +33,7 @@ from kvlab.core.step_records import ScheduledChunk
 if TYPE_CHECKING:
     from kvlab.core.kv_cache_manager import KVCacheManager
 
-__all__ = ["lookahead_limit", "plan_lookahead", "stop_cut"]
+__all__ = ["compose_deltas", "lookahead_limit", "plan_lookahead", "stop_cut"]
 
 
 def lookahead_limit(request: RuntimeRequest, k: int) -> int:
@@ -63,13 +63,25 @@ def plan_lookahead(chunks: Sequence[ScheduledChunk], tokens_left: int, k: int,
             copies = kv.grow(chunk.request_id, start + 1 + n, write_from=start)
         except OutOfBlocks:
             continue                     # skip speculation for this request; preempt nobody
-        kept, _ = kv.table_delta(chunk.request_id)   # what grow changed since
-        kept = min(kept, chunk.num_kept_blocks)
-        new = tuple(kv.block_table(chunk.request_id)[kept:])
+        # the chunk's deltas, then what grow changed since, as one delta per table
+        kept, new = compose_deltas((chunk.num_kept_blocks, chunk.new_block_ids),
+                                   kv.table_delta(chunk.request_id))
+        groups = tuple(compose_deltas(a, b) for a, b in zip(
+            chunk.group_deltas, kv.group_deltas(chunk.request_id), strict=True))
         granted.append((i, replace(chunk, new_block_ids=new, num_kept_blocks=kept,
-                                   num_lookahead=n), copies))
+                                   group_deltas=groups, num_lookahead=n), copies))
         tokens_left -= n
     return granted
+
+
+def compose_deltas(first: tuple[int, tuple[int, ...]], then: tuple[int, tuple[int, ...]]
+                   ) -> tuple[int, tuple[int, ...]]:
+    """The one ``(kept, new_block_ids)`` table delta that applying ``first`` and then ``then``
+    (taken after ``first`` was sent) amounts to."""
+    (kept1, new1), (kept2, new2) = first, then
+    if kept2 <= kept1:
+        return kept2, tuple(new2)
+    return kept1, tuple(new1[:kept2 - kept1]) + tuple(new2)
 
 
 def stop_cut(request: RuntimeRequest, tokens: tuple[int, ...]) -> int:

@@ -40,6 +40,9 @@ class ScheduledChunk:
     The table travels as a delta (vLLM v1's ``new_block_ids``): the first ``num_kept_blocks``
     entries of the table last sent, then ``new_block_ids``. ``sample``: its last logits give the
     next token. ``num_lookahead`` (:mod:`.spec_plan`): draft slots verified in the same forward.
+    ``group_deltas``: a model with several KV cache groups (:mod:`.hybrid_kv_cache_manager`)
+    has a table per group; the fields above are group 0's, these ``(num_kept_blocks,
+    new_block_ids)`` the other groups' (empty with one group).
     """
 
     request_id: str
@@ -50,6 +53,7 @@ class ScheduledChunk:
     is_prefill: bool
     num_lookahead: int = 0
     num_kept_blocks: int = 0
+    group_deltas: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def num_tokens(self) -> int:

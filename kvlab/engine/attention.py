@@ -15,6 +15,12 @@ backends:
 - :class:`~kvlab.engine.attention_triton.TritonAttention`: Triton's decode kernel on CUDA.
 
 Chapter 7 reads them in this order.
+
+A layer with a sliding window passes ``window = W``: a query at position ``i`` then sees the keys
+at ``i - W + 1 .. i`` only (transformers' ``sliding_window_overlay``, vLLM's ``(W - 1, 0)``
+FlashAttention window); ``window = 0``, every layer of a full-attention model, sees ``0 .. i``.
+Table entries of blocks wholly before a row's window are never read (a hybrid manager frees
+those blocks and leaves stale ids there).
 """
 
 from __future__ import annotations
@@ -47,16 +53,17 @@ class AttentionBackend:
         return f"{type(self).__name__}()"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVLayer,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
         """One layer's attention in a step: store the new ``k, v: [N, KV, D]`` through ``kv``,
-        then :meth:`attend` over what ``kv`` gives to read; ``q: [N, H, D]`` -> ``[N, H, D]``."""
+        then :meth:`attend` over what ``kv`` gives to read; ``q: [N, H, D]`` -> ``[N, H, D]``.
+        ``window``: the layer's sliding window (0: none; see the module docstring)."""
         kv.write(k, v, meta.slot_mapping)
         k_cache, v_cache, meta = kv.view(meta)
-        return self.attend(q, k, v, k_cache, v_cache, meta, scale, kv.exact)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale, kv.exact, window)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               exact: bool = True) -> torch.Tensor:
+               exact: bool = True, window: int = 0) -> torch.Tensor:
         """Attention of the flat batch over paged caches that already hold the step's new
         K/V: the paged rows (:meth:`attend_rows`), then the dense chunks
         (:meth:`attend_chunks`)."""
@@ -64,27 +71,30 @@ class AttentionBackend:
         rows = meta.paged_rows
         if rows.numel() == q.shape[0]:          # a decode step: every row is a paged row
             self.attend_rows(out, q.contiguous(), k_cache, v_cache, meta.paged_tables,
-                             meta.paged_lens, scale)
+                             meta.paged_lens, scale, window)
         elif rows.numel():
             o = q.new_empty((rows.numel(), *q.shape[1:]))
             self.attend_rows(o, q.index_select(0, rows), k_cache, v_cache, meta.paged_tables,
-                             meta.paged_lens, scale)
+                             meta.paged_lens, scale, window)
             out.index_copy_(0, rows, o)
         if meta.dense:
-            self.attend_chunks(out, q, k, v, k_cache, v_cache, meta, scale, exact)
+            self.attend_chunks(out, q, k, v, k_cache, v_cache, meta, scale, exact, window)
         return out
 
     def attend_rows(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                    scale: float) -> None:
+                    scale: float, window: int = 0) -> None:
         """Row ``r`` of ``q [R, H, D]`` attends the first ``lens[r]`` positions of table
-        ``tables[r]``, written into ``out [R, H, D]`` (contiguous)."""
+        ``tables[r]`` (the last ``window`` of them when ``window > 0``), written into
+        ``out [R, H, D]`` (contiguous)."""
         raise NotImplementedError
 
     def attend_chunks(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, exact: bool) -> None:
-        """Write the causal attention of every dense chunk of ``meta`` into ``out [N, H, D]``.
+                      meta: AttentionMetadata, scale: float, exact: bool,
+                      window: int = 0) -> None:
+        """Write the causal attention of every dense chunk of ``meta`` into ``out [N, H, D]``
+        (each query seeing its last ``window`` positions when ``window > 0``).
         A fresh prompt attends its own new ``k, v``; a chunk behind a cached prefix reads the
         prefix and itself through its table. ``exact``: the cache gives back exactly what was
         written, so a fresh prompt may read itself from the cache too."""

@@ -39,13 +39,14 @@ class CpuAttention(AttentionBackend):
 
     def attend_rows(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                    scale: float) -> None:
+                    scale: float, window: int = 0) -> None:
         assert q.dtype == k_cache.dtype == v_cache.dtype, "one dtype"
-        self._decode(out, q, k_cache, v_cache, tables, lens, float(scale))
+        self._decode(out, q, k_cache, v_cache, tables, lens, float(scale), window)
 
     def attend_chunks(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, exact: bool) -> None:
+                      meta: AttentionMetadata, scale: float, exact: bool,
+                      window: int = 0) -> None:
         """The chunk op reads every chunk from the cache; a fresh prompt over a cache that
         rounds (``exact`` False) attends its own new K/V on the torch path instead, as it
         would over a plain cache. The op needs a head dim divisible by 4."""
@@ -54,7 +55,7 @@ class CpuAttention(AttentionBackend):
             compiled = ()
         if compiled:
             self._chunk(out, q, k_cache, v_cache, meta.block_tables, meta.query_start,
-                        meta.start_pos, compiled, float(scale))
+                        meta.start_pos, compiled, float(scale), window)
         rest = tuple(s for s in meta.dense if s not in compiled)
         if rest:
-            attend_chunks(out, q, k, v, k_cache, v_cache, meta, rest, scale)
+            attend_chunks(out, q, k, v, k_cache, v_cache, meta, rest, scale, window)

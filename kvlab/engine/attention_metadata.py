@@ -48,6 +48,12 @@ class AttentionMetadata:
         """The row of each chunk's last token."""
         return tuple(r - 1 for r in self.query_start[1:])
 
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata decoder layer ``layer`` reads: this one, every layer reads one table
+        (a model with several KV cache groups reads its group's,
+        :class:`kvlab.engine.hybrid_input_batch.HybridMetadata`)."""
+        return self
+
     @property
     def max_position(self) -> int:
         return max(p + self.query_start[s + 1] - self.query_start[s] - 1

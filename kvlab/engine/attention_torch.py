@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from kvlab.engine.attention import AttentionBackend
 from kvlab.engine.attention_metadata import AttentionMetadata
 
-__all__ = ["TorchAttention", "attend_behind_prefix", "attend_chunks", "attend_rows"]
+__all__ = ["TorchAttention", "attend_behind_prefix", "attend_chunks", "attend_rows",
+           "attend_window"]
 
 
 class TorchAttention(AttentionBackend):
@@ -22,25 +23,35 @@ class TorchAttention(AttentionBackend):
 
     def attend_rows(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                    scale: float) -> None:
-        out.copy_(attend_rows(q, k_cache, v_cache, tables, lens, scale))
+                    scale: float, window: int = 0) -> None:
+        out.copy_(attend_rows(q, k_cache, v_cache, tables, lens, scale, window))
 
     def attend_chunks(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, exact: bool) -> None:
-        attend_chunks(out, q, k, v, k_cache, v_cache, meta, meta.dense, scale)
+                      meta: AttentionMetadata, scale: float, exact: bool,
+                      window: int = 0) -> None:
+        attend_chunks(out, q, k, v, k_cache, v_cache, meta, meta.dense, scale, window)
 
 
 def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                tables: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Row ``r`` of ``q [R, H, D]`` attends the first ``lens[r]`` positions of ``tables[r]``,
-    gathered into one padded ``[R, KV, W*bs, D]``; returns ``[R, H, D]``."""
+                tables: torch.Tensor, lens: torch.Tensor, scale: float,
+                window: int = 0) -> torch.Tensor:
+    """Row ``r`` of ``q [R, H, D]`` attends the first ``lens[r]`` positions of ``tables[r]``
+    (the last ``window`` of them when ``window > 0``), gathered into one padded
+    ``[R, KV, W*bs, D]``; returns ``[R, H, D]``."""
     rows, heads, dim = q.shape
     _, bs, kv_heads, _ = k_cache.shape
+    first = 0
+    if window and lens.device.type == "cpu":   # gather only from the first block a window
+        first = max(0, int(lens.min()) - window) // bs   # reaches (no sync on a GPU)
+        tables = tables[:, first:].contiguous()
     span = tables.shape[1] * bs
     k = k_cache.index_select(0, tables.reshape(-1)).view(rows, span, kv_heads, dim)
     v = v_cache.index_select(0, tables.reshape(-1)).view(rows, span, kv_heads, dim)
-    mask = torch.arange(span, device=q.device)[None, :] < lens[:, None]
+    pos = torch.arange(first * bs, first * bs + span, device=q.device)[None, :]
+    mask = pos < lens[:, None]
+    if window:
+        mask &= pos >= (lens - window)[:, None]
     out = F.scaled_dot_product_attention(
         q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None],
         scale=scale, enable_gqa=heads != kv_heads)
@@ -49,12 +60,15 @@ def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def attend_chunks(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  chunks: tuple[int, ...], scale: float) -> None:
+                  chunks: tuple[int, ...], scale: float, window: int = 0) -> None:
     """Write the attention of ``chunks`` (dense chunks of ``meta``) into ``out [N, H, D]``: a
     fresh prompt is one causal SDPA over its new ``k, v [N, KV, D]``; a chunk behind a cached
     prefix reads the prefix and its own K/V through its table (:func:`attend_behind_prefix`),
     as the compiled chunk op does, so both paths see what the cache stores (a quantized cache's
-    rounded values included)."""
+    rounded values included). With a ``window``: :func:`attend_window`."""
+    if window:
+        attend_window(out, q, k, v, k_cache, v_cache, meta, chunks, scale, window)
+        return
     _, bs, kv_heads, dim = k_cache.shape
     for s in chunks:
         lo, hi, start = meta.query_start[s], meta.query_start[s + 1], meta.start_pos[s]
@@ -70,6 +84,33 @@ def attend_chunks(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                       for c in (k_cache, v_cache))
             o = attend_behind_prefix(qc, kt[None, :, :start], vt[None, :, :start],
                                      kt[None, :, start:], vt[None, :, start:], scale)
+        out[lo:hi] = o[0].transpose(0, 1)
+
+
+def attend_window(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  chunks: tuple[int, ...], scale: float, window: int) -> None:
+    """:func:`attend_chunks` for a sliding-window layer: query ``i`` of a chunk sees keys
+    ``i - window + 1 .. i``, by one SDPA with a boolean band mask. A fresh prompt reads its own
+    new ``k, v``; a chunk behind a prefix reads, through its table, only the blocks from the
+    first one its first query's window reaches."""
+    _, bs, kv_heads, dim = k_cache.shape
+    gqa = q.shape[1] != kv_heads
+    for s in chunks:
+        lo, hi, start = meta.query_start[s], meta.query_start[s + 1], meta.start_pos[s]
+        end = start + hi - lo
+        first = max(0, start - window + 1) // bs * bs        # first key position read
+        if start == 0:
+            kc, vc = (t[lo:hi].transpose(0, 1)[None] for t in (k, v))
+        else:
+            blocks = meta.block_tables[s, first // bs:-(-end // bs)]
+            kc, vc = (c.index_select(0, blocks).view(-1, kv_heads, dim)[:end - first]
+                      .transpose(0, 1)[None] for c in (k_cache, v_cache))
+        qpos = torch.arange(start, end, device=q.device)[:, None]
+        kpos = torch.arange(first, end, device=q.device)[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - window)
+        o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1)[None], kc, vc,
+                                           attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[lo:hi] = o[0].transpose(0, 1)
 
 

@@ -2,10 +2,10 @@
 
 Supported layout: one ``model.safetensors`` or shards listed in ``model.safetensors.index.json``
 (any other ``*.safetensors`` files are read when there is no index). Tensor names follow
-``LlamaForCausalLM`` / ``Qwen2ForCausalLM``; Q/K/V and gate/up are fused on load. Every tensor is
-checked (missing, unexpected, wrong shape) before the model is touched, and the error names the
-tensor. Nothing here touches the network. A shipped model name resolves through
-:func:`kvlab.models.shipped_model_path`.
+``LlamaForCausalLM`` (Mistral's and Qwen2's are the same, Qwen3 adds Q/K norms); Q/K/V and
+gate/up are fused on load. Every tensor is checked (missing, unexpected, wrong shape) before the
+model is touched, and the error names the tensor. Nothing here touches the network. A shipped
+model name resolves through :func:`kvlab.models.shipped_model_path`.
 """
 
 from __future__ import annotations
@@ -127,6 +127,9 @@ def _hf_name_map(cfg: ModelConfig) -> dict[str, list[str]]:
         m[dst + "o.weight"] = [attn + "o_proj.weight"]
         m[dst + "gate_up.weight"] = [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"]
         m[dst + "down.weight"] = [src + "mlp.down_proj.weight"]
+        if cfg.qk_norm:
+            m[dst + "q_norm"] = [attn + "q_norm.weight"]
+            m[dst + "k_norm"] = [attn + "k_norm.weight"]
         if cfg.qkv_bias:
             m[dst + "qkv.bias"] = [attn + f"{p}_proj.bias" for p in "qkv"]
         if cfg.o_bias:

@@ -1,8 +1,11 @@
 """Model configuration: the few numbers a Llama-family decoder needs, read from ``config.json``.
 
 :class:`ModelConfig` is parsed from a Hugging Face ``config.json`` (``LlamaForCausalLM`` and
-``Qwen2ForCausalLM``; both the ``rope_parameters`` spelling of transformers 5 and the older
-``rope_theta`` + ``rope_scaling`` spelling). Parsing validates every field it uses and raises
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``MinistralForCausalLM``; both
+the ``rope_parameters``
+spelling of transformers 5 and the older ``rope_theta`` + ``rope_scaling`` spelling), with the
+sliding windows of the layers that have one, read as transformers reads them (see
+:func:`_layer_types`). Parsing validates every field it uses and raises
 :class:`ConfigError` naming the file and the field, so a bad checkpoint fails before any tensor
 is allocated. JSON is not trusted: ``"false"`` is not a boolean, ``NaN`` and ``Infinity`` (which
 Python's json module accepts) are not sizes or epsilons, ``64.0`` is not an int.
@@ -22,13 +25,19 @@ import torch
 from kvlab.core.checks import is_int
 from kvlab.core.sampling_params import is_real
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ConfigError", "ModelConfig", "RopeConfig", "parse_token_ids"]
+__all__ = ["FULL", "SLIDING", "SUPPORTED_ARCHITECTURES", "ConfigError", "ModelConfig",
+           "RopeConfig", "parse_token_ids"]
 
 # architecture name -> (model_type, QKV projections carry a bias by construction)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "LlamaForCausalLM": ("llama", False),
+    "MistralForCausalLM": ("mistral", False),
+    "MinistralForCausalLM": ("ministral", False),
     "Qwen2ForCausalLM": ("qwen2", True),
+    "Qwen3ForCausalLM": ("qwen3", False),
 }
+#: the two layer types of transformers' ``layer_types``
+FULL, SLIDING = "full_attention", "sliding_attention"
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
@@ -191,6 +200,55 @@ def _parse_rope(d: Mapping[str, Any], source: str, head_dim: int) -> RopeConfig:
                       high_freq_factor=high, original_max_position_embeddings=original)
 
 
+def _layer_types(d: Mapping[str, Any], f: _Fields, model_type: str, num_layers: int
+                 ) -> tuple[int | None, tuple[str, ...]]:
+    """``(sliding_window, layer_types)`` as transformers 5 resolves them (``(None, ())`` when
+    no layer slides). A sliding layer's query at position ``i`` sees keys ``i - W + 1 .. i``.
+
+    * Mistral (``MistralConfig``): ``sliding_window`` (4096 when absent, none when null) applies
+      to **every** layer; ``layer_types`` is ignored, as transformers ignores it.
+    * Ministral (``MinistralConfig``): the same window, on the layers an explicit
+      ``layer_types`` names ``"sliding_attention"`` (every layer when it is absent).
+    * Qwen2 / Qwen3 (``Qwen2Config.__post_init__``): the window exists only with
+      ``use_sliding_window``; then an explicit ``layer_types`` says which layers slide, else the
+      layers from ``max_window_layers`` (default 28) on. A ``"sliding_attention"`` layer
+      without a window is refused (transformers fails at the first forward).
+    * Llama: no window; ``layer_types`` may only list full layers.
+    """
+    if model_type == "llama":
+        if f.flag("use_sliding_window", False):
+            raise f.error("use_sliding_window", "is true: Llama has no sliding-window layers")
+        layer_types = f.get("layer_types", [])
+        if not isinstance(layer_types, list) or any(t != FULL for t in layer_types):
+            raise f.error("layer_types", f"must list only {FULL!r} layers for Llama, got "
+                                         f"{layer_types!r}")
+        return None, ()
+    window = (4096 if "sliding_window" not in d else None if d["sliding_window"] is None
+              else f.integer("sliding_window"))
+    if model_type == "mistral":
+        return (None, ()) if window is None else (window, (SLIDING,) * num_layers)
+    if model_type != "ministral" and not f.flag("use_sliding_window", False):
+        window = None
+    explicit = d.get("layer_types")
+    if explicit is None and model_type == "ministral":
+        types = (SLIDING if window is not None else FULL,) * num_layers
+    elif explicit is None:
+        first = f.integer("max_window_layers", 28, minimum=0)
+        types = tuple(SLIDING if window is not None and i >= first else FULL
+                      for i in range(num_layers))
+    else:
+        if not (isinstance(explicit, list) and len(explicit) == num_layers
+                and all(t in (FULL, SLIDING) for t in explicit)):
+            raise f.error("layer_types", f"must list {num_layers} layer types, each {FULL!r} "
+                                         f"or {SLIDING!r}, got {explicit!r}")
+        types = tuple(explicit)
+        if SLIDING in types and window is None:
+            raise f.error("layer_types", "names sliding_attention layers but the model has no "
+                                         "window (use_sliding_window false or sliding_window "
+                                         "null)")
+    return (window, types) if SLIDING in types else (None, ())
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-family decoder (all sizes in elements; ``head_dim`` per head)."""
@@ -213,6 +271,17 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: bool = False                  # Qwen3: RMSNorm over each Q and K head before RoPE
+    sliding_window: int | None = None      # None: no layer slides
+    layer_types: tuple[str, ...] = ()      # per layer FULL or SLIDING; () when none slides
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per layer, the keys a query sees: 0 for every earlier position (full attention),
+        ``W`` for the last ``W`` positions, itself included (a sliding window)."""
+        if not self.layer_types:
+            return (0,) * self.num_layers
+        return tuple(self.sliding_window if t == SLIDING else 0 for t in self.layer_types)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -251,7 +320,8 @@ class ModelConfig:
         Rules: sizes are ints (not bools or floats) > 0; ``rms_norm_eps`` and the RoPE numbers
         are finite and > 0; flags are JSON booleans; ``hidden_size`` is divisible by
         ``num_attention_heads`` unless ``head_dim`` is given, ``head_dim`` is even and
-        ``num_key_value_heads`` divides ``num_attention_heads``; ``bos_token_id``,
+        ``num_key_value_heads`` divides ``num_attention_heads``; the windows follow
+        :func:`_layer_types`; ``bos_token_id``,
         ``eos_token_id`` (one id or a list) and ``pad_token_id`` lie in ``0 .. vocab_size - 1``.
         """
         if not isinstance(d, Mapping):
@@ -284,6 +354,8 @@ class ModelConfig:
                           f"must divide num_attention_heads={heads}, got {kv_heads}")
         if d.get("head_dim") is not None:
             head_dim = f.integer("head_dim")
+        elif model_type == "qwen3":   # Qwen3Config's default, not hidden / heads
+            head_dim = 128
         elif hidden % heads:
             raise f.error("hidden_size", f"must be divisible by num_attention_heads={heads} "
                                          f"when head_dim is not given, got {hidden}")
@@ -294,13 +366,8 @@ class ModelConfig:
         act = f.get("hidden_act", "silu")
         if act != "silu":
             raise f.error("hidden_act", f"names unsupported activation {act!r}; only 'silu'")
-        if f.flag("use_sliding_window", False):
-            raise f.error("use_sliding_window", "is true: sliding-window attention is not "
-                                                "supported")
-        layer_types = f.get("layer_types", [])
-        if not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types):
-            raise f.error("layer_types", f"must list only 'full_attention' layers, got "
-                                         f"{layer_types!r}")
+        num_layers = f.integer("num_hidden_layers")
+        window, layer_types = _layer_types(d, f, model_type, num_layers)
         if f.integer("pretraining_tp", 1) != 1:
             raise f.error("pretraining_tp", f"must be 1, got {d['pretraining_tp']!r}")
         f.token_id("pad_token_id", vocab)  # unused by kvlab, but a wrong one means a bad file
@@ -311,7 +378,7 @@ class ModelConfig:
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=f.integer("intermediate_size"),
-            num_layers=f.integer("num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -324,6 +391,9 @@ class ModelConfig:
             mlp_bias=f.flag("mlp_bias", False),
             bos_token_id=f.token_id("bos_token_id", vocab),
             eos_token_ids=f.token_ids("eos_token_id", vocab),
+            qk_norm=model_type == "qwen3",
+            sliding_window=window,
+            layer_types=layer_types,
         )
 
     @classmethod

@@ -24,6 +24,7 @@ from kvlab.core.checks import is_int
 if TYPE_CHECKING:
     from kvlab.core.interfaces import Scheduler
     from kvlab.engine.checkpoint import LoadedCheckpoint
+    from kvlab.engine.kv_events import KVEventsConfig
     from kvlab.engine.tokenizer import Tokenizer
 
 #: Default KV budget on CPU when ``num_blocks`` is None (bytes). On CUDA the default is half of
@@ -73,8 +74,13 @@ class EngineArgs:
     CUDA graphs; by default an engine on CUDA captures its decode forward
     (:mod:`kvlab.engine.cuda_graphs`). ``async_scheduling`` (vLLM's name): plan step n+1 while
     step n executes (:class:`~kvlab.core.engine_core.EngineCore`'s overlap mode; not with
-    speculative decoding or KV transfer). The spec's invariants after every step are an observer
-    attached from outside: :func:`kvlab.labs.invariants.check_every_step`.
+    speculative decoding or KV transfer). ``kv_events_config``: vLLM's KV-events JSON (a dict,
+    its text or a ``KVEventsConfig``): publish the prefix cache's changes
+    (:mod:`kvlab.engine.kv_events`; off by default). A model with sliding-window layers gets a
+    block table per KV cache group, and its window groups release what falls out of their
+    windows (:mod:`kvlab.core.hybrid_kv_cache_manager`); ``disable_hybrid_kv_cache_manager``
+    (vLLM's name) keeps one full table for all layers instead. The spec's invariants after every
+    step are an observer attached from outside: :func:`kvlab.labs.invariants.check_every_step`.
     """
 
     model: str | Path | LoadedCheckpoint
@@ -99,6 +105,8 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     async_scheduling: bool = False
+    kv_events_config: dict | str | KVEventsConfig | None = None
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         check_engine_args(self)
@@ -123,6 +131,9 @@ class EngineArgs:
         ap.add_argument("--seed", type=int, default=0)
         ap.add_argument("--async-scheduling", action="store_true",
                         help="plan each step while the previous one executes (overlap)")
+        ap.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help="publish KV cache events, vLLM's JSON: '{\"enable_kv_cache_events\": "
+                             "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}'")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -143,7 +154,8 @@ class EngineArgs:
                    max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
                    enable_prefix_caching=not args.no_enable_prefix_caching, device=args.device,
                    dtype=args.dtype, seed=args.seed, scheduler=scheduler,
-                   async_scheduling=args.async_scheduling)
+                   async_scheduling=args.async_scheduling,
+                   kv_events_config=args.kv_events_config)
 
 
 def check_engine_args(args: EngineArgs) -> None:
@@ -167,7 +179,8 @@ def check_engine_args(args: EngineArgs) -> None:
         check_positive_int(name, getattr(args, name), optional=True)
     if not is_int(seed) or not 0 <= seed < SEED_MOD:
         raise ValueError(f"LLMEngine: seed must be an int in [0, 2**64), got {seed!r}")
-    for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
+    for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling",
+                 "disable_hybrid_kv_cache_manager"):
         if not isinstance(getattr(args, name), bool):
             raise ValueError(f"LLMEngine: {name} must be a bool, got {getattr(args, name)!r}")
     if isinstance(scheduler, str) and scheduler not in ("baseline", "production"):
@@ -190,6 +203,12 @@ def check_engine_args(args: EngineArgs) -> None:
     if not isinstance(security_domain, str) or not security_domain:
         raise ValueError(f"LLMEngine: security_domain must be a non-empty str, "
                          f"got {security_domain!r}")
+    if args.kv_events_config is not None:   # imported only when asked for (msgspec)
+        from kvlab.engine.kv_events import KVEventsConfig
+        config = KVEventsConfig.parse(args.kv_events_config)
+        if config.enabled and not args.enable_prefix_caching:
+            raise ValueError("LLMEngine: kv_events_config publishes the prefix cache's changes: "
+                             "it needs enable_prefix_caching=True")
 
 
 def resolve_device(device: object) -> torch.device:
@@ -251,14 +270,15 @@ def host_memory_bytes() -> int | None:
 
 def size_kv_cache(*, block_bytes: int, block_size: int, num_blocks: int | None,
                   kv_cache_memory: int | None, max_num_seqs: int, max_model_len: int,
-                  device: torch.device) -> CacheSize:
+                  device: torch.device, blocks_per_request: int | None = None) -> CacheSize:
     """How many blocks to allocate.
 
     ``num_blocks`` given: exactly that many. Otherwise ``floor(kv_cache_memory / block_bytes)``
     (never more than asked; ValueError if not even one block fits), capped at what
-    ``max_num_seqs`` requests of ``max_model_len`` tokens can use. ``kv_cache_memory`` defaults
-    to :data:`DEFAULT_KV_CACHE_MEMORY_CPU` on CPU and half the free memory on CUDA. ValueError
-    when the cache would not fit the device's memory.
+    ``max_num_seqs`` requests of ``max_model_len`` tokens can use (``blocks_per_request``
+    each, when the KV cache manager says so; else ``ceil(max_model_len / block_size)``).
+    ``kv_cache_memory`` defaults to :data:`DEFAULT_KV_CACHE_MEMORY_CPU` on CPU and half the free
+    memory on CUDA. ValueError when the cache would not fit the device's memory.
     """
     if num_blocks is None:
         if kv_cache_memory is None:
@@ -271,7 +291,8 @@ def size_kv_cache(*, block_bytes: int, block_size: int, num_blocks: int | None,
             raise ValueError(
                 f"LLMEngine: kv_cache_memory={kv_cache_memory} bytes holds no KV block "
                 f"(one block of {block_size} tokens takes {block_bytes} bytes)")
-        cap = math.ceil(max_num_seqs * max_model_len / block_size) + max_num_seqs
+        cap = (math.ceil(max_num_seqs * max_model_len / block_size) if blocks_per_request
+               is None else max_num_seqs * blocks_per_request) + max_num_seqs
         num_blocks = min(kv_cache_memory // block_bytes, cap)
     total = num_blocks * block_bytes
     if device.type == "cuda":

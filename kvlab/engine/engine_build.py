@@ -17,6 +17,7 @@ import torch
 from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.cache_scope import CacheScope
 from kvlab.core.interfaces import Scheduler
+from kvlab.core.kv_cache_groups import KVCacheGroup, group_layers, window_blocks
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.scheduler_config import SchedulerConfig
@@ -85,6 +86,27 @@ def capture_decode_graphs(executor: ModelRunner, cache: Any, max_num_seqs: int,
         warnings.warn(f"CUDA-graph capture failed, decoding eagerly: {error!r}", stacklevel=3)
 
 
+def hybrid_kv_groups(a: EngineArgs, cfg: ModelConfig, quant: EngineQuantization,
+                     transfer: Any, speculator: Speculator | None
+                     ) -> tuple[KVCacheGroup, ...] | None:
+    """The KV cache groups of a model with sliding-window layers (a block table each, their
+    windows releasing what falls out of them: :mod:`kvlab.core.hybrid_kv_cache_manager`);
+    None for one table for all layers (no window, or ``disable_hybrid_kv_cache_manager``).
+    ValueError for what the per-group layout does not support."""
+    if not any(cfg.layer_windows) or a.disable_hybrid_kv_cache_manager:
+        return None
+    unsupported = {"speculative_config": speculator is not None,
+                   "kv_transfer_config": transfer is not None,
+                   f"kv_cache_dtype={quant.kv.name!r}": quant.kv.quantized,
+                   "kv_events_config": a.kv_events_config is not None}
+    for what, used in unsupported.items():
+        if used:
+            raise ValueError(f"LLMEngine: {what} is not supported with sliding-window layers' "
+                             "per-group KV tables; pass disable_hybrid_kv_cache_manager=True "
+                             "to keep one full table for all layers")
+    return group_layers(cfg.layer_windows)
+
+
 def load_engine_checkpoint(model: str | Path | LoadedCheckpoint, quant: EngineQuantization,
                            device: torch.device, dtype: torch.dtype) -> LoadedCheckpoint:
     """Load ``model`` (or take a LoadedCheckpoint in place, moved to ``device``/``dtype``) and
@@ -131,7 +153,9 @@ def engine_cache_scope(ckpt: LoadedCheckpoint, tokenizer: Tokenizer | None, bloc
               f"low={rope.low_freq_factor},high={rope.high_freq_factor},"
               f"orig={rope.original_max_position_embeddings}"),
         kv_layout=f"paged[block={block_size}][kv_heads={cfg.num_kv_heads}]"
-                  f"[head_dim={cfg.head_dim}]",
+                  f"[head_dim={cfg.head_dim}]"
+                  + (f"[windows={','.join(map(str, cfg.layer_windows))}]"
+                     if any(cfg.layer_windows) else ""),
         security_domain=security_domain,
         **quant.scope_fields(dtype),
     ).key()
@@ -149,14 +173,16 @@ class EngineParts:
     speculator: Speculator | None
     max_model_len: int
     num_blocks: int
-    cache: Any                      # PagedKVCache, or the quantized cache of kv_cache_dtype
-    kv: KVCacheManager
+    cache: Any                      # PagedKVCache, the quantized cache of kv_cache_dtype, or
+                                    # a GroupedKVCache (sliding-window layers)
+    kv: Any                         # KVCacheManager, or HybridKVCacheManager
     scheduler_config: SchedulerConfig
     scheduler: Scheduler
     kv_transfer: Any                # KVTransfer (chapter 10) or None
     executor: ModelRunner
     eos_token_ids: tuple[int, ...]
     structured_outputs: StructuredOutputManager
+    kv_events_config: Any           # KVEventsConfig when KV events are published, else None
 
 
 def build_parts(a: EngineArgs) -> EngineParts:
@@ -174,28 +200,46 @@ def build_parts(a: EngineArgs) -> EngineParts:
     speculator = Speculator.load(a.speculative_config, cfg, tokenizer, dev, dtype)
     max_model_len = resolve_max_model_len(cfg, a.max_model_len)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    groups = hybrid_kv_groups(a, cfg, quant, transfer, speculator)
+    prefill_chunk = a.max_prefill_chunk or a.max_num_batched_tokens
+    if groups is None:
+        block_bytes, per_request = (quant.kv_bytes_per_token(cfg, itemsize) + Speculator.kv_bytes(
+            speculator, itemsize)) * a.block_size, None
+    else:   # a block is a page in each layer slot of one group
+        slots = max(len(g.layers) for g in groups)
+        block_bytes = 2 * slots * cfg.num_kv_heads * cfg.head_dim * itemsize * a.block_size
+        per_request = sum(window_blocks(g.window, max_model_len, a.block_size, prefill_chunk)
+                          for g in groups)
     size = size_kv_cache(
-        block_bytes=(quant.kv_bytes_per_token(cfg, itemsize) + Speculator.kv_bytes(
-            speculator, itemsize)) * a.block_size, block_size=a.block_size,
-        num_blocks=a.num_blocks, kv_cache_memory=a.kv_cache_memory, max_num_seqs=a.max_num_seqs,
-        max_model_len=max_model_len, device=dev)
+        block_bytes=block_bytes, block_size=a.block_size, num_blocks=a.num_blocks,
+        kv_cache_memory=a.kv_cache_memory, max_num_seqs=a.max_num_seqs,
+        max_model_len=max_model_len, device=dev, blocks_per_request=per_request)
     ckpt.model.prepare_rope(max_model_len)
     drafts = (speculator.draft.model,) if speculator and speculator.draft else ()
     linear = select_linear_method(dev, dtype)    # CPU: oneDNN, each weight packed once
     for model in (ckpt.model, *drafts):
         model.use_linear_method(linear)
     kernels = select_kernels(dev, dtype)         # attention backend and layer ops
-    graphs = use_decode_graphs(a, dev, quant, speculator)
-    # with graphs, one block past the manager's: the padded rows' scratch block
-    cache = quant.make_kv_cache(cfg, size.num_blocks + graphs, a.block_size, dtype, dev)
-    kv = KVCacheManager(size.num_blocks, a.block_size,
-                        enable_prefix_caching=a.enable_prefix_caching)
+    graphs = use_decode_graphs(a, dev, quant, speculator) and groups is None
+    if groups is None:
+        # with graphs, one block past the manager's: the padded rows' scratch block
+        cache = quant.make_kv_cache(cfg, size.num_blocks + graphs, a.block_size, dtype, dev)
+        kv = KVCacheManager(size.num_blocks, a.block_size,
+                            enable_prefix_caching=a.enable_prefix_caching)
+    else:
+        from kvlab.core.hybrid_kv_cache_manager import HybridKVCacheManager
+        from kvlab.engine.grouped_kv_cache import GroupedKVCache
+        cache = GroupedKVCache(groups, size.num_blocks, a.block_size, cfg.num_kv_heads,
+                               cfg.head_dim, dtype=dtype, device=dev)
+        kv = HybridKVCacheManager(size.num_blocks, a.block_size, [g.window for g in groups],
+                                  enable_prefix_caching=a.enable_prefix_caching,
+                                  chunk_tokens=prefill_chunk)
     # A step's batch never holds more requests than tokens (each entry takes >= 1), so the
     # schedulers' rule max_num_seqs <= max_num_batched_tokens loses nothing here.
     scheduler_config = SchedulerConfig(
         max_num_seqs=min(a.max_num_seqs, a.max_num_batched_tokens),
         max_num_batched_tokens=a.max_num_batched_tokens,
-        prefill_chunk=a.max_prefill_chunk or a.max_num_batched_tokens,
+        prefill_chunk=prefill_chunk,
         num_lookahead_tokens=speculator.num_lookahead if speculator else 0,
         async_scheduling=a.async_scheduling)
     scheduler = make_scheduler(a.scheduler, kv, scheduler_config)
@@ -207,11 +251,22 @@ def build_parts(a: EngineArgs) -> EngineParts:
         scheduler = kv_transfer.wrap(scheduler)
     eos = tuple(dict.fromkeys(cfg.eos_token_ids + ckpt.generation_eos))
     structured = StructuredOutputManager(tokenizer, cfg.vocab_size, eos)
-    executor = Speculator.make_executor(speculator, ckpt.model, cache, max_model_len, kernels,
-                                        structured, eos)
+    if groups is not None and len(groups) > 1:   # a table per group in the runner's rows
+        from kvlab.engine.hybrid_input_batch import HybridInputBatch
+        layer_group = [next(i for i, g in enumerate(groups) if layer in g.layers)
+                       for layer in range(cfg.num_layers)]
+        executor = ModelRunner(ckpt.model, cache, kernels, structured, eos,
+                               HybridInputBatch(a.block_size, layer_group, dev))
+    else:
+        executor = Speculator.make_executor(speculator, ckpt.model, cache, max_model_len,
+                                            kernels, structured, eos)
     if graphs:
         capture_decode_graphs(executor, cache, scheduler_config.max_num_seqs, max_model_len,
                               scratch_block=size.num_blocks)
+    events = None
+    if a.kv_events_config is not None:   # checked in EngineArgs; the engine attaches it
+        from kvlab.engine.kv_events import KVEventsConfig
+        events = KVEventsConfig.parse(a.kv_events_config)
     return EngineParts(quant, ckpt, tokenizer, dev, dtype, speculator, max_model_len,
                        size.num_blocks, cache, kv, scheduler_config, scheduler, kv_transfer,
-                       executor, eos, structured)
+                       executor, eos, structured, events if events and events.enabled else None)

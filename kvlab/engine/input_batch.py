@@ -45,6 +45,10 @@ class InputBatch:
         """The requests that have a row."""
         return set(self._row_of)
 
+    def row(self, request_id: str) -> int:
+        """The row of a request that has one."""
+        return self._row_of[request_id]
+
     def table(self, request_id: str) -> list[int]:
         """The runner's copy of ``request_id``'s block table."""
         return self.tables[self._row_of[request_id], :self._len[request_id]].tolist()

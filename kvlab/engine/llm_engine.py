@@ -82,6 +82,11 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer.decode if self.tokenizer else None)
         self.clock: Callable[[], float] = time.monotonic
         self.cache_scope()   # the default tenant's scope, built once here
+        self.kv_events = None   # KV events published to routers (chapter 13), off by default
+        if p.kv_events_config is not None:
+            from kvlab.engine.kv_events import KVEvents
+            self.kv_events = KVEvents.create(p.kv_events_config, self.kv.prefix_cache,
+                                             self.cache_salt)
 
     def cache_scope(self, security_domain: str | None = None) -> tuple:
         """The prefix-cache scope (spec rule 4) of this engine's requests, once per domain."""
@@ -94,6 +99,27 @@ class LLMEngine:
                 self.checkpoint, self.tokenizer, self.block_size, domain, self.quantization,
                 self.dtype)
         return scope
+
+    def cache_salt(self, scope: tuple) -> str | None:
+        """The ``cache_salt`` of a prefix-cache scope in KV events: its security domain, unless
+        it is the engine's own (that one is unsalted, as a vLLM request without a salt)."""
+        domain = dict(scope).get("security_domain")
+        return None if domain == self.args.security_domain else domain
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``); False, nothing changed,
+        while any request holds KV. With KV events on, ``AllBlocksCleared`` goes out now."""
+        with self.core.lock:
+            done = self.kv.reset_prefix_cache()
+            if done and self.kv_events is not None:
+                self.kv_events.flush()
+            return done
+
+    def close(self) -> None:
+        """Stop what runs beside the engine (the KV-event publisher's thread and sockets)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, tuple[int, ...]]:
         """(text or None, token ids) of a prompt (a str is encoded, a :class:`TokenizedPrompt`
@@ -268,6 +294,8 @@ class LLMEngine:
                         self._ending[out.request_id] = ids
             for request_id in list(self._ending):
                 self._samples_ending(request_id)     # forgets the aborts that have ended
+            if self.kv_events is not None:   # this step's cache changes, one batch
+                self.kv_events.flush()
             info = result.model.info
             self.last_trace = StepTrace(result.output, info.metadata, info.request_ids,
                                         info.logits_shape, dict(result.model.sampled),

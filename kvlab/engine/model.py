@@ -1,5 +1,6 @@
 """A Llama-family decoder over a paged KV cache (RoPE variants, GQA, SwiGLU, tied embeddings,
-QKV bias); Q/K/V and gate/up are fused, so a layer is four matmuls over the step's flat batch.
+QKV bias, Qwen3's Q/K norms, sliding-window layers); Q/K/V and gate/up are fused, so a layer is
+four matmuls over the step's flat batch.
 Its linear layers run through the linear method chosen at load (:mod:`kvlab.engine.linear`),
 its attention and small ops through the :class:`~kvlab.engine.ops.Kernels` each forward is given.
 """
@@ -21,13 +22,17 @@ __all__ = ["DecoderLayer", "LlamaModel"]
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP with residuals; fused QKV and gate/up weights."""
+    """Pre-norm attention + SwiGLU MLP with residuals; fused QKV and gate/up weights.
+    ``window``: the keys its queries see (0: all before them; ``W``: the last ``W``)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int = 0):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.window = window
         self.input_norm = nn.Parameter(torch.ones(h))
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = nn.Parameter(torch.ones(d)), nn.Parameter(torch.ones(d))
         self.qkv = Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o = Linear(self.q_size, h, bias=cfg.o_bias)
         self.post_norm = nn.Parameter(torch.ones(h))
@@ -43,9 +48,14 @@ class DecoderLayer(nn.Module):
         # rotate Q and K heads together: one RoPE call for both
         qk = qkv[:, :self.q_size + self.kv_size].view(n, cfg.num_heads + cfg.num_kv_heads,
                                                       cfg.head_dim)
+        if cfg.qk_norm:   # Qwen3: RMSNorm over each head's dims, before RoPE
+            qk = torch.cat([ops.rms_norm(t.reshape(-1, cfg.head_dim), w, cfg.rms_norm_eps)
+                            .view(n, -1, cfg.head_dim) for t, w in
+                            ((qk[:, :cfg.num_heads], self.q_norm),
+                             (qk[:, cfg.num_heads:], self.k_norm))], dim=1)
         q, k = ops.rope_(qk, cos, sin).split((cfg.num_heads, cfg.num_kv_heads), dim=1)
         v = qkv[:, self.q_size + self.kv_size:].reshape(n, cfg.num_kv_heads, cfg.head_dim)
-        attn = kernels.attention.forward(q, k, v, kv, meta, cfg.head_dim ** -0.5)
+        attn = kernels.attention.forward(q, k, v, kv, meta, cfg.head_dim ** -0.5, self.window)
         hs, x = ops.add_rms_norm(self.o(attn.reshape(n, self.q_size)), x, self.post_norm,
                                  cfg.rms_norm_eps)
         return self.down(ops.silu_and_mul(self.gate_up(hs))).add_(x)
@@ -64,7 +74,7 @@ class LlamaModel(nn.Module):
         # zeros, not a random init: on the meta device normal_ would import torch._dynamo (~3 s)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                   _weight=torch.zeros(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in cfg.layer_windows)
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -125,8 +135,8 @@ class LlamaModel(nn.Module):
         ``kv_layers`` (one per decoder layer)."""
         x = self.embed(meta.input_ids)
         cos, sin = self.rope_cos_sin(meta.positions, meta.max_position)
-        for layer, kv in zip(self.layers, kv_layers, strict=True):
-            x = layer(x, cos, sin, kv, meta, kernels)
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_layers, strict=True)):
+            x = layer(x, cos, sin, kv, meta.for_layer(i), kernels)
         if rows is not None:
             x = x[rows]
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)

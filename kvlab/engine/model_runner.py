@@ -59,11 +59,13 @@ class ModelRunner:
     """Execute steps of ``model`` over ``cache`` (one device) with ``kernels`` (chosen once, for
     the device and dtype). ``requests``: the sampler state of every request the scheduler sent
     and has not finished (kept across preemptions); ``structured_outputs`` makes the grammar
-    states and ``eos_token_ids`` are the ids ``min_tokens`` holds back."""
+    states and ``eos_token_ids`` are the ids ``min_tokens`` holds back. ``input_batch``: the
+    persistent rows (default: one table per request; a model with several KV cache groups
+    passes a :class:`~kvlab.engine.hybrid_input_batch.HybridInputBatch`)."""
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache, kernels: Kernels,
                  structured_outputs: StructuredOutputManager | None = None,
-                 eos_token_ids: Sequence[int] = ()):
+                 eos_token_ids: Sequence[int] = (), input_batch: InputBatch | None = None):
         cfg = model.cfg
         assert len(cache.layers) == cfg.num_layers and cache.data.shape[-2:] == (
             cfg.num_kv_heads, cfg.head_dim), "the KV cache's shape is the model's"
@@ -72,7 +74,8 @@ class ModelRunner:
         self.kernels = kernels
         self.structured_outputs = structured_outputs
         self.eos_token_ids = tuple(eos_token_ids)
-        self.input_batch = InputBatch(self.block_size, self.device)
+        self.input_batch = (input_batch if input_batch is not None
+                            else InputBatch(self.block_size, self.device))
         self.requests: dict[str, SamplerState] = {}
         # overlap scheduling: the tokens the last step sampled, on the device, and each
         # request's row among them (a placeholder in the next step's inputs reads its row)

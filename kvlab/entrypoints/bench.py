@@ -8,10 +8,12 @@ Example, against a vLLM server (the same command works for kvlab's and SGLang's)
         --slo-ttft-ms 500 --slo-tpot-ms 50 --warmup-s 10 --result-json out.json
 
 Arrivals are open-loop (Poisson, or gamma with ``--burstiness``). Lengths come from kvlab's
-workload generators (``fixed:N``, ``uniform:LO,HI``, ``lognormal:MEDIAN,SIGMA``) or from a JSONL
-``--dataset``. The summary table follows vLLM's ``benchmark_serving``; goodput, SLO attainment
-and failures by kind follow :mod:`kvlab.labs.slo`. ``--result-json`` writes the report and
-every request's record; ``--scrape-metrics`` adds the server's own ``/metrics`` deltas. Token
+workload generators (``fixed:N``, ``uniform:LO,HI``, ``lognormal:MEDIAN,SIGMA``), from a JSONL
+``--dataset``, or from vLLM's multi-tenant ``--dataset-name prefix_repetition`` (tenants that
+share a long system prompt, in random order; the ``--prefix-repetition-*`` flags are vLLM's).
+The summary table follows vLLM's ``benchmark_serving``; goodput, SLO attainment and failures
+by kind follow :mod:`kvlab.labs.slo`. ``--result-json`` writes the report and every request's
+record; ``--scrape-metrics`` adds the server's own ``/metrics`` deltas. Token
 counts come from the server's ``usage`` (``stream_options.include_usage``). When more than half
 the requests fail (client cancels aside) the exit status is 2 and the server's first error is
 printed, with the flag that usually fixes it (``--text-prompts``, ``--no-ignore-eos``).
@@ -26,7 +28,7 @@ import math
 import sys
 from pathlib import Path
 
-from kvlab.entrypoints.load_client import LoadConfig, plan_requests, run_load
+from kvlab.entrypoints.load_client import LoadConfig, plan_requests, prefix_repetition, run_load
 from kvlab.entrypoints.prometheus import parse_metrics
 from kvlab.labs.slo import SLO, GoodputReport, evaluate_slo
 
@@ -138,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="output length, in the same forms as --input-len")
     ap.add_argument("--dataset", default=None,
                     help="JSONL rows {prompt, output_len} or {prompt_len, output_len}")
+    ap.add_argument("--dataset-name", choices=("random", "prefix_repetition"), default="random",
+                    help="prefix_repetition: vLLM's multi-tenant shared-prefix workload (text)")
+    ap.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    ap.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    ap.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    ap.add_argument("--prefix-repetition-output-len", type=int, default=128)
     ap.add_argument("--text-prompts", action="store_true",
                     help="send words instead of token ids (needed for --endpoint chat)")
     ap.add_argument("--token-range", default="3,1024", help="LO,HI of random prompt token ids")
@@ -170,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--num-prompts must be >= 1")
         lo, hi = (int(x) for x in a.token_range.split(","))
         dataset = None
-        if a.dataset:
+        if a.dataset_name == "prefix_repetition":
+            dataset = prefix_repetition(
+                a.num_prompts, a.prefix_repetition_prefix_len, a.prefix_repetition_suffix_len,
+                a.prefix_repetition_num_prefixes, a.prefix_repetition_output_len, seed=a.seed)
+        elif a.dataset:
             dataset = [json.loads(line) for line in Path(a.dataset).read_text().splitlines()
                        if line.strip()]
         plan = plan_requests(a.num_prompts, a.request_rate, length_dist(a.input_len),

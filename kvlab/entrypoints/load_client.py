@@ -110,7 +110,6 @@ def plan_requests(n: int, rate: float, prompt_len: Callable[[random.Random], int
         raise ValueError(f"bad token_range {token_range!r}")
     rng = random.Random(seed)
     times = gamma_arrivals(rate, n, rng, burstiness)
-    words = ("the", "river", "town", "was", "a", "of", "and", "shepherd", "in", "old")
     plan = []
     for i, t in enumerate(times):
         row = dataset[i % len(dataset)] if dataset else None
@@ -121,13 +120,42 @@ def plan_requests(n: int, rate: float, prompt_len: Callable[[random.Random], int
             plen = int(row["prompt_len"]) if row is not None else prompt_len(rng)
             out_len = int(row["output_len"]) if row is not None else output_len(rng)
             if text:
-                prompt = " ".join(rng.choice(words) for _ in range(plen))
+                prompt = " ".join(rng.choice(WORDS) for _ in range(plen))
             else:
                 prompt = [rng.randrange(lo, hi) for _ in range(plen)]
         if out_len < 1:
             raise ValueError(f"request {i}: output_len must be >= 1, got {out_len}")
         plan.append(PlannedRequest(f"bench-{i}", t, prompt, out_len))
     return plan
+
+
+#: the words text prompts are made of (about one kvlab-tiny token each)
+WORDS = ("the", "river", "town", "was", "a", "of", "and", "shepherd", "in", "old")
+
+
+def prefix_repetition(num_requests: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                      output_len: int, *, seed: int = 0) -> list[dict]:
+    """vLLM's ``prefix_repetition`` workload in words: ``num_prefixes`` tenants, each a random
+    system prompt of ``prefix_len`` words shared by ``num_requests // num_prefixes`` requests
+    that end in their own ``suffix_len`` words, in random order (``{"prompt", "output_len",
+    "tenant"}`` rows, a ``dataset`` for :func:`plan_requests`)."""
+    if not (num_prefixes >= 1 and num_requests >= num_prefixes):
+        raise ValueError(f"need 1 <= num_prefixes <= num_requests, got {num_prefixes} and "
+                         f"{num_requests}")
+    for name, value in (("prefix_len", prefix_len), ("suffix_len", suffix_len),
+                        ("output_len", output_len)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    rng = random.Random(seed)
+    rows = []
+    for tenant in range(num_prefixes):
+        prefix = " ".join(rng.choice(WORDS) for _ in range(prefix_len))
+        for _ in range(num_requests // num_prefixes):
+            suffix = " ".join(rng.choice(WORDS) for _ in range(suffix_len))
+            rows.append({"prompt": f"{prefix} {suffix}", "output_len": output_len,
+                         "tenant": tenant})
+    rng.shuffle(rows)
+    return rows
 
 
 def _body(cfg: LoadConfig, req: PlannedRequest) -> dict:

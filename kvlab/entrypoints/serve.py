@@ -121,10 +121,13 @@ async def _client_gone(request: Request) -> None:
 
 def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX_BODY_BYTES,
               body_timeout: float = BODY_TIMEOUT,
-              tokenizer_info_endpoint: bool = False) -> Starlette:
-    """The Starlette application; its lifespan starts and stops ``aeng``'s engine thread.
-    A body is refused beyond ``max_body_bytes`` (413) or ``body_timeout`` seconds (408).
-    ``tokenizer_info_endpoint``: serve ``GET /tokenizer_info`` (off by default, as in vLLM)."""
+              tokenizer_info_endpoint: bool = False, dev_routes: bool = False) -> Starlette:
+    """The Starlette application; its lifespan starts and stops ``aeng``'s engine thread (and
+    closes the engine's KV-event publisher). A body is refused beyond ``max_body_bytes`` (413)
+    or ``body_timeout`` seconds (408). ``tokenizer_info_endpoint``: serve ``GET
+    /tokenizer_info`` (off by default, as in vLLM). ``dev_routes``: vLLM's development route
+    ``POST /reset_prefix_cache`` (``{"success": bool}``; vLLM serves it under
+    ``VLLM_SERVER_DEV_MODE=1``, and so does ``kvlab serve``)."""
     engine = aeng.engine
     metrics = aeng.metrics
     started = int(time.time())   # the model card's `created`: when this server started
@@ -325,15 +328,21 @@ def build_app(aeng: AsyncEngine, served_model: str, *, max_body_bytes: int = MAX
         return ErrorResponse(error_body(f"internal error: {type(exc).__name__}: {exc}"[:500],
                                         "server_error", None, "internal_error"), status_code=500)
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        return JSONResponse({"success": await asyncio.to_thread(engine.reset_prefix_cache)})
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if not aeng.running:
             aeng.start()
         yield
         aeng.shutdown()
+        engine.close()
 
     routes = [Route("/tokenizer_info", tokenizer_info_route, methods=["GET"])] \
         if tokenizer_info_endpoint else []
+    if dev_routes:
+        routes.append(Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]))
     return Starlette(routes=[
         *routes,
         Route("/tokenize", tokenizer_route, methods=["POST"]),
@@ -425,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kvlab serve: {name} on http://{args.host}:{args.port}", flush=True)
     app = build_app(aeng, name, max_body_bytes=args.max_request_bytes,
                     body_timeout=args.body_timeout,
-                    tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                    tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                    dev_routes=os.environ.get("VLLM_SERVER_DEV_MODE") == "1")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 http=h11_with_header_deadline(args.header_timeout))
     return 0

@@ -6,6 +6,9 @@ A check with one right answer compares against its sealed truth (``_common.seale
 instructor edition computes it); the other checks run the reader's code or choice on
 :mod:`kvlab.engine` (the executor's own attention and metadata, the engine's sampler, real
 engine runs). Each raises ``AssertionError`` saying what is wrong, never the expected answer.
+Exercise 1's check draws new hidden chunks on every call and gives one verdict for all of
+them, and exercise 3's pair is one prediction, graded once per session
+(``_common.earlier_prediction``), so neither answer can be found by calling its check in a loop.
 (``check_slot_mapping``, ``check_kv_bytes_per_token``, ``check_top_p`` and
 ``check_logprob_temperature`` are kept for teachers who want them; the chapter no longer asks
 them: the first two repeat chapters 1 and 2, the top-p set is off the engine's path, and which
@@ -14,9 +17,11 @@ distribution logprobs describe is a convention, not something a reader can deriv
 
 from __future__ import annotations
 
+import functools
 import random
+import secrets
 
-from kvlab.exercises._common import require_answer, sealed
+from kvlab.exercises._common import earlier_prediction, graded_once, require_answer, sealed
 
 
 def check_slot_mapping(fn) -> str:
@@ -132,17 +137,15 @@ def suspect_attention_step(backend, q, k, v, kv, meta, scale):
     return out
 
 
-def engine_attention_step(backend, q, k, v, kv, meta, scale):
+def _engine_attention_step(backend, q, k, v, kv, meta, scale):
     """The layer's attention step as the engine runs it: ``AttentionBackend.forward``."""
     return backend.forward(q, k, v, kv, meta, scale)
 
 
-#: Exercise 1's backends, by the name the reader's function is given.
-SUSPECT_BACKENDS = ("torch", "cpu")
-
-
+@functools.cache
 def _backend(name: str):
-    """The attention backend called ``name`` here, or None (the compiled build is missing)."""
+    """The attention backend called ``name`` (``"torch"`` or ``"cpu"``), or None where the
+    compiled build is missing."""
     import torch
 
     from kvlab.engine.attention_cpu import CpuAttention
@@ -179,21 +182,29 @@ def _attention_outputs(step, backend, start_pos: int, num_tokens: int):
     return step(backend, q, k, v, layer, meta, dim ** -0.5)
 
 
-def suspect_differs(backend_name: str, start_pos: int, num_tokens: int) -> bool:
-    """Whether :func:`suspect_attention_step` and the engine's step give different outputs for
-    this chunk with this backend (run, not looked up)."""
+def _steps_differ(backend, start_pos: int, num_tokens: int) -> bool:
+    """Whether the colleague's step and the engine's give different outputs for this chunk on
+    ``backend`` (both run, nothing looked up)."""
     import torch
 
-    backend = _backend(backend_name)
-    assert backend is not None, f"no {backend_name} backend here"
-    want = _attention_outputs(engine_attention_step, backend, start_pos, num_tokens)
+    want = _attention_outputs(_engine_attention_step, backend, start_pos, num_tokens)
     got = _attention_outputs(suspect_attention_step, backend, start_pos, num_tokens)
     return not torch.allclose(want, got)
 
 
-#: The chunks (start_pos, num_tokens) the check of exercise 1 tries on each backend.
-SUSPECT_CHUNKS = ((0, 1), (0, 2), (0, 9), (0, 24), (3, 1), (13, 1), (4, 3), (6, 5),
-                  (12, 16), (8, 17), (20, 24), (1, 30))
+def _hidden_chunks(rng: random.Random) -> list[tuple[int, int]]:
+    """The chunks ``(start_pos, num_tokens)`` one check tries on each backend, drawn afresh
+    every time: every kind of chunk a runner can see (the one-token prompt; fresh prompts of
+    several tokens; one-token chunks, short chunks and long chunks behind a cached prefix)
+    twice or more, then shuffled."""
+    chunks = [(0, 1)]
+    for _ in range(2):
+        chunks += [(0, rng.randint(2, 40)), (rng.randint(1, 40), 1),
+                   (rng.randint(1, 40), rng.randint(2, 16)),
+                   (rng.randint(1, 40), rng.randint(17, 40))]
+    chunks += [(rng.choice((0, rng.randint(1, 40))), rng.randint(1, 40)) for _ in range(3)]
+    rng.shuffle(chunks)
+    return chunks
 
 
 def check_suspect_rule(fn) -> str:
@@ -201,32 +212,34 @@ def check_suspect_rule(fn) -> str:
     :func:`suspect_attention_step` computes a different output from the engine's step
     (``AttentionBackend.forward``) for a chunk of ``num_tokens`` at ``start_pos`` behind a
     cached prefix, on the ``backend`` named ``"torch"`` (``TorchAttention``) or ``"cpu"``
-    (``CpuAttention``). Both steps are run on chunks the reader does not see (the ``"cpu"``
-    ones only where the compiled build is available)."""
+    (``CpuAttention``). Each call draws new chunks the reader does not see (the ``"cpu"`` ones
+    only where the compiled build is available), asks ``fn`` about all of them, runs both steps
+    on each, and gives one verdict for them all."""
     require_answer(fn, "your function")
     if not callable(fn):
         raise AssertionError("pass a function (start_pos, num_tokens, backend) -> bool")
-    tried = 0
-    for name in SUSPECT_BACKENDS:
-        if _backend(name) is None:
-            continue
-        for start, n in SUSPECT_CHUNKS:
-            try:
-                said = fn(start, n, name)
-            except Exception as err:  # the reader's code: say where it failed
-                raise AssertionError(f"your function raised {type(err).__name__}: {err} on "
-                                     f"start_pos={start}, num_tokens={n}, "
-                                     f"backend={name!r}") from None
-            if not isinstance(said, bool):
-                raise AssertionError(f"return True or False, got {said!r}")
-            if said != suspect_differs(name, start, n):
-                raise AssertionError(
-                    f"on the {name!r} backend your function is wrong for at least one chunk. "
-                    "Revisit which chunks that backend's attention reads back from the cache "
-                    "(AttentionBackend.forward, and the backend's attend_rows and "
-                    "attend_chunks).")
-            tried += 1
-    return (f"Correct on {tried} chunks. Whatever attention reads from the cache must be "
+    rng = random.Random(secrets.randbits(64))
+    cases = [(name, start, n) for name in ("torch", "cpu") if _backend(name) is not None
+             for start, n in _hidden_chunks(rng)]
+    rng.shuffle(cases)
+    said = []
+    for name, start, n in cases:
+        try:
+            answer = fn(start, n, name)
+        except Exception as err:  # the reader's code: say where it failed
+            raise AssertionError(f"your function raised {type(err).__name__}: {err} on "
+                                 f"start_pos={start}, num_tokens={n}, "
+                                 f"backend={name!r}") from None
+        if not isinstance(answer, bool):
+            raise AssertionError(f"return True or False, got {answer!r}")
+        said.append(answer)
+    truth = [_steps_differ(_backend(name), start, n) for name, start, n in cases]
+    if said != truth:
+        raise AssertionError(
+            f"your function is wrong for at least one of the {len(cases)} chunks tried. "
+            "Revisit which chunks each backend's attention reads back from the cache "
+            "(AttentionBackend.forward, and each backend's attend_rows and attend_chunks).")
+    return (f"Correct on {len(cases)} chunks. Whatever attention reads from the cache must be "
             "written first. On the torch backend only a fresh prompt of several tokens "
             "attends the new K/V it was handed; a one-token chunk is a paged row and a chunk "
             "behind a prefix reads its own tokens back through its table, so both see the "
@@ -287,7 +300,9 @@ ROWS_STEP = {"A": (40, 1), "B": (20, 12), "C": (0, 10), "D": (32, 24), "E": (0, 
 def check_paged_rows(num_paged_rows, dense_chunks) -> str:
     """Exercise 3: for :data:`ROWS_STEP` on an engine whose attention backend is the compiled
     ``CpuAttention``, how many token rows are paged rows, and which chunks (letters) are dense?
-    Compared with what ``flat_metadata`` builds with that backend's ``paged_max_tokens``."""
+    The pair is graded together, as one prediction, once per session
+    (``_common.earlier_prediction``): after a wrong first answer, later ones are not graded.
+    The truth is what ``flat_metadata`` builds with that backend's ``paged_max_tokens``."""
     require_answer(num_paged_rows, "the number of paged rows")
     require_answer(dense_chunks, "the dense chunks")
     if isinstance(num_paged_rows, bool) or not isinstance(num_paged_rows, int):
@@ -302,13 +317,19 @@ def check_paged_rows(num_paged_rows, dense_chunks) -> str:
                              "(an empty set if none)") from None
     if not chosen <= set(ROWS_STEP):
         raise AssertionError(f"the chunks are {', '.join(ROWS_STEP)}; got {sorted(chosen)}")
-    rows_ok = sealed("ch07.paged_rows.rows").direction(num_paged_rows) is None
-    dense_ok = sealed("ch07.paged_rows.dense").is_answer(sorted(chosen))
-    if not (rows_ok and dense_ok):
-        wrong = ("both the number of paged rows and the set of dense chunks are" if not
-                 (rows_ok or dense_ok) else "the number of paged rows is" if not rows_ok
-                 else "the set of dense chunks is")
-        raise AssertionError(f"{wrong} not what the runner builds for this step.")
+    # one answer, graded as a whole (separate verdicts would let a loop find each half) and
+    # once: the first answer is the prediction, so trying others one after another learns
+    # nothing
+    answer = [num_paged_rows, sorted(chosen)]
+    right = sealed("ch07.paged_rows").is_answer(answer)
+    earlier = earlier_prediction("ch07.paged_rows", answer, right)
+    if earlier is not None:
+        return graded_once(earlier)
+    if not right:
+        raise AssertionError("that is not how the runner lays out this step. Revisit what "
+                             "makes a chunk's tokens paged rows rather than a dense chunk (the "
+                             "metadata section), and which backend this runner has; then "
+                             "build the step with build_metadata to see.")
     return (f"Correct: {num_paged_rows} paged rows and dense chunks {sorted(chosen)}. A row "
             "re-reads its whole context, so only one-token chunks and short chunks behind KV "
             "already cached go row by row; a fresh prompt has nothing cached to read. With the "
@@ -376,8 +397,9 @@ def check_preemption_design(config) -> str:
         raise AssertionError(f"request r{first} generated different tokens from a roomy run: "
                              "that would be a bug in kvlab; please report it.")
     if preemptions == 0:
-        raise AssertionError("nothing was preempted under this configuration: the pool is "
-                             "large enough, or the admission policy never over-commits.")
+        raise AssertionError("nothing was preempted under this configuration. Revisit what "
+                             "makes a scheduler preempt (chapter 6), and what each admission "
+                             "policy promises a request when it admits it.")
     return (f"Correct: {preemptions} preemption(s), and every request generated exactly the "
             "tokens of a roomy run. Recompute preemption re-feeds prompt and outputs, writes the "
             "same KV and continues each request's own random stream.")

@@ -1,22 +1,27 @@
-"""Chapter 14 exercises: a hybrid model's bytes per rank, gpt-oss-120b's pool by hand, the block
-size a recurrent state forces (vLLM issue 40696), a quick planner to debug, and a layer pattern
-to design.
+"""Chapter 14 exercises: a hybrid model's bytes per rank, gpt-oss-120b's pool predicted by hand,
+the block size a recurrent state forces (vLLM issue 40696), a quick planner to debug, and a layer
+pattern to design.
 
 Checks with one right answer compare against sealed truths (``_common.sealed``; the instructor
 edition computes them with :mod:`kvlab.labs.capacity.hybrid_plan` under the assumptions stated
-here). The debug and design checks run the planner on the reader's own case. A wrong answer is
-told which idea to revisit, never whether it is too high or too low.
+here). An answer of several parts is graded as one (a check that named the wrong part would let
+each part be found by trying values one after another), and the prediction of exercise 2 is
+graded once per session (``_common.earlier_prediction``). The debug and design checks run the
+planner on the reader's own case. A wrong answer is told which ideas to revisit, never which
+part is wrong or whether it is too high or too low.
 """
 
 from __future__ import annotations
 
-from kvlab.exercises._common import require_answer, sealed
+from kvlab.exercises._common import earlier_prediction, graded_once, require_answer, sealed
 from kvlab.labs.capacity.hf_config import ModelLayout, layout_from_hf_config, shipped_layout
 from kvlab.labs.capacity.hybrid_plan import GiB, plan_layout, token_bytes
 from kvlab.sim.catalog import get_gpu
 
-#: Exercise 1: the full-attention layers of this model, on one rank of this TP group.
-FULL_TP_CASE = {"model": "qwen3-next-80b-a3b-instruct", "tp": 4, "kv_dtype": "bf16"}
+#: Exercise 1: one request of ``tokens`` tokens of this model, on one rank of this TP group
+#: (every layer: the full layers' KV and the rank's share of each recurrent state).
+RANK_CASE = {"model": "qwen3-next-80b-a3b-instruct", "tp": 4, "kv_dtype": "bf16",
+             "tokens": 10_000}
 
 #: Exercise 2: gpt-oss-120b alone on one H100 (weights: MXFP4 experts + bf16 rest).
 GPT_OSS_CASE = {
@@ -66,33 +71,36 @@ def _whole(value, what: str) -> int:
     return int(value)
 
 
-def check_full_layer_bytes(answer) -> str:
-    """Exercise 1: bytes per token that :data:`FULL_TP_CASE`'s full-attention layers keep, all
-    of them together, on one rank."""
-    got = _whole(answer, "bytes per token")
-    if not sealed("ch14.full_layer_bytes").is_answer(got):
-        raise AssertionError("Not right: revisit which layers grow with the context, and how "
+def check_rank_request_bytes(answer) -> str:
+    """Exercise 1: the bytes one rank keeps for one request of :data:`RANK_CASE`, exactly (no
+    blocks): every layer's part on that rank."""
+    got = _whole(answer, "bytes on one rank")
+    if not sealed("ch14.rank_request_bytes").is_answer(got):
+        raise AssertionError("Not right: revisit which layers grow with the context and how "
                              "many KV heads one rank keeps once TP exceeds the KV heads "
-                             "(chapter 1).")
-    return (f"Correct: {got:,} bytes per token on each rank. The 36 recurrent layers add "
-            "nothing per token: their state is a fixed slot per request.")
+                             "(chapter 1), and what a recurrent state holds, in which dtypes, "
+                             "and how it splits across ranks.")
+    return (f"Correct: {got:,} bytes on each rank. Only the 12 full layers grow with the "
+            "request; the 36 states are a fixed slot, the same at 10 tokens as at 10,000.")
 
 
 def check_gpt_oss_pool(block_bytes, blocks_per_request, requests) -> str:
-    """Exercise 2: for :data:`GPT_OSS_CASE`, the bytes of one block of the pool, the blocks one
-    request holds (all groups), and the requests that fit."""
-    block = _whole(block_bytes, "block bytes")
-    blocks = _whole(blocks_per_request, "blocks per request")
-    count = _whole(requests, "requests")
-    problems = []
-    if not sealed("ch14.gpt_oss_pool.block_bytes").is_answer(block):
-        problems.append("the block: revisit what one block of the shared pool holds (a page "
-                        "in every layer of one group)")
-    if not sealed("ch14.gpt_oss_pool.fit").is_answer([blocks, count]):
-        problems.append("blocks and requests: revisit how many blocks a sliding-window group "
-                        "can hold at once, and that requests take whole blocks from the budget")
-    if problems:
-        raise AssertionError("Not right: " + "; ".join(problems) + ".")
+    """Exercise 2: a prediction, for :data:`GPT_OSS_CASE`, of the bytes of one block of the
+    pool, the blocks one request holds (all groups), and the requests that fit. The three are
+    graded as one answer, once per session (``_common.earlier_prediction``)."""
+    answer = [_whole(block_bytes, "block bytes"), _whole(blocks_per_request,
+              "blocks per request"), _whole(requests, "requests")]
+    right = sealed("ch14.gpt_oss_pool").is_answer(answer)
+    earlier = earlier_prediction("ch14.gpt_oss_pool", answer, right)
+    if earlier is not None:
+        return graded_once(earlier)
+    if not right:
+        raise AssertionError("Not right, at least one of the three: revisit what one block of "
+                             "the shared pool holds (a page in every layer of one group), how "
+                             "many blocks a sliding-window group can hold at once, and that "
+                             "requests take whole blocks from the budget; then run plan_layout "
+                             "on the case and find the step your prediction missed.")
+    block, blocks, count = answer
     return (f"Correct: blocks of {block:,} bytes, {blocks:,} per request, {count} requests. "
             "The 18 windowed layers cost under half a percent of a request's blocks.")
 
@@ -100,22 +108,17 @@ def check_gpt_oss_pool(block_bytes, blocks_per_request, requests) -> str:
 def check_hybrid_block_size(state_bytes, attention_token_bytes, block_size) -> str:
     """Exercise 3: for :data:`QWEN35_4B` served as :data:`HYBRID_CASE` says, one gated-DeltaNet
     layer's state in bytes, one full-attention layer's bytes per token, and the attention
-    block size vLLM picks."""
-    state = _whole(state_bytes, "state bytes")
-    per_token = _whole(attention_token_bytes, "attention bytes per token")
-    block = _whole(block_size, "block size")
-    problems = []
-    if not sealed("ch14.hybrid_block.state").is_answer(state):
-        problems.append("the state: revisit the two tensors of a gated-DeltaNet layer and the "
-                        "dtype of each")
-    if not sealed("ch14.hybrid_block.token").is_answer(per_token):
-        problems.append("bytes per token: revisit what a full-attention layer keeps per token "
-                        "and in which format")
-    if not sealed("ch14.hybrid_block.block").is_answer(block):
-        problems.append("the block size: revisit the rule that makes an attention page hold a "
-                        "whole state, in whole kernel blocks")
-    if problems:
-        raise AssertionError("Not right: " + "; ".join(problems) + ".")
+    block size vLLM picks, graded as one answer."""
+    answer = [_whole(state_bytes, "state bytes"),
+              _whole(attention_token_bytes, "attention bytes per token"),
+              _whole(block_size, "block size")]
+    if not sealed("ch14.hybrid_block").is_answer(answer):
+        raise AssertionError("Not right, at least one of the three: revisit the two tensors of "
+                             "a gated-DeltaNet layer and the dtype each is kept in, what a "
+                             "full-attention layer keeps per token and in which format, and "
+                             "the rule that makes an attention page hold a whole state in "
+                             "whole kernel blocks.")
+    state, per_token, block = answer
     return (f"Correct: a {state:,}-byte state, {per_token:,} bytes per token, blocks of "
             f"{block:,} tokens.")
 

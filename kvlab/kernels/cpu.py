@@ -183,8 +183,9 @@ def available() -> bool:
 def compiled() -> Any | None:
     """The loaded build (building it on first use), or None where there is none
     (``KVLAB_CPU_ATTENTION=0``, or the build failed). Its functions check nothing: ``
-    decode_attention(out, q, k_cache, v_cache, tables, lens, scale)`` and ``chunk_attention(out,
-    q, k_cache, v_cache, tables, query_start, start_pos, chunks, scale)`` with the contracts of
+    decode_attention(out, q, k_cache, v_cache, tables, lens, scale, window)`` and
+    ``chunk_attention(out, q, k_cache, v_cache, tables, query_start, start_pos, chunks, scale,
+    window)`` with the contracts of
     the checked entry points below (float32, bfloat16 or float16), and the float32 layer ops
     ``rms_norm(x, weight, eps)``, ``rope_(x, cos, sin)`` (in place), ``silu_and_mul(gate_up)``."""
     return _module if available() else None
@@ -195,12 +196,19 @@ def build_error() -> str | None:
     return _error
 
 
+def _check_window(op: str, window: int) -> int:
+    if not (isinstance(window, int) and not isinstance(window, bool) and window >= 0):
+        raise ValueError(f"{op}: window must be an int >= 0 (0: none), got {window!r}")
+    return window
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      tables: torch.Tensor, lens: torch.Tensor, scale: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Attention of ``q: [R, H, D]`` (one token per row) over the first ``lens[r]`` positions
     of row ``r``'s table ``tables[r]`` (``[R, W]`` block ids) in the paged caches
-    ``[num_blocks, block_size, KV, D]``; returns ``out: [R, H, D]`` (written in place if given).
+    ``[num_blocks, block_size, KV, D]`` (the last ``window`` of them when ``window > 0``);
+    returns ``out: [R, H, D]`` (written in place if given).
 
     ValueError for shapes, dtypes or devices that do not fit, a length outside
     ``1 .. W * block_size`` or a block id outside the cache: the kernel reads raw memory, so
@@ -208,6 +216,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     if not available():
         raise RuntimeError(f"the CPU attention kernel is not available: {_error or 'disabled'}")
+    window = _check_window("decode_attention", window)
     rows, heads, dim = q.shape
     num_blocks, block_size, kv_heads, kdim = k_cache.shape
     if (v_cache.shape != k_cache.shape or kdim != dim or heads % kv_heads
@@ -231,16 +240,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError("decode_attention: out must be a contiguous tensor like q")
     _module.decode_attention(out, q.contiguous(), k_cache, v_cache, tables.contiguous(),
-                             lens.contiguous(), float(scale))
+                             lens.contiguous(), float(scale), window)
     return out
 
 
 def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     tables: torch.Tensor, query_start: list[int], start_pos: list[int],
-                    scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, out: torch.Tensor | None = None, window: int = 0
+                    ) -> torch.Tensor:
     """Causal attention of chunks whose K/V are already in the paged caches: chunk ``s`` owns
     rows ``query_start[s] .. query_start[s+1]-1`` of ``q: [N, H, D]`` at positions
-    ``start_pos[s] ...`` and reads table ``tables[s]``; returns ``out: [N, H, D]``.
+    ``start_pos[s] ...`` and reads table ``tables[s]`` (each query only its last ``window``
+    positions when ``window > 0``); returns ``out: [N, H, D]``.
 
     ValueError for shapes, dtypes or devices that do not fit (``D`` a multiple of 4), offsets
     that do not tile ``N``, or a table that
@@ -249,6 +260,7 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     if not available():
         raise RuntimeError(f"the CPU attention kernel is not available: {_error or 'disabled'}")
+    window = _check_window("chunk_attention", window)
     rows, heads, dim = q.shape
     num_blocks, block_size, kv_heads, kdim = k_cache.shape
     if (v_cache.shape != k_cache.shape or kdim != dim or dim % 4 or heads % kv_heads
@@ -280,5 +292,5 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError("chunk_attention: out must be a contiguous tensor like q")
     _module.chunk_attention(out, q, k_cache, v_cache, tables.contiguous(), list(query_start),
-                            list(start_pos), list(range(chunks)), float(scale))
+                            list(start_pos), list(range(chunks)), float(scale), window)
     return out

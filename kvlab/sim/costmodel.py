@@ -250,8 +250,9 @@ def speculative_memory(target: RooflineCostModel, draft: RooflineCostModel, *, c
     requires the draft's TP to equal the target's) and, as in kvlab and vLLM, the same block
     tables, so each request holds KV in both models for its ``context`` tokens, the token
     being decoded and its ``k`` lookahead slots, rounded up to whole blocks of ``block_size``.
-    The instance may use ``gpu_memory_utilization`` of its GPUs' memory (vLLM's default 0.9, of
-    the total CUDA reports: :attr:`~kvlab.sim.catalog.GPUSpec.engine_memory_bytes`);
+    The instance may use ``gpu_memory_utilization`` of its GPUs' memory (0.9 by default, kvlab's
+    assumption; vLLM 0.32's default is 0.92), of the total CUDA reports
+    (:attr:`~kvlab.sim.catalog.GPUSpec.engine_memory_bytes`);
     activations and CUDA graphs are not counted. ValueError when the two models are not on the
     same GPUs, or for a bad context, ``k``, block size or utilization.
     """

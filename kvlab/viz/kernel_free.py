@@ -455,6 +455,23 @@ ctl[i].addEventListener("change",show);}root.setAttribute("data-kf-ready","1");}
     "__LIVE__", json.dumps(LIVE_NOTE))
 
 
+
+def figure_output_png(fig) -> tuple[str, dict[str, int]]:
+    """A figure as a notebook output shows it: rendered for the book's column at twice its
+    display size, with the display size as output metadata (so the site shows it sharp, not
+    twice as large) and, inside the PNG, what it shows, its smallest text
+    (:func:`render_figure`) and its phone variant
+    (:func:`render_screens`, :func:`add_phone_chunk`),
+    which the site serves to narrow screens. ``fig`` stays open and unchanged. Returns
+    IPython's ``(base64, metadata)``."""
+    screens = render_screens(fig, colors=256, tight=True, keep=True)
+    png = screens.wide.png
+    if screens.phone is not None or not screens.fits_phone:
+        png = add_phone_chunk(png, screens.phone.png if screens.phone else None)
+    return (base64.b64encode(png).decode(),
+            {"width": screens.wide.width, "height": screens.wide.height})
+
+
 def static_widget(
     render: Callable[..., Any],
     controls: Mapping[str, Control | Iterable],

@@ -50,3 +50,20 @@ def setup_notebook(seed: int = 0, torch_threads: int = 1) -> None:
     else:
         matplotlib.use("Agg")
     use_style()
+    _display_figures_for_the_site()
+
+
+def _display_figures_for_the_site() -> None:
+    """In an IPython kernel, show each figure as the site stores it: sharp at the column's
+    width, with its phone variant inside (:func:`kvlab.viz.kernel_free.figure_output_png`)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython comes with the book extras
+        return
+    shell = get_ipython()
+    if shell is not None and hasattr(shell, "display_formatter"):
+        from matplotlib.figure import Figure
+
+        from kvlab.viz.kernel_free import figure_output_png
+
+        shell.display_formatter.formatters["image/png"].for_type(Figure, figure_output_png)

@@ -149,38 +149,10 @@ RC_PARAMS = {
 
 
 def use_style() -> None:
-    """Apply the book's matplotlib style globally (idempotent); in an IPython kernel, figures
-    are also displayed as :func:`figure_output_png` renders them."""
+    """Apply the book's matplotlib style globally (idempotent). In a kernel,
+    :func:`kvlab.viz.notebook.setup_notebook` also displays figures as
+    :func:`kvlab.viz.kernel_free.figure_output_png` renders them."""
     mpl.rcParams.update(RC_PARAMS)
-    try:
-        from IPython import get_ipython
-    except ImportError:  # pragma: no cover - IPython comes with the book extras
-        return
-    shell = get_ipython()
-    if shell is not None and hasattr(shell, "display_formatter"):
-        from matplotlib.figure import Figure
-
-        shell.display_formatter.formatters["image/png"].for_type(Figure, figure_output_png)
-
-
-def figure_output_png(fig) -> tuple[str, dict[str, int]]:
-    """A figure as a notebook output shows it: rendered for the book's column at twice its
-    display size, with the display size as output metadata (so the site shows it sharp, not
-    twice as large) and, inside the PNG, what it shows, its smallest text
-    (:func:`kvlab.viz.kernel_free.render_figure`) and its phone variant
-    (:func:`kvlab.viz.kernel_free.render_screens`, :func:`kvlab.viz.kernel_free.add_phone_chunk`),
-    which the site serves to narrow screens. ``fig`` stays open and unchanged. Returns
-    IPython's ``(base64, metadata)``."""
-    import base64
-
-    from kvlab.viz.kernel_free import add_phone_chunk, render_screens
-
-    screens = render_screens(fig, colors=256, tight=True, keep=True)
-    png = screens.wide.png
-    if screens.phone is not None or not screens.fits_phone:
-        png = add_phone_chunk(png, screens.phone.png if screens.phone else None)
-    return (base64.b64encode(png).decode(),
-            {"width": screens.wide.width, "height": screens.wide.height})
 
 
 @phone_aware

@@ -4,7 +4,8 @@
 // Each row is one query token (a decode, or one token of a short chunk). Its keys and values
 // are read straight from the paged cache [num_blocks, block_size, kv_heads, head_dim] through
 // its block table;
-// nothing is gathered into a workspace first. Per row: scores q.k for every cached position,
+// nothing is gathered into a workspace first. With a sliding window W > 0 a row at position
+// i reads only positions i - W + 1 .. i (table entries before them are never touched). Per row: scores q.k for every cached position,
 // a softmax in float32, then the probability-weighted sum of V. Query head h uses KV head
 // h / (heads / kv_heads) (grouped-query attention). Rows are independent: at::parallel_for
 // spreads them over torch's threads.
@@ -67,30 +68,37 @@ inline vf exp_nonpositive(vf x) {
 
 }  // namespace vec
 
-// Calls visit(t, row) for positions t = 0 .. len-1 of one request, row pointing at position t's
-// [kv_heads, dim] entries in `cache`, walking the block table one block at a time.
+// Calls visit(t, row) for positions t = first .. len-1 of one request, row pointing at
+// position t's [kv_heads, dim] entries in `cache`, walking the block table one block at a time
+// from the block that holds `first`.
 template <typename T, typename Visit>
-void for_each_position(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
-                       int64_t token_stride, Visit visit) {
-  for (int64_t t0 = 0, n = 0; t0 < len; t0 += block_size, ++n) {
+void for_each_position(const T* cache, const int64_t* table, int64_t first, int64_t len,
+                       int64_t block_size, int64_t token_stride, Visit visit) {
+  for (int64_t n = first / block_size, t0 = n * block_size; t0 < len; t0 += block_size, ++n) {
     const T* block = cache + table[n] * block_size * token_stride;
     const int64_t count = std::min(block_size, len - t0);
-    for (int64_t o = 0; o < count; ++o) visit(t0 + o, block + o * token_stride);
+    for (int64_t o = std::max<int64_t>(0, first - t0); o < count; ++o)
+      visit(t0 + o, block + o * token_stride);
   }
 }
 
+// One row: the query at position len - 1 over positions first .. len - 1 (first = 0, or the
+// start of its window).
 template <typename T, int64_t DIM>
 void attend_row(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
-                int64_t len, int64_t block_size, int64_t kv_heads, int64_t heads,
+                int64_t first, int64_t len, int64_t block_size, int64_t kv_heads, int64_t heads,
                 int64_t runtime_dim, float scale, T* out, float* scores, float* acc, float* qf) {
   const int64_t dim = DIM ? DIM : runtime_dim;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;
   for (int64_t i = 0; i < heads * dim; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  const int64_t end = len;   // the visitors see positions first .. end - 1,
+  len -= first;              // the buffers hold the span: scores[h * len + t - first]
 
   // scores[h, t] = (scale * q_h) . k_t. The visitors capture by value: copies of the pointers
   // and sizes let the compiler keep them in registers (by reference it was 7% slower).
-  for_each_position(k_cache, table, len, block_size, token_stride, [=](int64_t t, const T* k) {
+  for_each_position(k_cache, table, first, end, block_size, token_stride,
+                    [=](int64_t t, const T* k) {
     for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
       const T* kh = k + j * dim;
       for (int64_t g = 0; g < group; ++g, ++h) {
@@ -98,7 +106,7 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t d = 0; d < dim; ++d) s += qh[d] * static_cast<float>(kh[d]);
-        scores[h * len + t] = s;
+        scores[h * len + t - first] = s;
       }
     }
   });
@@ -119,11 +127,12 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
   }
   // acc[h] = sum_t p[h, t] * v_t
   std::fill(acc, acc + heads * dim, 0.f);
-  for_each_position(v_cache, table, len, block_size, token_stride, [=](int64_t t, const T* v) {
+  for_each_position(v_cache, table, first, end, block_size, token_stride,
+                    [=](int64_t t, const T* v) {
     for (int64_t j = 0, h = 0; j < kv_heads; ++j) {
       const T* vh = v + j * dim;
       for (int64_t g = 0; g < group; ++g, ++h) {
-        const float p = scores[h * len + t];
+        const float p = scores[h * len + t - first];
         float* a = acc + h * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(vh[d]);
@@ -137,10 +146,11 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
 
 // out, q: [rows, heads, dim] contiguous; k_cache, v_cache: [num_blocks, block_size, kv_heads,
 // dim] contiguous; tables: [rows, width] int64; lens: [rows] int64, 1 <= lens[r] <=
-// width * block_size. The caller (kvlab.kernels.cpu.decode_attention) checks all of it.
+// width * block_size; window >= 0 (0: none). The caller (kvlab.kernels.cpu.decode_attention)
+// checks all of it.
 void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                       torch::Tensor v_cache, torch::Tensor tables, torch::Tensor lens,
-                      double scale) {
+                      double scale, int64_t window) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t width = tables.size(1);
@@ -158,7 +168,8 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
       auto row = [&](auto dim_tag) {
         constexpr int64_t D = decltype(dim_tag)::value;
         for (int64_t r = begin; r < end; ++r)
-          attend_row<scalar_t, D>(qp + r * heads * dim, kp, vp, table + r * width, len[r],
+          attend_row<scalar_t, D>(qp + r * heads * dim, kp, vp, table + r * width,
+                                  window ? std::max<int64_t>(0, len[r] - window) : 0, len[r],
                                   block_size, kv_heads, heads, dim, static_cast<float>(scale),
                                   op + r * heads * dim, scores.data(), acc.data(), qf.data());
       };
@@ -185,8 +196,12 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
 // accumulates transposed as ot[d][row] += V_j[d] * p[j][row]. So every inner loop is an FMA of
 // a broadcast cache value with a vector of rows, and a tile reads each key once for all of
 // its rows. Masked scores are -1e30, not -inf (-ffast-math), and weigh exactly 0
-// (exp_nonpositive); key 0 is visible to every row, so the running maximum is finite after the
-// first key tile.
+// (exp_nonpositive) once a row has seen a visible key. Without a window key 0 is visible to
+// every row, so that is the first key tile. With a sliding window W the keys start at the
+// lowest row's window (lowest - W + 1) and keys before a row's own window are masked too; a
+// row may then see no key of the first tiles: its maximum stays -1e30 and its masked scores
+// weigh 1 until its first visible key, whose correction exp(-1e30 - s) is exactly 0 and wipes
+// them (every row sees itself, so that key comes).
 namespace chunk {
 
 using namespace vec;
@@ -206,7 +221,7 @@ template <typename T>
 void tile(const T* q, int64_t q_row, T* out, int64_t out_row, const T* k_cache,
           const T* v_cache, const int64_t* table, int64_t block_size, int64_t kv_heads,
           int64_t g, int64_t head0, int64_t group, int64_t dim, int64_t first,
-          int64_t positions, int64_t start, float scale, Buffers& b) {
+          int64_t positions, int64_t start, float scale, int64_t window, Buffers& b) {
   // rows r = i * group + e: token first + i, query head head0 + e (KV head g), position
   // start + first + i
   const int64_t rows = positions * group;
@@ -228,7 +243,8 @@ void tile(const T* q, int64_t q_row, T* out, int64_t out_row, const T* k_cache,
   const int64_t token_stride = kv_heads * dim;
   const T* kp[TK];
   const T* vp[TK];
-  for (int64_t t0 = 0; t0 <= highest; t0 += TK) {
+  const int64_t keys_from = window ? std::max<int64_t>(0, lowest - window + 1) : 0;
+  for (int64_t t0 = keys_from; t0 <= highest; t0 += TK) {
     const int64_t nk = std::min<int64_t>(TK, highest + 1 - t0);
     for (int64_t j = 0, n = t0 / block_size, o = t0 % block_size; j < nk; ++j) {
       const int64_t at = (table[n] * block_size + o) * token_stride + g * dim;
@@ -252,14 +268,18 @@ void tile(const T* q, int64_t q_row, T* out, int64_t out_row, const T* k_cache,
         for (int v = 0; v < RV; ++v) b.st[(j0 + jj) * RV + v] = acc[jj][v];
     }
     // online softmax over this key tile, per row (lane); on the diagonal, keys after a row's
-    // position score MASKED
+    // position score MASKED; at a window's edge, keys before a row's window too
     const bool diagonal = t0 + nk - 1 > lowest;
+    const bool edge = window > 0 && t0 <= highest - window;
+    const vf reach = splat(static_cast<float>(window));
     vf mt[RV], c[RV], sum[RV] = {};
     for (int v = 0; v < RV; ++v) mt[v] = b.m[v];
     for (int64_t j = 0; j < nk; ++j)
       for (int v = 0; v < RV; ++v) {
         vf& s = b.st[j * RV + v];
-        if (diagonal) s = splat(static_cast<float>(t0 + j)) > b.pos[v] ? splat(MASKED) : s;
+        const vf key = splat(static_cast<float>(t0 + j));
+        if (diagonal) s = key > b.pos[v] ? splat(MASKED) : s;
+        if (edge) s = key <= b.pos[v] - reach ? splat(MASKED) : s;
         mt[v] = s > mt[v] ? s : mt[v];
       }
     for (int v = 0; v < RV; ++v) c[v] = exp_nonpositive(b.m[v] - mt[v]), b.m[v] = mt[v];
@@ -299,12 +319,13 @@ void tile(const T* q, int64_t q_row, T* out, int64_t out_row, const T* k_cache,
 // [num_blocks, block_size, kv_heads, dim] contiguous, of q's dtype; tables: [B, W] int64 (any
 // row stride).
 // Chunk s (each s in `chunks`) owns rows query_start[s] .. query_start[s+1]-1 at positions
-// start_pos[s] ... and its K/V are already in the cache; dim % 4 == 0. Layouts and dtypes are
-// checked here; indices (tables, offsets) by the caller (kvlab.kernels.cpu.chunk_attention).
+// start_pos[s] ... and its K/V are already in the cache; dim % 4 == 0; window >= 0 (0: none).
+// Layouts and dtypes are checked here; indices (tables, offsets) by the caller
+// (kvlab.kernels.cpu.chunk_attention).
 void chunk_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor tables,
                      std::vector<int64_t> query_start, std::vector<int64_t> start_pos,
-                     std::vector<int64_t> chunks, double scale) {
+                     std::vector<int64_t> chunks, double scale, int64_t window) {
   const int64_t heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == dim && out.stride(2) == 1
@@ -344,7 +365,7 @@ void chunk_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
         chunk::tile<scalar_t>(qp + lo * q.stride(0), q.stride(0), op + lo * out.stride(0),
                               out.stride(0), kp, vp, table + s * width, block_size, kv_heads,
                               h / group, h, heads_here, dim, i, n, start_pos[s],
-                              static_cast<float>(scale), buffers);
+                              static_cast<float>(scale), window, buffers);
       }
     });
   });

@@ -11,8 +11,11 @@ One GPU's KV pool is cut into blocks of one size, as vLLM v1's hybrid KV cache m
    (``MambaSpec.page_size_bytes``: the sum of its state tensors).
 2. **One page size** (``vllm/platforms/interface.py``, ``Platform._align_hybrid_block_size``):
    with recurrent layers, the attention block grows to the smallest multiple of the kernel block
-   (16 tokens for FlashAttention, ``MultipleOf(16)``) whose page holds a state, and the state
-   page is padded to it. Then ``unify_kv_cache_spec_page_size``
+   whose page holds a state, and the state page is padded to it. The kernel block is the
+   attention backend's: 16 tokens for FlashAttention on an H100 (``MultipleOf(16)``); on
+   Blackwell (compute capability 10 or 11) FA4's head-dim-256 kernel asks for 128
+   (``FA4_HD256_PAGE_SIZE`` in ``vllm/v1/attention/backends/fa_utils.py``), a planner input
+   here (``kernel_block``). Then ``unify_kv_cache_spec_page_size``
    (``vllm/v1/core/kv_cache_utils.py``) gives layers with a smaller page more tokens per block
    when the ratio is whole, else pads.
 3. **Groups** (``_get_kv_cache_groups_uniform_page_size``): layers of one kind form groups of
@@ -26,6 +29,16 @@ One GPU's KV pool is cut into blocks of one size, as vLLM v1's hybrid KV cache m
    a window that starts inside a block (never more than a full group would hold); a recurrent
    group one state block (two with prefix caching: vLLM's "align" mode keeps the last
    checkpoint beside the running state).
+
+Tokens in flight: ``in_flight_tokens=1`` is the **steady-decode packing**, every request
+decoding and each window's blocks freed as it slides. vLLM 0.32 counts more conservatively: it
+calls ``SlidingWindowSpec.max_admission_blocks_per_request`` with
+``VllmConfig.max_in_flight_tokens`` (``vllm/config/vllm.py``), ``max_concurrent_batches ×
+max_num_batched_tokens``, for the start-up pool sizing and the "maximum concurrency" it logs
+(``get_kv_cache_capacity``) and as each request's admission cap. :func:`max_in_flight_tokens`
+gives that bound (16,384 for ``vllm serve`` on an H100); a plan made with it is vLLM's count
+(one block more per windowed group where the window and the tokens in flight cover the whole
+request: :meth:`KVGroup.blocks_per_request`).
 
 Parallelism: with tensor parallelism ``tp`` a rank keeps ``ceil(kv_heads / tp)`` KV heads (at
 least one, ch. 1), its share of each recurrent state (heads split), and the **whole** MLA latent:
@@ -49,13 +62,19 @@ from kvlab.labs.capacity.layer_kv import LayerKV
 from kvlab.sim.catalog import GPUSpec, dtype_bytes
 
 __all__ = ["GiB", "KVGroup", "LayoutPlan", "bytes_by_layer", "hybrid_block_size",
-           "plan_layout"]
+           "max_in_flight_tokens", "plan_layout"]
 
 GiB = 2**30
 
-#: Minimum kernel block of vLLM's FlashAttention backend (``get_supported_kernel_block_sizes``
-#: returns ``[MultipleOf(16)]`` on CUDA), the unit the hybrid block size is a multiple of.
+#: Minimum kernel block of vLLM's FlashAttention backend on an H100
+#: (``FlashAttentionBackend.get_supported_kernel_block_sizes`` returns ``[MultipleOf(16)]``; on
+#: Blackwell, FA4's head-dim-256 kernel returns 128), the unit the hybrid block size is a
+#: multiple of.
 KERNEL_BLOCK = 16
+
+#: ``max_num_batched_tokens`` of ``vllm serve`` on a GPU of 70 GiB or more that is not an A100
+#: (an H100 or H200; ``EngineArgs.get_batch_defaults``, ``vllm/engine/arg_utils.py``, v0.32.0).
+VLLM_SERVE_BATCHED_TOKENS = 8192
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -79,6 +98,18 @@ def _non_negative(name: str, value) -> float:
     return value
 
 
+def max_in_flight_tokens(max_num_batched_tokens: int = VLLM_SERVE_BATCHED_TOKENS,
+                         max_concurrent_batches: int = 2) -> int:
+    """vLLM's bound on tokens scheduled but not yet settled (``VllmConfig.max_in_flight_tokens``,
+    v0.32.0): every concurrent batch may hold a full ``max_num_batched_tokens``. Async
+    scheduling, on by default, keeps 2 batches in flight without pipeline parallelism
+    (``VllmConfig.max_concurrent_batches``); the defaults give 16,384, ``vllm serve``'s on an
+    H100. Pass the result as ``plan_layout(in_flight_tokens=...)`` for vLLM's own count."""
+    _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+    _positive_int("max_concurrent_batches", max_concurrent_batches)
+    return max_concurrent_batches * max_num_batched_tokens
+
+
 def token_bytes(layer: LayerKV, kv_dtype: str, tp: int = 1) -> float:
     """Bytes one rank keeps per token in ``layer`` (0 for a recurrent layer): its KV heads
     (``ceil(kv_heads / tp)``, at least one) or, for MLA, the whole latent."""
@@ -91,7 +122,7 @@ def token_bytes(layer: LayerKV, kv_dtype: str, tp: int = 1) -> float:
 def bytes_by_layer(layout: ModelLayout, tokens: int, *, kv_dtype: str = "bf16", tp: int = 1
                    ) -> list[float]:
     """Bytes each layer keeps on one rank for one request of ``tokens`` tokens, exactly (no
-    blocks): the reference rule of :func:`~kvlab.labs.capacity.layer_kv.kv_bytes_by_layer`
+    blocks): the per-layer rule of :func:`~kvlab.labs.capacity.layer_kv.kv_bytes_by_layer`
     with tensor parallelism applied."""
     _positive_int("tokens", tokens)
     _positive_int("tp", tp)
@@ -133,7 +164,11 @@ class KVGroup:
 
     def blocks_per_request(self, tokens: int, in_flight_tokens: int = 1,
                            state_blocks: int = 1) -> int:
-        """Blocks one request of ``tokens`` tokens holds in this group at most."""
+        """Blocks one request of ``tokens`` tokens holds in this group at most, with
+        ``in_flight_tokens`` computed but not yet settled. A sliding group never counts more
+        than a full group would: a request cannot hold more. (vLLM's start-up count caps the
+        window at ``max_model_len`` and then adds the straddling block, one block more than
+        this when the window and the tokens in flight cover the whole request.)"""
         if self.kind == "state":
             return state_blocks
         full = _cdiv(tokens, self.block_size)
@@ -227,9 +262,11 @@ class LayoutPlan:
 
     @property
     def token_capacity(self) -> int:
-        """Tokens the pool holds, counted as vLLM counts them for any layout
-        (``get_kv_cache_capacity``: maximum concurrency × tokens per request). For one group of
-        full layers it is ``num_blocks × block_size`` when the context fills whole blocks."""
+        """Tokens the pool holds by vLLM's formula (``get_kv_cache_capacity``: maximum
+        concurrency × tokens per request), with this plan's ``in_flight_tokens``: vLLM's own
+        figure when that is :func:`max_in_flight_tokens` and ``context_len`` its
+        ``max_model_len``, the steady-decode figure with 1. For one group of full layers it is
+        ``num_blocks × block_size`` when the context fills whole blocks."""
         return int(self.max_concurrency * self.context_len)
 
     @property
@@ -326,11 +363,14 @@ def plan_layout(
 ) -> LayoutPlan:
     """Plan the KV pool of ``layout`` on one GPU, as vLLM's hybrid manager cuts it (module
     docstring). ``weight_bytes`` is what each GPU holds of the weights; ``in_flight_tokens``
-    the tokens a request computes in one step at most (1 in decode; vLLM reserves
-    ``max_num_batched_tokens`` for a chunked prefill); ``windows=False`` keeps every token of
-    the sliding layers (an engine without a window-aware manager, e.g. vLLM with
-    ``--disable-hybrid-kv-cache-manager``). ``gpu`` and ``total_memory`` as in
-    :func:`~kvlab.labs.capacity.plan_capacity`.
+    the tokens of a request computed but not yet settled, which its windowed groups still hold
+    (1: the steady-decode packing; a prefill chunk's length while one is computed; vLLM
+    reserves :func:`max_in_flight_tokens`, 16,384 for ``vllm serve`` on an H100, for every
+    request); ``windows=False`` keeps every token of the sliding layers (an engine without a
+    window-aware manager, e.g. vLLM with ``--disable-hybrid-kv-cache-manager``).
+    ``gpu_memory_utilization`` defaults to 0.9, kvlab's assumption throughout (vLLM 0.32's
+    default is 0.92, ``CacheConfig`` in ``vllm/config/cache.py``). ``gpu`` and
+    ``total_memory`` as in :func:`~kvlab.labs.capacity.plan_capacity`.
 
     Raises ``ValueError`` naming the offending input; weights that do not fit give a plan with
     ``num_blocks == 0``.

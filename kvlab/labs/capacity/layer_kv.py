@@ -13,7 +13,7 @@ every token. Models of 2026 do not: a layer may keep
 * ``state``: no per-token cache at all, but a fixed-size recurrent state per request (a
   linear-attention or Mamba layer: a convolution window and an SSM matrix).
 
-:class:`LayerKV` describes one layer; :func:`kv_bytes_by_layer` is the reference rule: a layer's
+:class:`LayerKV` describes one layer; :func:`kv_bytes_by_layer` is the per-layer rule: a layer's
 bytes for one request are the tokens it keeps times its width times the element size, plus its
 state. The production planner built on it is :mod:`kvlab.labs.capacity.hybrid_plan`.
 """
@@ -125,7 +125,7 @@ class LayerKV:
 
 
 def kv_bytes_by_layer(layers, tokens, element_bytes):
-    """Bytes each layer keeps for one request of ``tokens`` tokens (reference listing).
+    """Bytes each layer keeps for one request of ``tokens`` tokens (the per-layer listing).
 
     Spec rule 1 per layer: ``tokens kept × elements per token × element_bytes``, plus the
     layer's fixed recurrent state. For ``L`` identical full layers the sum is rule 1's

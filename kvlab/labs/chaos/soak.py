@@ -13,7 +13,9 @@ refused, for the ``recover``-point faults). The full invariant set
 (:data:`~kvlab.labs.invariants.spec_invariants.SPEC_INVARIANTS`) is checked after every step and
 invariant 2 before every execute. At the end: every finished request equals the same request run
 alone without faults (and without speculation), and every block is free once the cache is
-emptied.
+emptied. With ``ChaosConfig.windows`` the pool is managed per KV cache group by the hybrid
+manager of a sliding-window model (:mod:`kvlab.core.hybrid_kv_cache_manager`), and its own
+structural invariant set is checked after every step too.
 
 The model is not needed for any of this: what is under test is the metadata (tables,
 refcounts, queues, log), which the real engine shares with this run.
@@ -28,6 +30,7 @@ from typing import Any
 
 from kvlab.core.baseline_scheduler import BaselineScheduler
 from kvlab.core.engine_core import EngineCore, StepObserver
+from kvlab.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import PLACEHOLDER, RequestStatus, RuntimeRequest
@@ -40,6 +43,7 @@ from kvlab.labs.faults.step_faults import (
     StepFaultSchedule,
 )
 from kvlab.labs.invariants.spec_invariants import EngineView, InvariantMonitor
+from kvlab.labs.invariants.structural import check_kv_manager
 from kvlab.labs.recovery import recover
 from kvlab.labs.recovery.event_log import CorruptLog, EventLog, SimulatedCrash
 from kvlab.sim.tokens import hash_token
@@ -188,6 +192,7 @@ class ChaosConfig:
     #: overlap scheduling: no event log (so no crash or recovery faults) and no speculation,
     #: which it refuses; every other fault strikes
     async_scheduling: bool = False
+    windows: tuple[int, ...] = ()      # per KV cache group (0: full attention); () one table
 
 
 @dataclass
@@ -227,6 +232,8 @@ class _Checker(StepObserver):
     def after_step(self, core: Any, result: Any) -> None:
         if self.enabled:
             self.monitor.check(self.view(core, result))
+            if isinstance(core.scheduler.kv, HybridKVCacheManager):
+                check_kv_manager(core.scheduler.kv)     # the per-group structural set too
 
     def after_failed_step(self, core: Any, output: Any, error: BaseException) -> None:
         if self.enabled and not isinstance(error, SimulatedCrash):
@@ -268,7 +275,9 @@ def run_chaos(seed: int, config: ChaosConfig | None = None, *, method: str = "dr
     result = ChaosResult(seed, schedule=schedule.to_data())
     injector = StepFaultInjector(schedule)
     monitor = InvariantMonitor()
-    kv = KVCacheManager(cfg.num_blocks, cfg.block_size)
+    kv: Any = (KVCacheManager(cfg.num_blocks, cfg.block_size) if not cfg.windows else
+               HybridKVCacheManager(cfg.num_blocks, cfg.block_size, cfg.windows,
+                                    chunk_tokens=cfg.max_num_batched_tokens))
     sconf = SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                             max_num_batched_tokens=cfg.max_num_batched_tokens,
                             prefill_chunk=cfg.prefill_chunk,
@@ -377,6 +386,6 @@ def _recover(dead: Any, make: Any, injector: StepFaultInjector, monitor: Invaria
         if not kv.has(rid):
             injector.withheld.remove(rid)
     monitor.reset({r.request_id: len(kv.block_table(r.request_id))
-                   - kv.blocks_for(r.num_computed_tokens)
+                   - -(-r.num_computed_tokens // kv.block_size)   # table minus ceil(computed)
                    for r in scheduler.requests() if kv.has(r.request_id)})
     return new_core(scheduler)

@@ -46,6 +46,7 @@ from typing import Any
 
 from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.engine_core import StepObserver
+from kvlab.core.hybrid_kv_cache_manager import HybridKVCacheManager
 
 __all__ = ["STEP_FAULTS", "StepFault", "StepFaultInjector", "StepFaultSchedule"]
 
@@ -153,21 +154,34 @@ class StepFaultInjector(StepObserver):
                 n //= 2
             if n <= 0:
                 continue
-            rid = self._withhold(kv, n)
-            if rid is not None:
+            rids = self._withhold(kv, n)
+            for rid in rids:
                 self._release_at[rid] = step + (SHRINK_STEPS if fault.kind == "kv_shrink" else 1)
+            if rids:
                 self.injected[fault.kind] += 1
 
-    def _withhold(self, kv: Any, n: int) -> str | None:
-        self._serial += 1
-        rid = f"__withheld_{self._serial}"
-        tokens = [self._serial % 97] * (n * kv.block_size)
-        try:
-            kv.admit(rid, FAULT_SCOPE, tokens, len(tokens))
-        except OutOfBlocks:
-            return None
-        self.withheld.append(rid)
-        return rid
+    def _withhold(self, kv: Any, n: int) -> list[str]:
+        """Hold ``n`` allocatable blocks in fake requests: one of ``n`` blocks, or with a
+        hybrid manager as many as it takes, each taking a block per group and computing at
+        most the tokens of one step (what bounds its window groups)."""
+        if not isinstance(kv, HybridKVCacheManager):
+            sizes = [n]
+        else:
+            per = max(1, (kv.chunk_tokens or n * kv.block_size) // kv.block_size)
+            blocks = n // kv.num_groups
+            sizes = [min(per, blocks - i) for i in range(0, blocks, per)]
+        rids = []
+        for size in sizes:
+            self._serial += 1
+            rid = f"__withheld_{self._serial}"
+            tokens = [self._serial % 97] * (size * kv.block_size)
+            try:
+                kv.admit(rid, FAULT_SCOPE, tokens, len(tokens))
+            except OutOfBlocks:
+                break
+            self.withheld.append(rid)
+            rids.append(rid)
+        return rids
 
     def _give_back(self, kv: Any, rid: str) -> None:
         kv.free(rid)                 # idempotent: recovery may have freed it already

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvlab.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvlab.labs.invariants.structural import check_scheduler
 
 if TYPE_CHECKING:
     from kvlab.engine.llm_engine import LLMEngine
+
+
+def _check_group_tables(batch, kv: HybridKVCacheManager, rid: str) -> None:
+    """Each group's runner table equals the manager's wherever the manager holds a block (an
+    entry its window dropped keeps a stale id the attention never reads)."""
+    for g, table in enumerate(kv.block_tables(rid)):
+        runner = batch.group_table(rid, g) if g else batch.table(rid)
+        assert len(runner) >= len(table), f"runner's group {g} table of {rid} is short"
+        assert all(b is None or runner[i] == b for i, b in enumerate(table)), \
+            f"runner's group {g} table of {rid}"
 
 
 def check_engine(engine: LLMEngine) -> None:
@@ -28,8 +39,11 @@ def check_engine(engine: LLMEngine) -> None:
         batch = engine.executor.input_batch
         rows = batch.row_ids()
         for rid in kv.requests():
-            if rid in rows:
-                table = kv.block_table(rid)   # (a rollback is sent with the next step)
+            if rid in rows:   # (a rollback is sent with the next step)
+                if isinstance(kv, HybridKVCacheManager):
+                    _check_group_tables(batch, kv, rid)
+                    continue
+                table = kv.block_table(rid)
                 assert batch.table(rid)[:len(table)] == table, f"runner's table of {rid}"
         samplers = engine.executor.requests
         leaving = set(scheduler.pending_finished_ids)    # dropped with the next step's output

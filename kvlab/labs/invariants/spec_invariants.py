@@ -24,9 +24,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvlab.core.request import RequestStatus
 from kvlab.core.step_records import SchedulerOutput
-from kvlab.labs.invariants.structural import live_owners
+from kvlab.labs.invariants.structural import live_owners, request_blocks
 from kvlab.labs.invariants.view import Broken, EngineView, require
 
 __all__ = ["SPEC_INVARIANTS", "EngineView", "Invariant", "InvariantMonitor",
@@ -169,16 +170,21 @@ def check_writes(view: EngineView, output: SchedulerOutput) -> None:
             continue
         first = chunk.start_pos // bs
         last = (chunk.start_pos + getattr(chunk, "num_query_tokens", chunk.num_tokens) - 1) // bs
-        # the table the executor writes through: the chunk's delta over the one it was sent
-        table = (view.kv.block_table(chunk.request_id)[:chunk.num_kept_blocks]
-                 + list(chunk.new_block_ids))
-        for i in range(first, last + 1):
-            b = table[i]
-            owners = pool.owners(b)
-            require(owners == {chunk.request_id}, f"block {b}",
-                    f"request {chunk.request_id} writes positions of block {b} shared with "
-                    f"{sorted(map(str, owners - {chunk.request_id}))}: not copied before the "
-                    "partial write")
+        # the tables the executor writes through: the chunk's deltas over the ones it was sent
+        # (a hybrid manager's groups after the first come in group_deltas)
+        tables = [view.kv.block_table(chunk.request_id)[:chunk.num_kept_blocks]
+                  + list(chunk.new_block_ids)]
+        if chunk.group_deltas:
+            tables += [list(t[:kept]) + list(new) for t, (kept, new) in zip(
+                view.kv.block_tables(chunk.request_id)[1:], chunk.group_deltas, strict=True)]
+        for table in tables:
+            for i in range(first, last + 1):
+                b = table[i]
+                owners = pool.owners(b)
+                require(owners == {chunk.request_id}, f"block {b}",
+                        f"request {chunk.request_id} writes positions of block {b} shared with "
+                        f"{sorted(map(str, owners - {chunk.request_id}))}: not copied before "
+                        "the partial write")
 
 
 @invariant(2, "copy-on-write", "a shared block is copied before any partial write: every "
@@ -308,11 +314,13 @@ def _scopes(view: EngineView, monitor: InvariantMonitor) -> None:
         require(same, f"request {rid}",
                 "KV table registered under another scope than the request's")
         tokens = r.all_token_ids
-        for i, b in enumerate(kv.block_table(rid)):
+        tables = (kv.block_tables(rid) if isinstance(kv, HybridKVCacheManager)
+                  else (kv.block_table(rid),))
+        for i, b in ((i, b) for table in tables for i, b in enumerate(table) if b is not None):
             node = cache.node_of(b)
             if node is None:
                 continue
-            root_scope = node.path()[0].parent.scope
+            root_scope = node.scope
             require(root_scope == tuple(r.scope), f"block {b}",
                     f"request {rid} uses block {b} cached under another scope "
                     f"(domain {_domain(root_scope)!r} vs {_domain(r.scope)!r})")
@@ -341,7 +349,7 @@ def _rollback(view: EngineView, monitor: InvariantMonitor) -> None:
     for r in view.requests():
         rid = r.request_id
         if r.status is S.RUNNING and kv.has(rid):
-            held, need = len(kv.block_table(rid)), kv.blocks_for(r.num_computed_tokens)
+            held, need = len(kv.block_table(rid)), -(-r.num_computed_tokens // kv.block_size)
             require(need <= held <= need + monitor.kv_slack.get(rid, 0), f"request {rid}",
                     f"holds {held} blocks for {r.num_computed_tokens} computed tokens "
                     f"(needs {need}): the rejected tail was not given back")
@@ -372,8 +380,8 @@ def _admission(view: EngineView, monitor: InvariantMonitor) -> None:
     reserve = getattr(cfg, "admission", None) == "reserve" and hasattr(sched, "reserved_blocks")
     last = view.last
     if reserve and last is not None and last.output.admitted and not view.withheld:
-        claims = sum(max(0, kv.blocks_for(r.max_kv_slots) - len(kv.block_table(r.request_id)))
-                     for r in view.requests() if r.status is S.RUNNING and kv.has(r.request_id))
+        claims = sum(_claims(kv, r) for r in view.requests()
+                     if r.status is S.RUNNING and kv.has(r.request_id))
         allocatable = kv.num_allocatable_blocks()
         shared = _shared_claims(view)
         require(claims <= allocatable + shared, "engine",
@@ -386,6 +394,16 @@ def _admission(view: EngineView, monitor: InvariantMonitor) -> None:
             rid = live[0].request_id
             raise Broken(f"request {rid}", f"{len(live)} requests wait, nothing runs and the "
                          "step scheduled nothing: a silent stall")
+
+
+def _claims(kv: Any, r: Any) -> int:
+    """Blocks running request ``r`` may still claim to reach its output limit: the blocks its
+    table lacks; with a hybrid manager, what growing every group's table there takes net of
+    the blocks its windows release on the way (the manager's count)."""
+    if isinstance(kv, HybridKVCacheManager):
+        end = max(r.max_kv_slots, r.num_computed_tokens)
+        return kv.blocks_needed(r.request_id, end, write_from=r.num_computed_tokens)
+    return max(0, kv.blocks_for(r.max_kv_slots) - len(request_blocks(kv, r.request_id)))
 
 
 def _shared_claims(view: EngineView) -> int:

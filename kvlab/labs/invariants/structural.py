@@ -25,6 +25,17 @@ The KV-manager checks (all recomputed from scratch, never from the counters they
   node (so eviction can never take a block that is in use).
 * ``cache accounting exact``: evictable = indexed blocks on unlocked nodes, protected = on locked
   nodes, and their sum is the cached block count; the pool's evictable count agrees.
+
+A hybrid manager (:class:`~kvlab.core.hybrid_kv_cache_manager.HybridKVCacheManager`: a table
+per KV cache group) has its own set, :data:`HYBRID_KV_MANAGER_INVARIANTS`, the same rules per
+group: the pool's; ``refcount == live owners`` over every group's tables; ``tables per group``
+(one length for all of a request's groups, no block twice, a block in one group only, a full
+group's table without holes, a window group's holes only before its live blocks);
+``window groups bounded`` (what a request holds in a window group never exceeds
+:func:`~kvlab.core.kv_cache_groups.window_blocks`); ``hybrid tree well formed`` (links, one index
+entry per block in the group that holds it, no empty leaf); ``evictable accounting exact``
+(evictable = indexed blocks only the cache holds, and the pool agrees); pending copies not free.
+:func:`check_kv_manager` picks the set by the manager's kind.
 """
 
 from __future__ import annotations
@@ -35,6 +46,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.core.block_pool import CACHE_OWNER, BlockPool
+from kvlab.core.hybrid_kv_cache_manager import HybridKVCacheManager
+from kvlab.core.kv_cache_groups import window_blocks
 from kvlab.core.radix_cache import RadixCache
 from kvlab.core.request import PLACEHOLDER, RUNNING_STATUSES, WAITING_STATUSES
 from kvlab.disagg.remote_kv_scheduler import RemoteKVScheduler
@@ -170,7 +183,7 @@ def live_owners(mgr) -> list[set]:
     and :data:`CACHE_OWNER` when the prefix cache indexes it."""
     expected: list[set] = [set() for _ in range(mgr.pool.num_blocks)]
     for rid in mgr.requests():
-        for b in mgr.block_table(rid):
+        for b in request_blocks(mgr, rid):
             expected[b].add(rid)
     if mgr.prefix_cache is not None:
         for b in mgr.prefix_cache.indexed_blocks():
@@ -178,11 +191,18 @@ def live_owners(mgr) -> list[set]:
     return expected
 
 
+def request_blocks(mgr, request_id: str) -> list[int]:
+    """Every block ``request_id`` holds: its table, or all its groups' (a hybrid manager)."""
+    if isinstance(mgr, HybridKVCacheManager):
+        return mgr.held_blocks(request_id)
+    return mgr.block_table(request_id)
+
+
 def _mgr_owners(mgr) -> None:
     pool: BlockPool = mgr.pool
     for rid in mgr.requests():
-        table = mgr.block_table(rid)
-        _require(len(set(table)) == len(table), f"table of {rid!r} repeats a block")
+        table = request_blocks(mgr, rid)
+        _require(len(set(table)) == len(table), f"tables of {rid!r} repeat a block")
     expected = live_owners(mgr)
     for b in range(pool.num_blocks):
         owners = set(pool.owners(b))
@@ -267,6 +287,96 @@ KV_MANAGER_INVARIANTS.add("evictable/protected accounting exact", _mgr_accountin
 KV_MANAGER_INVARIANTS.add("pending copies not free", _mgr_pending)
 
 
+# ---------------------------------------------------------------------------- hybrid manager
+def _hybrid_tables(mgr: HybridKVCacheManager) -> None:
+    group_of: dict[int, int] = {}
+    cache = mgr.prefix_cache
+    for rid in mgr.requests():
+        tables = mgr.block_tables(rid)
+        _require(len({len(t) for t in tables}) == 1,
+                 f"{rid!r}: its groups' tables differ in length {[len(t) for t in tables]}")
+        for g, (table, window) in enumerate(zip(tables, mgr.windows, strict=True)):
+            live = [i for i, b in enumerate(table) if b is not None]
+            if not window:
+                _require(len(live) == len(table), f"{rid!r}: full group {g} has a hole")
+            _require(live == list(range(len(table) - len(live), len(table))),
+                     f"{rid!r}: group {g}'s holes are not all before its live blocks")
+            for b in table:
+                if b is None:
+                    continue
+                _require(group_of.setdefault(b, g) == g,
+                         f"block {b} is in group {g} of {rid!r} and group {group_of[b]} too")
+                if cache is not None and cache.group_of(b) is not None:
+                    _require(cache.group_of(b) == g,
+                             f"block {b} of {rid!r}'s group {g} is cached for group "
+                             f"{cache.group_of(b)}")
+
+
+def _hybrid_bounded(mgr: HybridKVCacheManager) -> None:
+    for rid in mgr.requests():
+        for g, (table, window) in enumerate(zip(mgr.block_tables(rid), mgr.windows,
+                                                strict=True)):
+            slots = len(table) * mgr.block_size
+            bound = window_blocks(window, slots, mgr.block_size, mgr.chunk_tokens or slots)
+            held = sum(b is not None for b in table)
+            _require(held <= bound, f"{rid!r} holds {held} blocks in window group {g} "
+                                    f"(window {window}), more than its bound {bound}")
+
+
+def _hybrid_tree(mgr: HybridKVCacheManager) -> None:
+    cache = mgr.prefix_cache
+    if cache is None:
+        return
+    for key, root in cache.roots():
+        _require(root.parent is None and root.scope == key and root.alive,
+                 f"root of scope {key!r} malformed")
+        _require(bool(root.children), f"empty tree kept for scope {key!r}")
+    seen = 0
+    for node in cache.nodes():
+        parent = node.parent
+        _require(node.alive and parent is not None and parent.children.get(node.chunk) is node,
+                 "a node is not linked from its parent")
+        _require(len(node.chunk) == mgr.block_size and node.depth == parent.depth + 1,
+                 f"node at depth {node.depth}: chunk of {len(node.chunk)} tokens or wrong depth")
+        _require(bool(node.children) or any(b is not None for b in node.blocks),
+                 f"an empty leaf at depth {node.depth} is kept")
+        for g, b in enumerate(node.blocks):
+            if b is not None:
+                seen += 1
+                _require(cache.node_of(b) is node and cache.group_of(b) == g,
+                         f"block {b} (group {g}) is not indexed where the tree holds it")
+    _require(seen == cache.num_cached_blocks(),
+             f"the index has {cache.num_cached_blocks()} blocks, the tree {seen}")
+
+
+def _hybrid_accounting(mgr: HybridKVCacheManager) -> None:
+    cache, pool = mgr.prefix_cache, mgr.pool
+    if cache is None:
+        _require(pool.num_evictable() == 0, "evictable blocks without a cache")
+        return
+    alone = {b for b in cache.indexed_blocks() if pool.refcount(b) == 1}
+    evictable = {b for b in cache.indexed_blocks() if cache.is_evictable(b)}
+    _require(evictable == alone, f"evictable {sorted(evictable)} != blocks only the cache "
+                                 f"holds {sorted(alone)}")
+    _require(cache.evictable_blocks() == len(alone),
+             f"evictable count {cache.evictable_blocks()} != {len(alone)}")
+    fenced = sum(1 for b in alone if pool.is_fenced(b))
+    _require(pool.num_evictable() == len(alone) - fenced,
+             f"pool evictable {pool.num_evictable()} != {len(alone) - fenced}")
+    _require(mgr.hit_tokens <= mgr.query_tokens, "more hit tokens than queried tokens")
+
+
+HYBRID_KV_MANAGER_INVARIANTS = InvariantSet()
+HYBRID_KV_MANAGER_INVARIANTS.add("pool consistent", _mgr_pool)
+HYBRID_KV_MANAGER_INVARIANTS.add("tables per group", _hybrid_tables)
+HYBRID_KV_MANAGER_INVARIANTS.add("refcount == live owners", _mgr_owners)
+HYBRID_KV_MANAGER_INVARIANTS.add("one state per block", _mgr_one_state)
+HYBRID_KV_MANAGER_INVARIANTS.add("window groups bounded", _hybrid_bounded)
+HYBRID_KV_MANAGER_INVARIANTS.add("hybrid tree well formed", _hybrid_tree)
+HYBRID_KV_MANAGER_INVARIANTS.add("evictable accounting exact", _hybrid_accounting)
+HYBRID_KV_MANAGER_INVARIANTS.add("pending copies not free", _mgr_pending)
+
+
 def check_pool(pool: BlockPool) -> None:
     POOL_INVARIANTS.check(pool)
 
@@ -276,7 +386,12 @@ def check_radix(cache: RadixCache) -> None:
 
 
 def check_kv_manager(mgr) -> None:
-    KV_MANAGER_INVARIANTS.check(mgr)
+    """The KV manager's invariants (a hybrid manager's own set); AssertionError naming the
+    first broken one."""
+    if isinstance(mgr, HybridKVCacheManager):
+        HYBRID_KV_MANAGER_INVARIANTS.check(mgr)
+    else:
+        KV_MANAGER_INVARIANTS.check(mgr)
 
 
 def check_scheduler(scheduler: Any) -> None:

@@ -1,7 +1,10 @@
 """Parity with Hugging Face transformers: build a random checkpoint, compare token by token.
 
-:func:`save_random_hf_model` writes a randomly initialised ``LlamaForCausalLM`` or
-``Qwen2ForCausalLM`` (small, grouped-query attention) to a directory in the Hugging Face layout.
+:func:`save_random_hf_model` writes a randomly initialised ``LlamaForCausalLM``,
+``MistralForCausalLM``, ``MinistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM``
+(small, grouped-query
+attention; sliding windows through the config's own fields) to a directory in the Hugging Face
+layout.
 :func:`compare_with_hf` generates greedily with kvlab (paged KV, chunked prefill, batching) and
 re-scores every generated sequence with the transformers model in one dense forward pass, then
 reports the largest log-probability difference and any greedy-token divergence.
@@ -38,15 +41,31 @@ def _quiet_transformers() -> Iterator[None]:
 
 def save_random_hf_model(path: str | Path, arch: str = "llama", *, seed: int = 0,
                          **overrides: Any) -> Path:
-    """Save a random small model (``arch``: ``"llama"`` or ``"qwen2"``) to ``path``.
+    """Save a random small model (``arch``: ``"llama"``, ``"mistral"``, ``"ministral"``,
+    ``"qwen2"`` or ``"qwen3"``) to ``path``.
 
     Defaults: hidden 64, 2 layers, 4 query heads over 2 KV heads (GQA), vocab 128, weights drawn
     with std 0.1 so that the next-token distribution is peaked enough to be interesting.
-    ``overrides`` go to the transformers config (e.g. ``rope_scaling``). Returns ``path``.
+    ``overrides`` go to the transformers config (e.g. ``rope_scaling``, ``sliding_window``;
+    Mistral's default window is 4096, more than these models ever see). Returns ``path``.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MinistralConfig,
+        MinistralForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
-    kinds = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    kinds = {"llama": (LlamaConfig, LlamaForCausalLM),
+             "mistral": (MistralConfig, MistralForCausalLM),
+             "ministral": (MinistralConfig, MinistralForCausalLM),
+             "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     if arch not in kinds:
         raise ValueError(f"arch must be one of {sorted(kinds)}, got {arch!r}")
     cfg_cls, model_cls = kinds[arch]
@@ -54,15 +73,20 @@ def save_random_hf_model(path: str | Path, arch: str = "llama", *, seed: int = 0
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                   max_position_embeddings=512, initializer_range=0.1,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if arch in ("qwen3", "ministral"):
+        kwargs["head_dim"] = 16            # Qwen3Config's default is 128, Ministral's None
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kwargs)).eval()
-    if arch == "qwen2":  # transformers initialises biases to zero; make them matter
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                             layer.self_attn.v_proj):
+    with torch.no_grad():   # transformers initialises biases to zero and norms to one
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                if proj.bias is not None:
                     proj.bias.normal_(0, 0.1)
+            for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+                if norm is not None:
+                    norm.weight.normal_(1, 0.2)
     path = Path(path)
     with _quiet_transformers():
         model.save_pretrained(path)
