@@ -391,3 +391,18 @@ def test_the_serve_flag_builds_an_overlapped_engine():
     assert not EngineArgs.from_cli_args(ap.parse_args([])).async_scheduling
     assert LLMEngine(EngineArgs.from_cli_args(
         ap.parse_args(["--async-scheduling", "--max-model-len", "64"]))).core.overlap
+
+
+def test_sliding_window_groups_under_overlap_give_the_synchronous_tokens(tmp_path):
+    """Per-group block tables whose window groups free blocks as the window moves: with the
+    next step planned early (its window one token on), the in-flight step still runs first, so
+    the tokens are the synchronous engine's; the invariants hold every step."""
+    from test_hybrid_engine import BS, WINDOW, _run
+
+    from kvlab.labs.parity.hf import save_random_hf_model
+
+    path = save_random_hf_model(tmp_path / "qwen2", "qwen2", seed=1, num_hidden_layers=4,
+                                use_sliding_window=True, sliding_window=WINDOW,
+                                max_window_layers=1)
+    kw = dict(block_size=BS, num_blocks=48, max_num_seqs=3, max_prefill_chunk=8)
+    assert _run(LLM(path, async_scheduling=True, **kw)) == _run(LLM(path, **kw))
