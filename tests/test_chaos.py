@@ -17,7 +17,7 @@ from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
 from kvlab.core.step_records import ScheduledChunk, SchedulerOutput
-from kvlab.labs.chaos.soak import ChaosConfig, ChaosExecutor, run_chaos
+from kvlab.labs.chaos.soak import OVERLAP_FAULTS, ChaosConfig, ChaosExecutor, run_chaos
 from kvlab.labs.faults.step_faults import STEP_FAULTS, StepFault, StepFaultSchedule
 from kvlab.labs.invariants.spec_invariants import (
     SPEC_INVARIANTS,
@@ -43,6 +43,25 @@ def test_chaos_sweep_all_invariants_every_step():
     assert checks >= 9 * steps
     expected = set(STEP_FAULTS) - {"late_copy"}   # no copy-on-write without forks (docs/engine.md)
     assert expected <= set(faults), expected - set(faults)
+
+
+def test_chaos_sweep_with_overlap_scheduling():
+    """The same run with the next step planned while one executes (placeholders for the
+    tokens in flight, an executor on a worker thread that reads the outputs only, aborts from
+    it mid-step): every invariant after every step, every finished request its solo tokens,
+    no leak, every fault that needs neither the event log nor speculation struck."""
+    steps, faults, checks = 0, Counter(), 0
+    for seed in range(60):
+        r = run_chaos(seed, ChaosConfig(steps=60, async_scheduling=True))
+        assert r.mismatches == [], (seed, r.mismatches)
+        assert r.leaked_blocks == 0, seed
+        assert r.finished and r.drafted == 0
+        steps += r.steps
+        faults.update(r.faults)
+        checks += r.checks
+    assert checks >= 9 * steps
+    assert set(OVERLAP_FAULTS) - {"late_copy"} <= set(faults), set(OVERLAP_FAULTS) - set(faults)
+    assert not {"crash", "corrupt_log", "truncated_log", "spec_reject_all"} & set(faults)
 
 
 def test_chaos_replays_exactly_from_seed_and_from_schedule_data():

@@ -809,3 +809,72 @@ def test_refused_result_on_the_real_engine_reports_error(model_dir):
     eng.add_request("a", _prompt(60, 5), _greedy(4))
     assert _run(eng)["a"].outputs[0].token_ids == _alone(model_dir, _prompt(60, 5), 4)
     _assert_kv_clean(eng)
+
+
+# ---------------------------------------------------------------- overlap (async) scheduling
+
+def test_overlap_plans_the_next_step_while_the_executor_runs_this_one():
+    """The executor of step 1 waits until step 2 has been planned: the overlapped core gets
+    past it (the synchronous one could not, and would time out), the executor runs on another
+    thread, and steps run in the order planned."""
+    from kvlab.labs.chaos.soak import OverlapChaosExecutor, _request, solo_tokens
+
+    planned, ran = threading.Event(), []
+    sched = BaselineScheduler(KVCacheManager(32, 4), SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=True))
+    schedule = sched.schedule
+
+    def schedule_and_tell():
+        output = schedule()
+        if output.step == 2:
+            planned.set()
+        return output
+
+    sched.schedule = schedule_and_tell
+    inner = OverlapChaosExecutor(sched.get_request)
+
+    class Gated:
+        def execute(self, output):
+            ran.append((output.step, threading.current_thread() is threading.main_thread()))
+            if output.step == 1:
+                assert planned.wait(WAIT), "step 2 was not planned while step 1 executed"
+            return inner.execute(output)
+
+    core = EngineCore(sched, Gated(), overlap=True, forget_ended=False)
+    core.add_request(_request("a", (7, 8, 9), 5))
+    while core.has_unfinished_requests() or core.has_steps_in_flight():
+        core.step()
+    assert [s for s, _ in ran] == list(range(1, len(ran) + 1))
+    assert not any(main for _, main in ran)
+    assert tuple(sched.get_request("a").output_token_ids) == solo_tokens((7, 8, 9), 5)
+
+
+def test_overlap_abort_from_another_thread_while_a_step_executes(model_dir):
+    """A request aborted while its step executes (the runner blocked) ends 'abort' at once in
+    the engine's output, its KV is freed when the step ends, and the id is reusable after."""
+    engine = LLMEngine(EngineArgs(model_dir, async_scheduling=True))
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    executor, started, release = engine.executor, threading.Event(), threading.Event()
+    real = executor.execute
+
+    def held(output):
+        started.set()
+        assert release.wait(WAIT)
+        return real(output)
+
+    executor.execute = held
+    result: list = []
+    stepper = threading.Thread(target=lambda: result.append(engine.step()))
+    stepper.start()
+    assert started.wait(WAIT)
+    out = engine.abort_request("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    release.set()
+    stepper.join(WAIT)
+    executor.execute = real
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.kv.requests() and not engine.scheduler.requests()
+    engine.add_request("a", [4, 5], SamplingParams(max_tokens=2))    # the id is free again
+    check_engine(engine)

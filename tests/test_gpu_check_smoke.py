@@ -35,8 +35,8 @@ def test_smoke_run_covers_every_section(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["complete"] and result["smoke"]
-    for key in ("fused_ops_vs_torch", "decode", "decode_eager", "hf_parity_cuda",
-                "triton_vs_torch", "profile"):
+    for key in ("fused_ops_vs_torch", "decode", "decode_async", "decode_eager",
+                "hf_parity_cuda", "hf_parity_cuda_async", "triton_vs_torch", "profile"):
         assert "error" not in result[key] and "skipped" not in result[key], (key, result[key])
     graphs, eager = result["decode"], result["decode_eager"]
     assert graphs["graph_sizes"] == [1, 2, 3] and eager["graph_sizes"] is None
@@ -54,7 +54,18 @@ def test_smoke_run_covers_every_section(tmp_path):
     assert result["hf_parity_cuda"]["graph_replays"] > 0
     assert result["fused_ops_vs_torch"]["ok"] and result["hf_parity_cuda"]["ok"]
     assert result["ok"] and set(result["targets"]) >= {"busy_ge_85pct", "step_le_4ms_at_64",
-                                                       "batch1_ge_5x"}
+                                                       "batch1_ge_5x", "overlap_on"}
+    # overlap on: the same graphs, steps timed back to back, the same targets, parity with HF
+    overlap = result["decode_async"]
+    assert overlap["async_scheduling"] and overlap["graph_sizes"] == [1, 2, 3]
+    for b in ("1", "3"):
+        row = overlap["batches"][b]
+        assert row["graph_replays_per_step"] == 1.0 and row["steady_step_ms"] > 0
+        assert "gpu_busy_ms_per_step" in result["profile"]["decode_async"][b]
+    assert result["hf_parity_cuda_async"]["async_scheduling"]
+    assert result["hf_parity_cuda_async"]["ok"] and result["hf_parity_cuda_async"]["positions"]
+    assert set(result["targets"]["overlap_on"]) >= {"busy_ge_85pct", "step_le_4ms_at_64",
+                                                    "batch1_ge_committed_graphs"}
     assert "wrote" in proc.stdout and "done in" in proc.stdout
 
 

@@ -505,3 +505,115 @@ def test_fail_step_fails_the_step_and_releases_its_kv_once(cls):
     assert sorted(r.request_id for r in ended) == ["p", "q"]
     drive(sched, arrivals={}, check=check_scheduler)
     assert sched.get_request("n").status == S.FINISHED
+
+
+# ---------------------------------------------------------------- overlap (async) scheduling
+
+def _overlapped(cls, blocks=16, **kw):
+    kv = KVCacheManager(blocks, 4)
+    return cls(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk=8,
+                                   async_scheduling=True, **kw))
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+def test_overlap_plans_a_decode_on_a_placeholder_and_fills_it_on_update(cls):
+    from kvlab.core.request import PLACEHOLDER
+
+    sched = _overlapped(cls)
+    sched.add_request(req("a", 3, 3))
+    first = sched.schedule()                   # the prompt; its first token is in flight
+    a = sched.get_request("a")
+    assert a.output_token_ids == [PLACEHOLDER] and a.num_computed_tokens == 3
+    second = sched.schedule()                  # planned on it: the placeholder is its input
+    (chunk,) = second.chunks
+    assert chunk.token_ids == (PLACEHOLDER,) and chunk.start_pos == 3
+    assert a.output_token_ids == [PLACEHOLDER, PLACEHOLDER] and a.num_output_placeholders == 2
+    with pytest.raises(RuntimeError, match="before update_from_output"):
+        sched.schedule()                       # two steps in flight at most
+    check_scheduler(sched)
+    with pytest.raises(ValueError, match="not the step in flight"):
+        sched.update_from_output(second, {"a": 9})   # oldest first
+    assert sched.update_from_output(first, {"a": 7}) == []
+    assert a.output_token_ids == [7, PLACEHOLDER] and a.known_output_token_ids == [7]
+    third = sched.schedule()                   # max_tokens 3: one more may be planned
+    assert third.chunks[0].token_ids == (PLACEHOLDER,)
+    assert sched.update_from_output(second, {"a": 8}) == []
+    assert sched.schedule().is_empty           # its three outputs are known or in flight
+    (done,) = sched.update_from_output(third, {"a": 9})
+    assert done is a and a.output_token_ids == [7, 8, 9]
+    assert a.finish_reason == FinishReason.LENGTH and a.num_output_placeholders == 0
+    check_scheduler(sched)
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+def test_overlap_a_stop_drops_the_step_planned_after_it(cls):
+    sched = _overlapped(cls)
+    sched.add_request(req("a", 3, 8, stop_token_ids=frozenset({5})))
+    first, second = sched.schedule(), sched.schedule()
+    (done,) = sched.update_from_output(first, {"a": 5})      # a stop token
+    assert done.output_token_ids == [5] and done.num_computed_tokens == 3
+    assert not sched.kv.has("a") and "a" in sched.pending_finished_ids
+    assert sched.update_from_output(second, {"a": 6}) == []  # sampled past the end: dropped
+    assert done.output_token_ids == [5]
+    check_scheduler(sched)
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+def test_overlap_abort_and_failure_of_a_request_in_flight(cls):
+    sched = _overlapped(cls)
+    for rid in ("a", "b"):
+        sched.add_request(req(rid, 3, 8))
+    first, second = sched.schedule(), sched.schedule()
+    aborted = sched.abort_request("a")         # in flight: allowed with overlap
+    assert aborted.status == S.CANCELLED and aborted.output_token_ids == []
+    assert aborted.num_computed_tokens <= aborted.num_tokens and not sched.kv.has("a")
+    assert not sched.can_forget("a")           # a step in flight still holds it
+    failed = sched.fail_step(first, "device lost")
+    assert [r.request_id for r in failed] == ["b"] and failed[0].output_token_ids == []
+    check_scheduler(sched)
+    assert sched.update_from_output(second, {"a": 1, "b": 2}) == failed
+    assert sched.can_forget("a") and sched.can_forget("b")
+    check_scheduler(sched)
+    sync = BaselineScheduler(KVCacheManager(16, 4), SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=16))
+    sync.add_request(req("c", 3, 8))
+    sync.schedule()
+    with pytest.raises(RuntimeError, match="during the step that runs it"):
+        sync.abort_request("c")                # without overlap: after the step
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+def test_overlap_scheduling_gives_every_request_its_solo_tokens(cls):
+    """Random arrivals, aborts and a small pool (preemption) on the overlapped core with an
+    executor that reads the scheduler's outputs only: every finished request has the tokens it
+    has alone, an aborted one a prefix of them; the invariants hold after every step."""
+    from kvlab.core.engine_core import EngineCore
+    from kvlab.labs.chaos.soak import OverlapChaosExecutor, _request, solo_tokens
+
+    preempted = 0
+    for seed in range(8):
+        rng = random.Random(seed)
+        extra = {"admission": "watermark"} if cls is ProductionScheduler else {}
+        sched = _overlapped(cls, blocks=14, **extra)        # watermark: it preempts too
+        core = EngineCore(sched, OverlapChaosExecutor(sched.get_request), overlap=True,
+                          forget_ended=False)
+        prompts = {}
+        for step in range(200):
+            if step < 40 and rng.random() < 0.5:
+                rid = f"r{len(prompts)}"
+                prompts[rid] = (tuple(rng.randrange(6, 64) for _ in range(rng.randint(1, 12))),
+                                rng.randint(1, 10))
+                core.add_request(_request(rid, *prompts[rid]))
+            if prompts and rng.random() < 0.08:
+                core.abort_request(rng.choice(sorted(prompts)))
+            if step >= 40 and not core.has_unfinished_requests() and \
+                    not core.has_steps_in_flight():
+                break
+            preempted += len(core.step().output.preempted)
+            check_scheduler(sched)
+        for rid, (prompt, max_tokens) in prompts.items():
+            r, solo = sched.get_request(rid), solo_tokens(prompt, max_tokens)
+            assert r.status.is_terminal, rid
+            out = tuple(r.output_token_ids)
+            assert out == solo if r.status == S.FINISHED else solo[:len(out)] == out, rid
+    assert preempted > 0

@@ -33,8 +33,8 @@ class BaselineScheduler(SchedulerBase):
         for request in decodes + prefills:
             if plan.seqs_left == 0 or plan.tokens_left == 0:
                 return
-            if request.status not in RUNNING_STATUSES:   # preempted earlier in this step
-                continue
+            if request.status not in RUNNING_STATUSES or not self._can_run(request):
+                continue   # preempted earlier in this step, or its last token is in flight
             n = 1 if request.is_decoding else min(
                 request.num_uncomputed_tokens, chunk_cap, plan.tokens_left)
             start = request.num_computed_tokens

@@ -138,7 +138,8 @@ class ProductionScheduler(SchedulerBase):
         # 1. sizes: one token each, then extend prefills in order.
         sizes: dict[str, int] = {}
         budget = plan.token_budget
-        for request in ordered[: min(plan.max_seqs, budget)]:
+        runnable = [r for r in ordered if self._can_run(r)]   # (overlap: last token in flight)
+        for request in runnable[: min(plan.max_seqs, budget)]:
             sizes[request.request_id] = 1
         left = budget - len(sizes)
         for request in ordered:

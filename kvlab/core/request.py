@@ -78,6 +78,7 @@ class RuntimeRequest:
     num_preemptions: int = 0
     # Filled in by the scheduler (the engine may read them; it should not write them):
     status_message: str | None = None       # why it was rejected / failed (human readable)
+    num_output_placeholders: int = 0        # trailing outputs still in flight (overlap mode)
     arrival_seq: int = 0                    # arrival order (the scheduler's stable tie-breaker)
     admit_seq: int = 0                      # order of the latest admission (preemption victims)
     arrival_step: int | None = None         # scheduler step counter when add_request ran
@@ -156,6 +157,12 @@ class RuntimeRequest:
         return len(self.prompt_token_ids)
 
     @property
+    def known_output_token_ids(self) -> list[int]:
+        """The outputs sampled so far, without the placeholders of steps still in flight."""
+        n = len(self.output_token_ids) - self.num_output_placeholders
+        return self.output_token_ids[:n]
+
+    @property
     def all_token_ids(self) -> tuple[int, ...]:
         return self.prompt_token_ids + tuple(self.output_token_ids)
 
@@ -180,18 +187,26 @@ class RuntimeRequest:
         return self.num_tokens - self.num_computed_tokens
 
 
-def stop_reason(request: RuntimeRequest) -> FinishReason | None:
+#: An output token a step in flight will produce (overlap scheduling): the scheduler plans the
+#: next step with it, the executor puts the real token in its place.
+PLACEHOLDER = -1
+
+
+def stop_reason(request: RuntimeRequest, num_outputs: int | None = None
+                ) -> FinishReason | None:
     """STOP (stop token, or EOS unless ``ignore_eos``), LENGTH (``max_tokens`` or
-    ``max_model_len`` reached) or None for a running request's latest sampled token."""
-    if request.status != RequestStatus.RUNNING or not request.output_token_ids:
+    ``max_model_len`` reached) or None for a running request's latest sampled token (with
+    ``num_outputs``: for its output ``num_outputs - 1``, the outputs after it still in flight)."""
+    n = len(request.output_token_ids) if num_outputs is None else num_outputs
+    if request.status != RequestStatus.RUNNING or not n:
         return None
-    token = request.output_token_ids[-1]
+    token = request.output_token_ids[n - 1]
     if token in request.stop_token_ids or (token == request.eos_token_id
                                            and not request.ignore_eos):
         return FinishReason.STOP
-    if len(request.output_token_ids) >= request.max_tokens:
+    if n >= request.max_tokens:
         return FinishReason.LENGTH
-    if request.max_model_len is not None and request.num_tokens >= request.max_model_len:
+    if request.max_model_len is not None and request.num_prompt_tokens + n >= request.max_model_len:
         return FinishReason.LENGTH
     return None
 

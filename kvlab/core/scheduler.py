@@ -5,12 +5,13 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.request import (
+    PLACEHOLDER,
     WAITING_STATUSES,
     Lifecycle,
     RequestLog,
@@ -70,6 +71,16 @@ class StepPlan:
 S = RequestStatus
 
 
+def _drop_placeholders(request: RuntimeRequest) -> None:
+    """Overlap mode, a request that ends: forget the outputs still in flight (their tokens
+    are discarded) and the computed tokens planned on them (its last token has no KV, as in
+    the synchronous engine)."""
+    if request.num_output_placeholders:
+        del request.output_token_ids[-request.num_output_placeholders:]
+        request.num_output_placeholders = 0
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+
+
 class SchedulerBase:
     """Request registry, queues, KV bookkeeping and output handling shared by both policies."""
 
@@ -82,6 +93,10 @@ class SchedulerBase:
             raise ValueError(f"{type(self).__name__} needs max_num_seqs <= max_num_batched_tokens "
                              f"(got {config.max_num_seqs} > {config.max_num_batched_tokens}): a "
                              "full batch must give every request at least one token")
+        if config.async_scheduling and log is not None:
+            raise ValueError("async scheduling advances a request's computed tokens when a step "
+                             "is planned, before it ran: the write-ahead log (crash recovery) "
+                             "needs the synchronous scheduler")
         self.kv = kv
         self.config = config
         self.lifecycle = Lifecycle(log, step=lambda: self._step)
@@ -90,7 +105,7 @@ class SchedulerBase:
         self.waiting: list[str] = []
         self.running: list[str] = []
         self._step = 0
-        self._inflight: SchedulerOutput | None = None
+        self._inflight: deque[SchedulerOutput] = deque()   # oldest first (two: overlap mode)
         self._inflight_ids: set[str] = set()
         self._ended: list[RuntimeRequest] = []  # rejected/failed, reported by update_from_output
         self._rejected_pending: list[str] = []  # rejected since the last schedule()
@@ -167,11 +182,14 @@ class SchedulerBase:
 
     def abort_request(self, request_id: str) -> RuntimeRequest | None:
         """Cancel a request and free its KV (idempotent; None for an unknown id). RuntimeError
-        for a request in the step in flight: the runner may still read its KV."""
+        for a request in the step in flight: the runner may still read its KV. With
+        ``async_scheduling`` that is allowed: the executor runs steps one at a time in order,
+        so a later step is the first that can reuse the blocks; the token in flight is
+        dropped."""
         request = self._requests.get(request_id)
         if request is None or request.status.is_terminal:
             return request
-        if request_id in self._inflight_ids:
+        if request_id in self._inflight_ids and not self.config.async_scheduling:
             raise RuntimeError(f"abort_request({request_id!r}) during the step that runs it: "
                                "abort after update_from_output() or fail_step()")
         in_queue = self.waiting if request.status in WAITING_STATUSES else self.running
@@ -179,15 +197,23 @@ class SchedulerBase:
         in_queue.remove(request_id)
         self.lifecycle.release(request, self.kv)
         self._executor_drops(request_id)
+        _drop_placeholders(request)
         return request
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's chunks; allocates their KV. See the policy class for the rules."""
-        if self._inflight is not None:
-            if not self._inflight.is_empty:
-                raise RuntimeError(f"schedule() called before update_from_output() of step "
-                                   f"{self._inflight.step}")
-            self._inflight = None
+        """Decide this step's chunks; allocates their KV. See the policy class for the rules.
+
+        With ``async_scheduling`` one step may still be executing (overlap): this one is
+        planned as if it had run. Its chunks count as computed now, each token it will sample
+        stands in the request's outputs as a :data:`~kvlab.core.request.PLACEHOLDER` (a decode
+        planned on it feeds the placeholder, which the executor fills), and a request whose
+        step is in flight is never preempted (short of KV, it sits this step out)."""
+        while self._inflight and self._inflight[-1].is_empty:   # nothing to wait for
+            self._inflight.pop()
+        limit = 2 if self.config.async_scheduling else 1
+        if len(self._inflight) >= limit:
+            raise RuntimeError(f"schedule() called before update_from_output() of step "
+                               f"{self._inflight[0].step}")
         self._step += 1
         plan = StepPlan(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self._schedule_into(plan)
@@ -204,8 +230,15 @@ class SchedulerBase:
                                  sum(c.num_query_tokens for c in chunks), new_requests=new,
                                  finished_ids=tuple(self._finished_ids))
         self._rejected_pending, self._finished_ids = [], []
-        self._inflight = output
-        self._inflight_ids = {c.request_id for c in chunks}
+        if self.config.async_scheduling:
+            for c in chunks:      # planned as done: the next step builds on it
+                request = self._requests[c.request_id]
+                request.num_computed_tokens = c.start_pos + c.num_tokens
+                if c.sample:
+                    request.output_token_ids.append(PLACEHOLDER)
+                    request.num_output_placeholders += 1
+        self._inflight.append(output)
+        self._inflight_ids |= {c.request_id for c in chunks}
         return output
 
     def update_from_output(
@@ -213,13 +246,15 @@ class SchedulerBase:
     ) -> list[RuntimeRequest]:
         """Apply a step's tokens (``request id -> token``, a tuple with lookahead); returns the
         requests that ended. Validated first (ValueError: nothing changed)."""
-        inflight = self._inflight
-        if inflight is None or output is not inflight:
+        if not self._inflight or output is not self._inflight[0]:
             if output.is_empty and not sampled:
                 ended, self._ended = self._ended, []
                 return ended
-            raise ValueError(f"output of step {output.step} is not the step in flight")
+            raise ValueError(f"output of step {output.step} is not the step in flight (with "
+                             "overlap: the oldest)")
         tokens = check_sampled(output, sampled)   # speculative chunks answer a tuple
+        if self.config.async_scheduling:
+            return self._update_overlapped(output, tokens)
         ended: list[RuntimeRequest] = []
         touched: list[RuntimeRequest] = []
         for chunk in output.chunks:
@@ -250,6 +285,48 @@ class SchedulerBase:
             self._compact_log()
         return early + ended
 
+    def _update_overlapped(self, output: SchedulerOutput,
+                           tokens: Mapping[str, tuple[int, ...]]) -> list[RuntimeRequest]:
+        """:meth:`update_from_output` when steps overlap: each sampled token replaces its
+        request's oldest placeholder; what this step computed is committed; a request that
+        stops drops the placeholders of the step after (its token there is discarded)."""
+        ended: list[RuntimeRequest] = []
+        for chunk in output.chunks:
+            request = self._requests[chunk.request_id]
+            if request.status.is_terminal:         # aborted or failed while this step ran
+                continue
+            reason = None
+            if chunk.sample:
+                i = len(request.output_token_ids) - request.num_output_placeholders
+                assert request.output_token_ids[i] == PLACEHOLDER
+                request.output_token_ids[i] = tokens[chunk.request_id][0]
+                request.num_output_placeholders -= 1
+                if request.first_token_step is None:
+                    request.first_token_step = output.step
+                reason = stop_reason(request, i + 1)
+            done = chunk.start_pos + chunk.num_tokens     # KV written, tokens known
+            rid = request.request_id
+            if request.status is S.RUNNING and self.kv.needs_commit(rid, done):
+                self.kv.commit(rid, request.token_slice(0, done))
+            if reason is not None:
+                _drop_placeholders(request)        # the step after samples past the end
+                self.lifecycle.finish(request, reason)
+                self.running.remove(rid)
+                self.lifecycle.release(request, self.kv)
+                self._executor_drops(rid)
+                ended.append(request)
+        self._close_step()
+        early, self._ended = self._ended, []
+        return early + ended
+
+    def _can_run(self, request: RuntimeRequest) -> bool:
+        """False for a request whose tokens in flight already reach its length limit (overlap
+        mode: nothing more to plan until they land)."""
+        n = len(request.output_token_ids)
+        return not request.num_output_placeholders or (
+            n < request.max_tokens and (request.max_model_len is None
+                                        or request.num_tokens < request.max_model_len))
+
     def _new_request(self, request_id: str) -> NewRequest:
         """The state of a request the executor has not seen, sent with its first chunk."""
         r = self._requests[request_id]
@@ -269,16 +346,17 @@ class SchedulerBase:
         self.kv.complete_copies(copies)
 
     def _close_step(self) -> None:
-        """End the step in flight."""
-        self._inflight = None
-        self._inflight_ids = set()
+        """End the oldest step in flight."""
+        self._inflight.popleft()
+        self._inflight_ids = {c.request_id for o in self._inflight for c in o.chunks}
 
     def fail_step(self, output: SchedulerOutput, message: str) -> list[RuntimeRequest]:
         """The step in flight could not run: its requests become FAILED (``message``) and
         release their KV once; the next ``update_from_output()`` reports them. The executor may
         not have seen the step, so the next output repeats its finished ids."""
-        if self._inflight is None or output is not self._inflight:
-            raise ValueError(f"fail_step: output of step {output.step} is not the step in flight")
+        if not self._inflight or output is not self._inflight[0]:
+            raise ValueError(f"fail_step: output of step {output.step} is not the step in "
+                             "flight (with overlap: the oldest)")
         if not isinstance(message, str):
             raise TypeError(f"fail_step: message must be a str, got {message!r}")
         if output.copies:
@@ -289,6 +367,9 @@ class SchedulerBase:
         failed: list[RuntimeRequest] = []
         for rid in [c.request_id for c in output.chunks]:
             request = self._requests[rid]
+            if request.status.is_terminal:      # ended in a step that overlapped this one
+                continue
+            _drop_placeholders(request)
             self.lifecycle.fail(request, message)
             self.running.remove(rid)
             self.lifecycle.release(request, self.kv)
@@ -414,10 +495,13 @@ class SchedulerBase:
                 plan.copies.extend(self._grow(request, n))
                 return True
             except OutOfBlocks:
-                pool = [v for v in victims() if v is not request]
+                busy = self._inflight_ids          # (overlap: never preempt a running step)
+                pool = [v for v in victims() if v is not request and v.request_id not in busy]
                 if pool:
                     self._preempt(plan, pool[0])
                     continue
+                if request.request_id in busy:     # it sits this step out
+                    return False
                 # nobody else to preempt: recompute it later (it reuses the cache, and alone it
                 # always fits: add_request rejected requests whose max_kv_slots exceed the pool)
                 self._preempt(plan, request)

@@ -47,6 +47,9 @@ class SchedulerConfig:
     affinity_window: int = 256
     admission_scan_limit: int | None = 128
     num_lookahead_tokens: int = 0   # speculative decoding: draft slots per decode (spec_plan)
+    #: overlap ("async") scheduling: the next step is planned while the previous executes, a
+    #: decode in flight standing in as a placeholder token (see SchedulerBase.schedule)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk",
@@ -62,6 +65,12 @@ class SchedulerConfig:
         if not is_int(self.num_lookahead_tokens) or self.num_lookahead_tokens < 0:
             raise ValueError("SchedulerConfig.num_lookahead_tokens must be an int >= 0, "
                              f"got {self.num_lookahead_tokens!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"SchedulerConfig.async_scheduling must be a bool, got "
+                             f"{self.async_scheduling!r}")
+        if self.async_scheduling and self.num_lookahead_tokens:
+            raise ValueError("SchedulerConfig: async scheduling does not plan speculative "
+                             "lookahead (num_lookahead_tokens must be 0)")
         for name, low in (("max_waiting", 0), ("max_wait_steps", 0), ("admission_scan_limit", 1)):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < low):

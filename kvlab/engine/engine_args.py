@@ -72,7 +72,9 @@ class EngineArgs:
     ``QuantConfig``), ``quantization_group_size``, ``kv_cache_dtype`` (``"auto"``, ``"int8"``,
     ``"fp8_e4m3"``): :mod:`kvlab.engine.quantization`. ``enforce_eager`` (vLLM's name): no
     CUDA graphs; by default an engine on CUDA captures its decode forward
-    (:mod:`kvlab.engine.cuda_graphs`). ``kv_events_config``: vLLM's KV-events JSON (a dict,
+    (:mod:`kvlab.engine.cuda_graphs`). ``async_scheduling`` (vLLM's name): plan step n+1 while
+    step n executes (:class:`~kvlab.core.engine_core.EngineCore`'s overlap mode; not with
+    speculative decoding or KV transfer). ``kv_events_config``: vLLM's KV-events JSON (a dict,
     its text or a ``KVEventsConfig``): publish the prefix cache's changes
     (:mod:`kvlab.engine.kv_events`; off by default). A model with sliding-window layers gets a
     block table per KV cache group, and its window groups release what falls out of their
@@ -102,6 +104,7 @@ class EngineArgs:
     quantization_group_size: int = 64
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    async_scheduling: bool = False
     kv_events_config: dict | str | KVEventsConfig | None = None
     disable_hybrid_kv_cache_manager: bool = False
 
@@ -126,6 +129,8 @@ class EngineArgs:
         ap.add_argument("--device", default=None)
         ap.add_argument("--dtype", default=None)
         ap.add_argument("--seed", type=int, default=0)
+        ap.add_argument("--async-scheduling", action="store_true",
+                        help="plan each step while the previous one executes (overlap)")
         ap.add_argument("--kv-events-config", default=None, metavar="JSON",
                         help="publish KV cache events, vLLM's JSON: '{\"enable_kv_cache_events\": "
                              "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}'")
@@ -149,6 +154,7 @@ class EngineArgs:
                    max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
                    enable_prefix_caching=not args.no_enable_prefix_caching, device=args.device,
                    dtype=args.dtype, seed=args.seed, scheduler=scheduler,
+                   async_scheduling=args.async_scheduling,
                    kv_events_config=args.kv_events_config)
 
 
@@ -173,7 +179,8 @@ def check_engine_args(args: EngineArgs) -> None:
         check_positive_int(name, getattr(args, name), optional=True)
     if not is_int(seed) or not 0 <= seed < SEED_MOD:
         raise ValueError(f"LLMEngine: seed must be an int in [0, 2**64), got {seed!r}")
-    for name in ("enable_prefix_caching", "enforce_eager", "disable_hybrid_kv_cache_manager"):
+    for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling",
+                 "disable_hybrid_kv_cache_manager"):
         if not isinstance(getattr(args, name), bool):
             raise ValueError(f"LLMEngine: {name} must be a bool, got {getattr(args, name)!r}")
     if isinstance(scheduler, str) and scheduler not in ("baseline", "production"):
@@ -181,6 +188,18 @@ def check_engine_args(args: EngineArgs) -> None:
                          "'production' or a factory (kv, SchedulerConfig) -> Scheduler")
     if not isinstance(scheduler, str) and not callable(scheduler):
         raise TypeError(f"LLMEngine: scheduler must be a name or a factory, got {scheduler!r}")
+    # Followed: vLLM 0.32's vllm/config/vllm.py (VllmConfig.__post_init__), which refuses
+    # async_scheduling with any speculation but EAGLE/MTP, draft-model and GPU n-gram; stop
+    # strings, logprobs and structured outputs run overlapped there (a grammar's bitmask waits
+    # for the tokens in flight: vllm/v1/core/sched/async_scheduler.py) and here (the runner
+    # advances the grammar in step order). kvlab refuses both of its speculative methods.
+    if args.async_scheduling and args.speculative_config is not None:
+        raise ValueError("LLMEngine: async_scheduling=True is not supported with "
+                         "speculative_config: kvlab plans each step's draft slots from the "
+                         "tokens accepted in the step before, which overlap does not know yet")
+    if args.async_scheduling and args.kv_transfer_config is not None:
+        raise ValueError("LLMEngine: async_scheduling=True is not supported with "
+                         "kv_transfer_config: kvlab's transfer protocol runs between steps")
     if not isinstance(security_domain, str) or not security_domain:
         raise ValueError(f"LLMEngine: security_domain must be a non-empty str, "
                          f"got {security_domain!r}")

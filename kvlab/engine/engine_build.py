@@ -240,7 +240,8 @@ def build_parts(a: EngineArgs) -> EngineParts:
         max_num_seqs=min(a.max_num_seqs, a.max_num_batched_tokens),
         max_num_batched_tokens=a.max_num_batched_tokens,
         prefill_chunk=prefill_chunk,
-        num_lookahead_tokens=speculator.num_lookahead if speculator else 0)
+        num_lookahead_tokens=speculator.num_lookahead if speculator else 0,
+        async_scheduling=a.async_scheduling)
     scheduler = make_scheduler(a.scheduler, kv, scheduler_config)
     kv_transfer = None
     if transfer is not None:   # prefill/decode disaggregation (chapter 10)

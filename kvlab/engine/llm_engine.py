@@ -73,7 +73,7 @@ class LLMEngine:
         self.executor = p.executor
         self.eos_token_ids = p.eos_token_ids
         self.structured_outputs = p.structured_outputs
-        self.core = EngineCore(self.scheduler, self.executor)
+        self.core = EngineCore(self.scheduler, self.executor, overlap=args.async_scheduling)
         self._arrivals = 0
         self._scopes: dict[str, tuple] = {}   # security domain -> prefix-cache scope
         self._ending: dict[str, tuple[str, ...]] = {}   # aborted request id -> its sample ids
@@ -146,6 +146,11 @@ class LLMEngine:
                              f"(0..{self.config.vocab_size - 1})")
         return text, ids
 
+    @staticmethod
+    def _sample_id(request_id: str, index: int) -> str:
+        """The scheduler's id of sample ``index`` of ``request_id``."""
+        return request_id if index == 0 else f"{request_id}{_SAMPLE_SEP}{index}"
+
     def _runtime_request(self, state: RequestState, sample: SampleState, scope: tuple,
                          seed: int) -> RuntimeRequest:
         """The scheduler's request for ``sample``; its sampling params and seed travel on to
@@ -216,7 +221,7 @@ class LLMEngine:
                 seed = (self.args.seed * 1_000_003 + self._arrivals) % (2**63)
             state = RequestState(request_id, text, ids, params, RequestMetrics(self.clock()))
             state.samples = [
-                SampleState(request_id if i == 0 else f"{request_id}{_SAMPLE_SEP}{i}", i,
+                SampleState(self._sample_id(request_id, i), i,
                             [] if params.logprobs is not None else None)
                 for i in range(params.n)]
             for sample in state.samples:   # validated above: these cannot raise
@@ -245,7 +250,10 @@ class LLMEngine:
             return out
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.outputs.requests) or bool(self.outputs.undelivered)
+        """Requests unfinished or outputs undelivered (overlap: or a step still to apply, so a
+        loop over :meth:`step` ends with nothing left of the requests it ran)."""
+        return (bool(self.outputs.requests) or bool(self.outputs.undelivered)
+                or self.core.has_steps_in_flight())
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is in use: unfinished here, or its samples still ending."""
@@ -279,6 +287,11 @@ class LLMEngine:
             if self.outputs.stops is not None:   # a matched stop string ends its sample
                 result = self.outputs.stops.end_matched(result, self.core.abort_request)
             outputs = self.outputs.process(result, self.clock(), self.stats, only_finished)
+            if self.core.overlap:   # a sample that ended may still be in the step in flight
+                for out in outputs:
+                    ids = tuple(self._sample_id(out.request_id, c.index) for c in out.outputs)
+                    if out.finished and any(map(self.scheduler.find_request, ids)):
+                        self._ending[out.request_id] = ids
             for request_id in list(self._ending):
                 self._samples_ending(request_id)     # forgets the aborts that have ended
             if self.kv_events is not None:   # this step's cache changes, one batch

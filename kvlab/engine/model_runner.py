@@ -5,6 +5,17 @@ copies, the chunks' table deltas into the persistent
 :class:`~kvlab.engine.input_batch.InputBatch`, the metadata from its rows, one forward with the
 engine's kernels (which writes the new K/V), one token per sampling chunk. It never looks
 into the scheduler.
+
+Overlap scheduling (``async_scheduling``): the engine core runs :meth:`ModelRunner.execute` on
+a worker thread while it plans the next step, steps in order. A decode planned while its input
+token was still being sampled carries a placeholder, replaced from the previous step's sampled
+tokens on the device (:meth:`ModelRunner._fill_placeholders`). What the worker still waits
+for on CUDA: each step's metadata is copied from pageable host memory, and the sampled tokens
+come back to the host (``tolist``) for ``ModelOutput``, each a wait on the GPU, so the GPU
+idles while the worker prepares the next step. vLLM avoids both, with pinned buffers copied
+``non_blocking`` and an output copy on its own stream that only the step's reader waits for
+(``CpuGpuBuffer`` in ``vllm/v1/utils.py``, ``AsyncGPUModelRunnerOutput`` in
+``vllm/v1/worker/gpu_model_runner.py``, v0.32.0).
 """
 
 from __future__ import annotations
@@ -16,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.core.step_records import ModelOutput, NewRequest, SchedulerOutput
+from kvlab.core.request import PLACEHOLDER
+from kvlab.core.step_records import ModelOutput, NewRequest, ScheduledChunk, SchedulerOutput
 from kvlab.engine.attention_metadata import AttentionMetadata
 from kvlab.engine.input_batch import InputBatch
 from kvlab.engine.kv_cache import PagedKVCache
@@ -65,6 +77,10 @@ class ModelRunner:
         self.input_batch = (input_batch if input_batch is not None
                             else InputBatch(self.block_size, self.device))
         self.requests: dict[str, SamplerState] = {}
+        # overlap scheduling: the tokens the last step sampled, on the device, and each
+        # request's row among them (a placeholder in the next step's inputs reads its row)
+        self._last_tokens: torch.Tensor | None = None
+        self._last_row: dict[str, int] = {}
         self.scorer = None   # a PromptScorer once a request asks for prompt logprobs
         self.graphs = None   # CUDA-graph decode (engine/cuda_graphs.py), set at engine build
 
@@ -107,10 +123,14 @@ class ModelRunner:
         chunk's table does not cover it."""
         t0 = time.perf_counter()
         chunks, kernels = output.chunks, self.kernels
+        last = self._last_tokens, self._last_row   # (overlap: what the step before sampled)
+        self._last_tokens, self._last_row = None, {}
         self.update_requests(output)
         self.input_batch.apply(chunks, self.requests)
         meta = (self.input_batch.build(chunks, kernels.attention.paged_max_tokens) if chunks
                 else None)
+        if meta is not None:
+            self._fill_placeholders(chunks, meta, *last)
         sampling = [i for i, c in enumerate(chunks) if c.sample]
         ids = [chunks[i].request_id for i in sampling]
         t1 = time.perf_counter()
@@ -138,6 +158,9 @@ class ModelRunner:
             else:
                 picked = sample(logits, states, filters)
         t3 = time.perf_counter()
+        if picked is not None:
+            self._last_tokens, self._last_row = picked.tokens, {rid: i for i, rid in
+                                                               enumerate(ids)}
         info = StepInfo(meta, ids, tuple(logits.shape), t1 - t0, t2 - t1, t3 - t2,
                         self.scorer and self.scorer.take())
         if picked is None:
@@ -146,6 +169,22 @@ class ModelRunner:
             {rid: (t,) for rid, t in zip(ids, picked.token_ids, strict=True)}, t3 - t0, info,
             {rid: [lp] for rid, lp in zip(ids, picked.logprobs, strict=True)},
             {rid: [top] for rid, top in zip(ids, picked.top_logprobs, strict=True)})
+
+    def _fill_placeholders(self, chunks: Sequence[ScheduledChunk], meta: AttentionMetadata,
+                           tokens: torch.Tensor | None, row_of: dict[str, int]) -> None:
+        """Overlap scheduling: a decode planned while the step before was sampling its input
+        carries a :data:`~kvlab.core.request.PLACEHOLDER` (only ever a chunk's last token);
+        copy that step's sampled token (``tokens[row_of[request]]``) into its place, on the
+        device: the token never goes through the host on its way to the next forward."""
+        fill = [(meta.query_start[i + 1] - 1, c.request_id) for i, c in enumerate(chunks)
+                if c.token_ids[-1] == PLACEHOLDER]
+        if fill:
+            assert tokens is not None and all(rid in row_of for _, rid in fill), \
+                "a placeholder whose token the step before did not sample"
+            rows = torch.tensor([r for r, _ in fill], dtype=torch.long, device=self.device)
+            src = torch.tensor([row_of[rid] for _, rid in fill], dtype=torch.long,
+                               device=self.device)
+            meta.input_ids.index_copy_(0, rows, tokens.index_select(0, src))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -230,8 +230,8 @@ class OutputProcessor:
                 self.samples[rid][0].prompt_logprobs = entries
         for rid in model.sampled:
             entry = self.samples.get(rid)
-            if entry is None:
-                continue          # aborted during the step
+            if entry is None or entry[1].ended is not None:
+                continue          # aborted during the step, or (overlap) ended the step before
             state, sample = entry
             sample.token_ids.extend(model.sampled[rid])
             sample.cumulative_logprob += sum(model.logprobs[rid])
@@ -277,7 +277,7 @@ class OutputProcessor:
                 reason = req.finish_reason.value if req.finish_reason is not None else None
                 if req.status is RequestStatus.CANCELLED:
                     reason = FinishReason.ABORT.value
-                assert req.output_token_ids == sample.token_ids, sample.seq_id
+                assert req.known_output_token_ids == sample.token_ids, sample.seq_id
                 if sample.index == 0:   # exact even when aborted in a step that preempted it
                     state.metrics.num_preemptions = req.num_preemptions
             stop, text = None, None

@@ -53,6 +53,7 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float] | None]
+    tokens: torch.Tensor | None = None    # token_ids on the logits' device
 
 
 @dataclass(frozen=True)
@@ -195,4 +196,4 @@ def sample(logits: torch.Tensor, states: Sequence[SamplerState],
             d = {int(t): float(v) for t, v in zip(ids[j][:kk], values[j][:kk], strict=True)}
             d[token_list[i]] = chosen_list[i]
             top[i] = d
-    return SampleResult(token_list, chosen.tolist(), top)
+    return SampleResult(token_list, chosen.tolist(), top, tokens)

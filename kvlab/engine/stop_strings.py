@@ -42,7 +42,8 @@ class StopStrings:
     def end_matched(self, result: StepResult,
                     abort: Callable[[str], RuntimeRequest | None]) -> StepResult:
         """``result`` with the samples whose text matched a stop string this step among its
-        ended requests (``abort`` ends each in the core; no step may be in flight)."""
+        ended requests (``abort`` ends each in the core at once, between steps; with overlap
+        scheduling the token a step in flight samples for it is discarded)."""
         ended = {r.request_id for r in result.ended}
         stopped = []
         for sid, tokens in result.model.sampled.items():

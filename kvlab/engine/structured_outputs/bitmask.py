@@ -31,6 +31,7 @@ class GrammarMask(Protocol):
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None: ...
     def accept_token(self, token: int) -> bool: ...
+    def is_terminated(self) -> bool: ...
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
@@ -84,9 +85,11 @@ def sample_with_grammars(logits: torch.Tensor, states: Sequence[SamplerState],
 
     ``logits`` (``[S, V]``) is modified in place on grammar rows. Without grammar rows this is
     exactly ``sampler(logits, states)``. A masked row always samples an allowed token, so the
-    grammar accepts it (asserted).
+    grammar accepts it (asserted). A row whose grammar has ended (overlap scheduling planned
+    one more step for a request its last token finished) is sampled unmasked and discarded.
     """
-    rows = [i for i, s in enumerate(states) if s.grammar is not None]
+    rows = [i for i, s in enumerate(states)
+            if s.grammar is not None and not s.grammar.is_terminated()]
     if rows:
         apply_token_bitmask(logits, rows, [states[i].grammar for i in rows])
     picked = sampler(logits, states)

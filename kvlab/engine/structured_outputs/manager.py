@@ -8,13 +8,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from kvlab.core.request import PLACEHOLDER
 from kvlab.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvlab.engine.structured_outputs.grammar import GrammarCompiler, GrammarState
     from kvlab.engine.tokenizer import Tokenizer
 
-__all__ = ["StructuredOutputManager"]
+__all__ = ["StructuredOutputManager", "grammar_mismatch"]
 
 
 class StructuredOutputManager:
@@ -68,10 +69,24 @@ class StructuredOutputManager:
     @staticmethod
     def check_states(sequences: Iterable[tuple[str, object, Sequence[int]]]) -> None:
         """AssertionError unless every ``(request id, sampler state, output_token_ids)`` with a
-        grammar has accepted exactly its output tokens (the invariant of the engine)."""
+        grammar has accepted exactly its output tokens (the invariant of the engine); see
+        :func:`grammar_mismatch` for the outputs of steps in flight (overlap scheduling)."""
         for rid, state, outputs in sequences:
             grammar = getattr(state, "grammar", None)
-            if grammar is not None:
-                assert grammar.accepted_token_ids == tuple(outputs), (
-                    f"{rid}: grammar state accepted {grammar.num_accepted} tokens, "
-                    f"the request has {len(outputs)} outputs")
+            problem = grammar_mismatch(grammar, outputs) if grammar is not None else None
+            assert problem is None, f"{rid}: {problem}"
+
+
+def grammar_mismatch(grammar: GrammarState, outputs: Sequence[int]) -> str | None:
+    """Why ``grammar`` has not accepted exactly ``outputs`` (None when it has). A trailing
+    :data:`~kvlab.core.request.PLACEHOLDER` is a token of a step in flight that the executor
+    has already run: the grammar accepted some token there, unless it had terminated."""
+    outputs = tuple(outputs)
+    n = len(outputs) - outputs.count(PLACEHOLDER)         # the known outputs come first
+    known, accepted = outputs[:n], grammar.accepted_token_ids
+    whole = len(accepted) == len(outputs) or (grammar.is_terminated()
+                                              and n <= len(accepted) <= len(outputs))
+    if PLACEHOLDER not in known and accepted[:n] == known and whole:
+        return None
+    return (f"grammar state accepted {len(accepted)} tokens, the request has {n} outputs"
+            + (f" and {len(outputs) - n} in flight" if len(outputs) > n else ""))

@@ -33,19 +33,28 @@ from kvlab.core.engine_core import EngineCore, StepObserver
 from kvlab.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
-from kvlab.core.request import RequestStatus, RuntimeRequest
+from kvlab.core.request import PLACEHOLDER, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.core.step_records import ModelOutput, SchedulerOutput
-from kvlab.labs.faults.step_faults import InjectedFault, StepFaultInjector, StepFaultSchedule
+from kvlab.core.step_records import ModelOutput, ScheduledChunk, SchedulerOutput
+from kvlab.labs.faults.step_faults import (
+    STEP_FAULTS,
+    InjectedFault,
+    StepFaultInjector,
+    StepFaultSchedule,
+)
 from kvlab.labs.invariants.spec_invariants import EngineView, InvariantMonitor
 from kvlab.labs.invariants.structural import check_kv_manager
 from kvlab.labs.recovery import recover
 from kvlab.labs.recovery.event_log import CorruptLog, EventLog, SimulatedCrash
 from kvlab.sim.tokens import hash_token
 
-__all__ = ["ChaosConfig", "ChaosExecutor", "ChaosResult", "run_chaos", "solo_tokens"]
+__all__ = ["OVERLAP_FAULTS", "ChaosConfig", "ChaosExecutor", "ChaosResult", "OverlapChaosExecutor",
+           "run_chaos", "solo_tokens"]
 
 S = RequestStatus
+#: the faults that strike under overlap scheduling (no event log to crash, no speculation)
+OVERLAP_FAULTS = tuple(k for k in STEP_FAULTS
+                       if k not in ("crash", "corrupt_log", "truncated_log", "spec_reject_all"))
 VOCAB = 64          # small vocabulary: n-gram lookup finds matches, stop tokens do occur
 STOP = 5
 
@@ -87,12 +96,12 @@ class ChaosExecutor:
         answer = None
         if self.injector is not None and self.core is not None:
             live = [c.request_id for c in output.chunks]
-            answer = self.injector.on_execute(self.core, output, live, [])
+            answer = self.injector.on_execute(self.core, output, live, [], self.fault_step(output))
         sampled: dict[str, Any] = {}
         for chunk in output.chunks:
             if not chunk.sample:
                 continue
-            ctx = tuple(self.requests(chunk.request_id).all_token_ids)
+            ctx = self.context(chunk)
             k = chunk.num_lookahead
             if k == 0:
                 sampled[chunk.request_id] = target_token(ctx)
@@ -116,6 +125,14 @@ class ChaosExecutor:
             sampled.pop(sorted(sampled)[0])          # the sampler lost one request's token
         return ModelOutput(sampled)
 
+    def context(self, chunk: ScheduledChunk) -> tuple[int, ...]:
+        """The tokens of ``chunk``'s request up to the end of the chunk."""
+        return tuple(self.requests(chunk.request_id).all_token_ids)
+
+    def fault_step(self, output: SchedulerOutput) -> int | None:
+        """The step whose execute-point faults strike (None: the driver's)."""
+        return None
+
     def _drafts(self, ctx: tuple[int, ...], k: int) -> list[int]:
         if self.method == "ngram":
             return ngram_drafts(ctx, k)
@@ -125,6 +142,38 @@ class ChaosExecutor:
             out.append(d)
             ctx = (*ctx, d)
         return out
+
+
+@dataclass
+class OverlapChaosExecutor(ChaosExecutor):
+    """The chaos executor under overlap scheduling: the scheduler's requests hold placeholders
+    for the tokens in flight, so it keeps each request's tokens from the outputs alone, as the
+    model runner does (a placeholder is the token it sampled last for that request). Its
+    faults strike by the scheduler's step number."""
+
+    contexts: dict[str, list[int]] = field(default_factory=dict)
+    last: dict[str, int] = field(default_factory=dict)
+
+    def execute(self, output: SchedulerOutput) -> ModelOutput:
+        for rid in output.finished_ids:
+            self.contexts.pop(rid, None)
+            self.last.pop(rid, None)
+        for new in output.new_requests:
+            self.contexts[new.request_id] = [*new.prompt_token_ids, *new.output_token_ids]
+        for chunk in output.chunks:
+            ctx = self.contexts[chunk.request_id]
+            del ctx[chunk.start_pos:]
+            ctx.extend(self.last[chunk.request_id] if t == PLACEHOLDER else t
+                       for t in chunk.token_ids)
+        result = super().execute(output)
+        self.last.update(result.sampled)
+        return result
+
+    def context(self, chunk: ScheduledChunk) -> tuple[int, ...]:
+        return tuple(self.contexts[chunk.request_id])
+
+    def fault_step(self, output: SchedulerOutput) -> int | None:
+        return output.step
 
 
 @dataclass
@@ -140,6 +189,9 @@ class ChaosConfig:
     arrival_rate: float = 0.6
     abort_rate: float = 0.08
     check_invariants: bool = True      # False: the same run unchecked (the bench's baseline)
+    #: overlap scheduling: no event log (so no crash or recovery faults) and no speculation,
+    #: which it refuses; every other fault strikes
+    async_scheduling: bool = False
     windows: tuple[int, ...] = ()      # per KV cache group (0: full attention); () one table
 
 
@@ -216,8 +268,10 @@ def run_chaos(seed: int, config: ChaosConfig | None = None, *, method: str = "dr
     """One seeded chaos run (see the module docstring). Raises InvariantViolation at the first
     broken invariant; otherwise returns the figures (mismatches and leaks are reported)."""
     cfg = config if config is not None else ChaosConfig()
+    overlap = cfg.async_scheduling
     rng = random.Random(seed)
-    schedule = schedule or StepFaultSchedule.from_seed(seed, cfg.steps, rate=cfg.fault_rate)
+    schedule = schedule or StepFaultSchedule.from_seed(
+        seed, cfg.steps, rate=cfg.fault_rate, kinds=OVERLAP_FAULTS if overlap else STEP_FAULTS)
     result = ChaosResult(seed, schedule=schedule.to_data())
     injector = StepFaultInjector(schedule)
     monitor = InvariantMonitor()
@@ -226,18 +280,20 @@ def run_chaos(seed: int, config: ChaosConfig | None = None, *, method: str = "dr
                                     chunk_tokens=cfg.max_num_batched_tokens))
     sconf = SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                             max_num_batched_tokens=cfg.max_num_batched_tokens,
-                            prefill_chunk=cfg.prefill_chunk, num_lookahead_tokens=cfg.num_lookahead)
+                            prefill_chunk=cfg.prefill_chunk,
+                            num_lookahead_tokens=0 if overlap else cfg.num_lookahead,
+                            async_scheduling=overlap)
 
     def make(kv: Any, log: EventLog) -> Any:
-        return ProductionScheduler(kv, sconf, log=log)
+        return ProductionScheduler(kv, sconf, log=None if overlap else log)
 
     holder: dict[str, Any] = {}
-    executor = ChaosExecutor(lambda rid: holder["core"].scheduler.get_request(rid), method,
-                             injector)
+    executor = (OverlapChaosExecutor if overlap else ChaosExecutor)(
+        lambda rid: holder["core"].scheduler.get_request(rid), method, injector)
     checker = _Checker(monitor, injector, cfg.check_invariants)
 
     def new_core(scheduler: Any) -> EngineCore:
-        core = EngineCore(scheduler, executor)
+        core = EngineCore(scheduler, executor, overlap=overlap)
         core.add_observer(injector)
         core.add_observer(checker)
         holder["core"] = executor.core = core
@@ -279,7 +335,7 @@ def run_chaos(seed: int, config: ChaosConfig | None = None, *, method: str = "dr
         injector.before_step(step, core.scheduler.kv)
         offset = injector.crash_offset() if traffic else None
         sched = core.scheduler
-        if offset is not None:
+        if offset is not None:   # (never with overlap: it keeps no log)
             sched.log.crash_at = len(sched.log) + offset
         try:
             res = core.step()
@@ -290,7 +346,8 @@ def run_chaos(seed: int, config: ChaosConfig | None = None, *, method: str = "dr
             core = _recover(sched, make, injector, monitor, result, new_core)
             collect([r for r in core.scheduler.requests() if r.status.is_terminal])
         finally:
-            sched.log.crash_at = None
+            if sched.log is not None:
+                sched.log.crash_at = None
         result.steps += 1
     injector.release_all(core.scheduler.kv)
     if cfg.check_invariants:

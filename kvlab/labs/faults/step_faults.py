@@ -218,18 +218,20 @@ class StepFaultInjector(StepObserver):
         self._late = []
 
     # ------------------------------------------------------------------ execute point
-    def on_execute(self, core: Any, output: Any, live: Sequence[str], ended: Sequence[str]
-                   ) -> str | None:
+    def on_execute(self, core: Any, output: Any, live: Sequence[str], ended: Sequence[str],
+                   step: int | None = None) -> str | None:
         """Called by the executor wrapper inside ``execute``: raises for executor faults,
         aborts for a storm (mid-step: applied at the step's end); returns ``"sampling_error"``
         when the wrapper must drop one request's token, ``"spec_reject_all"`` when drafts must
-        all be wrong, else None."""
+        all be wrong, else None. ``step``: the step whose faults strike (default: the driver's
+        step; overlap scheduling executes a step while the driver plans the next)."""
         answer = None
-        for fault in self.schedule.at(self.step, "execute"):
+        step = self.step if step is None else step
+        for fault in self.schedule.at(step, "execute"):
             kind = fault.kind
             if kind == "executor_error" and output.chunks:
                 self.injected[kind] += 1
-                raise InjectedFault(f"injected executor failure at step {self.step}")
+                raise InjectedFault(f"injected executor failure at step {step}")
             if kind == "sampling_error" and any(c.sample for c in output.chunks):
                 self.injected[kind] += 1
                 answer = kind

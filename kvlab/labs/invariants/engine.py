@@ -25,8 +25,11 @@ def check_engine(engine: LLMEngine) -> None:
     """AssertionError unless the scheduler's and KV manager's invariants hold and the engine's
     bookkeeping agrees with them: every sample has its request and a scheduler entry until it
     ends, the runner's block tables (kept from deltas alone) equal the KV manager's, the runner
-    keeps sampler states of live requests only, and grammar states match the output tokens."""
+    keeps sampler states of live requests only, and grammar states match the output tokens.
+    With overlap scheduling it first waits until the runner has run the steps in flight: a
+    placeholder output is then a token the runner has sampled and the scheduler not yet seen."""
     with engine.core.lock:
+        engine.core.wait_executed()         # (overlap: the runner's state is then still)
         check_scheduler(engine.scheduler)   # the KV manager's too
         outputs, scheduler, kv = engine.outputs, engine.scheduler, engine.kv
         for rid, (state, sample) in outputs.samples.items():

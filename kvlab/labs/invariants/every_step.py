@@ -13,6 +13,7 @@ from typing import Any
 
 from kvlab.core.engine_core import StepObserver
 from kvlab.engine.llm_engine import LLMEngine
+from kvlab.engine.structured_outputs.manager import grammar_mismatch
 from kvlab.labs.invariants.spec_invariants import EngineView, InvariantMonitor
 
 
@@ -26,14 +27,13 @@ class EveryStep(StepObserver):
 
     def _grammar_probe(self) -> list[tuple[str, str]]:
         problems = []
+        self.engine.core.wait_executed()   # (overlap: the runner has run the steps in flight)
         samplers = self.engine.executor.requests
         for r in self.engine.scheduler.requests():
             grammar = getattr(samplers.get(r.request_id), "grammar", None)
             if grammar is not None and not r.status.is_terminal \
-                    and grammar.accepted_token_ids != tuple(r.output_token_ids):
-                problems.append((f"request {r.request_id}",
-                                 f"grammar accepted {grammar.num_accepted} tokens, the request "
-                                 f"has {len(r.output_token_ids)}: not rolled back"))
+                    and (problem := grammar_mismatch(grammar, r.output_token_ids)):
+                problems.append((f"request {r.request_id}", f"{problem}: not rolled back"))
         return problems
 
     def view(self, core: Any, last: Any = None) -> EngineView:

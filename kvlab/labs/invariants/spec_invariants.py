@@ -279,8 +279,8 @@ def _monotonic(view: EngineView, monitor: InvariantMonitor) -> None:
     require(view.step >= monitor.last_step, "engine",
             f"step counter went back from {monitor.last_step} to {view.step}")
     monitor.last_step = view.step
-    for r in view.requests():
-        rid, out = r.request_id, tuple(r.output_token_ids)
+    for r in view.requests():   # (overlap: the outputs of steps in flight are not yet known)
+        rid, out = r.request_id, tuple(r.known_output_token_ids)
         before = monitor.outputs.get(rid, ())
         if out[:len(before)] != before:
             pairs = enumerate(zip(before, out, strict=False))
@@ -293,8 +293,8 @@ def _monotonic(view: EngineView, monitor: InvariantMonitor) -> None:
         monitor.preemptions[rid] = r.num_preemptions
         require(0 <= r.num_computed_tokens <= r.num_tokens, f"request {rid}",
                 f"computed {r.num_computed_tokens} of {r.num_tokens} tokens")
-        require(len(out) <= r.max_tokens, f"request {rid}",
-                f"{len(out)} outputs > max_tokens {r.max_tokens}")
+        n = len(r.output_token_ids)
+        require(n <= r.max_tokens, f"request {rid}", f"{n} outputs > max_tokens {r.max_tokens}")
 
 
 # ----------------------------------------------------------------------------- 6

@@ -49,7 +49,7 @@ from kvlab.core.block_pool import CACHE_OWNER, BlockPool
 from kvlab.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvlab.core.kv_cache_groups import window_blocks
 from kvlab.core.radix_cache import RadixCache
-from kvlab.core.request import RUNNING_STATUSES, WAITING_STATUSES
+from kvlab.core.request import PLACEHOLDER, RUNNING_STATUSES, WAITING_STATUSES
 from kvlab.disagg.remote_kv_scheduler import RemoteKVScheduler
 from kvlab.labs.kv_snapshot import radix_nodes
 
@@ -426,4 +426,11 @@ def check_scheduler(scheduler: Any) -> None:
             f"{rid}: num_computed_tokens out of range"
         assert len(request.output_token_ids) <= request.max_tokens, \
             f"{rid}: more outputs than max_tokens"
+        in_flight = request.num_output_placeholders   # (overlap scheduling)
+        assert request.output_token_ids.count(PLACEHOLDER) == in_flight and all(
+            t == PLACEHOLDER for t in request.output_token_ids[len(request.output_token_ids)
+                                                              - in_flight:]), \
+            f"{rid}: placeholders other than its last {in_flight} outputs"
+        assert not in_flight or rid in scheduler.inflight_ids, \
+            f"{rid}: {in_flight} placeholder outputs but no step in flight"
     check_kv_manager(scheduler.kv)
