@@ -60,6 +60,15 @@ TP_DESIGN = {
     "reserve_bytes": 4 * GiB,
 }
 
+#: Requirements :func:`check_tp_design` always runs beside those it draws: one that no choice
+#: holds, one that a bf16 cache cannot hold.
+TP_DESIGN_EDGES = (
+    {"model": "Llama-3.1-405B", "gpu": "H100-80GB SXM", "context_len": 131072,
+     "min_requests": 64, "reserve_bytes": 4 * GiB},
+    {"model": "Llama-3-8B", "gpu": "H100-80GB SXM", "context_len": 131072, "min_requests": 4,
+     "reserve_bytes": 4 * GiB},
+)
+
 #: The keys a case of :func:`check_suspect_counterexample` (exercise 6) must give.
 SUSPECT_CASE_KEYS = ("model", "gpu", "kv_dtype", "context_len", "tp")
 
@@ -249,7 +258,7 @@ def check_tp_design(rule) -> str:
         raise AssertionError("pass a function rule(model, gpu, context_len, min_requests, "
                              "reserve_bytes) -> (tp, kv_dtype) or None")
     rng = hidden_rng()
-    cases = [TP_DESIGN] + [
+    cases = [TP_DESIGN, *TP_DESIGN_EDGES] + [
         {"model": rng.choice(sorted(MODELS)), "gpu": rng.choice(sorted(GPUS)),
          "context_len": rng.choice((2048, 4096, 8192, 16384, 32768, 131072)),
          "min_requests": round(2 ** rng.uniform(0, 10)), "reserve_bytes": 4 * GiB}
