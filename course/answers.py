@@ -188,12 +188,14 @@ def _abort_run():
 
 @truth("ch05.abort")
 def _abort() -> Truth:
-    """The aborted request's statuses, its finish reason, the run's preemptions: together."""
+    """The aborted request's statuses, its finish reason, the run's preemptions, q2's admitted
+    step and q0's finished step: together."""
     rid, sched, log = _abort_run()
     path = ["waiting"] + [e.data[1] for e in log.events
                           if e.request_id == rid and e.kind == "transition"]
     return Truth([path, sched.get_request(rid).finish_reason.value,
-                  sum(r.num_preemptions for r in sched.requests())])
+                  sum(r.num_preemptions for r in sched.requests()),
+                  sched.get_request("q2").admitted_step, sched.get_request("q0").finished_step])
 
 
 def _tight_finishes(num_blocks: int, **config) -> tuple[int, bool]:
@@ -615,25 +617,6 @@ def conversation_hit(prompt_tokens: int, output_tokens: int, new_tokens: int,
     return kv.lookup((), history + [50_000 + i for i in range(new_tokens)])
 
 
-def saved_prefill(shared_tokens: int, question_tokens: int, requests: int,
-                  block_size: int) -> tuple[int, int]:
-    """Prefill tokens computed without and with the prefix cache (sequential requests)."""
-    from kvlab.core.kv_cache_manager import KVCacheManager
-
-    off = requests * (shared_tokens + question_tokens)
-    kv = KVCacheManager(4 * (-(-(shared_tokens + question_tokens) // block_size)) + 4,
-                        block_size)
-    shared = list(range(shared_tokens))
-    on = 0
-    for i in range(requests):
-        prompt = shared + [100_000 + i * question_tokens + j for j in range(question_tokens)]
-        cached = kv.admit(f"r{i}", ("s",), prompt, len(prompt))
-        kv.commit(f"r{i}", prompt)
-        kv.free(f"r{i}")
-        on += len(prompt) - cached
-    return off, on
-
-
 def longest_prefix_first_order() -> list[str]:
     """Longest-prefix-match, greedily: always run the waiting request with the longest cached
     prefix next (ties in arrival order); SGLang's ``--schedule-policy lpm`` (the default up to
@@ -698,8 +681,6 @@ def _ch04():
     return ch04
 
 
-cases("ch04.prefill_tokens", _ch04().PREFILL_CASES,
-      lambda **case: list(saved_prefill(**case)))
 
 
 @truth("ch04.request_order.target")
