@@ -90,86 +90,23 @@ def _kv_bytes_per_token() -> Truth:
     return Truth([plan.kv_element_bytes, plan.kv_bytes_per_token])
 
 
-def _h100_plan(kv_dtype: str):
+def _h100_plan():
     ch01, plan_capacity, get_gpu, get_model = _ch01()
     a = ch01.H100_ASSUMPTIONS
-    return plan_capacity(get_model(a["model"]), get_gpu(a["gpu"]), kv_dtype=kv_dtype,
-                         context_len=a["context_len"], block_size=a["block_size"],
+    return plan_capacity(get_model(a["model"]), get_gpu(a["gpu"]), kv_dtype=a["kv_dtype"],
+                         context_len=a["pair"][0], block_size=a["block_size"],
                          gpu_memory_utilization=a["gpu_memory_utilization"],
                          reserve_bytes=a["reserve_bytes"], weight_dtype=a["weight_dtype"])
 
 
-@truth("ch01.max_requests_h100.blocks")
-def _h100_blocks() -> Truth:
-    return Truth(_h100_plan("bf16").num_blocks)
-
-
-@truth("ch01.max_requests_h100")
-def _h100_max_requests() -> Truth:
-    bf16, fp8 = _h100_plan("bf16"), _h100_plan("fp8")
-    return Truth([bf16.num_blocks, bf16.max_requests, fp8.max_requests])
-
-
-def _overtake():
-    """(the cost model, the context) of chapter 1's exercise 3."""
-    from kvlab.exercises import ch01
-    from kvlab.sim.costmodel import RooflineCostModel
-
-    c = ch01.OVERTAKE_CASE
-    return RooflineCostModel.named(c["model"], c["gpu"], dtype=c["dtype"]), c["context_len"]
-
-
-@truth("ch01.kv_overtakes_weights.request_bytes")
-def _overtake_request_bytes() -> Truth:
-    cm, context = _overtake()
-    one = cm.cost([(1, context - 1, True)])     # one token at the last position
-    return Truth(int(one.bytes - cm.weight_bytes))
-
-
-@truth("ch01.kv_overtakes_weights")
-def _kv_overtakes_weights() -> Truth:
-    cm, context = _overtake()
-    batch = 1
-    while cm.cost([(1, context - 1, True)] * batch).bytes - cm.weight_bytes < cm.weight_bytes:
-        batch += 1
-    return Truth([_overtake_request_bytes().answer, batch])
-
-
-def _tp_kv_per_rank(index: int) -> Truth:
-    ch01, plan_capacity, _, get_model = _ch01()
-    c = ch01.TP_RANK_CASE
-    plan = plan_capacity(get_model(c["model"]), 10**15, tp=c["tp"][index],
-                         kv_dtype=c["kv_dtype"])
-    return Truth(int(plan.kv_bytes_per_token))
-
-
-truth("ch01.tp_kv_per_rank.first")(lambda: _tp_kv_per_rank(0))
-truth("ch01.tp_kv_per_rank.second")(lambda: _tp_kv_per_rank(1))
-
-
-def fewest_gpus(model: str, gpu: str, context_len: int, min_requests: int,
-                reserve_bytes: float):
-    """Chapter 1's exercise 5 rule: the smallest TP, then the first KV dtype in the exercise's
-    order, whose plan holds ``min_requests``; None when no choice does."""
-    ch01, plan_capacity, get_gpu, get_model = _ch01()
-    for tp in ch01.TP_CHOICES:
-        for kv_dtype in ch01.KV_CHOICES:
-            plan = plan_capacity(get_model(model), get_gpu(gpu), tp=tp, kv_dtype=kv_dtype,
-                                 context_len=context_len, reserve_bytes=reserve_bytes)
-            if plan.max_requests >= min_requests:
-                return tp, kv_dtype
-    return None
-
-
-def _tp_design_case(index: int) -> Truth:
-    from kvlab.exercises import ch01
-
-    choice = fewest_gpus(**ch01.TP_DESIGN_CASES[index])
-    return Truth(None if choice is None else list(choice))
-
-
-for _i in range(len(_ch01()[0].TP_DESIGN_CASES)):   # one seal per requirement
-    truth(f"ch01.tp_design.case{_i}")(lambda i=_i: _tp_design_case(i))
+@truth("ch01.mixed_pool")
+def _mixed_pool() -> Truth:
+    """(fp8 blocks, whole pairs, idle blocks): a pair needs whole blocks for each request."""
+    ch01 = _ch01()[0]
+    plan, size = _h100_plan(), ch01.H100_ASSUMPTIONS["block_size"]
+    per_pair = sum(-(-tokens // size) for tokens in ch01.H100_ASSUMPTIONS["pair"])
+    pairs = plan.num_blocks // per_pair
+    return Truth([plan.num_blocks, pairs, plan.num_blocks - pairs * per_pair])
 
 
 # --- chapter 3: reference counts and copy-on-write ---------------------------------------------
@@ -178,12 +115,6 @@ def _ch03():
     from kvlab.exercises import ch03
 
     return ch03
-
-
-@truth("ch03.sampling_blocks")
-def _sampling_blocks() -> Truth:
-    ch03 = _ch03()
-    return Truth(list(ch03._sampling_blocks(**ch03.SAMPLING)))
 
 
 @truth("ch03.double_release")
@@ -257,12 +188,14 @@ def _abort_run():
 
 @truth("ch05.abort")
 def _abort() -> Truth:
-    """The aborted request's statuses, its finish reason, the run's preemptions: together."""
+    """The aborted request's statuses, its finish reason, the run's preemptions, q2's admitted
+    step and q0's finished step: together."""
     rid, sched, log = _abort_run()
     path = ["waiting"] + [e.data[1] for e in log.events
                           if e.request_id == rid and e.kind == "transition"]
     return Truth([path, sched.get_request(rid).finish_reason.value,
-                  sum(r.num_preemptions for r in sched.requests())])
+                  sum(r.num_preemptions for r in sched.requests()),
+                  sched.get_request("q2").admitted_step, sched.get_request("q0").finished_step])
 
 
 def _tight_finishes(num_blocks: int, **config) -> tuple[int, bool]:
@@ -720,25 +653,6 @@ def conversation_hit(prompt_tokens: int, output_tokens: int, new_tokens: int,
     return kv.lookup((), history + [50_000 + i for i in range(new_tokens)])
 
 
-def saved_prefill(shared_tokens: int, question_tokens: int, requests: int,
-                  block_size: int) -> tuple[int, int]:
-    """Prefill tokens computed without and with the prefix cache (sequential requests)."""
-    from kvlab.core.kv_cache_manager import KVCacheManager
-
-    off = requests * (shared_tokens + question_tokens)
-    kv = KVCacheManager(4 * (-(-(shared_tokens + question_tokens) // block_size)) + 4,
-                        block_size)
-    shared = list(range(shared_tokens))
-    on = 0
-    for i in range(requests):
-        prompt = shared + [100_000 + i * question_tokens + j for j in range(question_tokens)]
-        cached = kv.admit(f"r{i}", ("s",), prompt, len(prompt))
-        kv.commit(f"r{i}", prompt)
-        kv.free(f"r{i}")
-        on += len(prompt) - cached
-    return off, on
-
-
 def longest_prefix_first_order() -> list[str]:
     """Longest-prefix-match, greedily: always run the waiting request with the longest cached
     prefix next (ties in arrival order); SGLang's ``--schedule-policy lpm`` (the default up to
@@ -803,8 +717,6 @@ def _ch04():
     return ch04
 
 
-cases("ch04.prefill_tokens", _ch04().PREFILL_CASES,
-      lambda **case: list(saved_prefill(**case)))
 
 
 @truth("ch04.request_order.target")
@@ -829,45 +741,6 @@ def _batch_truth() -> list:
 
 
 truth("ch06.batch")(lambda: Truth(_batch_truth()))
-
-
-def doc_ttft_behind_decodes(chats: int, left: int, doc: int, budget: int, prefill_chunk: int,
-                            max_num_seqs: int, arrive: int) -> int:
-    """The document's TTFT in steps (first-token step minus arrival step) under
-    ``BaselineScheduler``, measured on the real scheduler stepped by ``EngineCore``."""
-    from kvlab.core.baseline_scheduler import BaselineScheduler
-    from kvlab.core.engine_core import EngineCore
-    from kvlab.core.kv_cache_manager import KVCacheManager
-    from kvlab.core.request import RuntimeRequest
-    from kvlab.core.scheduler_config import SchedulerConfig
-    from kvlab.sim.executor import CostModelExecutor
-
-    if chats > max_num_seqs - 1 or chats >= budget:
-        raise ValueError("the chats must leave a sequence slot and budget for the document")
-    sched = BaselineScheduler(KVCacheManager(num_blocks=4 * (doc + chats * (arrive + left)),
-                                             block_size=16),
-                              SchedulerConfig(max_num_seqs=max_num_seqs,
-                                              max_num_batched_tokens=budget,
-                                              prefill_chunk=prefill_chunk))
-    # one-token prompts: each chat has its first token after step 1, then decodes one per step,
-    # so before step ``arrive`` it has ``left`` tokens still to generate
-    for i in range(chats):
-        sched.add_request(RuntimeRequest(f"c{i}", (i + 1,), max_tokens=arrive - 1 + left))
-    core = EngineCore(sched, CostModelExecutor(sched.get_request, lambda request: 5),
-                      forget_ended=False)
-    for step in range(1, 100_000):
-        if step == arrive:
-            core.add_request(RuntimeRequest("doc", tuple(range(1, doc + 1)), max_tokens=1))
-        core.step()
-        if step >= arrive:
-            request = sched.get_request("doc")
-            if request.first_token_step is not None:
-                return request.first_token_step - request.arrival_step
-    raise AssertionError("the document never got its first token")  # pragma: no cover
-
-
-cases("ch06.doc_ttft", _ch06().DOC_CASES,
-      lambda **case: doc_ttft_behind_decodes(**case, max_num_seqs=64, arrive=3))
 
 
 @truth("ch06.chunk_design")

@@ -47,10 +47,10 @@ def test_check_sample_rule_messages():
             ch03.check_sample_rule(wrong)
         message = str(err.value)
         assert "n = " not in message and "too" not in message and "cautious" not in message
-    # a constant right on the chapter's pool fails on another pool, naming only that pool
-    with pytest.raises(AssertionError, match="for a pool of") as err:
+    # a constant right on the chapter's pool fails on another pool, naming no pool
+    with pytest.raises(AssertionError, match="on every pool") as err:
         ch03.check_sample_rule(lambda **case: 6)
-    assert "300-token prompt" not in str(err.value)
+    assert "prompt" not in str(err.value).split(":")[0] and "blocks of" not in str(err.value)
     with pytest.raises(AssertionError, match="whole number"):
         ch03.check_sample_rule(lambda **case: 6.0)
     with pytest.raises(AssertionError, match="pass a function"):
@@ -59,9 +59,36 @@ def test_check_sample_rule_messages():
         ch03.check_sample_rule(...)
 
 
+def _held_blocks(prompt_tokens, output_tokens, block_size):
+    full = prompt_tokens // block_size
+    per_sample = [-(-(prompt_tokens + out) // block_size) for out in output_tokens]
+    copies = len(output_tokens) - 1 if prompt_tokens % block_size else 0
+    return full + sum(n - full for n in per_sample), sum(per_sample), copies
+
+
+def test_check_sampling_blocks_runs_hidden_requests():
+    import random
+
+    rng = random.Random(3)
+    for case in [ch03.SAMPLING] + [ch03._draw_sampling(rng) for _ in range(60)]:
+        assert _held_blocks(**case) == ch03._sampling_blocks(**case), case
+    assert _held_blocks(**ch03.SAMPLING) == (67, 247, 4)
+    assert "Correct on 17" in ch03.check_sampling_blocks(_held_blocks)
+    # the printed triple alone, or sharing the partial block too: one verdict, no case
+    for wrong in (lambda **case: (67, 247, 4),
+                  lambda prompt_tokens, output_tokens, block_size: (
+                      *_held_blocks(prompt_tokens, output_tokens, block_size)[:2],
+                      len(output_tokens) - 1)):
+        with pytest.raises(AssertionError, match="not right on every request") as err:
+            ch03.check_sampling_blocks(wrong)
+        assert "730" not in str(err.value) and "67" not in str(err.value)
+    with pytest.raises(AssertionError, match="pass a function"):
+        ch03.check_sampling_blocks(67)
+
+
 def test_numeric_and_order_checks_refuse_wrong_types():
-    with pytest.raises(AssertionError, match="whole number"):
-        ch03.check_sampling_blocks(67, "247", 4)
+    with pytest.raises(AssertionError, match="whole numbers"):
+        ch03.check_sampling_blocks(lambda **case: (67, "247", 4))
     with pytest.raises(AssertionError, match="whole number"):
         ch04.check_conversation_hit(63.0, 48, "c")
     with pytest.raises(AssertionError, match="list of request ids"):
@@ -69,7 +96,7 @@ def test_numeric_and_order_checks_refuse_wrong_types():
     with pytest.raises(AssertionError, match="list of request ids"):
         ch04.check_request_order(12)
     with pytest.raises(AssertionError, match="list of statuses"):
-        ch05.check_abort_prediction("waiting", "abort", 0)
+        ch05.check_abort_prediction("waiting", "abort", 0, 3, 9)
 
 
 def test_scripted_run_crash_test():

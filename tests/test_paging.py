@@ -382,6 +382,7 @@ def test_chapter2_blocks_to_add_debug_check():
 
 
 def test_chapter2_smaller_arena_predict_check():
+    import kvlab.exercises._common as common
     from kvlab.exercises.ch02 import ARENA_PREDICT, check_smaller_arena
     from kvlab.labs.fragmentation import sharegpt_like_workload, simulate
 
@@ -392,15 +393,17 @@ def test_chapter2_smaller_arena_predict_check():
     assert 0.4 < small.mean_running / big.mean_running < 0.6       # the batch halves ...
     assert small.token_states / big.token_states > 0.95            # ... the share does not
     run = (round(small.mean_running, 1), round(100 * small.token_states, 1))
+    forget = common._PREDICTIONS.clear
+    forget()
     assert "Correct" in check_smaller_arena("b", *run)
-    # the letter alone cannot be tried: without the run's numbers every letter is refused
-    # for the same reason, which names none of them
-    for letter in "abcd":
-        for numbers in ((round(big.mean_running, 1), round(100 * big.token_states, 1)),
-                        (run[0], run[1] + 0.1), (run[0] - 0.1, run[1])):
-            with pytest.raises(AssertionError, match="not those of the 8,192-slot run"):
-                check_smaller_arena(letter, *numbers)
+    # the right letter with numbers not of the run: told the prediction is right, and what
+    # to revisit about the run; nothing is recorded
+    for numbers in ((round(big.mean_running, 1), round(100 * big.token_states, 1)),
+                    (run[0], run[1] + 0.1), (run[0] - 0.1, run[1])):
+        with pytest.raises(AssertionError, match="not those of the 8,192-slot run"):
+            check_smaller_arena("b", *numbers)
     for wrong in "acd":
+        forget()
         with pytest.raises(AssertionError, match=rf"^\({wrong}\) fails") as err:
             check_smaller_arena(wrong, *run)
         assert "(b)" not in str(err.value)
@@ -409,11 +412,17 @@ def test_chapter2_smaller_arena_predict_check():
                 != ("share of token states" in str(err.value)))
     messages = set()
     for wrong in "acd":
+        forget()
         try:
             check_smaller_arena(wrong, *run)
         except AssertionError as err:
             messages.add(str(err).split(":", 1)[1])
     assert len(messages) == 2      # (c) and (d) fail for the same reason: batch not the same
+    # the wrong letter ("d", the last tried) is recorded: eliminating the others one by one
+    # learns nothing
+    for later in "abc":
+        assert "graded once" in check_smaller_arena(later, *run)
+    forget()
     with pytest.raises(AssertionError, match="one of"):
         check_smaller_arena("e", *run)
 

@@ -274,25 +274,35 @@ def _course_answers():
 
 
 def test_chapter4_exercise_checks():
+    import random
+
+    import kvlab.exercises._common as common
+    from kvlab.exercises import ch04
     from kvlab.exercises.ch04 import (
         CONVERSATION,
         FEW_SHOT,
-        PREFILL_CASES,
         check_conversation_hit,
         check_prefill_tokens,
     )
 
     answers = _course_answers()
-    conversation_hit, saved_prefill = answers.conversation_hit, answers.saved_prefill
+    conversation_hit, saved_prefill = answers.conversation_hit, ch04._measured_prefill
 
     # 40 + 24 tokens, the last sampled one without KV: 63 with KV, three full blocks
     assert conversation_hit(**CONVERSATION) == 48
     assert conversation_hit(40, 25, 10, 16) == 64          # one more token fills block four
+    common._PREDICTIONS.clear()
     assert "Correct" in check_conversation_hit(63, 48, "c")
     for wrong in ((64, 48, "c"), (63, 64, "c"), (63, 32, "c"), (63, 48, "a"), (63, 48, "b"),
                   (63, 48, "d"), (63, 48, "z"), (48, 63, "c")):
+        common._PREDICTIONS.clear()
         with pytest.raises(AssertionError):
             check_conversation_hit(*wrong)
+    # a wrong prediction is recorded: trying the other letters (or the right one) after it
+    # learns nothing
+    for later in ((63, 48, "b"), (63, 48, "c"), (63, 48, "d")):
+        assert "graded once" in check_conversation_hit(*later)
+    common._PREDICTIONS.clear()
     with pytest.raises(AssertionError, match="whole number"):
         check_conversation_hit(63, "48", "c")
     off, on = saved_prefill(**FEW_SHOT)
@@ -304,9 +314,11 @@ def test_chapter4_exercise_checks():
         return requests * prompt, prompt + (requests - 1) * (prompt - reused)
 
     assert "Correct" in check_prefill_tokens(rule)
-    # the rule is the KV manager's on every hidden workload, and each workload matters
-    for case in PREFILL_CASES:
-        assert list(rule(**case)) == list(saved_prefill(**case))
+    # the rule is the KV manager's on the workloads the check draws
+    rng = random.Random(2)
+    for case in [FEW_SHOT] + [ch04._draw_prefill_case(rng) for _ in range(60)]:
+        assert list(rule(**case)) == list(saved_prefill(**case)), case
+    assert not hasattr(ch04, "PREFILL_CASES")
 
     def no_rounding(shared_tokens, question_tokens, requests, block_size):
         prompt = shared_tokens + question_tokens
@@ -316,17 +328,20 @@ def test_chapter4_exercise_checks():
         return rule(**FEW_SHOT) if case == FEW_SHOT else (0, 0)
 
     for wrong in (no_rounding, right_on_the_shown_case_only, lambda **case: "12800"):
-        with pytest.raises(AssertionError, match="disagrees"):
+        with pytest.raises(AssertionError, match="does not agree") as err:
             check_prefill_tokens(wrong)
+        assert "600" not in str(err.value) and " of " not in str(err.value).split(":")[0]
     with pytest.raises(AssertionError, match="pass a function"):
         check_prefill_tokens((off, on))
 
 
 def test_chapter4_checks_do_not_print_the_answer():
+    import kvlab.exercises._common as common
     from kvlab.exercises.ch04 import check_conversation_hit, check_prefill_tokens
 
     messages = set()
     for wrong in ((63, 64, "c"), (63, 32, "c"), (64, 48, "c"), (62, 48, "c"), (63, 16, "c")):
+        common._PREDICTIONS.clear()
         with pytest.raises(AssertionError) as err:
             check_conversation_hit(*wrong)
         messages.add(str(err.value))
@@ -334,6 +349,7 @@ def test_chapter4_checks_do_not_print_the_answer():
     (text,) = messages
     assert "48" not in text and "63" not in text and "too" not in text
     for letter in "abd":  # a wrong letter says why it fails, never which letter is right
+        common._PREDICTIONS.clear()
         with pytest.raises(AssertionError) as err:
             check_conversation_hit(63, 48, letter)
         assert "(c)" not in str(err.value) and "never fed" not in str(err.value)
@@ -342,6 +358,7 @@ def test_chapter4_checks_do_not_print_the_answer():
         prompt = shared_tokens + question_tokens
         return requests * prompt, prompt + (requests - 1) * (prompt - shared_tokens)
 
+    common._PREDICTIONS.clear()
     with pytest.raises(AssertionError) as err:
         check_prefill_tokens(close)
     assert "too" not in str(err.value) and "1552" not in str(err.value)

@@ -176,26 +176,34 @@ def test_ch05_abort_prediction_check():
                            if e.request_id == "q1" and e.kind == "transition"]
     assert truth == ["waiting", "running", "cancelled"]
     assert sum(r.num_preemptions for r in sched.requests()) == 0
-    assert "Correct" in ch05.check_abort_prediction(truth, "abort", 0)
+    steps = (sched.get_request("q2").admitted_step, sched.get_request("q0").finished_step)
+    assert steps == (3, 9)
+    fresh_session()
+    assert "Correct" in ch05.check_abort_prediction(truth, "abort", 0, *steps)
     with pytest.raises(NotYetAnswered):
-        ch05.check_abort_prediction(truth, "abort", ...)
-    # one message whatever is wrong, and whichever of the three: no part can be tried alone
+        ch05.check_abort_prediction(truth, "abort", ..., *steps)
+    # one message whatever is wrong, and whichever of the five: no part can be tried alone
     messages = set()
-    for wrong in ((["waiting", "running", "preempted"], "abort", 0), (truth[:2], "abort", 0),
-                  ([*truth, "running"], "abort", 0), (truth, "stop", 0), (truth, "length", 0),
-                  (truth, "abort", 1), (truth, "abort", 2), (truth[:2], "error", 3)):
-        with pytest.raises(AssertionError, match="not all what the scheduler does") as err:
+    for wrong in ((["waiting", "running", "preempted"], "abort", 0, *steps),
+                  (truth[:2], "abort", 0, *steps), ([*truth, "running"], "abort", 0, *steps),
+                  (truth, "stop", 0, *steps), (truth, "abort", 1, *steps),
+                  (truth, "abort", 0, 4, 9), (truth, "abort", 0, 3, 11)):
+        fresh_session()
+        with pytest.raises(AssertionError, match="not what the scheduler does") as err:
             ch05.check_abort_prediction(*wrong)
         messages.add(str(err.value))
     assert len(messages) == 1
     text = messages.pop()
     assert "cancelled" not in text and "too" not in text and "0" not in text
+    # the wrong prediction is recorded: the right answer after it is not graded
+    assert "graded once" in ch05.check_abort_prediction(truth, "abort", 0, *steps)
+    fresh_session()
     with pytest.raises(AssertionError, match="not a request status"):
-        ch05.check_abort_prediction(["waiting", "ran"], "abort", 0)
+        ch05.check_abort_prediction(["waiting", "ran"], "abort", 0, *steps)
     with pytest.raises(AssertionError, match="not a finish reason"):
-        ch05.check_abort_prediction(truth, "done", 0)
+        ch05.check_abort_prediction(truth, "done", 0, *steps)
     with pytest.raises(AssertionError, match="whole number"):
-        ch05.check_abort_prediction(truth, "abort", "none")
+        ch05.check_abort_prediction(truth, "abort", "none", *steps)
 
 
 def test_ch05_pool_sizes_check():
@@ -205,13 +213,18 @@ def test_ch05_pool_sizes_check():
     assert ch05.preemptions_with(4, admission="reserve") == 0
     # the watermark exercise: a reserve at admission delays q2 on 8 and 9 blocks only
     assert [ch05.preemptions_with(b, watermark=0.25) for b in range(8, 13)] == [0, 0, 1, 1, 0]
+    fresh_session()
     assert "Correct" in ch05.check_pool_sizes(15, 12, 4)
     messages = set()
     for wrong in ((16, 12, 4), (15, 11, 4), (15, 13, 4), (15, 12, 3), (15, 12, 12)):
+        fresh_session()
         with pytest.raises(AssertionError, match="not all what the scheduler does") as err:
             ch05.check_pool_sizes(*wrong)
         messages.add(str(err.value))
     assert len(messages) == 1 and "too" not in messages.pop()
+    # looping over the check learns nothing once a wrong answer is recorded
+    assert "graded once" in ch05.check_pool_sizes(15, 12, 4)
+    fresh_session()
     with pytest.raises(AssertionError, match="positive whole numbers"):
         ch05.check_pool_sizes(15, 12.0, 4)
 
@@ -361,23 +374,22 @@ def _doc_rule(chats, left, doc, budget, prefill_chunk):
 
 
 def test_ch06_doc_ttft_check():
-    import sys
-    from pathlib import Path
+    import random
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    import seal_answers
-
-    # the simulation that gives the answer lives in the instructor edition (course/answers.py)
-    doc_ttft_behind_decodes = seal_answers.load_answers().doc_ttft_behind_decodes
+    # the check's measurement: the real scheduler, stepped by EngineCore
+    doc_ttft_behind_decodes = ch06._measured_doc_ttft
     case = ch06.DOC_BEHIND_DECODES
     # 10 steps at 64 - 40 = 24 tokens beside the decodes, then the chunk (48) caps the rest
     assert doc_ttft_behind_decodes(**case) == 10 + -(-(1000 - 240) // 48) == 26
     assert doc_ttft_behind_decodes(**{**case, "prefill_chunk": 64}) == 10 + 12
-    shown = {k: case[k] for k in ch06.DOC_CASES[0]}
-    assert ch06.DOC_CASES[0] == shown and {case["max_num_seqs"], case["arrive"]} == {64, 3}
-    for c in ch06.DOC_CASES:          # the rule is the scheduler's on every hidden workload
-        assert _doc_rule(**c) == doc_ttft_behind_decodes(**c, max_num_seqs=64, arrive=3)
+    shown = {k: case[k] for k in ("chats", "left", "doc", "budget", "prefill_chunk")}
+    assert {case["max_num_seqs"], case["arrive"]} == {64, 3}
+    rng = random.Random(0)
+    for _ in range(40):               # the rule is the scheduler's on the workloads it draws
+        c = ch06._draw_doc_case(rng)
+        assert _doc_rule(**c) == doc_ttft_behind_decodes(**c)
     assert "Correct" in ch06.check_doc_ttft(_doc_rule)
+    assert not hasattr(ch06, "DOC_CASES")          # no list of the cases it grades on
 
     def budget_minus_chats_throughout(chats, left, doc, budget, prefill_chunk):
         return -(-doc // min(prefill_chunk, budget - chats))
@@ -386,7 +398,7 @@ def test_ch06_doc_ttft_check():
         return 26 if c == shown else 0
 
     for wrong in (budget_minus_chats_throughout, shown_case_only, lambda **c: "26"):
-        with pytest.raises(AssertionError, match="disagrees with the scheduler") as err:
+        with pytest.raises(AssertionError, match="does not agree with the scheduler") as err:
             ch06.check_doc_ttft(wrong)
         assert "26" not in str(err.value) and "too" not in str(err.value)
     with pytest.raises(AssertionError, match="pass a function"):
@@ -395,7 +407,15 @@ def test_ch06_doc_ttft_check():
         doc_ttft_behind_decodes(**{**case, "chats": 64})
 
 
+def fresh_session() -> None:
+    """Forget the predictions recorded so far (a new notebook session)."""
+    import kvlab.exercises._common as common
+
+    common._PREDICTIONS.clear()
+
+
 def test_ch06_chunk_design_check():
+    fresh_session()
     from kvlab.sim.itl import inter_token_latencies, percentile
 
     d = ch06.CHUNK_DESIGN
@@ -419,20 +439,25 @@ def test_ch06_chunk_design_check():
     # the budget verdict comes only with predictions the simulator reproduces: trying the
     # five options with made-up predictions says nothing about the budget
     for budget in d["chunks"]:
+        fresh_session()
         made_up = {c: 1.0 for c in d["chunks"]}
-        with pytest.raises(AssertionError, match="not within 25%") as err:
+        with pytest.raises(AssertionError, match="not both within 25%") as err:
             ch06.check_chunk_design(budget, made_up)
         message = str(err.value)
         assert "too" not in message and "high" not in message and "low" not in message
-        assert f"{ms[budget]:.0f}" not in message
+        assert f"{ms[budget]:.0f}" not in message and "itl_p99" not in message
     # a wrong budget with good predictions: one message, no direction, no right budget
     messages = set()
     for budget in (256, 1024):
+        fresh_session()
         with pytest.raises(AssertionError, match="not the largest budget") as err:
             ch06.check_chunk_design(budget, {budget: ms[budget], 2 * budget: ms[2 * budget]})
         messages.add(str(err.value).replace(str(budget), "B"))
     (message,) = messages
     assert "512" not in message and "too" not in message
+    # the first wrong answer is the prediction: the right one after it is not graded
+    assert "graded once" in ch06.check_chunk_design(truth, good)
+    fresh_session()
     with pytest.raises(AssertionError, match="for each of"):
         ch06.check_chunk_design(512, {512: ms[512]})          # the next larger one is missing
     with pytest.raises(AssertionError, match="choose one of"):

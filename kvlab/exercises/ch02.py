@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import operator
 
-from kvlab.exercises._common import require_answer, sealed
+from kvlab.exercises._common import earlier_prediction, graded_once, require_answer, sealed
 from kvlab.labs.paging import BlockTable
 from kvlab.reference import BlockAllocator, physical_slot
 
@@ -221,8 +221,10 @@ def check_smaller_arena(answer, mean_batch, token_states_pct) -> str:
     """Exercise 4: what halving :data:`ARENA_PREDICT`'s arena does to the paged run's mean batch
     and to the share of the arena holding token states (a letter of :data:`ARENA_OPTIONS`),
     with the smaller arena's run: its mean batch (``mean_running``) and its share of token
-    states in percent (``100 * token_states``), each rounded to one decimal. The numbers are
-    checked first; the letter only with them."""
+    states in percent (``100 * token_states``), each rounded to one decimal. The letter is the
+    prediction and is graded first, once (``_common.earlier_prediction``): after a wrong letter
+    every other letter gets the same reply, so the options cannot be eliminated one by one.
+    The numbers are graded with it."""
     require_answer(answer, "your letter")
     require_answer(mean_batch, "mean batch")
     require_answer(token_states_pct, "token states (percent)")
@@ -232,16 +234,24 @@ def check_smaller_arena(answer, mean_batch, token_states_pct) -> str:
     for value, what in ((mean_batch, "mean batch"), (token_states_pct, "token states")):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise AssertionError(f"{what}: expected a number, got {value!r}")
-    if not sealed("ch02.smaller_arena.run").is_answer([mean_batch, token_states_pct]):
-        raise AssertionError(
-            "the numbers are not those of the 8,192-slot run: revisit what to run (the "
-            "chapter's workload, paged, blocks of 16, 8,192 slots) and what to read from its "
-            "report (mean_running, and 100 x token_states), each rounded to one decimal.")
+    truth = sealed("ch02.smaller_arena")
+    earlier = earlier_prediction("ch02.smaller_arena", letter, truth.is_answer(letter))
+    numbers_right = sealed("ch02.smaller_arena.run").is_answer([mean_batch, token_states_pct])
+    numbers_wrong = (
+        "the numbers are not those of the 8,192-slot run: revisit what to run (the chapter's "
+        "workload, paged, blocks of 16, 8,192 slots) and what to read from its report "
+        "(mean_running, and 100 x token_states), each rounded to one decimal.")
+    if earlier is not None:
+        if not numbers_right:
+            raise AssertionError(numbers_wrong)
+        return graded_once(earlier) + " (The run's numbers you give are right.)"
     # each option's verdict is sealed under it: a wrong one gets one reason only, about one
     # part of the option (naming every part that fails would point to the right option)
-    truth = sealed("ch02.smaller_arena")
     if not truth.is_answer(letter):
-        raise AssertionError(truth.note(letter))
+        raise AssertionError(truth.note(letter) + " Your prediction is recorded: it is graded "
+                             "once; run the smaller arena and see why.")
+    if not numbers_right:
+        raise AssertionError("your prediction is right; " + numbers_wrong)
     return truth.note(letter)
 
 

@@ -5,9 +5,10 @@ parallel sampling, graded on a real KV manager.
 A check with one right answer compares against its sealed truth (``_common.sealed``; the
 instructor edition computes it with :mod:`kvlab.core`: the reference ``BlockAllocator`` or a
 real ``KVCacheManager``); the debug checks run the reader's code against the reference. The
-★★ and ★★★ checks cannot be passed by trying: linked quantities are checked together, a rule
-runs on cases the chapter does not print. Each raises ``AssertionError`` saying what to
-revisit, never the answer nor which way it is off.
+★★ and ★★★ checks cannot be passed by trying: a reader's function runs on the printed case and
+on cases drawn afresh at each call (``_common.hidden_rng``), compared with a real
+``KVCacheManager``, with one verdict for all of them. Each raises ``AssertionError`` saying
+what to revisit, never the answer, which way it is off, or which case failed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import random
 
 from kvlab.core.block_pool import OutOfBlocks
 from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.exercises._common import require_answer, sealed
+from kvlab.exercises._common import hidden_rng, require_answer, sealed
 from kvlab.reference import BlockAllocator
 
 #: Parallel sampling of :func:`check_sampling_blocks` (exercise 2): one prompt, five samples
@@ -144,25 +145,45 @@ def _sampling_blocks(prompt_tokens: int, output_tokens: tuple, block_size: int) 
     return shared, private, made
 
 
-def check_sampling_blocks(with_sharing, without_sharing, copies) -> str:
-    """Exercise 2: distinct blocks :data:`SAMPLING`'s samples hold once each has stopped, with
-    forked sharing and without sharing, and the block copies copy-on-write makes on the way,
-    checked together (a wrong triple is told what to revisit, not which number is off)."""
-    answers = {"blocks with sharing": with_sharing, "blocks without sharing": without_sharing,
-               "copies": copies}
-    for what, got in answers.items():
-        require_answer(got, what)
-        if isinstance(got, bool) or not isinstance(got, int) or got < 0:
-            raise AssertionError(f"give the {what} as a whole number, got {got!r}")
-    if not sealed("ch03.sampling_blocks").is_answer([with_sharing, without_sharing, copies]):
-        raise AssertionError(
-            "the three numbers are not right together: revisit which blocks all five samples "
-            "hold once (the prompt's full blocks), which each holds of its own (its copy of "
-            "the partial prompt block, its tail), which writers copy, and what each sample "
-            "would hold without sharing.")
-    return (f"Correct: {with_sharing} blocks instead of {without_sharing} "
-            f"({100 * (1 - with_sharing / without_sharing):.0f}% less KV memory), for "
-            f"{copies} block copies.")
+def _draw_sampling(rng) -> dict:
+    """A request for :func:`check_sampling_blocks`: a third of the prompts fill their last
+    block exactly (nothing to copy), the others end inside one."""
+    block_size = rng.choice((4, 8, 16))
+    partial = 0 if rng.random() < 0.3 else rng.randint(1, block_size - 1)
+    return {"prompt_tokens": rng.randint(1, 40) * block_size + partial,
+            "output_tokens": tuple(rng.randint(1, 6 * block_size)
+                                   for _ in range(rng.randint(1, 6))),
+            "block_size": block_size}
+
+
+def check_sampling_blocks(held_blocks) -> str:
+    """Exercise 2: ``held_blocks(prompt_tokens, output_tokens, block_size)`` returns
+    ``(with_sharing, without_sharing, copies)``: the distinct blocks forked samples (one per
+    entry of ``output_tokens``, each stopping after that many tokens) hold once the last one
+    stops, what they would hold without sharing, and the block copies copy-on-write made. Run
+    on :data:`SAMPLING` and on requests drawn at each call, compared with a real
+    ``KVCacheManager``; one verdict, naming no case."""
+    require_answer(held_blocks, "your held_blocks function")
+    if not callable(held_blocks):
+        raise AssertionError("pass a function held_blocks(prompt_tokens, output_tokens, "
+                             "block_size) -> (with_sharing, without_sharing, copies)")
+    rng = hidden_rng()
+    for case in [SAMPLING] + [_draw_sampling(rng) for _ in range(16)]:
+        got = held_blocks(**case)
+        if not (isinstance(got, (tuple, list)) and len(got) == 3 and all(
+                isinstance(g, int) and not isinstance(g, bool) for g in got)):
+            raise AssertionError(f"your function returned {got!r}: return three whole "
+                                 "numbers (with_sharing, without_sharing, copies)")
+        if tuple(got) != _sampling_blocks(**case):
+            raise AssertionError(
+                "your function is not right on every request: revisit which blocks all the "
+                "samples hold once (the prompt's full blocks), which each holds of its own "
+                "(its copy of the partial prompt block, its tail), which writers copy, and "
+                "what each sample would hold without sharing.")
+    with_sharing, without_sharing, copies = held_blocks(**SAMPLING)
+    return (f"Correct on 17 requests. The printed one: {with_sharing} blocks instead of "
+            f"{without_sharing} ({100 * (1 - with_sharing / without_sharing):.0f}% less KV "
+            f"memory), for {copies} block copies.")
 
 
 def check_double_release(answer) -> str:
@@ -325,27 +346,26 @@ def check_sample_rule(rule) -> str:
     """Exercise 4: ``rule(num_blocks, block_size, prompt_tokens, output_tokens)`` returns the
     largest ``n`` whose forked samples all run to the end on a pool of ``num_blocks`` blocks
     (0 when one sample does not fit). Graded on real ``KVCacheManager`` runs
-    (:func:`samples_fit`) over :func:`sample_rule_cases`; a failure names the case and what
-    to revisit, never the right ``n`` nor which way the rule is off."""
+    (:func:`samples_fit`) over :func:`sample_rule_cases` drawn with a seed chosen at each call;
+    a failure names what to revisit, never the case, the right ``n`` nor which way the rule is
+    off."""
     require_answer(rule, "your rule")
     if not callable(rule):
         raise AssertionError("pass a function rule(num_blocks, block_size, prompt_tokens, "
                              "output_tokens) -> int")
-    for case in sample_rule_cases():
+    cases = sample_rule_cases(seed=hidden_rng().randrange(2**32))
+    for case in cases:
         n = rule(**case)
-        where = (f"a pool of {case['num_blocks']} blocks of {case['block_size']} tokens, a "
-                 f"{case['prompt_tokens']}-token prompt, {case['output_tokens']} tokens per "
-                 "sample")
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise AssertionError(f"for {where} your rule returned {n!r}: it must return a "
-                                 "whole number, 0 or more")
+            raise AssertionError(f"your rule returned {n!r}: it must return a whole number, "
+                                 "0 or more")
         if (n > 0 and not samples_fit(n, **case)) or samples_fit(n + 1, **case):
-            raise AssertionError(f"for {where} your rule's n is not the largest that runs to "
-                                 "the end: revisit which blocks the samples hold once, which "
-                                 "each holds of its own at the end, and whether a pending "
-                                 "copy needs a block of its own.")
+            raise AssertionError("your rule's n is not the largest that runs to the end on "
+                                 "every pool: revisit which blocks the samples hold once, "
+                                 "which each holds of its own at the end, and whether a "
+                                 "pending copy needs a block of its own.")
     d = SAMPLES_DESIGN
     private = d["num_blocks"] // -(-(d["prompt_tokens"] + d["output_tokens"]) // d["block_size"])
-    return (f"Correct on {len(sample_rule_cases())} pools and requests. On the chapter's pool "
+    return (f"Correct on {len(cases)} pools and requests. On the chapter's pool "
             f"your rule admits {rule(**d)} samples; without sharing only {private} would fit, "
             "because the prompt's full blocks are held once.")

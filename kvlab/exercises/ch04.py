@@ -1,12 +1,14 @@
 """Chapter 4 exercises: a conversation's second turn, the prefill a shared prefix saves, a
 cache-aware request order, and a block-hash prefix index to debug.
 
-A check never holds the answer it grades: the numbers are compared with sealed truths
-(``_common.sealed``; the instructor edition computes them with :mod:`kvlab.core`), a reader's
-function is run on cases whose answers are sealed (``_common.failing_cases``), and the design
-and debug checks run the reader's order or class on a real ``KVCacheManager``. Each raises
-``AssertionError`` naming the concept to revisit, never the answer nor the direction of an
-error, so an answer cannot be found by trying values against the check.
+A check never holds the answer it grades: the prediction is compared with sealed truths
+(``_common.sealed``; the instructor edition computes them with :mod:`kvlab.core`) and graded
+once per session (``_common.earlier_prediction``), a reader's function is run on workloads
+drawn afresh at each call (``_common.hidden_rng``) and compared with a real
+``KVCacheManager``, and the design and debug checks run the reader's order or class on a real
+``KVCacheManager``. Each raises ``AssertionError`` naming the concept to revisit, never the
+answer, the direction of an error, or which case failed, so an answer cannot be found by
+trying values against the check.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ import random
 from collections.abc import Sequence
 
 from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.exercises._common import failing_cases, require_answer, sealed
+from kvlab.exercises._common import (
+    earlier_prediction,
+    graded_once,
+    hidden_rng,
+    require_answer,
+    sealed,
+)
 
 #: Exercise 1: a conversation's first turn, then its second turn sent as one prompt.
 CONVERSATION = {"prompt_tokens": 40, "output_tokens": 24, "new_tokens": 10, "block_size": 16}
@@ -30,8 +38,10 @@ def _whole(value, what: str) -> int:
 def check_conversation_hit(tokens_with_kv, cached_tokens, reason) -> str:
     """Exercise 1: for :data:`CONVERSATION`, how many of turn one's tokens have KV when it
     finishes, how many tokens ``lookup`` reports for turn two, and a letter for why that is
-    fewer than the whole first turn (options in the chapter). The two numbers are checked
-    together; the letter once they are right."""
+    fewer than the whole first turn (options in the chapter). A prediction, graded once: the
+    first wrong answer (numbers and letter together) is recorded, and a different answer after
+    it is not graded, so neither the numbers nor the letter can be found by trying. The two
+    numbers are judged together; the letter once they are right."""
     require_answer(tokens_with_kv, "tokens of turn one with KV")
     require_answer(cached_tokens, "cached tokens")
     require_answer(reason, "your letter")
@@ -40,12 +50,17 @@ def check_conversation_hit(tokens_with_kv, cached_tokens, reason) -> str:
     letter = str(reason).strip().lower()
     if letter not in ("a", "b", "c", "d"):
         raise AssertionError(f"{reason!r} is not one of the letters a-d")
+    truth = sealed("ch04.conversation_hit.reason")   # each letter's verdict is sealed under it
+    right = sealed("ch04.conversation_hit.tokens").is_answer(pair) and truth.is_answer(letter)
+    earlier = earlier_prediction("ch04.conversation_hit", [*pair, letter], right)
+    if earlier is not None:
+        return graded_once(earlier)
     if not sealed("ch04.conversation_hit.tokens").is_answer(pair):
         # one verdict for the pair: naming which number is off would let each be tried alone
         raise AssertionError("the two numbers are not both what the KV manager does: revisit "
                              "which tokens a decode step feeds through the model (and so "
-                             "writes KV for), and which blocks the prefix cache takes.")
-    truth = sealed("ch04.conversation_hit.reason")   # each letter's verdict is sealed under it
+                             "writes KV for), and which blocks the prefix cache takes. Your "
+                             "prediction is recorded: it is graded once.")
     if not truth.is_answer(letter):
         raise AssertionError(f"the numbers are right, but ({letter}) is not why: "
                              f"{truth.note(letter)}.")
@@ -55,35 +70,55 @@ def check_conversation_hit(tokens_with_kv, cached_tokens, reason) -> str:
 #: Exercise 2: requests sharing a few-shot prefix, run one after another.
 FEW_SHOT = {"shared_tokens": 600, "question_tokens": 40, "requests": 20, "block_size": 16}
 
-#: The workloads :func:`check_prefill_tokens` runs the reader's function on (the first is
-#: :data:`FEW_SHOT`); their answers are sealed, one per workload.
-PREFILL_CASES = (
-    FEW_SHOT,
-    {"shared_tokens": 64, "question_tokens": 8, "requests": 5, "block_size": 16},
-    {"shared_tokens": 63, "question_tokens": 1, "requests": 4, "block_size": 16},
-    {"shared_tokens": 64, "question_tokens": 1, "requests": 3, "block_size": 16},
-    {"shared_tokens": 10, "question_tokens": 30, "requests": 6, "block_size": 16},
-    {"shared_tokens": 100, "question_tokens": 20, "requests": 1, "block_size": 16},
-    {"shared_tokens": 600, "question_tokens": 40, "requests": 20, "block_size": 32},
-    {"shared_tokens": 10, "question_tokens": 5, "requests": 3, "block_size": 1},
-)
+def _measured_prefill(shared_tokens: int, question_tokens: int, requests: int,
+                      block_size: int) -> tuple[int, int]:
+    """Prefill tokens computed without and with the prefix cache when ``requests`` requests,
+    each the shared prefix and its own question, run one after another on a real
+    ``KVCacheManager`` large enough for all of them."""
+    off = requests * (shared_tokens + question_tokens)
+    kv = KVCacheManager(4 * (-(-(shared_tokens + question_tokens) // block_size)) + 4,
+                        block_size)
+    shared = list(range(shared_tokens))
+    on = 0
+    for i in range(requests):
+        prompt = shared + [100_000 + i * question_tokens + j for j in range(question_tokens)]
+        cached = kv.admit(f"r{i}", ("s",), prompt, len(prompt))
+        kv.commit(f"r{i}", prompt)
+        kv.free(f"r{i}")
+        on += len(prompt) - cached
+    return off, on
+
+
+def _draw_prefill_case(rng) -> dict:
+    """A workload for :func:`check_prefill_tokens`: prefixes on and off the block size, short
+    and long questions, one request or many."""
+    block_size = rng.choice((1, 4, 16, 32))
+    blocks = rng.randint(0, 40)
+    shared = max(1, blocks * block_size + (0 if rng.random() < 0.3
+                                           else rng.randint(0, block_size - 1)))
+    return {"shared_tokens": shared, "question_tokens": rng.randint(1, 64),
+            "requests": rng.randint(1, 20), "block_size": block_size}
 
 
 def check_prefill_tokens(prefill_tokens) -> str:
     """Exercise 2: ``prefill_tokens(shared_tokens, question_tokens, requests, block_size)``
     returns ``(tokens computed without the prefix cache, tokens computed with it)`` for
     requests that share a prefix and each add their own question, run one after another on a
-    cache large enough for all of them. The check runs it on :data:`PREFILL_CASES`."""
+    cache large enough for all of them. The check runs it on :data:`FEW_SHOT` and on workloads
+    drawn at each call, compared with a real ``KVCacheManager``: one verdict, naming no
+    workload."""
     require_answer(prefill_tokens, "your prefill_tokens function")
     if not callable(prefill_tokens):
         raise AssertionError("pass a function (shared_tokens, question_tokens, requests, "
                              "block_size) -> (without, with)")
-    wrong = failing_cases(prefill_tokens, "ch04.prefill_tokens", PREFILL_CASES)
-    if wrong:
-        raise AssertionError(f"your function disagrees with the KV manager on {len(wrong)} of "
-                             f"{len(PREFILL_CASES)} workloads: revisit what a later request "
-                             "can find in the cache (whole blocks only, and never its last "
-                             "token) and what the first request must compute.")
+    rng = hidden_rng()
+    for case in [FEW_SHOT] + [_draw_prefill_case(rng) for _ in range(16)]:
+        got = prefill_tokens(**case)
+        if not (isinstance(got, (tuple, list)) and list(got) == list(_measured_prefill(**case))):
+            raise AssertionError("your function does not agree with the KV manager on every "
+                                 "workload: revisit what a later request can find in the cache "
+                                 "(whole blocks only, and never its last token) and what the "
+                                 "first request must compute.")
     return ("Correct on every workload: only whole blocks of the shared prefix are reused, so a "
             "prefix that ends inside a block leaves that block to be recomputed by every "
             "request.")

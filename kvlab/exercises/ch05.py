@@ -3,10 +3,11 @@ debug a recovery planner, and design a crash test that takes two of recovery's b
 
 A check never holds the answer it grades: a prediction is compared with sealed truths
 (``_common.sealed``; the instructor edition computes them on a real scheduler), linked values
-are checked together, and a reader's function is run on crashed runs, against recovery's own
-decisions or against sealed answers for runs whose logs the chapter does not show. Each raises
-``AssertionError`` naming the concept to revisit, never the answer nor the direction of an
-error, so an answer cannot be found by trying values against the check.
+are checked together and graded once per session (``_common.earlier_prediction``: after a
+wrong answer, trying others learns nothing), and a reader's function is run on crashed runs,
+against recovery's own decisions or against sealed answers for runs whose logs the chapter
+does not show. Each raises ``AssertionError`` naming the concept to revisit, never the answer,
+the direction of an error, or which case failed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler
 from kvlab.core.request import RUNNING_STATUSES, FinishReason, RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.exercises._common import failing_cases, require_answer, sealed
+from kvlab.exercises._common import (
+    earlier_prediction,
+    failing_cases,
+    graded_once,
+    require_answer,
+    sealed,
+)
 from kvlab.labs.invariants import check_scheduler
 from kvlab.labs.recovery import RecoveryPlan, plan_recovery, replay
 from kvlab.labs.recovery.event_log import EventLog, SimulatedCrash
@@ -136,13 +143,18 @@ def tight_scheduler(num_blocks: int | None = None, log: EventLog | None = None, 
 ABORT = {"request": "q1", "step": 3}
 
 
-def check_abort_prediction(path, finish_reason, preemptions) -> str:
+def check_abort_prediction(path, finish_reason, preemptions, q2_admitted_step,
+                           q0_finished_step) -> str:
     """Exercise 1: in the tight run with :data:`ABORT`, the statuses the aborted request passes
-    through (from ``"waiting"``), its finish reason, and the run's number of preemptions,
-    checked together."""
+    through (from ``"waiting"``), its finish reason, the run's number of preemptions, the step
+    that first gives ``q2`` KV (``admitted_step``) and the step in which ``q0`` finishes
+    (``finished_step``): checked together, and graded once (the first wrong answer is the
+    prediction; a different answer after it is not graded)."""
     require_answer(path, "the list of statuses")
     require_answer(finish_reason, "the finish reason")
     require_answer(preemptions, "the number of preemptions")
+    require_answer(q2_admitted_step, "q2's admitted step")
+    require_answer(q0_finished_step, "q0's finished step")
     if isinstance(path, str) or not isinstance(path, (list, tuple)):
         raise AssertionError(f"give the path as a list of statuses, got {path!r}")
     path = [str(p).strip().lower() for p in path]
@@ -156,17 +168,27 @@ def check_abort_prediction(path, finish_reason, preemptions) -> str:
     if got_reason not in reasons:
         raise AssertionError(f"{finish_reason!r} is not a finish reason; the reasons are "
                              f"{reasons}.")
-    if isinstance(preemptions, bool) or not isinstance(preemptions, int) or preemptions < 0:
-        raise AssertionError("give the number of preemptions as a whole number")
-    if not sealed("ch05.abort").is_answer([path, got_reason, preemptions]):
-        # one verdict for the three: naming which is off would let each be tried alone
-        raise AssertionError("the path, the reason and the count are not all what the "
-                             "scheduler does: revisit when an abort takes effect (at a step "
-                             "boundary), what it releases, and whether the pool still "
-                             "overflows without that request.")
+    for value, what in ((preemptions, "the number of preemptions"),
+                        (q2_admitted_step, "q2's admitted step"),
+                        (q0_finished_step, "q0's finished step")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise AssertionError(f"give {what} as a whole number")
+    answer = [path, got_reason, preemptions, q2_admitted_step, q0_finished_step]
+    right = sealed("ch05.abort").is_answer(answer)
+    earlier = earlier_prediction("ch05.abort", answer, right)
+    if earlier is not None:
+        return graded_once(earlier)
+    if not right:
+        # one verdict for the five: naming which is off would let each be tried alone
+        raise AssertionError("your prediction is not what the scheduler does (it is recorded: "
+                             "a prediction is graded once): revisit when an abort takes effect "
+                             "(at a step boundary), what it releases, who the freed blocks "
+                             "admit, and whether the pool still overflows without that "
+                             "request. Then run it and find where your reasoning parted.")
     return (f"Correct: {' -> '.join(path)}, finish reason {got_reason!r}, {preemptions} "
-            "preemption(s). The abort ends a running request and releases its table; with "
-            "one request fewer, the other two fit in the pool to the end.")
+            f"preemption(s), q2 admitted at step {q2_admitted_step}, q0 finished at step "
+            f"{q0_finished_step}. The abort ends a running request and releases its table; "
+            "with one request fewer, the other two fit in the pool to the end.")
 
 
 def preemptions_with(num_blocks: int, **config) -> int:
@@ -181,18 +203,24 @@ def check_pool_sizes(kv_tokens_at_end, watermark_blocks, reserve_blocks) -> str:
     """Exercise 2: the tokens of KV each request of the tight run holds when it ends, the
     smallest pool (blocks) on which the run preempts nothing with its own watermark admission
     (no reserve), and the smallest on which every request finishes with reserve admission;
-    checked together."""
+    checked together and graded once (``_common.earlier_prediction``), since the three are
+    small whole numbers a loop could otherwise find."""
     require_answer(kv_tokens_at_end, "the tokens of KV a request holds at its end")
     require_answer(watermark_blocks, "the pool under watermark admission")
     require_answer(reserve_blocks, "the pool under reserve admission")
     answer = [kv_tokens_at_end, watermark_blocks, reserve_blocks]
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in answer):
         raise AssertionError(f"give three positive whole numbers, got {answer!r}")
-    if not sealed("ch05.pool_sizes").is_answer(answer):
-        raise AssertionError("the three are not all what the scheduler does: revisit which "
-                             "tokens hold KV when a request ends, how many requests each "
-                             "admission policy lets run at once, and what reserve admission "
-                             "sets aside for a request before admitting it.")
+    right = sealed("ch05.pool_sizes").is_answer(answer)
+    earlier = earlier_prediction("ch05.pool_sizes", answer, right)
+    if earlier is not None:
+        return graded_once(earlier)
+    if not right:
+        raise AssertionError("the three are not all what the scheduler does (your answer is "
+                             "recorded: it is graded once): revisit which tokens hold KV when "
+                             "a request ends, how many requests each admission policy lets "
+                             "run at once, and what reserve admission sets aside for a "
+                             "request before admitting it.")
     return (f"Correct: {kv_tokens_at_end} tokens, {watermark_blocks} and {reserve_blocks} "
             "blocks. Admitting on the first chunk runs all three at once, so the pool must hold "
             "all three at their largest; reserving prompt + max_tokens runs them one after "
@@ -273,15 +301,16 @@ def check_fixed_plan(fixed_plan) -> str:
     if fixed_plan is plan_recovery:
         raise AssertionError("that is the library's planner; fix compact_plan instead.")
     points = 0
-    for name, spec in (("the tight run", None), *(("another run", s) for s in CRASH_TEST_RUNS)):
+    for spec in (None, *CRASH_TEST_RUNS):
         n = _tight_event_count() if spec is None else len(spec.events())
         for k in range(n):
             events, kv = _crash_tight(k) if spec is None else spec.crashed(k)
             if planner_mistakes(fixed_plan, events, kv):
                 raise AssertionError(
-                    f"crashing {name} at one of its {n} points, your planner decides a request "
-                    "differently from recovery: revisit which requests may still hold a table "
-                    "when the log does not call them running.")
+                    "at some crash point your planner decides a request differently from "
+                    "recovery: revisit the write-ahead order of a table's life in the log "
+                    "(acquire, acquired, transition, release, released) and what a crash "
+                    "between two of those records leaves behind.")
             points += 1
     return (f"Correct: your planner decides as recovery does at all {points} crash points. "
             "Every request that holds a table but is not running is an orphan, whatever its "
@@ -306,8 +335,8 @@ def check_crash_points(crash_points) -> str:
 
     wrong = failing_cases(points, "ch05.crash_points", logs)
     if wrong:
-        raise AssertionError(f"on {len(wrong)} of {len(logs)} runs your crash points are not "
-                             "the ones where recovery takes both branches: revisit what the "
+        raise AssertionError("your crash points are not the ones where recovery takes both "
+                             "branches on every run: revisit what the "
                              "log must hold for a request to be finished at recovery (its last "
                              "'progress' record, and no FINISHED transition yet) and for "
                              "another to be resumed.")

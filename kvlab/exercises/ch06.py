@@ -4,10 +4,11 @@ another GPU (Sarathi-Serve's trade), and a dashboard's latency numbers to debug.
 
 A check never holds the answer it grades: the batch is compared with a sealed truth
 (``_common.sealed``; the instructor edition computes it with :mod:`kvlab.reference`), a
-reader's rule is run on cases whose answers are sealed (``_common.failing_cases``), and the
-policy, prediction and debug checks run the reader's code or numbers on the scheduler and the
-simulator. Each raises ``AssertionError`` naming the rule or concept to revisit, never the
-answer nor the direction of an error.
+reader's rule is run on workloads drawn afresh at each call (``_common.hidden_rng``) and
+compared with what the scheduler does on them, and the policy, prediction and debug checks run
+the reader's code or numbers on the scheduler and the simulator. Each raises
+``AssertionError`` naming the rule or concept to revisit, never the answer, the direction of
+an error, or which case failed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.production_scheduler import ProductionScheduler, default_order_key
 from kvlab.core.request import RequestStatus, RuntimeRequest
 from kvlab.core.scheduler_config import SchedulerConfig
-from kvlab.exercises._common import failing_cases, require_answer, sealed
+from kvlab.exercises._common import (
+    earlier_prediction,
+    graded_once,
+    hidden_rng,
+    require_answer,
+    sealed,
+)
 from kvlab.labs.invariants import check_scheduler
 from kvlab.reference import Phase
 from kvlab.sim.tokens import drive
@@ -157,31 +164,63 @@ def check_deadline_policy(order_key) -> str:
 DOC_BEHIND_DECODES = {"chats": 40, "left": 10, "doc": 1000, "budget": 64, "prefill_chunk": 48,
                       "max_num_seqs": 64, "arrive": 3}
 
-#: The workloads :func:`check_doc_ttft` runs the reader's rule on (the first is
-#: :data:`DOC_BEHIND_DECODES`'s), all with ``max_num_seqs=64`` and ``arrive=3``; their answers,
-#: measured on the baseline scheduler, are sealed one per workload.
-DOC_CASES = tuple(
-    {"chats": c, "left": left, "doc": doc, "budget": b, "prefill_chunk": chunk}
-    for c, left, doc, b, chunk in ((40, 10, 1000, 64, 48), (40, 10, 200, 64, 48),
-                                   (10, 5, 300, 64, 16), (60, 20, 500, 64, 64),
-                                   (0, 5, 100, 64, 48), (30, 10, 240, 64, 24),
-                                   (8, 30, 700, 128, 100), (50, 1, 90, 64, 32)))
+def _measured_doc_ttft(chats: int, left: int, doc: int, budget: int, prefill_chunk: int,
+                       max_num_seqs: int = 64, arrive: int = 3) -> int:
+    """The document's TTFT in steps (first-token step minus arrival step) under
+    ``BaselineScheduler``, measured on the real scheduler stepped by ``EngineCore``."""
+    from kvlab.core.engine_core import EngineCore
+    from kvlab.sim.executor import CostModelExecutor
+
+    if chats > max_num_seqs - 1 or chats >= budget:
+        raise ValueError("the chats must leave a sequence slot and budget for the document")
+    sched = BaselineScheduler(KVCacheManager(num_blocks=4 * (doc + chats * (arrive + left)),
+                                             block_size=16),
+                              SchedulerConfig(max_num_seqs=max_num_seqs,
+                                              max_num_batched_tokens=budget,
+                                              prefill_chunk=prefill_chunk))
+    # one-token prompts: each chat has its first token after step 1, then decodes one per step,
+    # so before step ``arrive`` it has ``left`` tokens still to generate
+    for i in range(chats):
+        sched.add_request(RuntimeRequest(f"c{i}", (i + 1,), max_tokens=arrive - 1 + left))
+    core = EngineCore(sched, CostModelExecutor(sched.get_request, lambda request: 5),
+                      forget_ended=False)
+    for step in range(1, 100_000):
+        if step == arrive:
+            core.add_request(RuntimeRequest("doc", tuple(range(1, doc + 1)), max_tokens=1))
+        core.step()
+        if step >= arrive:
+            request = sched.get_request("doc")
+            if request.first_token_step is not None:
+                return request.first_token_step - request.arrival_step
+    raise AssertionError("the document never got its first token")  # pragma: no cover
+
+
+def _draw_doc_case(rng) -> dict:
+    budget = rng.choice((64, 96, 128))
+    return {"chats": rng.randint(0, min(60, budget - 1)), "left": rng.randint(1, 30),
+            "doc": rng.randint(1, 1200), "budget": budget,
+            "prefill_chunk": rng.randint(4, budget)}
 
 
 def check_doc_ttft(doc_ttft) -> str:
     """Exercise 3: ``doc_ttft(chats, left, doc, budget, prefill_chunk)``: the document's TTFT, in
     steps, behind ``chats`` decoding requests with ``left`` tokens each to generate, under the
-    baseline scheduler. The check runs it on :data:`DOC_CASES`."""
+    baseline scheduler (``max_num_seqs=64``, the document arriving before step 3). The check
+    runs it on :data:`DOC_BEHIND_DECODES` and on workloads drawn at each call, compared with the
+    scheduler: one verdict, naming no workload."""
     require_answer(doc_ttft, "your doc_ttft function")
     if not callable(doc_ttft):
         raise AssertionError("pass a function (chats, left, doc, budget, prefill_chunk) -> "
                              "steps")
-    wrong = failing_cases(doc_ttft, "ch06.doc_ttft", DOC_CASES)
-    if wrong:
-        raise AssertionError(f"your rule disagrees with the scheduler on {len(wrong)} of "
-                             f"{len(DOC_CASES)} workloads: revisit what caps the document's "
-                             "share of a step while the chats decode and after they finish, "
-                             "and a document that is done before they are.")
+    rng = hidden_rng()
+    shown = {k: DOC_BEHIND_DECODES[k] for k in ("chats", "left", "doc", "budget",
+                                                 "prefill_chunk")}
+    for case in [shown] + [_draw_doc_case(rng) for _ in range(10)]:
+        if doc_ttft(**case) != _measured_doc_ttft(**case):
+            raise AssertionError("your rule does not agree with the scheduler on every "
+                                 "workload: revisit what caps the document's share of a step "
+                                 "while the chats decode and after they finish, and a document "
+                                 "that is done before they are.")
     return ("Correct on every workload. While the chats decode, the document gets what their "
             "tokens leave of the budget, capped by the prefill chunk; once they finish, the "
             "chunk alone (or the budget, if smaller) caps it.")
@@ -243,7 +282,9 @@ def check_chunk_design(budget, predicted_p99_ms) -> str:
     ``predicted_p99_ms``: ``{budget: ms}``, your predicted p99 ITL at the chosen budget and at
     the next larger one (if any), each of which must be within
     :data:`CHUNK_PREDICTION_TOLERANCE` of what the simulator measures (a prediction outside it
-    is refused without a direction, so the budget cannot be found by trying the options)."""
+    is refused without a direction, so the budget cannot be found by trying the options). The
+    first wrong answer is recorded as the prediction (``_common.earlier_prediction``): a later,
+    different answer is not graded, so the simulator cannot stand in for the prediction."""
     require_answer(budget, "your token budget")
     require_answer(predicted_p99_ms, "your predicted p99 ITL in ms, {budget: ms}")
     d = CHUNK_DESIGN
@@ -259,13 +300,19 @@ def check_chunk_design(budget, predicted_p99_ms) -> str:
         if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not ms > 0:
             raise AssertionError(f"give a predicted p99 ITL in ms (a positive number) for each "
                                  f"of {needed}; missing or not a number: {c}")
-        simulated = itl_p99(c, d) * 1e3
-        if abs(ms - simulated) > CHUNK_PREDICTION_TOLERANCE * simulated:
-            raise AssertionError(
-                f"your predicted p99 at a budget of {c} tokens is not within "
-                f"{CHUNK_PREDICTION_TOLERANCE:.0%} of what the simulator measures; revise the "
-                "model your prediction rests on (or measure it with itl_p99 and find where "
-                "the model went wrong).")
+    close = all(abs(predicted_p99_ms[c] - itl_p99(c, d) * 1e3)
+                <= CHUNK_PREDICTION_TOLERANCE * itl_p99(c, d) * 1e3 for c in needed)
+    right = close and sealed("ch06.chunk_design").is_answer(budget)
+    answer = [budget, {str(c): predicted_p99_ms[c] for c in needed}]
+    earlier = earlier_prediction("ch06.chunk_design", answer, right)
+    if earlier is not None:
+        return graded_once(earlier)
+    if not close:
+        raise AssertionError(
+            f"your predicted p99 ITLs are not both within {CHUNK_PREDICTION_TOLERANCE:.0%} of "
+            "what the simulator measures: revisit what a step that carries a full prefill "
+            "chunk costs on this GPU (is it bound by compute or by memory?), and which step "
+            "sets the 99th percentile.")
     slo_ms = d["itl_p99_slo_s"] * 1e3
     if not sealed("ch06.chunk_design").is_answer(budget):  # the largest budget that meets it
         raise AssertionError(f"{budget} tokens is not the largest budget whose p99 inter-token "
