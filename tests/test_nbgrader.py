@@ -92,7 +92,9 @@ def test_source_marks_answers_tests_and_points(course):
     graded = [c.metadata["nbgrader"] for c in source.cells if "nbgrader" in c.metadata]
     tests = [g for g in graded if g["grade"] and not g["solution"]]
     answers = [g for g in graded if g["solution"] and not g["grade"]]
-    written = [g for g in graded if g["grade"] and g["solution"]]   # reasoning, by hand
+    # reasoning, graded by hand: a locked task cell (its points, the rubric) under the answer
+    written = [g for g in graded if g.get("task") and g["grade_id"].endswith("-written")]
+    assert all(g["locked"] and not g["grade"] and not g["solution"] for g in written)
     assert len(tests) == len(answers) == len(exercises)
     assert all(g["locked"] and g["points"] > 0 for g in tests)
     assert [g["points"] for g in tests] == [e.points for e in exercises]
