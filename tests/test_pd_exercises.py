@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvlab.disagg.entry import check_delivery
-from kvlab.exercises._common import NotYetAnswered, forget_predictions
+from kvlab.exercises import _common
+from kvlab.exercises._common import NotYetAnswered
 from kvlab.exercises.ch10 import (
     INSTALL_STEPS,
     check_classification,
@@ -15,11 +16,10 @@ from kvlab.exercises.ch10 import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _fresh_session():
-    forget_predictions()       # each test starts a session with no prediction recorded
-    yield
-    forget_predictions()
+def new_session():
+    """A fresh notebook session in a fresh folder: no prediction recorded."""
+    _common._PREDICTIONS.clear()
+    _common._PREDICTION_FILE.unlink(missing_ok=True)
 
 
 def test_transfer_pair_is_judged_together_without_a_direction():
@@ -56,7 +56,7 @@ def test_classification():
     two_wrong = [truth[1], truth[0], *truth[2:]]
     messages = set()
     for answer in (one_wrong, two_wrong):
-        forget_predictions()
+        new_session()
         with pytest.raises(AssertionError, match="not every kind is right") as err:
             check_classification(answer)
         messages.add(str(err.value))
@@ -67,7 +67,7 @@ def test_classification():
     assert len(messages) == 1
     # and the prediction is graded once: the truth after it is not graded
     assert "not right" in check_classification(truth)
-    forget_predictions()
+    new_session()
     with pytest.raises(AssertionError, match="not a kind"):
         check_classification(["checksum", *truth[1:]])
     with pytest.raises(AssertionError, match="installs none"):
