@@ -388,18 +388,22 @@ def _context_costs():
     return [_ch09_cost(b, k, a, c) for c in ch09.PREDICT["contexts"]]
 
 
-@truth("ch09.context_effect.decode_ms")
-def _context_decode_ms() -> Truth:
-    """The plain decode step's extra milliseconds at the longer context."""
-    short, long = _context_costs()
-    return _number(1e3 * (long.decode_s - short.decode_s))
+@truth("ch09.context_effect.limit")
+def _context_limit() -> Truth:
+    """The speedup as the context grows without bound: the cost model's speedup at contexts
+    far beyond any GPU's memory converges on it (checked against the closed form
+    ``E / (1 + k * draft KV / target KV)`` of two memory-bound reads)."""
+    from kvlab.exercises import ch09
+    from kvlab.sim.costmodel import speculative_step_cost
 
-
-@truth("ch09.context_effect.draft_ms")
-def _context_draft_ms() -> Truth:
-    """The ``k`` draft forwards' extra milliseconds, together, at the longer context."""
-    short, long = _context_costs()
-    return _number(1e3 * (long.draft_s - short.draft_s))
+    b, k, a = ch09.PREDICT["batch"], ch09.PREDICT["k"], ch09.PREDICT["alpha"]
+    target, draft = ch09.deployment_cost_models()
+    far = speculative_step_cost(target, draft, batch=b, k=k, alpha=a, context=10**10,
+                                draft_forwards=k)
+    closed = far.expected_tokens / (1 + k * draft.kv_bytes_per_token
+                                    / target.kv_bytes_per_token)
+    assert abs(far.speedup / closed - 1) < 1e-3, (far.speedup, closed)
+    return _number(closed)
 
 
 @truth("ch09.context_effect")
@@ -407,15 +411,38 @@ def _context_effect() -> Truth:
     short, long = (c.speedup for c in _context_costs())
     answer = ("unchanged" if abs(long / short - 1) <= 0.01
               else "rises" if long > short else "falls")
-    wrong = ("no: that is not what your two extra times imply for the speedup; revisit which "
-             "forwards of a speculative step read the context, how many times each, and on "
-             "which side of the speedup's ratio each one sits")
-    notes = {option: wrong for option in ("rises", "falls", "unchanged")}
-    notes[answer] = ("Right. The verification reads each request's KV once, as the plain step "
-                     "does, so it gains what the plain step gains; the k draft forwards each "
-                     "read the draft's KV again. Work out where the speedup heads as the "
-                     "context grows without bound.")
-    return Truth(answer, notes=notes)
+    return Truth(answer, notes={answer: (
+        "Right. The verification reads each request's KV once, as the plain step does, so it "
+        "gains what the plain step gains; the k draft forwards each read the draft's KV "
+        "again. Once those reads are all that grows, the tokens a step emits are weighed "
+        "against one target read plus k draft reads.")})
+
+
+def _pmf(alpha: float, k: int) -> list[float]:
+    """P(a step emits exactly j tokens), j = 1 .. k + 1: j - 1 drafts kept then one rejected,
+    or all k kept (and the bonus token)."""
+    from kvlab.exercises.ch09 import probabilities
+
+    return probabilities([alpha ** (j - 1) * (1 - alpha) for j in range(1, k + 1)]
+                         + [alpha ** k])
+
+
+def _point_mass(p, x: int) -> list[float]:
+    """The residual ``[p - q]+`` normalised, for ``q`` one-hot on ``x``."""
+    from kvlab.exercises.ch09 import probabilities
+
+    return probabilities([0.0 if i == x else v / (1 - p[x]) for i, v in enumerate(p)])
+
+
+def _register_ch09_cases() -> None:
+    from kvlab.exercises import ch09
+
+    cases("ch09.emitted_pmf", [{"alpha": a, "k": k} for a, k in ch09._pmf_cases()], _pmf)
+    cases("ch09.point_mass_residual", [{"p": p, "x": x} for p, x in ch09._point_mass_cases()],
+          _point_mass)
+
+
+_register_ch09_cases()
 
 
 @truth("ch09.deployment_k")
@@ -472,6 +499,20 @@ def _classification() -> Truth:
     return Truth([check_delivery(d, expected) for d in entries])
 
 
+@truth("ch10.install_orders")
+def _install_orders() -> Truth:
+    """Every order of the install's steps that survives a crash before each step, run on
+    kvlab's KV manager and install journal (all 5,040 orders tried)."""
+    import itertools
+
+    from kvlab.exercises import ch10
+
+    safe = sorted(order for order in itertools.permutations(ch10.INSTALL_STEPS)
+                  if ch10._install_problem(list(order)) is None)
+    assert tuple(ch10._KVLAB_ORDER) in safe
+    return Truth(safe)
+
+
 # --- chapter 11: goodput and SLOs ---------------------------------------------------------------
 
 def _hand_report():
@@ -485,12 +526,12 @@ truth("ch11.goodput_by_hand.goodput")(lambda: _number(_hand_report().goodput))
 truth("ch11.goodput_by_hand.attainment")(lambda: _number(_hand_report().attainment))
 
 
-@truth("ch11.max_rate")
-def _max_rate() -> Truth:
-    """:func:`rate_at_attainment` over ``RATE_GRID``, simulating from the lowest rate up to the
-    first that misses 90% (the rates above it cannot change the answer)."""
+@functools.cache
+def _rate_bracket() -> tuple[int, float, int, float]:
+    """The neighbouring rates of ``RATE_GRID`` where attainment after the warm-up crosses
+    90%, and their attainments: simulated from the lowest rate up to the first that misses
+    (the rates above it cannot change the answer)."""
     from kvlab.exercises import ch11
-    from kvlab.labs.serving import rate_at_attainment
     from kvlab.labs.slo import evaluate_slo
 
     rates, att = [], []
@@ -499,7 +540,22 @@ def _max_rate() -> Truth:
         att.append(evaluate_slo(ch11.after_warmup(ch11._run(rate)), ch11.RATE_SLO).attainment)
         if att[-1] < 0.9:
             break
-    return _number(rate_at_attainment(rates, att, 0.9))
+    assert len(rates) >= 2 and att[-1] < 0.9 <= att[-2], "RATE_GRID must bracket 90%"
+    return rates[-2], att[-2], rates[-1], att[-1]
+
+
+@truth("ch11.max_rate")
+def _max_rate() -> Truth:
+    """The capacity: :func:`rate_at_attainment` over the bracket (linear interpolation)."""
+    from kvlab.labs.serving import rate_at_attainment
+
+    lo, att_lo, hi, att_hi = _rate_bracket()
+    return _number(rate_at_attainment([lo, hi], [att_lo, att_hi], 0.9))
+
+
+truth("ch11.max_rate.bracket")(lambda: Truth([_rate_bracket()[0], _rate_bracket()[2]]))
+truth("ch11.max_rate.attainment_lo")(lambda: _number(_rate_bracket()[1]))
+truth("ch11.max_rate.attainment_hi")(lambda: _number(_rate_bracket()[3]))
 
 
 @truth("ch11.chunk_for_tpot")

@@ -67,25 +67,30 @@ def check_transfer(megabytes, ms) -> str:
 _FIELDS = {"model_version": "weights-v7", "layers": 32, "kv_heads": 8, "head_dim": 128,
            "dtype": "bfloat16", "layout": "token-major", "rope": "theta=500000"}
 _PROMPT = tuple(range(100, 164))
-_FAULTS = ("rope", "corrupt_payload", "truncate", "security_domain", "corrupt_descriptor")
+#: Exercise 2: entry ``i`` is hit by both faults of ``FAULT_PAIRS[i]``, the first then the
+#: second (``kvlab.disagg.transfer_faults``; the chapter's tables show one fault at a time).
+FAULT_PAIRS = (("truncate", "corrupt_descriptor"), ("corrupt_payload", "rope"),
+               ("corrupt_payload", "truncate"), ("security_domain", "corrupt_payload"),
+               ("truncate", "security_domain"))
 
 
-def _damaged(kinds: tuple[str, ...]) -> tuple[list[Delivery], dict]:
+def _damaged(pairs) -> tuple[list[Delivery], dict]:
     payload = bytes(range(256)) * 8
     desc = make_descriptor("p-1", _PROMPT, "tenant-a", _FIELDS)
     frame = encode_frame(make_header(desc, 64, payload), payload)
     out = []
-    for i, kind in enumerate(kinds):
-        plan = TransferFaultInjector(FaultSchedule((Fault(kind, 0),), seed=100 + i)).on_send(frame)
+    for i, kinds in enumerate(pairs):
+        faults = tuple(Fault(kind, 0) for kind in kinds)
+        plan = TransferFaultInjector(FaultSchedule(faults, seed=100 + i)).on_send(frame)
         out.append(decode_frame(plan.frames[0]))
     expected = {k: v for k, v in desc.items() if k != "request_id"}
     return out, expected
 
 
 def classify_entries() -> tuple[list[Delivery], dict]:
-    """Five entries as the consumer receives them (entry ``i`` was hit by the ``i``-th fault
-    of ``_FAULTS``), and the consumer's expectation."""
-    return _damaged(_FAULTS)
+    """Five entries as the consumer receives them (entry ``i`` was hit by both faults of
+    :data:`FAULT_PAIRS` ``[i]``), and the consumer's expectation."""
+    return _damaged(FAULT_PAIRS)
 
 
 def check_classification(answer) -> str:
@@ -94,8 +99,8 @@ def check_classification(answer) -> str:
     graded once per session (``_common.earlier_prediction``)."""
     require_answer(answer, "a list of five kinds")
     got = list(answer)
-    if len(got) != len(_FAULTS):
-        raise AssertionError(f"give one kind per entry ({len(_FAULTS)}), got {len(got)}")
+    if len(got) != len(FAULT_PAIRS):
+        raise AssertionError(f"give one kind per entry ({len(FAULT_PAIRS)}), got {len(got)}")
     unknown = sorted({repr(g) for g in got if g is not None and g not in REJECT_KINDS})
     if unknown:
         raise AssertionError(f"{', '.join(unknown)}: not a kind the consumer records (see "
@@ -110,9 +115,10 @@ def check_classification(answer) -> str:
     if earlier is not None:
         return graded_once(earlier)
     if not right:
-        raise AssertionError("not every kind is right: for each entry, ask which check runs "
-                             "first and whether that check can see what the fault changed; "
-                             "then run check_delivery on the entries to see")
+        raise AssertionError("not every kind is right: for each entry, ask what each of its "
+                             "two faults changes, which of the consumer's checks can see each "
+                             "change, and which of those checks runs first; then run "
+                             "check_delivery on the entries to see")
     return "Correct: every damaged entry is refused, each for its own reason."
 
 
@@ -169,43 +175,63 @@ def _run_install(order: list[str], crash: int) -> dict:
     return state
 
 
-def check_install_order(order) -> str:
-    """``order``: the seven :data:`INSTALL_STEPS` in the order a consumer should run them so
-    that a crash before *any* step leaves (1) no leaked table, (2) no half-written block visible
-    in the prefix cache, and (3) a truthful journal (no record of a step that has not
-    happened) from which recovery answers "installed?" correctly.
-    The exercise asks for an order that is not kvlab's own (the chapter describes that one).
-    The check crashes the install before every step, on kvlab's own KV manager and install
-    journal, and recovers with ``recover_installs``."""
-    require_answer(order, "a list of the seven steps")
-    order = list(order)
-    if sorted(order) != sorted(INSTALL_STEPS):
-        raise AssertionError("use each of INSTALL_STEPS exactly once")
-    if tuple(order) == _KVLAB_ORDER:
-        raise AssertionError("that is kvlab's own order, described in the chapter: find "
-                             "another order that is just as safe")
+def _install_problem(order: list[str]) -> str | None:
+    """Why ``order`` (a permutation of :data:`INSTALL_STEPS`) is unsafe, or None when a crash
+    before every step, recovered by :func:`recover_installs`, leaves (1) no leaked table, (2)
+    no half-written block visible in the prefix cache, and (3) a truthful journal from which
+    recovery answers "installed?" correctly (the instructor edition seals the safe orders)."""
     pos = {s: i for i, s in enumerate(order)}
     if pos["write payload"] < pos["allocate"] or pos["commit to cache"] < pos["allocate"]:
-        raise AssertionError("there are no blocks to write or commit before 'allocate'")
+        return "there are no blocks to write or commit before 'allocate'"
     for crash in range(len(order) + 1):
         st = _run_install(order, crash)
-        after = f"a crash after {order[crash - 1]!r}" if crash else "a crash at once"
         if st["refused"]:
-            raise AssertionError(f"{after} leaves a journal that kvlab's recovery refuses as "
-                                 "corrupt: its records must come in the protocol's order")
+            return "a journal that recovery refuses as corrupt"
         if st["leaked"]:
-            raise AssertionError(f"{after} leaks the table: the journal names no operation")
+            return "a leaked table"
         if st["false_claims"]:
-            raise AssertionError(f"{after} leaves a journal that records "
-                                 f"{st['false_claims'][0]!r} for a step that has not "
-                                 "happened yet: a record must follow what it reports")
+            return "a record of a step that has not happened"
         if st["committed"] and not st["written"]:
-            raise AssertionError(f"{after} leaves a half-written block readable in the cache")
+            return "a half-written block readable in the cache"
         if st["installed"] != (st["committed"] and st["written"]):
-            raise AssertionError(f"{after}: recovery reads the journal wrongly ('installed' is "
-                                 "claimed for blocks that never reached the cache, or missed)")
-    return ("Correct: every crash point is safe. kvlab's consumer uses: " +
-            " → ".join(_KVLAB_ORDER) + ".")
+            return "recovery reads the journal wrongly"
+    return None
+
+
+def check_install_orders(orders) -> str:
+    """``orders``: *every* order of the seven :data:`INSTALL_STEPS` (each a list of them)
+    in which a consumer may run the install so that a crash before *any* step leaves (1) no
+    leaked table, (2) no half-written block visible in the prefix cache, and (3) a truthful
+    journal (no record of a step that has not happened) from which recovery answers
+    "installed?" correctly — kvlab's own order, which the chapter describes, included. The set
+    is graded as a whole and once: the first wrong set is recorded
+    (:func:`~kvlab.exercises._common.earlier_prediction`), and a later answer is not graded."""
+    require_answer(orders, "a list of orders, each a list of the seven steps")
+    try:
+        got = [list(o) for o in orders]
+    except TypeError:
+        raise AssertionError("give a list of orders, each a list of the seven steps") from None
+    if not got:
+        raise AssertionError("give at least one order: kvlab's own is safe")
+    for o in got:
+        if sorted(o) != sorted(INSTALL_STEPS):
+            raise AssertionError(f"{o!r}: an order uses each of INSTALL_STEPS exactly once")
+    answer = sorted({tuple(o) for o in got})
+    if len(answer) != len(got):
+        raise AssertionError("an order appears twice: give each order once")
+    truth = sealed("ch10.install_orders")
+    right = truth.is_answer(answer)
+    first = earlier_prediction("ch10.install_orders", answer, right)
+    if first is not None:
+        return graded_once(first)
+    if not right:                 # one message: nothing says which order is wrong or missing
+        raise AssertionError("not the set of safe orders: for each pair of steps, ask what a "
+                             "crash between them leaves behind (a table no one owns, a block "
+                             "the cache serves before its bytes are there, a record that "
+                             "claims more than happened) and which order of the two each "
+                             "rule therefore imposes")
+    return (f"Correct: exactly these {len(answer)} orders are safe. Now give the reason for "
+            "each constraint, and the crash point at which the orders' recoveries differ.")
 
 
 # ------------------------------------------------------------------ 5. debug: a colleague's check
