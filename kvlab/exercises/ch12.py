@@ -6,7 +6,8 @@ instructor edition computes it by running the fault lab, :mod:`kvlab.labs.chaos.
 predictions (exercises 1 and 2) have few possible answers, so each is graded once
 (``_common.earlier_prediction``, recorded beside the notebook, so a kernel restart does not
 clear it): the first wrong answer given is the prediction, and trying others after it learns
-nothing; exercise 1's written part (the state each bug leaves wrong) is graded by hand. The checker and the derivation are functions the check runs, on the
+nothing; exercise 1's written part (the state each bug leaves wrong) is graded by hand.
+The checker and the derivation are functions the check runs, on the
 engine and on cases the reader does not see. Each raises ``AssertionError`` naming the concept
 to revisit, never a direction or the answer.
 """
