@@ -16,6 +16,18 @@ from kvlab.exercises.ch10 import (
 )
 
 
+def _answers():
+    """The instructor edition (``course/answers.py``), where the install harness lives: the
+    package the reader has holds only the sealed set of safe orders."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import seal_answers
+
+    return seal_answers.load_answers()
+
+
 def new_session():
     """A fresh notebook session in a fresh folder: no prediction recorded."""
     _common._PREDICTIONS.clear()
@@ -106,16 +118,15 @@ ALT = ["record begin", "allocate", "write payload", "record allocated", "record 
       "record allocated", "record committed"], "refuses as corrupt"),
 ])
 def test_install_harness_names_why_an_order_is_unsafe(order, match):
-    from kvlab.exercises.ch10 import _install_problem
-
-    assert match in _install_problem(order)
+    assert match in _answers()._install_problem(order)
 
 
 def test_install_orders_are_graded_as_a_set_once():
-    from kvlab.exercises.ch10 import _install_problem, _run_install
-
+    _install_problem, _run_install = _answers()._install_problem, _answers()._run_install
     assert sorted(INSTALL_STEPS) == list(INSTALL_STEPS) != KVLAB   # printed: not an answer
     assert _install_problem(KVLAB) is None and _install_problem(ALT) is None
+    import kvlab.exercises.ch10 as ch10  # the reader's module holds no harness
+    assert not {"_run_install", "_install_problem", "KVCacheManager"} & set(vars(ch10))
     # every safe order leaves nothing held and a journal recovery reads, at every crash
     for crash in range(len(ALT) + 1):
         st = _run_install(ALT, crash)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 
-from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.disagg.entry import (
     ENTRY_FORMAT,
     REJECT_KINDS,
@@ -24,7 +23,6 @@ from kvlab.disagg.entry import (
     make_header,
     seal,
 )
-from kvlab.disagg.install_journal import InstallJournal, recover_installs
 from kvlab.disagg.transfer_faults import Fault, FaultSchedule, TransferFaultInjector
 from kvlab.exercises._common import earlier_prediction, graded_once, require_answer, sealed
 
@@ -123,79 +121,11 @@ def check_classification(answer) -> str:
 
 
 # ------------------------------------------------------------------ 3. design: install order
-#: kvlab's consumer's order (``RemoteKVScheduler``'s install, described in chapter 10).
-_KVLAB_ORDER = ("record begin", "allocate", "record allocated", "write payload",
-                "record written", "commit to cache", "record committed")
-#: The seven steps, in alphabetical order (not an order to run them in).
-INSTALL_STEPS = tuple(sorted(_KVLAB_ORDER))
-#: The step each completion record reports as done.
-_RECORDED_STEP = {"allocated": "allocate", "written": "write payload",
-                  "committed": "commit to cache"}
-
-
-_OP, _RID, _SCOPE = "p-1@entry", "p-1", (("model", "weights-v7"),)
-_INSTALL_PROMPT = tuple(range(200, 213))       # 13 tokens: 3 full blocks of 4 are installed
-_INSTALL_TOKENS = 12
-
-
-def _run_install(order: list[str], crash: int) -> dict:
-    """Run the first ``crash`` steps of ``order`` on kvlab's own :class:`KVCacheManager` and
-    :class:`InstallJournal`, crash, and recover with :func:`recover_installs` (the consumer's
-    recovery). The payload bytes are not modelled: whether they were written is a flag."""
-    kv, journal = KVCacheManager(16, 4), InstallJournal()
-    done = order[:crash]
-    got = 0
-    for step in done:
-        if step == "record begin":
-            journal.append("begin", _OP, (_RID, _INSTALL_TOKENS))
-        elif step == "allocate":
-            got = kv.admit(_OP, _SCOPE, _INSTALL_PROMPT, _INSTALL_TOKENS)
-        elif step == "record allocated":
-            table = tuple(kv.block_table(_OP)) if kv.has(_OP) else ()
-            journal.append("allocated", _OP, (table, got))
-        elif step == "record written":
-            journal.append("written", _OP)
-        elif step == "commit to cache":
-            kv.commit(_OP, _INSTALL_PROMPT[:_INSTALL_TOKENS])
-        elif step == "record committed":
-            journal.append("committed", _OP)
-    state = {"written": "write payload" in done, "committed": "commit to cache" in done,
-             "refused": False, "leaked": False, "installed": False}
-    # a record claims its step is done: 'allocated', 'written', 'committed' before the step
-    # happened is a journal that lies to recovery
-    state["false_claims"] = [r.kind for r in journal.records if r.kind in _RECORDED_STEP
-                             and _RECORDED_STEP[r.kind] not in done]
-    try:
-        report = recover_installs(journal, kv)
-    except ValueError:
-        state["refused"] = True
-        return state
-    state["leaked"] = kv.has(_OP)
-    state["installed"] = _OP in report and report[_OP].installed
-    return state
-
-
-def _install_problem(order: list[str]) -> str | None:
-    """Why ``order`` (a permutation of :data:`INSTALL_STEPS`) is unsafe, or None when a crash
-    before every step, recovered by :func:`recover_installs`, leaves (1) no leaked table, (2)
-    no half-written block visible in the prefix cache, and (3) a truthful journal from which
-    recovery answers "installed?" correctly (the instructor edition seals the safe orders)."""
-    pos = {s: i for i, s in enumerate(order)}
-    if pos["write payload"] < pos["allocate"] or pos["commit to cache"] < pos["allocate"]:
-        return "there are no blocks to write or commit before 'allocate'"
-    for crash in range(len(order) + 1):
-        st = _run_install(order, crash)
-        if st["refused"]:
-            return "a journal that recovery refuses as corrupt"
-        if st["leaked"]:
-            return "a leaked table"
-        if st["false_claims"]:
-            return "a record of a step that has not happened"
-        if st["committed"] and not st["written"]:
-            return "a half-written block readable in the cache"
-        if st["installed"] != (st["committed"] and st["written"]):
-            return "recovery reads the journal wrongly"
-    return None
+#: The seven steps of the consumer's install, in alphabetical order (not an order to run them
+#: in). What a crash before each step leaves is for the reader to work out (on kvlab's
+#: ``KVCacheManager``, ``InstallJournal`` and ``recover_installs``); the safe orders are sealed.
+INSTALL_STEPS = ("allocate", "commit to cache", "record allocated", "record begin",
+                 "record committed", "record written", "write payload")
 
 
 def check_install_orders(orders) -> str:
