@@ -13,11 +13,14 @@ here only sealed (:func:`sealed`, data in ``sealed_answers.json``): a discrete a
 deliberately slow hash, a number as an encoded value (so a check can still say "too high" or
 "too low"), what a success message reveals encrypted under the right answer, and for a choice
 question each option's verdict encrypted under that option (so the module holds no list of
-"why the wrong ones fail" whose missing entry would name the right one). Neither
-``check_…??`` nor a read of this package shows an answer. It is a seal against casual reading,
-not cryptography: a determined student can decode a number or brute-force a small answer space
-(the hash's 20,000 PBKDF2 rounds make that slow, not impossible), which is why grading that
-matters runs through the course's hidden tests.
+"why the wrong ones fail" whose missing entry would name the right one); a reader's function is
+run on cases whose answers are sealed (:func:`failing_cases`). Neither ``check_…??`` nor a read
+of this package shows an answer. A prediction, whose few possible answers could be tried one
+after another, is graded once (:func:`earlier_prediction`): the first wrong answer is kept in a
+file beside the notebook, which a kernel restart does not clear. It is a seal against casual
+reading, not cryptography: a determined student can decode a number or brute-force a small
+answer space (the hash's 20,000 PBKDF2 rounds make that slow, not impossible), which is why
+grading that matters runs through the course's hidden tests.
 """
 
 from __future__ import annotations
