@@ -321,18 +321,22 @@ def _context_costs():
     return [_ch09_cost(b, k, a, c) for c in ch09.PREDICT["contexts"]]
 
 
-@truth("ch09.context_effect.decode_ms")
-def _context_decode_ms() -> Truth:
-    """The plain decode step's extra milliseconds at the longer context."""
-    short, long = _context_costs()
-    return _number(1e3 * (long.decode_s - short.decode_s))
+@truth("ch09.context_effect.limit")
+def _context_limit() -> Truth:
+    """The speedup as the context grows without bound: the cost model's speedup at contexts
+    far beyond any GPU's memory converges on it (checked against the closed form
+    ``E / (1 + k * draft KV / target KV)`` of two memory-bound reads)."""
+    from kvlab.exercises import ch09
+    from kvlab.sim.costmodel import speculative_step_cost
 
-
-@truth("ch09.context_effect.draft_ms")
-def _context_draft_ms() -> Truth:
-    """The ``k`` draft forwards' extra milliseconds, together, at the longer context."""
-    short, long = _context_costs()
-    return _number(1e3 * (long.draft_s - short.draft_s))
+    b, k, a = ch09.PREDICT["batch"], ch09.PREDICT["k"], ch09.PREDICT["alpha"]
+    target, draft = ch09.deployment_cost_models()
+    far = speculative_step_cost(target, draft, batch=b, k=k, alpha=a, context=10**10,
+                                draft_forwards=k)
+    closed = far.expected_tokens / (1 + k * draft.kv_bytes_per_token
+                                    / target.kv_bytes_per_token)
+    assert abs(far.speedup / closed - 1) < 1e-3, (far.speedup, closed)
+    return _number(closed)
 
 
 @truth("ch09.context_effect")
@@ -340,15 +344,38 @@ def _context_effect() -> Truth:
     short, long = (c.speedup for c in _context_costs())
     answer = ("unchanged" if abs(long / short - 1) <= 0.01
               else "rises" if long > short else "falls")
-    wrong = ("no: that is not what your two extra times imply for the speedup; revisit which "
-             "forwards of a speculative step read the context, how many times each, and on "
-             "which side of the speedup's ratio each one sits")
-    notes = {option: wrong for option in ("rises", "falls", "unchanged")}
-    notes[answer] = ("Right. The verification reads each request's KV once, as the plain step "
-                     "does, so it gains what the plain step gains; the k draft forwards each "
-                     "read the draft's KV again. Work out where the speedup heads as the "
-                     "context grows without bound.")
-    return Truth(answer, notes=notes)
+    return Truth(answer, notes={answer: (
+        "Right. The verification reads each request's KV once, as the plain step does, so it "
+        "gains what the plain step gains; the k draft forwards each read the draft's KV "
+        "again. Once those reads are all that grows, the tokens a step emits are weighed "
+        "against one target read plus k draft reads.")})
+
+
+def _pmf(alpha: float, k: int) -> list[float]:
+    """P(a step emits exactly j tokens), j = 1 .. k + 1: j - 1 drafts kept then one rejected,
+    or all k kept (and the bonus token)."""
+    from kvlab.exercises.ch09 import probabilities
+
+    return probabilities([alpha ** (j - 1) * (1 - alpha) for j in range(1, k + 1)]
+                         + [alpha ** k])
+
+
+def _point_mass(p, x: int) -> list[float]:
+    """The residual ``[p - q]+`` normalised, for ``q`` one-hot on ``x``."""
+    from kvlab.exercises.ch09 import probabilities
+
+    return probabilities([0.0 if i == x else v / (1 - p[x]) for i, v in enumerate(p)])
+
+
+def _register_ch09_cases() -> None:
+    from kvlab.exercises import ch09
+
+    cases("ch09.emitted_pmf", [{"alpha": a, "k": k} for a, k in ch09._pmf_cases()], _pmf)
+    cases("ch09.point_mass_residual", [{"p": p, "x": x} for p, x in ch09._point_mass_cases()],
+          _point_mass)
+
+
+_register_ch09_cases()
 
 
 @truth("ch09.deployment_k")
@@ -405,6 +432,97 @@ def _classification() -> Truth:
     return Truth([check_delivery(d, expected) for d in entries])
 
 
+#: Chapter 10, exercise 3: kvlab's consumer's order (``RemoteKVScheduler``'s install).
+_KVLAB_ORDER = ("record begin", "allocate", "record allocated", "write payload",
+                "record written", "commit to cache", "record committed")
+#: The step each completion record reports as done.
+_RECORDED_STEP = {"allocated": "allocate", "written": "write payload",
+                  "committed": "commit to cache"}
+
+
+_OP, _RID, _SCOPE = "p-1@entry", "p-1", (("model", "weights-v7"),)
+_INSTALL_PROMPT = tuple(range(200, 213))       # 13 tokens: 3 full blocks of 4 are installed
+_INSTALL_TOKENS = 12
+
+
+def _run_install(order: list[str], crash: int) -> dict:
+    """Run the first ``crash`` steps of ``order`` on kvlab's own ``KVCacheManager`` and
+    ``InstallJournal``, crash, and recover with ``recover_installs`` (the consumer's
+    recovery). The payload bytes are not modelled: whether they were written is a flag."""
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.disagg.install_journal import InstallJournal, recover_installs
+
+    kv, journal = KVCacheManager(16, 4), InstallJournal()
+    done = order[:crash]
+    got = 0
+    for step in done:
+        if step == "record begin":
+            journal.append("begin", _OP, (_RID, _INSTALL_TOKENS))
+        elif step == "allocate":
+            got = kv.admit(_OP, _SCOPE, _INSTALL_PROMPT, _INSTALL_TOKENS)
+        elif step == "record allocated":
+            table = tuple(kv.block_table(_OP)) if kv.has(_OP) else ()
+            journal.append("allocated", _OP, (table, got))
+        elif step == "record written":
+            journal.append("written", _OP)
+        elif step == "commit to cache":
+            kv.commit(_OP, _INSTALL_PROMPT[:_INSTALL_TOKENS])
+        elif step == "record committed":
+            journal.append("committed", _OP)
+    state = {"written": "write payload" in done, "committed": "commit to cache" in done,
+             "refused": False, "leaked": False, "installed": False}
+    # a record claims its step is done: 'allocated', 'written', 'committed' before the step
+    # happened is a journal that lies to recovery
+    state["false_claims"] = [r.kind for r in journal.records if r.kind in _RECORDED_STEP
+                             and _RECORDED_STEP[r.kind] not in done]
+    try:
+        report = recover_installs(journal, kv)
+    except ValueError:
+        state["refused"] = True
+        return state
+    state["leaked"] = kv.has(_OP)
+    state["installed"] = _OP in report and report[_OP].installed
+    return state
+
+
+def _install_problem(order: list[str]) -> str | None:
+    """Why ``order`` (a permutation of :data:`INSTALL_STEPS`) is unsafe, or None when a crash
+    before every step, recovered by :func:`recover_installs`, leaves (1) no leaked table, (2)
+    no half-written block visible in the prefix cache, and (3) a truthful journal from which
+    recovery answers "installed?" correctly."""
+    pos = {s: i for i, s in enumerate(order)}
+    if pos["write payload"] < pos["allocate"] or pos["commit to cache"] < pos["allocate"]:
+        return "there are no blocks to write or commit before 'allocate'"
+    for crash in range(len(order) + 1):
+        st = _run_install(order, crash)
+        if st["refused"]:
+            return "a journal that recovery refuses as corrupt"
+        if st["leaked"]:
+            return "a leaked table"
+        if st["false_claims"]:
+            return "a record of a step that has not happened"
+        if st["committed"] and not st["written"]:
+            return "a half-written block readable in the cache"
+        if st["installed"] != (st["committed"] and st["written"]):
+            return "recovery reads the journal wrongly"
+    return None
+
+
+@truth("ch10.install_orders")
+def _install_orders() -> Truth:
+    """Every order of the install's steps that survives a crash before each step, run on
+    kvlab's KV manager and install journal (all 5,040 orders tried)."""
+    import itertools
+
+    from kvlab.exercises import ch10
+
+    assert tuple(sorted(_KVLAB_ORDER)) == ch10.INSTALL_STEPS
+    safe = sorted(order for order in itertools.permutations(ch10.INSTALL_STEPS)
+                  if _install_problem(list(order)) is None)
+    assert _KVLAB_ORDER in safe
+    return Truth(safe)
+
+
 # --- chapter 11: goodput and SLOs ---------------------------------------------------------------
 
 def _hand_report():
@@ -418,12 +536,12 @@ truth("ch11.goodput_by_hand.goodput")(lambda: _number(_hand_report().goodput))
 truth("ch11.goodput_by_hand.attainment")(lambda: _number(_hand_report().attainment))
 
 
-@truth("ch11.max_rate")
-def _max_rate() -> Truth:
-    """:func:`rate_at_attainment` over ``RATE_GRID``, simulating from the lowest rate up to the
-    first that misses 90% (the rates above it cannot change the answer)."""
+@functools.cache
+def _rate_bracket() -> tuple[int, float, int, float]:
+    """The neighbouring rates of ``RATE_GRID`` where attainment after the warm-up crosses
+    90%, and their attainments: simulated from the lowest rate up to the first that misses
+    (the rates above it cannot change the answer)."""
     from kvlab.exercises import ch11
-    from kvlab.labs.serving import rate_at_attainment
     from kvlab.labs.slo import evaluate_slo
 
     rates, att = [], []
@@ -432,7 +550,22 @@ def _max_rate() -> Truth:
         att.append(evaluate_slo(ch11.after_warmup(ch11._run(rate)), ch11.RATE_SLO).attainment)
         if att[-1] < 0.9:
             break
-    return _number(rate_at_attainment(rates, att, 0.9))
+    assert len(rates) >= 2 and att[-1] < 0.9 <= att[-2], "RATE_GRID must bracket 90%"
+    return rates[-2], att[-2], rates[-1], att[-1]
+
+
+@truth("ch11.max_rate")
+def _max_rate() -> Truth:
+    """The capacity: :func:`rate_at_attainment` over the bracket (linear interpolation)."""
+    from kvlab.labs.serving import rate_at_attainment
+
+    lo, att_lo, hi, att_hi = _rate_bracket()
+    return _number(rate_at_attainment([lo, hi], [att_lo, att_hi], 0.9))
+
+
+truth("ch11.max_rate.bracket")(lambda: Truth([_rate_bracket()[0], _rate_bracket()[2]]))
+truth("ch11.max_rate.attainment_lo")(lambda: _number(_rate_bracket()[1]))
+truth("ch11.max_rate.attainment_hi")(lambda: _number(_rate_bracket()[3]))
 
 
 @truth("ch11.chunk_for_tpot")

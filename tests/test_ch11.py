@@ -33,31 +33,44 @@ def test_goodput_by_hand() -> None:
         ch11.check_goodput_by_hand(..., 0.5)
 
 
-def test_max_rate_check_needs_the_run_and_gives_no_direction() -> None:
+def test_max_rate_check_grades_the_bracket_its_attainments_and_the_crossing_together() -> None:
     from kvlab.exercises._common import sealed
+    from kvlab.labs.serving import rate_at_attainment
+    from kvlab.labs.slo import evaluate_slo
+
+    def att(rate):
+        return evaluate_slo(ch11.after_warmup(ch11._run(rate)), ch11.RATE_SLO).attainment
 
     truth = sealed("ch11.max_rate").value()      # course/answers.py measures it
     assert 15 < truth < 30
-    near, high, low = truth * 1.05, truth * 1.5, truth * 0.7
-    assert ch11.check_max_rate(near, ch11._run(near)).startswith("Correct")
-    verdicts = []
-    for rate in (high, low, truth * 0.85):        # the tolerance is tight: 15% off is refused
-        with pytest.raises(AssertionError, match="capacity") as err:
-            ch11.check_max_rate(rate, ch11._run(rate))
-        verdicts.append(str(err.value))
-        assert f"{truth:g}" not in verdicts[-1] and f"{truth:.1f}" not in verdicts[-1]
-        assert "too" not in verdicts[-1] and "more" not in verdicts[-1]
-    assert len(set(verdicts)) == 1               # above and below read the same
-    # the audit's bisection: a rate just under the capacity with a guessed attainment of 1.0,
-    # or another rate's run, is refused before any verdict
-    for guess in (1.0, 0.9, [], ch11._run(low)):
-        with pytest.raises(AssertionError, match=r"run|records") as err:
-            ch11.check_max_rate(truth * 0.95, guess)
-        assert "capacity" not in str(err.value) and "Correct" not in str(err.value)
-    with pytest.raises(AssertionError):
-        ch11.check_max_rate(-1, [])
+    lo = int(truth)
+    bracket = {lo: att(lo), lo + 1: att(lo + 1)}
+    assert bracket[lo] >= 0.9 > bracket[lo + 1]
+    capacity = rate_at_attainment(list(bracket), list(bracket.values()), 0.9)
+    assert capacity == pytest.approx(truth)
+    assert ch11.check_max_rate(bracket, capacity).startswith("Correct")
+    assert ch11.check_max_rate(bracket, capacity * 1.009).startswith("Correct")
+    # whichever is wrong (a neighbouring bracket with its true attainments, an attainment, the
+    # crossing, above or below), the same words, naming no number and no direction
+    other = {lo + 1: bracket[lo + 1], lo + 2: att(lo + 2)}
+    verdicts = set()
+    for answer in ((other, capacity), ({lo: bracket[lo], lo + 1: 0.9}, capacity),
+                   (bracket, capacity * 1.05), (bracket, capacity * 0.95),
+                   ({lo: 1.0, lo + 1: bracket[lo + 1]}, capacity)):
+        with pytest.raises(AssertionError, match="not all right") as err:
+            ch11.check_max_rate(*answer)
+        verdicts.add(str(err.value))
+    assert len(verdicts) == 1
+    text = verdicts.pop()
+    assert f"{truth:.1f}" not in text and str(lo) not in text
+    assert not {"too", "more", "less", "higher", "lower"} & set(text.split())
+    for bad, match in (({lo: 0.5}, "two entries"), ({lo: 0.5, lo + 2: 0.4}, "neighbours"),
+                       ({1: 0.5, 2: 0.4}, "RATE_GRID"), ({lo: 1.5, lo + 1: 0.4}, "fraction"),
+                       ([lo, lo + 1], "dict")):
+        with pytest.raises(AssertionError, match=match):
+            ch11.check_max_rate(bad, capacity)
     with pytest.raises(NotYetAnswered):
-        ch11.check_max_rate(truth, ...)
+        ch11.check_max_rate(bracket, ...)
 
 
 def test_after_warmup_equals_evaluate_slo_warmup() -> None:
@@ -140,7 +153,7 @@ def test_goodput_figure_and_widget_draw() -> None:
 def test_checks_name_an_answer_that_is_not_a_number() -> None:
     import numpy as np
 
-    for check, args, what in ((ch11.check_max_rate, ("fast", []), "rate"),
+    for check, args, what in ((ch11.check_max_rate, ({20: 0.9, 21: 0.8}, "fast"), "capacity"),
                               (ch11.check_chunk_for_tpot, (256, "9 ms"), "tpot_p99_ms"),
                               (ch11.check_goodput_by_hand, (True, 0.5), "goodput")):
         with pytest.raises(AssertionError, match=f"{what}: expected a number"):

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from kvlab.exercises._common import NotYetAnswered, forget_predictions
+from kvlab.exercises import _common
+from kvlab.exercises._common import NotYetAnswered
 from kvlab.exercises.ch12 import (
     BUDGET_IMPLEMENTATIONS,
     BUGS,
@@ -19,11 +20,10 @@ from kvlab.exercises.ch12 import (
 from kvlab.labs.chaos.fault_lab import LAB_FAULTS, MUTATIONS, Mutation, run_lab
 
 
-@pytest.fixture(autouse=True)
-def _fresh_session():
-    forget_predictions()       # each test starts a session with no prediction recorded
-    yield
-    forget_predictions()
+def new_session():
+    """A fresh notebook session in a fresh folder: no prediction recorded."""
+    _common._PREDICTIONS.clear()
+    _common._PREDICTION_FILE.unlink(missing_ok=True)
 
 
 def test_the_correct_engine_survives_every_lab_fault():
@@ -68,13 +68,13 @@ def test_check_bug_invariants_grades_by_running_the_bugs():
     truth = {k: run_lab(m, "none").caught for k, m in BUGS.items()}
     assert all(truth.values())
     assert check_bug_invariants(truth).startswith("Correct")
-    forget_predictions()
+    new_session()
     wrong = {k: (v % 9) + 1 for k, v in truth.items()}
     with pytest.raises(AssertionError) as info:
         check_bug_invariants(wrong)
     for v in truth.values():                  # the message never gives the answer away
         assert f": {v}" not in str(info.value) and f"{v}," not in str(info.value)
-    forget_predictions()
+    new_session()
     # one bug wrong reads like all wrong: nothing names which bugs to try again
     one_wrong = {**truth, "A": (truth["A"] % 9) + 1}
     with pytest.raises(AssertionError) as one:
@@ -87,7 +87,7 @@ def test_check_bug_invariants_grades_by_running_the_bugs():
     assert "not right" in again and "Correct" not in again
     assert str(one_wrong) in again           # the recorded prediction, not the new answer
     # a right answer locks nothing: a worked solution run first leaves the reader's turn
-    forget_predictions()
+    new_session()
     assert check_bug_invariants(truth).startswith("Correct")
     with pytest.raises(AssertionError, match="not every bug"):
         check_bug_invariants(one_wrong)
@@ -111,14 +111,14 @@ def test_check_fault_moves_catch_grades_the_first_prediction_only():
     assert check_fault_moves_catch(truth).startswith("Correct")
     for wrong in range(1, 10):
         if wrong != truth:
-            forget_predictions()
+            new_session()
             with pytest.raises(AssertionError, match="is not the first") as info:
                 check_fault_moves_catch(wrong)
             assert str(truth) not in str(info.value).replace(f"invariant {wrong}", "")
     # the looping reader: after a wrong first prediction, every later answer reads the same
     replies = {check_fault_moves_catch(n) for n in range(1, 10) if n != wrong}
     assert len(replies) == 1 and "not right" in replies.pop()
-    forget_predictions()
+    new_session()
     for bad in (0, 10, "3", True):            # a malformed answer is not recorded
         with pytest.raises(AssertionError, match="from 1 to 9"):
             check_fault_moves_catch(bad)

@@ -5,21 +5,33 @@ from __future__ import annotations
 import pytest
 
 from kvlab.disagg.entry import check_delivery
-from kvlab.exercises._common import NotYetAnswered, forget_predictions
+from kvlab.exercises import _common
+from kvlab.exercises._common import NotYetAnswered
 from kvlab.exercises.ch10 import (
     INSTALL_STEPS,
     check_classification,
-    check_install_order,
+    check_install_orders,
     check_transfer,
     classify_entries,
 )
 
 
-@pytest.fixture(autouse=True)
-def _fresh_session():
-    forget_predictions()       # each test starts a session with no prediction recorded
-    yield
-    forget_predictions()
+def _answers():
+    """The instructor edition (``course/answers.py``), where the install harness lives: the
+    package the reader has holds only the sealed set of safe orders."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import seal_answers
+
+    return seal_answers.load_answers()
+
+
+def new_session():
+    """A fresh notebook session in a fresh folder: no prediction recorded."""
+    _common._PREDICTIONS.clear()
+    _common._PREDICTION_FILE.unlink(missing_ok=True)
 
 
 def test_transfer_pair_is_judged_together_without_a_direction():
@@ -50,13 +62,17 @@ def test_transfer_pair_is_judged_together_without_a_direction():
 def test_classification():
     entries, expected = classify_entries()
     truth = [check_delivery(d, expected) for d in entries]
-    assert None not in truth and len(set(truth)) == 5
+    assert None not in truth and len(set(truth)) == 4
+    # each entry carries two faults; the kind is the first check, in the consumer's order,
+    # that sees one of them (neither fault alone decides: see the chapter's one-fault table)
+    assert truth == ["corrupt_descriptor", "incompatible", "truncated", "security_domain",
+                     "security_domain"]
     assert "Correct" in check_classification(truth)
-    one_wrong = ["corrupt_descriptor", *truth[1:]]
+    one_wrong = ["truncated", *truth[1:]]
     two_wrong = [truth[1], truth[0], *truth[2:]]
     messages = set()
     for answer in (one_wrong, two_wrong):
-        forget_predictions()
+        new_session()
         with pytest.raises(AssertionError, match="not every kind is right") as err:
             check_classification(answer)
         messages.add(str(err.value))
@@ -67,7 +83,7 @@ def test_classification():
     assert len(messages) == 1
     # and the prediction is graded once: the truth after it is not graded
     assert "not right" in check_classification(truth)
-    forget_predictions()
+    new_session()
     with pytest.raises(AssertionError, match="not a kind"):
         check_classification(["checksum", *truth[1:]])
     with pytest.raises(AssertionError, match="installs none"):
@@ -80,47 +96,63 @@ KVLAB = ["record begin", "allocate", "record allocated", "write payload", "recor
          "commit to cache", "record committed"]
 
 
+ALT = ["record begin", "allocate", "write payload", "record allocated", "record written",
+       "commit to cache", "record committed"]
+
+
 @pytest.mark.parametrize("order,match", [
-    (["allocate", "record begin", *KVLAB[2:]], "leaks the table"),
+    (["allocate", "record begin", *KVLAB[2:]], "leaked table"),
     (["record begin", "allocate", "record allocated", "commit to cache", "write payload",
       "record written", "record committed"], "half-written"),
-    ([*KVLAB[:5], "record committed", "commit to cache"], "has not happened yet"),
+    ([*KVLAB[:5], "record committed", "commit to cache"], "has not happened"),
     # the journal claims 'written' before the write: a crash in between leaves a lie
     (["record begin", "allocate", "record allocated", "record written", "write payload",
-      "commit to cache", "record committed"], "has not happened yet"),
-    (["record begin", "record allocated", "allocate", *KVLAB[3:]], "has not happened yet"),
+      "commit to cache", "record committed"], "has not happened"),
+    (["record begin", "record allocated", "allocate", *KVLAB[3:]], "has not happened"),
     ([*KVLAB[:4], "commit to cache", "record written", "record committed"],
      "reads the journal wrongly"),
     (["write payload", *[s for s in KVLAB if s != "write payload"]], "no blocks"),
-    (KVLAB[:6], "exactly once"),
-    (KVLAB, "kvlab's own order"),
-])
-def test_install_order_design(order, match):
-    with pytest.raises(AssertionError, match=match):
-        check_install_order(order)
-
-
-def test_install_order_accepts_every_safe_order():
-    assert sorted(INSTALL_STEPS) == list(INSTALL_STEPS) != KVLAB   # printed: not an answer
-    with pytest.raises(AssertionError):
-        check_install_order(INSTALL_STEPS)
-    # the 'allocated' record may come after the write: a crash between leaves 'begin', which
-    # names the operation, so recovery still frees the table
-    alt = ["record begin", "allocate", "write payload", "record allocated", "record written",
-           "commit to cache", "record committed"]
-    assert "Correct" in check_install_order(alt)
     # records out of the protocol's order: kvlab's own recovery refuses such a journal as
     # corrupt (a simulation of the rule alone accepted this order)
-    late = ["record begin", "allocate", "write payload", "record written", "commit to cache",
-            "record allocated", "record committed"]
-    with pytest.raises(AssertionError, match="refuses as corrupt"):
-        check_install_order(late)
-    # every accepted order leaves nothing held and a journal recovery reads, at every crash
-    from kvlab.exercises.ch10 import _run_install
-    for crash in range(len(alt) + 1):
-        st = _run_install(alt, crash)
+    (["record begin", "allocate", "write payload", "record written", "commit to cache",
+      "record allocated", "record committed"], "refuses as corrupt"),
+])
+def test_install_harness_names_why_an_order_is_unsafe(order, match):
+    assert match in _answers()._install_problem(order)
+
+
+def test_install_orders_are_graded_as_a_set_once():
+    _install_problem, _run_install = _answers()._install_problem, _answers()._run_install
+    assert sorted(INSTALL_STEPS) == list(INSTALL_STEPS) != KVLAB   # printed: not an answer
+    assert _install_problem(KVLAB) is None and _install_problem(ALT) is None
+    import kvlab.exercises.ch10 as ch10  # the reader's module holds no harness
+    assert not {"_run_install", "_install_problem", "KVCacheManager"} & set(vars(ch10))
+    # every safe order leaves nothing held and a journal recovery reads, at every crash
+    for crash in range(len(ALT) + 1):
+        st = _run_install(ALT, crash)
         assert not st["refused"] and not st["leaked"]
         assert st["installed"] == (st["committed"] and st["written"])
+    assert "Correct" in check_install_orders([ALT, KVLAB])
+    # one order alone, a wrong extra order, or the two plus another: the same words
+    texts = set()
+    for answer in ([KVLAB], [ALT], [KVLAB, ALT, list(INSTALL_STEPS)], [list(INSTALL_STEPS)]):
+        new_session()
+        with pytest.raises(AssertionError, match="not the set of safe orders") as err:
+            check_install_orders(answer)
+        texts.add(str(err.value))
+    assert len(texts) == 1
+    text = texts.pop()
+    assert all(repr(step) not in text for step in INSTALL_STEPS)    # names no order
+    # graded once: the looping reader gets the same reply to every later set
+    assert "not right" in check_install_orders([KVLAB, ALT])
+    new_session()
+    for bad, match in (([KVLAB[:6]], "exactly once"), ([KVLAB, KVLAB], "twice"),
+                       ([], "at least one"), (3, "list of orders")):
+        with pytest.raises(AssertionError, match=match):
+            check_install_orders(bad)
+    assert "Correct" in check_install_orders([KVLAB, ALT])     # malformed answers lock nothing
+    with pytest.raises(NotYetAnswered):
+        check_install_orders(...)
 
 
 def test_forgery_check_runs_both_checks_on_the_readers_entry():

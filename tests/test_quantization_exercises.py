@@ -8,10 +8,16 @@ import math
 import matplotlib
 import pytest
 
-from kvlab.exercises import ch08
+from kvlab.exercises import _common, ch08
 from kvlab.exercises._common import NotYetAnswered, sealed
 
 matplotlib.use("Agg")
+
+
+def _fresh():
+    """A fresh notebook session in a fresh folder: no prediction recorded."""
+    _common._PREDICTIONS.clear()
+    _common._PREDICTION_FILE.unlink(missing_ok=True)
 
 
 def test_error_bounds():
@@ -63,23 +69,26 @@ def test_greedy_prediction_needs_the_per_token_chance_and_a_prediction_that_foll
     # the usual approximation -ln(share) / tokens passes, with the prediction it implies
     approx = -math.log(share) / ch08.SWEEP_TOKENS
     assert ch08.check_greedy_prediction(approx, 100 * (1 - approx) ** 64).startswith("Right")
-    # a share alone, however close to the measured one, does not pass: the chance comes first
+    # one message whichever of the pair is wrong (the chance, the share, or both), naming no
+    # direction and no number; each wrong pair is tried in a fresh session
     measured = 100 * n / ch08.GREEDY_PROMPTS
     texts = set()
-    for guess in (0.5 * chance, 2 * chance, 0.01, 0.1):
-        with pytest.raises(AssertionError, match="per-token chance") as err:
-            ch08.check_greedy_prediction(guess, measured)
-        texts.add(str(err.value))
-    assert len(texts) == 1                         # no direction in the words
-    # the right chance with a share that does not follow from it fails, without a direction
-    texts = set()
-    for off in (-5, 5):
-        with pytest.raises(AssertionError, match="does not follow") as err:
-            ch08.check_greedy_prediction(chance, right + off)
+    for pair in ((0.5 * chance, measured), (2 * chance, measured), (0.1, right),
+                 (chance, right - 5), (chance, right + 5), (2 * chance, right + 5)):
+        _fresh()
+        with pytest.raises(AssertionError, match="the pair is not right") as err:
+            ch08.check_greedy_prediction(*pair)
         texts.add(str(err.value))
     assert len(texts) == 1
-    for text in texts:
-        assert f"{right:.0f}" not in text and f"{measured:.0f}" not in text
+    text = texts.pop()
+    assert f"{right:.0f}" not in text and f"{measured:.0f}" not in text
+    assert not {"high", "low", "higher", "lower"} & set(text.split())
+    # graded once: after the wrong pair, even the right pair is not graded (and the looping
+    # reader learns nothing: every other pair gets the same reply)
+    again = ch08.check_greedy_prediction(chance, right)
+    assert "not right" in again and "Right" not in again
+    assert len({ch08.check_greedy_prediction(c, right) for c in (0.01, 0.02, 0.03)}) == 1
+    _fresh()
     for bad in ("half", True, 120, -1, float("nan")):
         with pytest.raises(AssertionError, match="between 0 and 100"):
             ch08.check_greedy_prediction(chance, bad)

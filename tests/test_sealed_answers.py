@@ -113,3 +113,21 @@ def test_checks_grade_through_the_seals():
     for name in ("check_kv_bytes_per_token", "check_mixed_pool"):
         body = source.split(f"def {name}(", 1)[1].split("\ndef ", 1)[0]
         assert "plan_capacity" not in body and "RooflineCostModel" not in body, name
+
+
+def test_a_recorded_prediction_survives_a_kernel_restart():
+    """The first wrong prediction is kept in the record's file, so restarting the kernel (a
+    fresh ``_PREDICTIONS``) does not give the reader another try; a right one locks nothing."""
+    from kvlab.exercises import _common
+    from kvlab.exercises._common import earlier_prediction
+
+    assert not hasattr(_common, "forget_predictions")      # nothing public clears the record
+    assert earlier_prediction("test.key", 7, right=True) is None     # locks nothing
+    assert earlier_prediction("test.key", (1, 2), right=False) is None
+    assert _common._PREDICTION_FILE.is_file()
+    _common._PREDICTIONS.clear()                            # the kernel restarts
+    assert earlier_prediction("test.key", 3, right=False) == [1, 2]
+    assert earlier_prediction("test.key", [1, 2], right=False) is None    # the same answer
+    _common._PREDICTION_FILE.write_text("not json")         # a damaged record is ignored
+    _common._PREDICTIONS.clear()
+    assert earlier_prediction("test.other", 1, right=False) is None

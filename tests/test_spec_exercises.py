@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.exercises import ch09
+from kvlab.exercises import _common, ch09
 from kvlab.exercises._common import NotYetAnswered
 
 
@@ -19,7 +19,7 @@ def _pmf(a, k):
     return [a ** (j - 1) * (1 - a) for j in range(1, k + 1)] + [a ** k]
 
 
-def test_context_effect_grades_two_derived_times_before_the_direction():
+def test_context_effect_grades_the_direction_and_the_limit_together_once():
     from kvlab.sim.costmodel import speculative_step_cost
 
     target, draft = ch09.deployment_cost_models()
@@ -27,36 +27,45 @@ def test_context_effect_grades_two_derived_times_before_the_direction():
     short, long = (speculative_step_cost(target, draft, batch=b, k=k, alpha=a, context=c,
                                          draft_forwards=k) for c in ch09.PREDICT["contexts"])
     assert short.fits and long.fits                 # the exercise's scenario is deployable
-    # the bytes alone give both times: every forward involved is memory-bound
-    grow = ch09.PREDICT["contexts"][1] - ch09.PREDICT["contexts"][0]
-    bandwidth = target.tp * target.gpu.hbm_bandwidth
-    decode_ms = 1e3 * b * grow * target.kv_bytes_per_token / bandwidth
-    draft_ms = 1e3 * k * b * grow * draft.kv_bytes_per_token / bandwidth
-    assert decode_ms == pytest.approx(1e3 * (long.decode_s - short.decode_s))
-    assert draft_ms == pytest.approx(1e3 * (long.draft_s - short.draft_s))
     assert long.speedup < short.speedup
-    assert ch09.check_context_effect(decode_ms, draft_ms, "falls").startswith("Right")
-    # wrong directions, with the right times: the same words for both, naming neither
-    texts = {_fails(ch09.check_context_effect, decode_ms, draft_ms, o)
-             for o in ("rises", "unchanged")}
-    assert len(texts) == 1 and next(iter(texts)).startswith("no:")
-    assert "fall" not in next(iter(texts))
-    # the direction alone does not pass: every option fails while a time is wrong, with the
-    # same words (no option is singled out) and no direction of the time's error
-    for option in ch09.CONTEXT_CHOICES:
-        for off in (0.5, 2.0):
-            text = _fails(ch09.check_context_effect, decode_ms * off, draft_ms, option)
-            assert text.startswith("the decode step's extra time is not right")
-            assert "high" not in text and "low" not in text and "no:" not in text
-            text = _fails(ch09.check_context_effect, decode_ms, draft_ms * off, option)
-            assert text.startswith("the draft forwards' extra time is not right")
-    both = _fails(ch09.check_context_effect, 0.0, 0.0, "falls")
-    assert "decode step" in both and "draft forwards" in both
-    _fails(ch09.check_context_effect, decode_ms, draft_ms, "drops", match="answer one of")
-    for bad in ("6", float("nan"), float("inf")):
-        _fails(ch09.check_context_effect, bad, draft_ms, "falls", match="as a number")
+    # the limit: two memory-bound reads, one of the target's KV and k of the draft's
+    limit = long.expected_tokens / (1 + k * draft.kv_bytes_per_token
+                                    / target.kv_bytes_per_token)
+    far = speculative_step_cost(target, draft, batch=b, k=k, alpha=a, context=10**9,
+                                draft_forwards=k)
+    assert far.speedup == pytest.approx(limit, rel=1e-3)
+    assert ch09.check_context_effect("falls", limit).startswith("Right")
+    # one message whatever is wrong (the direction, the limit, or both), naming no direction
+    texts = set()
+    for option, value in (("rises", limit), ("unchanged", limit), ("falls", limit * 1.1),
+                          ("falls", limit * 0.9), ("rises", 2 * limit)):
+        _common._PREDICTIONS.clear()
+        _common._PREDICTION_FILE.unlink(missing_ok=True)
+        texts.add(_fails(ch09.check_context_effect, option, value))
+    assert len(texts) == 1
+    text = texts.pop()
+    assert "revisit" in text and not {"fall", "rise", "high", "low"} & set(text.split())
+    # graded once: after a wrong pair, the right pair is not graded
+    again = ch09.check_context_effect("falls", limit)
+    assert "not right" in again and "Right" not in again
+    _common._PREDICTIONS.clear()
+    _common._PREDICTION_FILE.unlink(missing_ok=True)
+    _fails(ch09.check_context_effect, "drops", limit, match="answer one of")
+    for bad in ("6", float("nan"), float("inf"), -1.0):
+        _fails(ch09.check_context_effect, "falls", bad, match="positive number")
+    assert ch09.check_context_effect("falls", limit).startswith("Right")   # nothing recorded
     with pytest.raises(NotYetAnswered):
-        ch09.check_context_effect(decode_ms, draft_ms, ...)
+        ch09.check_context_effect("falls", ...)
+
+
+def test_the_checks_hold_no_answer_in_their_source():
+    import inspect
+
+    for check in (ch09.check_emitted_pmf, ch09.check_point_mass_residual,
+                  ch09.check_context_effect):
+        source = inspect.getsource(check)
+        assert "alpha **" not in source and "1 - p[x]" not in source
+        assert "kv_bytes_per_token" not in source
 
 
 def test_emitted_pmf_check():

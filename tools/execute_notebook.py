@@ -66,6 +66,9 @@ def execute(source: Path, timeout: int) -> Path:
     if target.exists():
         nb = jupytext.combine.combine_inputs_with_outputs(nb, nbformat.read(target, 4))
     os.environ.setdefault(EXPORT_ENV, "1")  # widgets carry their kernel-free twin (the site)
+    # a prediction recorded by an earlier session in this folder would answer the worked
+    # solutions "graded once" (kvlab/exercises/_common.py): the stored run starts without one
+    (source.parent / ".kvlab-predictions.json").unlink(missing_ok=True)
     client = NotebookClient(nb, timeout=timeout, kernel_name=KERNEL, record_timing=False,
                             resources={"metadata": {"path": str(source.parent)}})
     start = time.perf_counter()

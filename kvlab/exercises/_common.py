@@ -13,16 +13,20 @@ here only sealed (:func:`sealed`, data in ``sealed_answers.json``): a discrete a
 deliberately slow hash, a number as an encoded value (so a check can still say "too high" or
 "too low"), what a success message reveals encrypted under the right answer, and for a choice
 question each option's verdict encrypted under that option (so the module holds no list of
-"why the wrong ones fail" whose missing entry would name the right one). Neither
-``check_…??`` nor a read of this package shows an answer. It is a seal against casual reading,
-not cryptography: a determined student can decode a number or brute-force a small answer space
-(the hash's 20,000 PBKDF2 rounds make that slow, not impossible), which is why grading that
-matters runs through the course's hidden tests.
+"why the wrong ones fail" whose missing entry would name the right one); a reader's function is
+run on cases whose answers are sealed (:func:`failing_cases`). Neither ``check_…??`` nor a read
+of this package shows an answer. A prediction, whose few possible answers could be tried one
+after another, is graded once (:func:`earlier_prediction`): the first wrong answer is kept in a
+file beside the notebook, which a kernel restart does not clear. It is a seal against casual
+reading, not cryptography: a determined student can decode a number or brute-force a small
+answer space (the hash's 20,000 PBKDF2 rounds make that slow, not impossible), which is why
+grading that matters runs through the course's hidden tests.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import functools
 import hashlib
@@ -33,6 +37,7 @@ import secrets
 import struct
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 
 class _OneLine(AssertionError):
@@ -87,30 +92,51 @@ def try_check(check, *args, **kwargs) -> str:
 
 # --- predictions ---------------------------------------------------------------------------------
 
-#: Wrong predictions recorded in this session: exercise key -> (canonical form, the answer).
+#: Wrong predictions recorded so far: exercise key -> (canonical form, the answer). The record
+#: is kept in :data:`_PREDICTION_FILE` too (relative to the working directory, which in Jupyter
+#: is the notebook's folder), so a kernel restart does not forget a prediction; nothing public
+#: clears it (tests reset ``_PREDICTIONS`` and point ``_PREDICTION_FILE`` elsewhere directly).
 _PREDICTIONS: dict[str, tuple[str, object]] = {}
+_PREDICTION_FILE: Path | None = Path(".kvlab-predictions.json")
+
+
+def _recorded() -> dict[str, tuple[str, object]]:
+    """The record, with what an earlier session left in :data:`_PREDICTION_FILE` merged in."""
+    if _PREDICTION_FILE is not None and _PREDICTION_FILE.is_file():
+        try:
+            stored = json.loads(_PREDICTION_FILE.read_text())
+        except (OSError, ValueError):
+            stored = {}
+        for key, text in stored.items():
+            if isinstance(text, str):
+                _PREDICTIONS.setdefault(key, (text, json.loads(text)))
+    return _PREDICTIONS
+
+
+def _record(key: str, text: str, answer) -> None:
+    _PREDICTIONS[key] = (text, copy.deepcopy(answer))
+    if _PREDICTION_FILE is not None:
+        with contextlib.suppress(OSError):   # a read-only folder: it lasts this session
+            _PREDICTION_FILE.write_text(json.dumps(
+                {k: t for k, (t, _) in sorted(_PREDICTIONS.items())}, indent=1))
 
 
 def earlier_prediction(key: str, answer, right: bool):
     """For a prediction exercise, whose answers are few enough to find by trying: the wrong
-    prediction recorded for ``key`` earlier in this session (this process) that ``answer``
-    differs from, or None when ``answer`` is to be graded itself. A wrong ``answer`` is recorded
-    when none is; a right one locks nothing (a worked solution run before the reader answers
-    must not take the reader's turn). So after a wrong prediction, every other answer gets the
-    same reply, and trying them one after another learns nothing. Call it only with an answer
-    of the right form. :func:`forget_predictions` clears the record (tests)."""
+    prediction recorded for ``key`` earlier (in this session, or in an earlier one run from the
+    same folder) that ``answer`` differs from, or None when ``answer`` is to be graded itself.
+    A wrong ``answer`` is recorded when none is; a right one locks nothing (a worked solution
+    run before the reader answers must not take the reader's turn). So after a wrong
+    prediction, every other answer gets the same reply, and trying them one after another
+    learns nothing. Call it only with an answer of the right form."""
     text = canonical(answer)
-    if key in _PREDICTIONS:
-        first_text, first = _PREDICTIONS[key]
+    record = _recorded()
+    if key in record:
+        first_text, first = record[key]
         return None if text == first_text else first
     if not right:
-        _PREDICTIONS[key] = (text, copy.deepcopy(answer))
+        _record(key, text, answer)
     return None
-
-
-def forget_predictions() -> None:
-    """Forget every recorded prediction (a fresh session)."""
-    _PREDICTIONS.clear()
 
 
 def graded_once(first) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from kvlab.exercises._common import require_answer, sealed
+from kvlab.exercises._common import earlier_prediction, graded_once, require_answer, sealed
 from kvlab.reference import effective_bits
 
 #: Exercise 1: one group of 4-bit weights spanning [ZP_MIN, ZP_MAX] (largest magnitude ZP_MAX).
@@ -113,7 +113,9 @@ def check_greedy_prediction(leave_chance, prediction) -> str:
     percent of :data:`GREEDY_PROMPTS` continuations of :data:`GREEDY_TOKENS` tokens that then
     stay identical. The chance must be the sweep's (within :data:`GREEDY_CHANCE_RTOL`) and the
     prediction must follow from it; then the check shows what the engines measured (sealed: the
-    instructor edition runs both)."""
+    instructor edition runs both). The pair is graded together and once: the first wrong pair
+    is recorded (:func:`~kvlab.exercises._common.earlier_prediction`), and a later answer is not
+    graded."""
     require_answer(leave_chance, "the per-token chance of leaving fp32's path (0 to 1)")
     require_answer(prediction, "a share in percent (0-100)")
     if isinstance(leave_chance, bool) or not isinstance(leave_chance, (int, float)) \
@@ -124,15 +126,19 @@ def check_greedy_prediction(leave_chance, prediction) -> str:
             or not 0 <= prediction <= 100:
         raise AssertionError(f"give a share in percent between 0 and 100, got {prediction!r}")
     truth = sealed("ch08.greedy_leave_chance").value()
-    if abs(leave_chance - truth) > GREEDY_CHANCE_RTOL * truth:
-        raise AssertionError("the per-token chance is not the one the sweep implies: revisit "
-                             "what a continuation must do at each of its tokens to count as "
-                             "identical, and which of the sweep's numbers counts those")
     implied = 100 * (1 - leave_chance) ** GREEDY_TOKENS
-    if abs(prediction - implied) > GREEDY_CONSISTENCY:
-        raise AssertionError("the prediction does not follow from your per-token chance: "
-                             "revisit what staying on fp32's path for every one of the "
-                             f"{GREEDY_TOKENS} tokens requires")
+    right = abs(leave_chance - truth) <= GREEDY_CHANCE_RTOL * truth \
+        and abs(prediction - implied) <= GREEDY_CONSISTENCY
+    first = earlier_prediction("ch08.greedy_prediction",
+                               [round(float(leave_chance), 6), round(float(prediction), 2)],
+                               right)
+    if first is not None:
+        return graded_once(first)
+    if not right:                # one message whichever of the two is wrong
+        raise AssertionError("the pair is not right: revisit what a continuation must do at "
+                             "each of its tokens to count as identical, which of the sweep's "
+                             "numbers counts those, and what staying on fp32's path for every "
+                             f"one of {GREEDY_TOKENS} tokens then requires")
     n = round(sealed("ch08.greedy_identical").value())
     n32 = round(sealed("ch08.greedy_identical_first_32").value())
     return (f"Right: your per-token chance predicts {prediction:.0f}%. The engines measure "

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 
-from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.disagg.entry import (
     ENTRY_FORMAT,
     REJECT_KINDS,
@@ -24,7 +23,6 @@ from kvlab.disagg.entry import (
     make_header,
     seal,
 )
-from kvlab.disagg.install_journal import InstallJournal, recover_installs
 from kvlab.disagg.transfer_faults import Fault, FaultSchedule, TransferFaultInjector
 from kvlab.exercises._common import earlier_prediction, graded_once, require_answer, sealed
 
@@ -67,25 +65,30 @@ def check_transfer(megabytes, ms) -> str:
 _FIELDS = {"model_version": "weights-v7", "layers": 32, "kv_heads": 8, "head_dim": 128,
            "dtype": "bfloat16", "layout": "token-major", "rope": "theta=500000"}
 _PROMPT = tuple(range(100, 164))
-_FAULTS = ("rope", "corrupt_payload", "truncate", "security_domain", "corrupt_descriptor")
+#: Exercise 2: entry ``i`` is hit by both faults of ``FAULT_PAIRS[i]``, the first then the
+#: second (``kvlab.disagg.transfer_faults``; the chapter's tables show one fault at a time).
+FAULT_PAIRS = (("truncate", "corrupt_descriptor"), ("corrupt_payload", "rope"),
+               ("corrupt_payload", "truncate"), ("security_domain", "corrupt_payload"),
+               ("truncate", "security_domain"))
 
 
-def _damaged(kinds: tuple[str, ...]) -> tuple[list[Delivery], dict]:
+def _damaged(pairs) -> tuple[list[Delivery], dict]:
     payload = bytes(range(256)) * 8
     desc = make_descriptor("p-1", _PROMPT, "tenant-a", _FIELDS)
     frame = encode_frame(make_header(desc, 64, payload), payload)
     out = []
-    for i, kind in enumerate(kinds):
-        plan = TransferFaultInjector(FaultSchedule((Fault(kind, 0),), seed=100 + i)).on_send(frame)
+    for i, kinds in enumerate(pairs):
+        faults = tuple(Fault(kind, 0) for kind in kinds)
+        plan = TransferFaultInjector(FaultSchedule(faults, seed=100 + i)).on_send(frame)
         out.append(decode_frame(plan.frames[0]))
     expected = {k: v for k, v in desc.items() if k != "request_id"}
     return out, expected
 
 
 def classify_entries() -> tuple[list[Delivery], dict]:
-    """Five entries as the consumer receives them (entry ``i`` was hit by the ``i``-th fault
-    of ``_FAULTS``), and the consumer's expectation."""
-    return _damaged(_FAULTS)
+    """Five entries as the consumer receives them (entry ``i`` was hit by both faults of
+    :data:`FAULT_PAIRS` ``[i]``), and the consumer's expectation."""
+    return _damaged(FAULT_PAIRS)
 
 
 def check_classification(answer) -> str:
@@ -94,8 +97,8 @@ def check_classification(answer) -> str:
     graded once per session (``_common.earlier_prediction``)."""
     require_answer(answer, "a list of five kinds")
     got = list(answer)
-    if len(got) != len(_FAULTS):
-        raise AssertionError(f"give one kind per entry ({len(_FAULTS)}), got {len(got)}")
+    if len(got) != len(FAULT_PAIRS):
+        raise AssertionError(f"give one kind per entry ({len(FAULT_PAIRS)}), got {len(got)}")
     unknown = sorted({repr(g) for g in got if g is not None and g not in REJECT_KINDS})
     if unknown:
         raise AssertionError(f"{', '.join(unknown)}: not a kind the consumer records (see "
@@ -110,102 +113,55 @@ def check_classification(answer) -> str:
     if earlier is not None:
         return graded_once(earlier)
     if not right:
-        raise AssertionError("not every kind is right: for each entry, ask which check runs "
-                             "first and whether that check can see what the fault changed; "
-                             "then run check_delivery on the entries to see")
+        raise AssertionError("not every kind is right: for each entry, ask what each of its "
+                             "two faults changes, which of the consumer's checks can see each "
+                             "change, and which of those checks runs first; then run "
+                             "check_delivery on the entries to see")
     return "Correct: every damaged entry is refused, each for its own reason."
 
 
 # ------------------------------------------------------------------ 3. design: install order
-#: kvlab's consumer's order (``RemoteKVScheduler``'s install, described in chapter 10).
-_KVLAB_ORDER = ("record begin", "allocate", "record allocated", "write payload",
-                "record written", "commit to cache", "record committed")
-#: The seven steps, in alphabetical order (not an order to run them in).
-INSTALL_STEPS = tuple(sorted(_KVLAB_ORDER))
-#: The step each completion record reports as done.
-_RECORDED_STEP = {"allocated": "allocate", "written": "write payload",
-                  "committed": "commit to cache"}
+#: The seven steps of the consumer's install, in alphabetical order (not an order to run them
+#: in). What a crash before each step leaves is for the reader to work out (on kvlab's
+#: ``KVCacheManager``, ``InstallJournal`` and ``recover_installs``); the safe orders are sealed.
+INSTALL_STEPS = ("allocate", "commit to cache", "record allocated", "record begin",
+                 "record committed", "record written", "write payload")
 
 
-_OP, _RID, _SCOPE = "p-1@entry", "p-1", (("model", "weights-v7"),)
-_INSTALL_PROMPT = tuple(range(200, 213))       # 13 tokens: 3 full blocks of 4 are installed
-_INSTALL_TOKENS = 12
-
-
-def _run_install(order: list[str], crash: int) -> dict:
-    """Run the first ``crash`` steps of ``order`` on kvlab's own :class:`KVCacheManager` and
-    :class:`InstallJournal`, crash, and recover with :func:`recover_installs` (the consumer's
-    recovery). The payload bytes are not modelled: whether they were written is a flag."""
-    kv, journal = KVCacheManager(16, 4), InstallJournal()
-    done = order[:crash]
-    got = 0
-    for step in done:
-        if step == "record begin":
-            journal.append("begin", _OP, (_RID, _INSTALL_TOKENS))
-        elif step == "allocate":
-            got = kv.admit(_OP, _SCOPE, _INSTALL_PROMPT, _INSTALL_TOKENS)
-        elif step == "record allocated":
-            table = tuple(kv.block_table(_OP)) if kv.has(_OP) else ()
-            journal.append("allocated", _OP, (table, got))
-        elif step == "record written":
-            journal.append("written", _OP)
-        elif step == "commit to cache":
-            kv.commit(_OP, _INSTALL_PROMPT[:_INSTALL_TOKENS])
-        elif step == "record committed":
-            journal.append("committed", _OP)
-    state = {"written": "write payload" in done, "committed": "commit to cache" in done,
-             "refused": False, "leaked": False, "installed": False}
-    # a record claims its step is done: 'allocated', 'written', 'committed' before the step
-    # happened is a journal that lies to recovery
-    state["false_claims"] = [r.kind for r in journal.records if r.kind in _RECORDED_STEP
-                             and _RECORDED_STEP[r.kind] not in done]
+def check_install_orders(orders) -> str:
+    """``orders``: *every* order of the seven :data:`INSTALL_STEPS` (each a list of them)
+    in which a consumer may run the install so that a crash before *any* step leaves (1) no
+    leaked table, (2) no half-written block visible in the prefix cache, and (3) a truthful
+    journal (no record of a step that has not happened) from which recovery answers
+    "installed?" correctly — kvlab's own order, which the chapter describes, included. The set
+    is graded as a whole and once: the first wrong set is recorded
+    (:func:`~kvlab.exercises._common.earlier_prediction`), and a later answer is not graded."""
+    require_answer(orders, "a list of orders, each a list of the seven steps")
     try:
-        report = recover_installs(journal, kv)
-    except ValueError:
-        state["refused"] = True
-        return state
-    state["leaked"] = kv.has(_OP)
-    state["installed"] = _OP in report and report[_OP].installed
-    return state
-
-
-def check_install_order(order) -> str:
-    """``order``: the seven :data:`INSTALL_STEPS` in the order a consumer should run them so
-    that a crash before *any* step leaves (1) no leaked table, (2) no half-written block visible
-    in the prefix cache, and (3) a truthful journal (no record of a step that has not
-    happened) from which recovery answers "installed?" correctly.
-    The exercise asks for an order that is not kvlab's own (the chapter describes that one).
-    The check crashes the install before every step, on kvlab's own KV manager and install
-    journal, and recovers with ``recover_installs``."""
-    require_answer(order, "a list of the seven steps")
-    order = list(order)
-    if sorted(order) != sorted(INSTALL_STEPS):
-        raise AssertionError("use each of INSTALL_STEPS exactly once")
-    if tuple(order) == _KVLAB_ORDER:
-        raise AssertionError("that is kvlab's own order, described in the chapter: find "
-                             "another order that is just as safe")
-    pos = {s: i for i, s in enumerate(order)}
-    if pos["write payload"] < pos["allocate"] or pos["commit to cache"] < pos["allocate"]:
-        raise AssertionError("there are no blocks to write or commit before 'allocate'")
-    for crash in range(len(order) + 1):
-        st = _run_install(order, crash)
-        after = f"a crash after {order[crash - 1]!r}" if crash else "a crash at once"
-        if st["refused"]:
-            raise AssertionError(f"{after} leaves a journal that kvlab's recovery refuses as "
-                                 "corrupt: its records must come in the protocol's order")
-        if st["leaked"]:
-            raise AssertionError(f"{after} leaks the table: the journal names no operation")
-        if st["false_claims"]:
-            raise AssertionError(f"{after} leaves a journal that records "
-                                 f"{st['false_claims'][0]!r} for a step that has not "
-                                 "happened yet: a record must follow what it reports")
-        if st["committed"] and not st["written"]:
-            raise AssertionError(f"{after} leaves a half-written block readable in the cache")
-        if st["installed"] != (st["committed"] and st["written"]):
-            raise AssertionError(f"{after}: recovery reads the journal wrongly ('installed' is "
-                                 "claimed for blocks that never reached the cache, or missed)")
-    return ("Correct: every crash point is safe. kvlab's consumer uses: " +
-            " → ".join(_KVLAB_ORDER) + ".")
+        got = [list(o) for o in orders]
+    except TypeError:
+        raise AssertionError("give a list of orders, each a list of the seven steps") from None
+    if not got:
+        raise AssertionError("give at least one order: kvlab's own is safe")
+    for o in got:
+        if sorted(o) != sorted(INSTALL_STEPS):
+            raise AssertionError(f"{o!r}: an order uses each of INSTALL_STEPS exactly once")
+    answer = sorted({tuple(o) for o in got})
+    if len(answer) != len(got):
+        raise AssertionError("an order appears twice: give each order once")
+    truth = sealed("ch10.install_orders")
+    right = truth.is_answer(answer)
+    first = earlier_prediction("ch10.install_orders", answer, right)
+    if first is not None:
+        return graded_once(first)
+    if not right:                 # one message: nothing says which order is wrong or missing
+        raise AssertionError("not the set of safe orders: for each pair of steps, ask what a "
+                             "crash between them leaves behind (a table no one owns, a block "
+                             "the cache serves before its bytes are there, a record that "
+                             "claims more than happened) and which order of the two each "
+                             "rule therefore imposes")
+    return (f"Correct: exactly these {len(answer)} orders are safe. Now give the reason for "
+            "each constraint, and the crash point at which the orders' recoveries differ.")
 
 
 # ------------------------------------------------------------------ 5. debug: a colleague's check

@@ -3,9 +3,11 @@ strikes, a checker for a new invariant, and how often a seeded schedule crashes.
 
 A check with one right answer compares against its sealed truth (``_common.sealed``; the
 instructor edition computes it by running the fault lab, :mod:`kvlab.labs.chaos.fault_lab`). The two
-predictions (exercises 1 and 2) have few possible answers, so each is graded once per session
-(``_common.earlier_prediction``): the first answer given is the prediction, and trying others
-after it learns nothing. The checker and the derivation are functions the check runs, on the
+predictions (exercises 1 and 2) have few possible answers, so each is graded once
+(``_common.earlier_prediction``, recorded beside the notebook, so a kernel restart does not
+clear it): the first wrong answer given is the prediction, and trying others after it learns
+nothing; exercise 1's written part (the state each bug leaves wrong) is graded by hand.
+The checker and the derivation are functions the check runs, on the
 engine and on cases the reader does not see. Each raises ``AssertionError`` naming the concept
 to revisit, never a direction or the answer.
 """
@@ -75,7 +77,8 @@ def bug_source(letter: str) -> str:
 
 def check_bug_invariants(answer) -> str:
     """``answer``: ``{letter: invariant number 1..9}`` for every bug of :data:`BUGS`: the first
-    invariant the checker reports when the fault lab runs that bug without a fault."""
+    invariant the checker reports when the fault lab runs that bug without a fault. A
+    prediction, graded as a whole and once."""
     require_answer(answer, "a dict {bug letter: invariant number}")
     answer = dict(answer)
     missing = sorted(set(BUGS) - set(answer))
@@ -94,7 +97,7 @@ def check_bug_invariants(answer) -> str:
     if not right:
         raise AssertionError("not every bug is caught by the invariant you named: for each, "
                              "ask what state the bug leaves wrong, and which check looks at "
-                             "that state first; then run each bug in the fault lab to see")
+                             "that state first; now run each bug in the fault lab and see")
     return "Correct: every bug is caught, each by the invariant you named."
 
 
