@@ -456,8 +456,11 @@ def test_exercise_checks_grade_every_part_together_and_name_no_part_or_direction
     """Exercises 1-3 of chapter 14: the right answers (worked here by hand, independently of the
     planner) pass; a wrong answer in any one part gets the same message, which names concepts,
     never the part or the direction, so no part can be found alone by trying values."""
-    from kvlab.exercises import ch14
-    from kvlab.exercises._common import forget_predictions
+    from kvlab.exercises import _common, ch14
+
+    def forget_predictions() -> None:     # a new reader (tests/conftest.py owns the file)
+        _common._PREDICTIONS.clear()
+        _common._PREDICTION_FILE.unlink(missing_ok=True)
 
     # 1: Qwen3-Next at TP 4, 10,000 tokens: 12 full layers keep one of 2 KV heads of 256 + 256
     # in bf16; 36 gated-DeltaNet states, a quarter each: conv (2·16·128 + 32·128)/4 × 3 × 2 B
