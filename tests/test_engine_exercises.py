@@ -74,9 +74,13 @@ def test_kv_bytes_per_token_on_a_local_model(tmp_path):
 
     path = save_random_hf_model(tmp_path / "m", "llama")  # 2 layers, 2 KV heads, head_dim 16
     assert "Correct" in ch07.check_kv_bytes_per_token(2 * 2 * 2 * 16 * 4, model=str(path))
-    with pytest.raises(AssertionError, match="too high") as err:
-        ch07.check_kv_bytes_per_token(2 * 2 * 4 * 16 * 4, model=str(path))
-    assert str(2 * 2 * 2 * 16 * 4) not in str(err.value)
+    messages = set()
+    for wrong in (2 * 2 * 4 * 16 * 4, 2 * 2 * 1 * 16 * 4):     # one too high, one too low
+        with pytest.raises(AssertionError, match="not the KV bytes per token") as err:
+            ch07.check_kv_bytes_per_token(wrong, model=str(path))
+        assert str(2 * 2 * 2 * 16 * 4) not in str(err.value)
+        messages.add(str(err.value).replace(repr(wrong), "X"))
+    assert len(messages) == 1, "the feedback does not say which way an answer is off"
 
 
 def test_suspect_rule_check():

@@ -8,21 +8,22 @@ stops at a wrong answer); an answer that is still the placeholder only prints a 
 goes on past exercises nobody has tried yet.
 
 A check never holds the answer it grades in readable form. The truth of each exercise is
-computed by the instructor edition (``course/answers.py``, sealed by ``tools/seal_answers.py``) and shipped
-here only sealed (:func:`sealed`, data in ``sealed_answers.json``): a discrete answer as a salted,
-deliberately slow hash, a number as an encoded value (so a check can still say "too high" or
-"too low"), what a success message reveals encrypted under the right answer, and for a choice
-question each option's verdict encrypted under that option (so the module holds no list of
-"why the wrong ones fail" whose missing entry would name the right one); a reader's function is
-run on cases whose answers are sealed (:func:`failing_cases`), or on cases drawn when the check
-runs (:func:`hidden_rng`), whose answers kvlab's own planner, cost model, KV manager or scheduler
-computes then: the reader cannot see those cases, so a table of answers cannot pass. Neither
-``check_…??`` nor a read of this package shows an answer. A prediction, whose few possible answers could be tried one
-after another, is graded once (:func:`earlier_prediction`): the first wrong answer is kept in a
-file beside the notebook, which a kernel restart does not clear. It is a seal against casual
-reading, not cryptography: a determined student can decode a number or brute-force a small
-answer space (the hash's 20,000 PBKDF2 rounds make that slow, not impossible), which is why
-grading that matters runs through the course's hidden tests.
+computed by the instructor edition (``course/answers.py``, sealed by ``tools/seal_answers.py``)
+and shipped here only sealed (:func:`sealed`, data in ``sealed_answers.json``): a discrete
+answer as a salted, deliberately slow hash, a number as an encoded value (compared within a
+tolerance; no check's feedback says which way an answer is off), what a success message reveals
+encrypted under the right answer, and for a choice question each option's verdict encrypted
+under that option (so the module holds no list of "why the wrong ones fail" whose missing entry
+would name the right one); a reader's function is run on cases whose answers are sealed
+(:func:`failing_cases`), or on cases drawn when the check runs (:func:`hidden_rng`), whose
+answers kvlab's own planner, cost model, KV manager or scheduler computes then: the reader
+cannot see those cases, so a table of answers cannot pass. Neither ``check_…??`` nor a read of
+this package shows an answer. A prediction, whose few possible answers could be tried one after
+another, is graded once (:func:`earlier_prediction`): the first wrong answer is kept in a file
+beside the notebook, which a kernel restart does not clear. It is a seal against casual reading,
+not cryptography: a determined student can decode a number or brute-force a small answer space
+(the hash's 20,000 PBKDF2 rounds make that slow, not impossible), which is why grading that
+matters runs through the course's hidden tests.
 """
 
 from __future__ import annotations

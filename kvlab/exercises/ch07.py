@@ -101,7 +101,7 @@ def check_kv_bytes_per_token(answer, model: str = "kvlab-tiny") -> str:
         way = None if answer == want else "too high" if answer > want else "too low"
     if way:
         raise AssertionError(
-            f"{answer!r} is {way}. Use spec rule 1 with "
+            f"{answer!r} is not the KV bytes per token. Use spec rule 1 with "
             "B = T = 1: 2 (K and V) x layers x KV heads x head_dim x 4 bytes. Query heads do "
             "not count: only KV heads are cached.")
     return f"Correct: {answer} bytes per token, {answer * 16} bytes per 16-token block."
