@@ -324,17 +324,14 @@ def test_serve_cli_with_async_scheduling_answers_as_the_synchronous_engine(pair)
     logprobs, a seeded n=2 one and a streamed one cut by a stop string give the synchronous
     engine's text."""
     import os
-    import socket
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     import httpx
+    from test_serve import free_port, wait_healthy
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen([sys.executable, "-m", "kvlab", "serve", "--port", str(port),
                              "--async-scheduling"], cwd=root,
@@ -345,16 +342,7 @@ def test_serve_cli_with_async_scheduling_answers_as_the_synchronous_engine(pair)
               dict(prompt=PROMPTS[1], max_tokens=16, temperature=1.0, seed=7, n=2),
               dict(prompt=PROMPTS[2], max_tokens=40, temperature=0, stop=[" a"], stream=True)]
     try:
-        deadline = time.monotonic() + 900   # a first CPU-kernel build on a loaded machine
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_healthy(url, proc)
         answers = []
         for body in bodies:
             r = httpx.post(url + "/v1/completions", json={"model": MODEL, **body}, timeout=120)

@@ -73,6 +73,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, path: str = "/health",
+                 seconds: float = 900) -> None:
+    """Return once ``url + path`` answers 200; fail with the process's output if it exits, or
+    after ``seconds`` (generous: a first CPU-kernel build on a loaded machine)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, f"{url} did not come up"
+        time.sleep(0.2)
+
+
 def test_bench_cli_against_serve_cli_agrees_with_server_metrics(tmp_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -81,16 +97,7 @@ def test_bench_cli_against_serve_cli_agrees_with_server_metrics(tmp_path: Path) 
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 900   # a first CPU-kernel build on a loaded machine
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_healthy(url, proc)
         before = httpx.get(url + "/metrics").text
         out = tmp_path / "bench.json"
         rc = bench.main(["--base-url", url, "--model", MODEL, "--num-prompts", "16",

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_serve import free_port
+from test_serve import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "kvlab-tiny"
@@ -54,16 +54,7 @@ def served():
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.2)
+    wait_healthy(url, proc)
     yield url, proc.pid
     proc.terminate()
     proc.wait(30)

@@ -16,12 +16,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from test_serve import free_port
+from test_serve import free_port, wait_healthy
 
 from kvlab.entrypoints.prometheus import parse_metrics
 
@@ -32,19 +31,6 @@ MODEL = "kvlab-tiny"
 def _router_binary() -> str | None:
     local = Path(sys.executable).parent / "vllm-router"
     return str(local) if local.exists() else shutil.which("vllm-router")
-
-
-def _wait(url: str, proc: subprocess.Popen, path: str = "/health") -> None:
-    deadline = time.monotonic() + 900
-    while True:
-        try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        assert time.monotonic() < deadline, f"{url} did not come up"
-        time.sleep(0.3)
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +51,14 @@ def cluster():
                 stderr=subprocess.STDOUT, text=True))
             workers.append(f"http://127.0.0.1:{port}")
         for url, proc in zip(workers, procs, strict=True):
-            _wait(url, proc)
+            wait_healthy(url, proc)
         port = free_port()
         procs.append(subprocess.Popen(
             [router, "--worker-urls", *workers, "--policy", "cache_aware", "--port", str(port),
              "--host", "127.0.0.1", "--log-level", "warning"], cwd=ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         front = f"http://127.0.0.1:{port}"
-        _wait(front, procs[-1], "/v1/models")
+        wait_healthy(front, procs[-1], "/v1/models")
         yield front, workers
     finally:
         for proc in procs:
