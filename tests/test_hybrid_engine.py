@@ -123,3 +123,20 @@ def test_kv_events_with_per_group_tables_are_refused_by_name(qwen2):
               "endpoint": "tcp://127.0.0.1:0", "topic": "kv-events"}
     with pytest.raises(ValueError, match=r"kv_events_config.*disable_hybrid_kv_cache_manager"):
         LLM(qwen2, kv_events_config=config)
+
+
+def test_the_cli_flag_keeps_one_table(qwen2):
+    """``--disable-hybrid-kv-cache-manager`` (vLLM's flag) reaches the engine: one full table
+    for all layers instead of a table per group."""
+    import argparse
+
+    from kvlab.engine.engine_args import EngineArgs
+    from kvlab.engine.llm_engine import LLMEngine
+
+    ap = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(ap)
+    grouped = LLMEngine(EngineArgs.from_cli_args(ap.parse_args(["--model", str(qwen2)])))
+    one = LLMEngine(EngineArgs.from_cli_args(ap.parse_args(
+        ["--model", str(qwen2), "--disable-hybrid-kv-cache-manager"])))
+    assert isinstance(grouped.kv, HybridKVCacheManager)
+    assert isinstance(one.kv, KVCacheManager)

@@ -134,6 +134,8 @@ class EngineArgs:
         ap.add_argument("--kv-events-config", default=None, metavar="JSON",
                         help="publish KV cache events, vLLM's JSON: '{\"enable_kv_cache_events\": "
                              "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}'")
+        ap.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                        help="one full block table for all layers of a sliding-window model")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -155,7 +157,8 @@ class EngineArgs:
                    enable_prefix_caching=not args.no_enable_prefix_caching, device=args.device,
                    dtype=args.dtype, seed=args.seed, scheduler=scheduler,
                    async_scheduling=args.async_scheduling,
-                   kv_events_config=args.kv_events_config)
+                   kv_events_config=args.kv_events_config,
+                   disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager)
 
 
 def check_engine_args(args: EngineArgs) -> None:
