@@ -12,3 +12,11 @@ def _fresh_prediction_record(tmp_path, monkeypatch):
     _common._PREDICTIONS.clear()
     yield
     _common._PREDICTIONS.clear()
+
+
+def new_reader() -> None:
+    """Within a test, a reader who has predicted nothing yet: the record emptied in memory and
+    in its file (which would otherwise bring a kernel's earlier predictions back)."""
+    _common._PREDICTIONS.clear()
+    if _common._PREDICTION_FILE is not None:
+        _common._PREDICTION_FILE.unlink(missing_ok=True)

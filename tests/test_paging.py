@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import new_reader
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -382,7 +383,6 @@ def test_chapter2_blocks_to_add_debug_check():
 
 
 def test_chapter2_smaller_arena_predict_check():
-    import kvlab.exercises._common as common
     from kvlab.exercises.ch02 import ARENA_PREDICT, check_smaller_arena
     from kvlab.labs.fragmentation import sharegpt_like_workload, simulate
 
@@ -393,7 +393,7 @@ def test_chapter2_smaller_arena_predict_check():
     assert 0.4 < small.mean_running / big.mean_running < 0.6       # the batch halves ...
     assert small.token_states / big.token_states > 0.95            # ... the share does not
     run = (round(small.mean_running, 1), round(100 * small.token_states, 1))
-    forget = common._PREDICTIONS.clear
+    forget = new_reader
     forget()
     assert "Correct" in check_smaller_arena("b", *run)
     # the right letter with numbers not of the run: told the prediction is right, and what

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 
 import pytest
+from conftest import new_reader
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -276,7 +277,6 @@ def _course_answers():
 def test_chapter4_exercise_checks():
     import random
 
-    import kvlab.exercises._common as common
     from kvlab.exercises import ch04
     from kvlab.exercises.ch04 import (
         CONVERSATION,
@@ -291,18 +291,18 @@ def test_chapter4_exercise_checks():
     # 40 + 24 tokens, the last sampled one without KV: 63 with KV, three full blocks
     assert conversation_hit(**CONVERSATION) == 48
     assert conversation_hit(40, 25, 10, 16) == 64          # one more token fills block four
-    common._PREDICTIONS.clear()
+    new_reader()
     assert "Correct" in check_conversation_hit(63, 48, "c")
     for wrong in ((64, 48, "c"), (63, 64, "c"), (63, 32, "c"), (63, 48, "a"), (63, 48, "b"),
                   (63, 48, "d"), (63, 48, "z"), (48, 63, "c")):
-        common._PREDICTIONS.clear()
+        new_reader()
         with pytest.raises(AssertionError):
             check_conversation_hit(*wrong)
     # a wrong prediction is recorded: trying the other letters (or the right one) after it
     # learns nothing
     for later in ((63, 48, "b"), (63, 48, "c"), (63, 48, "d")):
         assert "graded once" in check_conversation_hit(*later)
-    common._PREDICTIONS.clear()
+    new_reader()
     with pytest.raises(AssertionError, match="whole number"):
         check_conversation_hit(63, "48", "c")
     off, on = saved_prefill(**FEW_SHOT)
@@ -336,12 +336,11 @@ def test_chapter4_exercise_checks():
 
 
 def test_chapter4_checks_do_not_print_the_answer():
-    import kvlab.exercises._common as common
     from kvlab.exercises.ch04 import check_conversation_hit, check_prefill_tokens
 
     messages = set()
     for wrong in ((63, 64, "c"), (63, 32, "c"), (64, 48, "c"), (62, 48, "c"), (63, 16, "c")):
-        common._PREDICTIONS.clear()
+        new_reader()
         with pytest.raises(AssertionError) as err:
             check_conversation_hit(*wrong)
         messages.add(str(err.value))
@@ -349,7 +348,7 @@ def test_chapter4_checks_do_not_print_the_answer():
     (text,) = messages
     assert "48" not in text and "63" not in text and "too" not in text
     for letter in "abd":  # a wrong letter says why it fails, never which letter is right
-        common._PREDICTIONS.clear()
+        new_reader()
         with pytest.raises(AssertionError) as err:
             check_conversation_hit(63, 48, letter)
         assert "(c)" not in str(err.value) and "never fed" not in str(err.value)
@@ -358,7 +357,7 @@ def test_chapter4_checks_do_not_print_the_answer():
         prompt = shared_tokens + question_tokens
         return requests * prompt, prompt + (requests - 1) * (prompt - shared_tokens)
 
-    common._PREDICTIONS.clear()
+    new_reader()
     with pytest.raises(AssertionError) as err:
         check_prefill_tokens(close)
     assert "too" not in str(err.value) and "1552" not in str(err.value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import pytest
+from conftest import new_reader
 from matplotlib.colors import to_rgba
 from matplotlib.legend import Legend
 
@@ -409,9 +410,8 @@ def test_ch06_doc_ttft_check():
 
 def fresh_session() -> None:
     """Forget the predictions recorded so far (a new notebook session)."""
-    import kvlab.exercises._common as common
 
-    common._PREDICTIONS.clear()
+    new_reader()
 
 
 def test_ch06_chunk_design_check():
