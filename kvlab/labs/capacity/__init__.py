@@ -64,8 +64,55 @@ def kv_heads_per_rank(kv_heads: int, tp: int, sharded: bool = True) -> int:
     return max(1, math.ceil(kv_heads / tp))
 
 
+class PoolBudget:
+    """The memory identity every plan obeys, from its ``gpu_memory_bytes``,
+    ``gpu_memory_utilization``, ``weight_bytes``, ``reserve_bytes``, ``num_blocks`` and
+    ``block_bytes``::
+
+        gpu_memory_bytes == weight_bytes + reserve_bytes + kv_cache_bytes
+                            + leftover_bytes + headroom_bytes
+    """
+
+    gpu_memory_bytes: int | float
+    gpu_memory_utilization: float
+    weight_bytes: float
+    reserve_bytes: float
+    num_blocks: int
+    block_bytes: float
+
+    @property
+    def usable_bytes(self) -> float:
+        """``gpu_memory_utilization · gpu_memory_bytes``: what the engine may use."""
+        return self.gpu_memory_bytes * self.gpu_memory_utilization
+
+    @property
+    def headroom_bytes(self) -> float:
+        """Memory the utilisation fraction keeps back (other processes, fragmentation)."""
+        return self.gpu_memory_bytes - self.usable_bytes
+
+    @property
+    def kv_budget_bytes(self) -> float:
+        """``usable - weights - reserve``: what is left for the KV pool (negative: no fit)."""
+        return self.usable_bytes - self.weight_bytes - self.reserve_bytes
+
+    @property
+    def kv_cache_bytes(self) -> float:
+        """Bytes of the allocated KV pool: ``num_blocks · block_bytes``."""
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def leftover_bytes(self) -> float:
+        """Budget left after whole blocks (< one block), or the deficit when negative."""
+        return self.kv_budget_bytes - self.kv_cache_bytes
+
+    @property
+    def fits(self) -> bool:
+        """True when weights and reserve fit and at least one KV block remains."""
+        return self.num_blocks > 0
+
+
 @dataclass(frozen=True)
-class CapacityPlan:
+class CapacityPlan(PoolBudget):
     """What fits on one tensor-parallel rank (= one GPU). All sizes in **bytes** unless named.
 
     Memory identity (checked in tests)::
@@ -100,36 +147,6 @@ class CapacityPlan:
     num_blocks: int
     layers: int
     head_dim: int
-
-    @property
-    def usable_bytes(self) -> float:
-        """``gpu_memory_utilization · gpu_memory_bytes``: what the engine may use."""
-        return self.gpu_memory_bytes * self.gpu_memory_utilization
-
-    @property
-    def headroom_bytes(self) -> float:
-        """Memory the utilisation fraction keeps back (other processes, fragmentation)."""
-        return self.gpu_memory_bytes - self.usable_bytes
-
-    @property
-    def kv_budget_bytes(self) -> float:
-        """``usable - weights - reserve``: what is left for the KV pool (negative: no fit)."""
-        return self.usable_bytes - self.weight_bytes - self.reserve_bytes
-
-    @property
-    def kv_cache_bytes(self) -> float:
-        """Bytes of the allocated KV pool: ``num_blocks · block_bytes``."""
-        return self.num_blocks * self.block_bytes
-
-    @property
-    def leftover_bytes(self) -> float:
-        """Budget left after whole blocks (< one block), or the deficit when negative."""
-        return self.kv_budget_bytes - self.kv_cache_bytes
-
-    @property
-    def fits(self) -> bool:
-        """True when weights and reserve fit and at least one KV block remains."""
-        return self.num_blocks > 0
 
     @property
     def token_capacity(self) -> int:

@@ -56,7 +56,7 @@ import math
 from dataclasses import dataclass
 from numbers import Real
 
-from kvlab.labs.capacity import kv_heads_per_rank
+from kvlab.labs.capacity import PoolBudget, kv_heads_per_rank
 from kvlab.labs.capacity.hf_config import ModelLayout
 from kvlab.labs.capacity.layer_kv import LayerKV
 from kvlab.sim.catalog import GPUSpec, dtype_bytes
@@ -179,7 +179,7 @@ class KVGroup:
 
 
 @dataclass(frozen=True)
-class LayoutPlan:
+class LayoutPlan(PoolBudget):
     """What fits on one GPU (one rank of one data-parallel replica). Sizes in bytes.
 
     Memory identity (as :class:`~kvlab.labs.capacity.CapacityPlan`)::
@@ -205,30 +205,6 @@ class LayoutPlan:
     groups: tuple[KVGroup, ...]
     block_bytes: float              # one block of the pool: a page in every layer of a group
     num_blocks: int
-
-    @property
-    def usable_bytes(self) -> float:
-        return self.gpu_memory_bytes * self.gpu_memory_utilization
-
-    @property
-    def headroom_bytes(self) -> float:
-        return self.gpu_memory_bytes - self.usable_bytes
-
-    @property
-    def kv_budget_bytes(self) -> float:
-        return self.usable_bytes - self.weight_bytes - self.reserve_bytes
-
-    @property
-    def kv_cache_bytes(self) -> float:
-        return self.num_blocks * self.block_bytes
-
-    @property
-    def leftover_bytes(self) -> float:
-        return self.kv_budget_bytes - self.kv_cache_bytes
-
-    @property
-    def fits(self) -> bool:
-        return self.num_blocks > 0
 
     @property
     def padding_slots(self) -> int:
