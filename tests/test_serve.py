@@ -25,6 +25,7 @@ from kvlab.engine.engine_args import EngineArgs
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.entrypoints import bench
 from kvlab.entrypoints.async_engine import AsyncEngine
+from kvlab.entrypoints.cluster import free_port, wait_ready
 from kvlab.entrypoints.load_client import LoadConfig, PlannedRequest, plan_requests, run_load
 from kvlab.entrypoints.prometheus import Histogram, MetricFamily, parse_metrics, render
 from kvlab.entrypoints.serve import build_app
@@ -67,26 +68,15 @@ def idle(engine: LLMEngine) -> bool:
 
 # ---------------------------------------------------------------- end to end, CLI subprocess
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_healthy(url: str, proc: subprocess.Popen, path: str = "/health",
                  seconds: float = 900) -> None:
-    """Return once ``url + path`` answers 200; fail with the process's output if it exits, or
-    after ``seconds`` (generous: a first CPU-kernel build on a loaded machine)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        assert time.monotonic() < deadline, f"{url} did not come up"
-        time.sleep(0.2)
+    """Return once ``url + path`` answers 200 (kvlab.entrypoints.cluster.wait_ready); fail with
+    the process's output if it exits first, or after ``seconds`` (generous: a first CPU-kernel
+    build on a loaded machine)."""
+    try:
+        wait_ready(url, proc, path=path, timeout=seconds)
+    except RuntimeError as err:
+        raise AssertionError(f"{err}:\n{proc.stdout.read()[-3000:]}") from None
 
 
 def test_bench_cli_against_serve_cli_agrees_with_server_metrics(tmp_path: Path) -> None:

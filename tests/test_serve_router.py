@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,20 +21,16 @@ import httpx
 import pytest
 from test_serve import free_port, wait_healthy
 
+from kvlab.entrypoints.cluster import router_binary
 from kvlab.entrypoints.prometheus import parse_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "kvlab-tiny"
 
 
-def _router_binary() -> str | None:
-    local = Path(sys.executable).parent / "vllm-router"
-    return str(local) if local.exists() else shutil.which("vllm-router")
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    router = _router_binary()
+    router = router_binary()
     if router is None:
         pytest.skip("the vllm-router binary is not installed (pip install vllm-router; it is "
                     "in the dev extra, a manylinux x86_64 wheel)")
