@@ -121,16 +121,20 @@ class EngineCore:
         with self.lock:
             return self.scheduler.has_unfinished_requests()
 
+    def _claim_step(self) -> None:
+        """Under the lock: mark a step as running; EngineBusy if one already is."""
+        if self._stepping:
+            raise EngineBusy("step() is already running in another thread: one thread "
+                             "steps the engine; others may only add and abort requests")
+        self._stepping = True
+
     def step(self) -> StepResult:
         """Schedule, execute, update (see the module docstring). EngineBusy if a step is
         already running; the executor's exception, after its step was failed, if it raises."""
         if self.overlap:
             return self._step_overlapped()
         with self.lock:
-            if self._stepping:
-                raise EngineBusy("step() is already running in another thread: one thread "
-                                 "steps the engine; others may only add and abort requests")
-            self._stepping = True
+            self._claim_step()
             try:
                 t0 = time.perf_counter()
                 output = self.scheduler.schedule()
@@ -202,10 +206,7 @@ class EngineCore:
         it runs, then wait for the oldest and apply it (step n's update meets step n+1's
         execution). The executor runs the steps one at a time, in the order planned."""
         with self.lock:
-            if self._stepping:
-                raise EngineBusy("step() is already running in another thread: one thread "
-                                 "steps the engine; others may only add and abort requests")
-            self._stepping = True
+            self._claim_step()
             try:
                 if not self._pipeline:
                     self._launch()
